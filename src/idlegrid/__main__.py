@@ -1,0 +1,3 @@
+from idlegrid.cli import main
+
+main()

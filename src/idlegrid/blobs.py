@@ -1,0 +1,107 @@
+"""Content-addressed blob storage in a local directory (`<root>/ab/cdef...`).
+
+A blob's name is the SHA-256 of its bytes, so a blob is immutable, deduplicated and
+checkable by anyone who holds it. Writes go to a temporary file and are renamed into
+place only after the hash matched, so a crash never leaves a half blob under a real name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import tempfile
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+_HASH = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BlobError(ValueError):
+    """A blob that cannot be stored; `status` is the HTTP status that fits."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_blob_hash(value: str) -> bool:
+    return bool(_HASH.match(value))
+
+
+class BlobStore:
+    """Blobs under one directory; safe for several processes sharing that directory."""
+
+    def __init__(self, root: Path, *, max_bytes: int) -> None:
+        self.root = root
+        self.max_bytes = max_bytes
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "tmp").mkdir(exist_ok=True)
+
+    def path(self, blob_hash: str) -> Path:
+        if not is_blob_hash(blob_hash):
+            raise BlobError(422, f"not a SHA-256 hex digest: {blob_hash[:80]!r}")
+        return self.root / blob_hash[:2] / blob_hash[2:]
+
+    def exists(self, blob_hash: str) -> bool:
+        return self.path(blob_hash).is_file()
+
+    def size(self, blob_hash: str) -> int:
+        return self.path(blob_hash).stat().st_size
+
+    def read(self, blob_hash: str) -> bytes:
+        try:
+            return self.path(blob_hash).read_bytes()
+        except FileNotFoundError:
+            raise BlobError(404, f"no blob {blob_hash}") from None
+
+    def put(self, data: bytes) -> str:
+        """Store bytes; return their hash."""
+        if len(data) > self.max_bytes:
+            raise BlobError(413, f"blob of {len(data)} bytes is over the {self.max_bytes} limit")
+        blob_hash = sha256_hex(data)
+        if not self.exists(blob_hash):
+            fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
+            with os.fdopen(fd, "wb") as out:
+                out.write(data)
+            self._commit(Path(tmp), blob_hash)
+        return blob_hash
+
+    async def put_stream(self, expected_hash: str, chunks: AsyncIterator[bytes]) -> int:
+        """Store a streamed upload that must hash to `expected_hash`; return its size."""
+        target = self.path(expected_hash)
+        digest = hashlib.sha256()
+        size = 0
+        fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                async for chunk in chunks:
+                    size += len(chunk)
+                    if size > self.max_bytes:
+                        raise BlobError(413, f"blob is over the {self.max_bytes}-byte limit")
+                    digest.update(chunk)
+                    out.write(chunk)
+            if digest.hexdigest() != expected_hash:
+                raise BlobError(
+                    422, f"content hashes to {digest.hexdigest()}, not {expected_hash}"
+                )
+            if target.is_file():
+                os.unlink(tmp)
+            else:
+                self._commit(Path(tmp), expected_hash)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return size
+
+    def _commit(self, tmp: Path, blob_hash: str) -> None:
+        target = self.path(blob_hash)
+        target.parent.mkdir(exist_ok=True)
+        with open(tmp, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)

@@ -1,0 +1,343 @@
+"""The `idlegrid` command line: run a coordinator or a worker, submit and follow jobs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from idlegrid import __version__
+
+server_option = click.option(
+    "--server", "-s", envvar="IDLEGRID_SERVER", default="http://127.0.0.1:8000",
+    show_default=True, help="Coordinator URL (env IDLEGRID_SERVER).",
+)
+token_option = click.option(
+    "--token", "-t", envvar="IDLEGRID_TOKEN", required=True,
+    help="Researcher API token (env IDLEGRID_TOKEN).",
+)
+
+
+def _setup_logging(level: str) -> None:
+    from rich.console import Console
+    from rich.logging import RichHandler
+
+    handler: logging.Handler
+    if sys.stderr.isatty():
+        handler = RichHandler(console=Console(stderr=True), show_path=False)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    else:  # log files: one plain line per record
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="idlegrid")
+def main() -> None:
+    """idlegrid: turn idle machines into one pool for machine-learning work.
+
+    Run a coordinator (`serve`), connect workers to it (`worker`), then submit jobs
+    (`submit`) and follow them (`jobs`, `job`, `results`). `demo` does all of it on this
+    machine in one command.
+    """
+
+
+# -- serve ----------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--data-dir", type=click.Path(path_type=Path), envvar="IDLEGRID_DATA_DIR",
+              default=Path("./idlegrid-data"), show_default=True,
+              help="Where the SQLite database, blobs and admin token live.")
+@click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="",
+              help="Database URL; default: SQLite in the data dir.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int,
+              help="Port to listen on; 0 picks a free one (printed).")
+@click.option("--heartbeat-interval", type=float, default=None,
+              help="Seconds between node heartbeats (default 15).")
+@click.option("--node-timeout", type=float, default=None,
+              help="Seconds of silence before a node is offline and its tasks requeued.")
+@click.option("--min-lease", type=float, default=None, help="Shortest task lease, seconds.")
+@click.option("--max-blob-mb", type=float, default=None, help="Largest upload, MiB.")
+@click.option("--log-level", default="info", show_default=True)
+def serve(data_dir: Path, database: str, host: str, port: int, heartbeat_interval: float | None,
+          node_timeout: float | None, min_lease: float | None, max_blob_mb: float | None,
+          log_level: str) -> None:
+    """Run the coordinator: REST API, node WebSocket and dashboard API.
+
+    On first start it creates an admin account and writes its API token to
+    DATA_DIR/admin-token. Open /docs for the API reference.
+    """
+    import uvicorn
+
+    from idlegrid.coordinator.app import create_app
+    from idlegrid.settings import CoordinatorSettings
+
+    _setup_logging(log_level)
+    settings = CoordinatorSettings.from_env(
+        data_dir=data_dir, database_url=database or None, host=host, port=port,
+        heartbeat_interval_s=heartbeat_interval, node_timeout_s=node_timeout,
+        min_lease_s=min_lease,
+        max_blob_bytes=int(max_blob_mb * 1024 * 1024) if max_blob_mb else None,
+    )
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(settings), log_level=log_level, lifespan="on",
+                            access_log=log_level == "debug", ws_max_size=16 * 1024 * 1024, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    click.echo(f"idlegrid coordinator listening on http://{host}:{bound}", err=False)
+    click.echo(f"admin token: {settings.admin_token_file} (read it with: "
+               f"cat {settings.admin_token_file})")
+    sys.stdout.flush()
+    server.run(sockets=[sock])
+
+
+# -- worker ---------------------------------------------------------------------------------
+
+
+@main.command()
+@click.option("--server", "-s", "servers", multiple=True, envvar="IDLEGRID_SERVERS",
+              default=["http://127.0.0.1:8000"], show_default=True,
+              help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, comma list).")
+@click.option("--token", "-t", envvar="IDLEGRID_NODE_TOKEN", required=True,
+              help="Node token (env IDLEGRID_NODE_TOKEN).")
+@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
+              help="Node identity, blob cache, benchmark (default ~/.idlegrid/worker).")
+@click.option("--name", default="", help="A name shown on the dashboard.")
+@click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
+@click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
+@click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")
+@click.option("--threads", default=0, help="Torch threads (default: cores / slots).")
+@click.option("--benchmark/--no-benchmark", default=True, show_default=True,
+              help="Benchmark at registration (cached per hardware).")
+@click.option("--rebenchmark", is_flag=True, help="Run the benchmark again.")
+@click.option("--log-level", default="info", show_default=True)
+def worker(servers: tuple[str, ...], token: str, state_dir: Path | None, name: str, slots: int,
+           kinds: str, device: str, threads: int, benchmark: bool, rebenchmark: bool,
+           log_level: str) -> None:
+    """Run a worker node: probe and benchmark this machine, then take tasks.
+
+    The worker connects out to the coordinator (works behind NAT), reconnects with
+    backoff when it goes away, and only runs built-in task kinds.
+    """
+    from idlegrid.settings import WorkerSettings
+    from idlegrid.worker.daemon import Worker
+
+    _setup_logging(log_level)
+    expanded = tuple(part for s in servers for part in s.split(",") if part)
+    settings = WorkerSettings.from_env(
+        servers=expanded, token=token, state_dir=state_dir, name=name or socket.gethostname(),
+        slots=slots, kinds=tuple(k for k in kinds.split(",") if k) or None,
+        device=device or None, threads=threads or None, benchmark=benchmark,
+        rebenchmark=rebenchmark,
+    )
+    try:
+        node = Worker(settings)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    asyncio.run(_run_worker(node))
+
+
+async def _run_worker(node: Any) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, node.stop)
+    await node.run()
+
+
+# -- researcher commands --------------------------------------------------------------------
+
+
+def _client(server: str, token: str) -> Any:
+    from idlegrid.client import Client
+
+    return Client(server, token)
+
+
+def _fail(exc: Exception) -> None:
+    raise click.ClickException(str(exc))
+
+
+@main.command()
+@click.argument("kind")
+@click.argument("inputs", nargs=-1)
+@click.option("--param", "-p", "params", multiple=True, metavar="KEY=VALUE",
+              help="A setting of the kind, e.g. -p shard_size=128 (value parsed as JSON).")
+@click.option("--replication", type=int, default=None, help="Replicas per shard.")
+@click.option("--priority", type=int, default=0, show_default=True)
+@click.option("--wait/--no-wait", default=False, help="Wait with a progress bar.")
+@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
+              help="With --wait: save the result here.")
+@server_option
+@token_option
+def submit(kind: str, inputs: tuple[str, ...], params: tuple[str, ...], replication: int | None,
+           priority: int, wait: bool, output: Path | None, server: str, token: str) -> None:
+    """Submit a job: KIND and its inputs as NAME=PATH (or just PATH for one input).
+
+    \b
+    idlegrid submit embed-text texts.jsonl --wait -o vectors.npy
+    idlegrid submit sleep -p tasks=20 -p seconds=0.5
+    """
+    from idlegrid.client import IdlegridError
+    from idlegrid.kinds import UnknownKind, get_kind
+
+    try:
+        names = get_kind(kind).input_names
+    except UnknownKind as exc:
+        raise click.BadParameter(str(exc), param_hint="KIND") from None
+    files = _input_files(inputs, names)
+    settings = {}
+    for item in params:
+        key, _, raw = item.partition("=")
+        try:
+            settings[key] = json.loads(raw)
+        except ValueError:
+            settings[key] = raw
+    try:
+        client = _client(server, token)
+        job = client.submit(kind, inputs={n: p.read_bytes() for n, p in files.items()},
+                            params=settings, replication=replication, priority=priority)
+        click.echo(f"job {job.id} submitted")
+        if wait:
+            job.wait(progress=True)
+            if output:
+                output.write_bytes(job.result_bytes())
+                click.echo(f"result saved to {output}")
+    except (IdlegridError, OSError) as exc:
+        _fail(exc)
+
+
+def _input_files(inputs: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for item in inputs:
+        name, sep, path = item.partition("=")
+        if not sep:
+            if len(names) != 1:
+                raise click.BadParameter(f"this kind takes inputs {list(names)}: use NAME=PATH")
+            name, path = names[0], item
+        files[name] = Path(path)
+    return files
+
+
+@main.command()
+@click.option("--limit", default=20, show_default=True)
+@server_option
+@token_option
+def jobs(limit: int, server: str, token: str) -> None:
+    """List your jobs, newest first."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("id", "kind", "state", "shards", "items", "error")
+    try:
+        for job in _client(server, token).jobs(limit=limit):
+            table.add_row(str(job["id"]), job["kind"], job["state"],
+                          f"{job['shards_done']}/{job['shards_total']}", str(job["items_total"]),
+                          (job["error"] or "")[:60])
+    except Exception as exc:
+        _fail(exc)
+    Console().print(table)
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--watch", is_flag=True, help="Follow progress until the job ends.")
+@click.option("--cancel", is_flag=True, help="Cancel the job.")
+@server_option
+@token_option
+def job(job_id: int, watch: bool, cancel: bool, server: str, token: str) -> None:
+    """Show one job with its shards; --watch follows it, --cancel stops it."""
+    from idlegrid.client import IdlegridError
+
+    try:
+        handle = _client(server, token).job(job_id)
+        if cancel:
+            handle.cancel()
+        if watch:
+            handle.wait(progress=True)
+        info = handle.info(shards=True)
+    except IdlegridError as exc:
+        _fail(exc)
+    shards = info.pop("shards") or []
+    click.echo(json.dumps(info, indent=2))
+    click.echo(f"shards: {info['shard_counts']}")
+    for shard in shards[:50]:
+        click.echo(f"  #{shard['index']:<5} {shard['state']:<9} items={shard['items']:<5} "
+                   f"attempts={shard['attempts']} running={shard['live_tasks']} "
+                   f"progress={shard['progress']:.0%}")
+    if len(shards) > 50:
+        click.echo(f"  ... {len(shards) - 50} more")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--output", "-o", type=click.Path(path_type=Path), required=True,
+              help="File to write (embed-text: a .npy float32 array).")
+@server_option
+@token_option
+def results(job_id: int, output: Path, server: str, token: str) -> None:
+    """Download a completed job's result."""
+    from idlegrid.client import IdlegridError
+
+    try:
+        data = _client(server, token).job(job_id).result_bytes()
+    except IdlegridError as exc:
+        _fail(exc)
+    output.write_bytes(data)
+    click.echo(f"{len(data)} bytes written to {output}")
+
+
+@main.group()
+def token() -> None:
+    """Manage API and node tokens."""
+
+
+@token.command("create")
+@click.option("--node", "is_node", is_flag=True, help="A node token (for `idlegrid worker`).")
+@click.option("--account", default=None, help="Admin only: for this account (made if new).")
+@click.option("--label", default="", help="A note to remember the token by.")
+@server_option
+@token_option
+def token_create(is_node: bool, account: str | None, label: str, server: str, token: str) -> None:
+    """Create a token; it is shown once and stored only as a hash."""
+    from idlegrid.client import IdlegridError
+
+    try:
+        made = _client(server, token).create_token(
+            kind="node" if is_node else "api", label=label, account=account)
+    except IdlegridError as exc:
+        _fail(exc)
+    click.echo(made["token"])
+    click.echo(f"({made['kind']} token for account {made['account']})", err=True)
+
+
+@main.command()
+@click.option("--texts", default=2000, show_default=True, help="Texts to embed.")
+@click.option("--workers", default=2, show_default=True, help="Local worker processes.")
+@click.option("--shard-size", default=128, show_default=True)
+def demo(texts: int, workers: int, shard_size: int) -> None:
+    """Run the whole grid on this machine: a coordinator, workers, an embedding job.
+
+    Embeds paragraphs of the standard library's docstrings, checks every vector
+    against a local reference (cosine >= 0.999), prints the throughput and stops
+    everything it started.
+    """
+    from idlegrid.demo import run_demo
+
+    sys.exit(run_demo(texts=texts, workers=workers, shard_size=shard_size))
+
+
+if __name__ == "__main__":
+    main()

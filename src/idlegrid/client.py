@@ -1,0 +1,225 @@
+"""The researcher SDK: submit jobs, follow them, fetch results.
+
+    from idlegrid import Client
+    client = Client("http://127.0.0.1:8000", token="igr_...")
+    job = client.submit_embeddings(["a text", "another"])
+    job.wait(progress=True)
+    vectors = job.result()          # numpy float32 array, one row per text, input order
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+TERMINAL = frozenset({"completed", "failed", "cancelled"})
+
+
+class IdlegridError(RuntimeError):
+    """An error answered by the coordinator (status, code and its message)."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+class JobFailed(IdlegridError):
+    pass
+
+
+class Client:
+    """A connection to one coordinator with one researcher token."""
+
+    def __init__(
+        self, server: str | None = None, token: str | None = None, *, timeout: float = 120.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.server = (server or os.environ.get("IDLEGRID_SERVER") or "http://127.0.0.1:8000")
+        token = token or os.environ.get("IDLEGRID_TOKEN")
+        if not token:
+            raise ValueError("a token is needed: pass token= or set IDLEGRID_TOKEN")
+        self._http = httpx.Client(
+            base_url=self.server.rstrip("/"), timeout=timeout, transport=transport,
+            headers={"Authorization": f"Bearer {token}"},
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._http.request(method, path, **kwargs)
+        if response.status_code >= 400:
+            raise _error(response)
+        return response
+
+    # -- blobs -----------------------------------------------------------------------------
+
+    def upload(self, data: bytes) -> str:
+        """Upload bytes as a content-addressed blob (skipped if already there)."""
+        blob_hash = hashlib.sha256(data).hexdigest()
+        if self._http.head(f"/v1/blobs/{blob_hash}").status_code != 200:
+            self.request("PUT", f"/v1/blobs/{blob_hash}", content=data)
+        return blob_hash
+
+    def download(self, blob_hash: str) -> bytes:
+        data = self.request("GET", f"/v1/blobs/{blob_hash}").content
+        if hashlib.sha256(data).hexdigest() != blob_hash:
+            raise IdlegridError(0, "corrupt", f"blob {blob_hash} did not match its hash")
+        return data
+
+    # -- jobs ------------------------------------------------------------------------------
+
+    def submit(
+        self, kind: str, *, inputs: Mapping[str, bytes] | None = None,
+        params: Mapping[str, Any] | None = None, replication: int | None = None,
+        priority: int = 0,
+    ) -> Job:
+        """Upload inputs and submit a job of any built-in kind."""
+        refs = {name: self.upload(data) for name, data in (inputs or {}).items()}
+        body: dict[str, Any] = {"kind": kind, "inputs": refs, "params": dict(params or {}),
+                                "priority": priority}
+        if replication is not None:
+            body["replication"] = replication
+        info = self.request("POST", "/v1/jobs", json=body).json()
+        return Job(self, info["id"], info)
+
+    def submit_embeddings(
+        self, texts: Iterable[str] | str | Path, *, shard_size: int | None = None,
+        batch_size: int | None = None, replication: int | None = None, priority: int = 0,
+    ) -> Job:
+        """Embed texts (a list, or a path to a JSONL file) with all-MiniLM-L6-v2."""
+        if isinstance(texts, str | Path):
+            data = Path(texts).read_bytes()
+        else:
+            data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts).encode()
+        params = {k: v for k, v in {"shard_size": shard_size, "batch_size": batch_size}.items()
+                  if v is not None}
+        return self.submit("embed-text", inputs={"texts": data}, params=params,
+                           replication=replication, priority=priority)
+
+    def job(self, job_id: int) -> Job:
+        return Job(self, job_id)
+
+    def jobs(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/jobs", params={"limit": limit}).json())
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return list(self.request("GET", "/v1/nodes").json())
+
+    def create_token(
+        self, *, kind: str = "api", label: str = "", account: str | None = None
+    ) -> dict[str, Any]:
+        body = {"kind": kind, "label": label, "account": account}
+        return dict(self.request("POST", "/v1/tokens", json=body).json())
+
+
+class Job:
+    """A submitted job: poll it, wait for it, fetch its result."""
+
+    def __init__(self, client: Client, job_id: int, info: dict[str, Any] | None = None) -> None:
+        self.client = client
+        self.id = job_id
+        self._info = info
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id}, state={self.state!r})"
+
+    def info(self, *, shards: bool = False) -> dict[str, Any]:
+        self._info = dict(self.client.request("GET", f"/v1/jobs/{self.id}").json())
+        if not shards:
+            self._info.pop("shards", None)
+        return self._info
+
+    @property
+    def state(self) -> str:
+        return str((self._info or self.info())["state"])
+
+    def cancel(self) -> dict[str, Any]:
+        self._info = dict(self.client.request("POST", f"/v1/jobs/{self.id}/cancel").json())
+        return self._info
+
+    def wait(
+        self, *, progress: bool = False, timeout: float | None = None, poll_s: float = 0.5
+    ) -> dict[str, Any]:
+        """Block until the job ends; raise JobFailed if it failed or was cancelled."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        bar = _ProgressBar(f"job {self.id}") if progress else None
+        try:
+            while True:
+                info = self.info()
+                if bar is not None:
+                    bar.update(info)
+                if info["state"] in TERMINAL:
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
+                time.sleep(poll_s)
+        finally:
+            if bar is not None:
+                bar.close()
+        if info["state"] != "completed":
+            raise JobFailed(0, info["state"], info.get("error") or f"job {self.id} {info['state']}")
+        return info
+
+    def result_bytes(self) -> bytes:
+        return self.client.request("GET", f"/v1/jobs/{self.id}/result").content
+
+    def result(self) -> Any:
+        """The job's result: a numpy array for embed-text, parsed JSON for JSON kinds."""
+        response = self.client.request("GET", f"/v1/jobs/{self.id}/result")
+        media = response.headers.get("content-type", "")
+        if "npy" in media:
+            return np.load(io.BytesIO(response.content), allow_pickle=False)
+        if "json" in media:
+            return response.json()
+        return response.content
+
+
+class _ProgressBar:
+    """A rich progress bar over shards done, with the job state as its description."""
+
+    def __init__(self, label: str) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.label = label
+        self.progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            "shards", TimeElapsedColumn(), transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task(label, total=None)
+
+    def update(self, info: dict[str, Any]) -> None:
+        self.progress.update(
+            self.task, total=info["shards_total"], completed=info["shards_done"],
+            description=f"{self.label} [{info['state']}]",
+        )
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+def _error(response: httpx.Response) -> IdlegridError:
+    try:
+        body = response.json()
+        return IdlegridError(response.status_code, body.get("error", "error"),
+                             body.get("message", response.text))
+    except ValueError:
+        return IdlegridError(response.status_code, "error", response.text[:500])

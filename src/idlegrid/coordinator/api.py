@@ -1,0 +1,329 @@
+"""The REST API under /v1: jobs, results, blobs, tokens, nodes.
+
+Every error is JSON: {"error": <code>, "message": <human-readable text>}.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from idlegrid.blobs import BlobError, is_blob_hash
+from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
+from idlegrid.coordinator.grid import Grid, JobInputError
+from idlegrid.kinds import InputError, UnknownKind, get_kind
+from idlegrid.store.base import JobRecord, NodeRecord, ShardRecord, TokenInfo
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+def error_response(status: int, code: str, message: str) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status)
+
+
+def grid_of(request: Request) -> Grid:
+    return request.app.state.grid  # type: ignore[no-any-return]
+
+
+async def caller(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> TokenInfo:
+    """Whoever holds the bearer token (researcher or node)."""
+    if not authorization or not authorization.lower().startswith("bearer "):
+        raise ApiError(401, "unauthorized", "missing 'Authorization: Bearer <token>' header")
+    token = await grid_of(request).store.find_token(hash_token(authorization[7:].strip()))
+    if token is None:
+        raise ApiError(401, "unauthorized", "unknown or revoked token")
+    return token
+
+
+async def researcher(token: Annotated[TokenInfo, Depends(caller)]) -> TokenInfo:
+    """A researcher (API) token; node tokens may only use the node endpoints and blobs."""
+    if token.kind != "api":
+        raise ApiError(403, "forbidden", "node tokens cannot call researcher endpoints")
+    return token
+
+
+Caller = Annotated[TokenInfo, Depends(caller)]
+Researcher = Annotated[TokenInfo, Depends(researcher)]
+GridDep = Annotated[Grid, Depends(grid_of)]
+
+router = APIRouter(prefix="/v1")
+
+
+# -- models --------------------------------------------------------------------------------
+
+
+class JobCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: str = Field(examples=["embed-text"])
+    inputs: dict[str, str] = Field(
+        default_factory=dict, description="input name -> SHA-256 of an uploaded blob"
+    )
+    params: dict[str, Any] = Field(default_factory=dict, description="settings of the kind")
+    replication: int | None = Field(default=None, ge=1, le=16)
+    priority: int = Field(default=0, ge=-100, le=100)
+
+
+class ShardOut(BaseModel):
+    index: int
+    state: str
+    items: int
+    attempts: int
+    live_tasks: int
+    progress: float
+
+
+class JobOut(BaseModel):
+    id: int
+    kind: str
+    state: str
+    params: dict[str, Any]
+    inputs: dict[str, str]
+    replication: int
+    priority: int
+    shards_total: int
+    shards_done: int
+    items_total: int
+    progress: float
+    shard_counts: dict[str, int]
+    tasks_completed: int
+    result: str | None
+    result_size: int | None
+    error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    shards: list[ShardOut] | None = None
+
+
+class TokenCreate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["api", "node"] = "api"
+    label: str = Field(default="", max_length=100)
+    account: str | None = Field(
+        default=None, max_length=100, pattern=r"^[A-Za-z0-9_.@-]+$",
+        description="admin only: make the token for this account (created if missing)",
+    )
+
+
+class TokenOut(BaseModel):
+    token: str
+    kind: str
+    account: str
+    prefix: str
+
+
+class NodeOut(BaseModel):
+    id: int
+    name: str
+    state: str
+    online: bool
+    slots: int
+    kinds: list[str]
+    hardware: dict[str, Any]
+    benchmark: dict[str, Any]
+    worker_version: str
+    uptime_s: float
+    last_seen_at: float
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+
+@router.post("/jobs", status_code=201, response_model=JobOut, tags=["jobs"])
+async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOut:
+    """Submit a job over uploaded input blobs; it is split into shards at once."""
+    try:
+        get_kind(body.kind)
+        job = await grid.submit_job(
+            account_id=token.account_id, kind_name=body.kind, inputs=body.inputs,
+            params=body.params, replication=body.replication, priority=body.priority,
+        )
+    except UnknownKind as exc:
+        raise ApiError(422, "unknown_kind", str(exc)) from None
+    except ValidationError as exc:
+        raise ApiError(422, "invalid_params", _validation_message(exc)) from None
+    except (InputError, JobInputError) as exc:
+        raise ApiError(422, "invalid_input", str(exc)) from None
+    return await _job_out(grid, job, with_shards=False)
+
+
+@router.get("/jobs", response_model=list[JobOut], tags=["jobs"])
+async def list_jobs(
+    token: Researcher, grid: GridDep,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0)] = 0,
+) -> list[JobOut]:
+    """Your jobs, newest first."""
+    jobs = await grid.store.list_jobs(token.account_id, limit=limit, offset=offset)
+    return [await _job_out(grid, job, with_shards=False) for job in jobs]
+
+
+@router.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
+async def get_job(job_id: int, token: Researcher, grid: GridDep) -> JobOut:
+    """One job with per-shard progress."""
+    return await _job_out(grid, await _own_job(grid, token, job_id), with_shards=True)
+
+
+@router.post("/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
+async def cancel_job(job_id: int, token: Researcher, grid: GridDep) -> JobOut:
+    """Cancel a job: its queued tasks are dropped, running ones are told to stop."""
+    await _own_job(grid, token, job_id)
+    await grid.cancel_job(job_id)
+    return await _job_out(grid, await _own_job(grid, token, job_id), with_shards=False)
+
+
+@router.get("/jobs/{job_id}/result", tags=["jobs"], response_class=Response)
+async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
+    """The assembled result of a completed job (embed-text: a float32 .npy array)."""
+    job = await _own_job(grid, token, job_id)
+    if job.result_hash is None:
+        raise ApiError(409, "not_ready", f"job {job_id} is {job.state.value}; no result yet")
+    return Response(
+        grid.blobs.read(job.result_hash), media_type=get_kind(job.kind).result_media_type,
+        headers={"X-Idlegrid-Sha256": job.result_hash},
+    )
+
+
+async def _own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
+    job = await grid.store.get_job(job_id)
+    # Another researcher's job is indistinguishable from a missing one.
+    if job is None or (job.account_id != token.account_id and not token.is_admin):
+        raise ApiError(404, "not_found", f"no job {job_id}")
+    return job
+
+
+async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
+    shard_list = None
+    if with_shards:
+        progress = _task_progress(grid)
+        shard_list = [_shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
+    done = job.shard_counts.get("done", 0)
+    return JobOut(
+        id=job.id, kind=job.kind, state=job.state.value, params=job.params, inputs=job.inputs,
+        replication=job.replication, priority=job.priority, shards_total=job.shards_total,
+        shards_done=done, items_total=job.items_total,
+        progress=done / job.shards_total if job.shards_total else 1.0,
+        shard_counts=job.shard_counts, tasks_completed=job.tasks_run, result=job.result_hash,
+        result_size=job.result_size, error=job.error, created_at=job.created_at,
+        started_at=job.started_at, finished_at=job.finished_at, shards=shard_list,
+    )
+
+
+def _task_progress(grid: Grid) -> dict[int, float]:
+    progress: dict[int, float] = {}
+    for session in grid.hub.sessions():
+        progress.update(session.progress)
+    return progress
+
+
+def _shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
+    fraction = 1.0 if shard.state.value == "done" else 0.0
+    return ShardOut(index=shard.index, state=shard.state.value, items=shard.items,
+                    attempts=shard.attempts, live_tasks=shard.live_tasks,
+                    progress=fraction if fraction else progress.get(shard.id, 0.0))
+
+
+# -- blobs ---------------------------------------------------------------------------------
+
+
+@router.put("/blobs/{blob_hash}", status_code=201, tags=["blobs"])
+async def put_blob(blob_hash: str, request: Request, _: Caller, grid: GridDep) -> dict[str, Any]:
+    """Upload a blob under its SHA-256; the content must hash to it."""
+    if not is_blob_hash(blob_hash):
+        raise ApiError(422, "invalid_hash", "the path must be a lowercase SHA-256 hex digest")
+    _check_length(request, grid.blobs.max_bytes)
+    try:
+        size = await grid.blobs.put_stream(blob_hash, request.stream())
+    except BlobError as exc:
+        raise ApiError(exc.status, "invalid_blob", exc.message) from None
+    return {"hash": blob_hash, "size": size}
+
+
+@router.get("/blobs/{blob_hash}", tags=["blobs"], response_class=Response)
+async def get_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
+    """Download a blob by its SHA-256."""
+    try:
+        data = grid.blobs.read(blob_hash)
+    except BlobError as exc:
+        raise ApiError(exc.status, "not_found" if exc.status == 404 else "invalid_hash",
+                       exc.message) from None
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.head("/blobs/{blob_hash}", tags=["blobs"])
+async def head_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
+    """200 if the blob is stored (so clients skip re-uploads), else 404."""
+    try:
+        found = grid.blobs.exists(blob_hash)
+    except BlobError:
+        found = False
+    return Response(status_code=200 if found else 404)
+
+
+def _check_length(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, "too_large", f"body of {declared} bytes is over the {limit} limit")
+
+
+# -- accounts, tokens, nodes ---------------------------------------------------------------
+
+
+@router.post("/tokens", status_code=201, response_model=TokenOut, tags=["accounts"])
+async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> TokenOut:
+    """Make a token for your account; admins may name another account (made if new)."""
+    account_id, account_name = token.account_id, token.account_name
+    if body.account and body.account != token.account_name:
+        if not token.is_admin:
+            raise ApiError(403, "forbidden", "only admins can make tokens for other accounts")
+        account = await grid.store.get_account(body.account)
+        if account is None:
+            account = await grid.store.create_account(body.account, is_admin=False,
+                                                      now=grid.clock())
+        account_id, account_name = account.id, account.name
+    secret = new_token(body.kind)
+    await grid.store.add_token(account_id, kind=body.kind, token_hash=hash_token(secret),
+                               prefix=display_prefix(secret), label=body.label,
+                               now=grid.clock())
+    return TokenOut(token=secret, kind=body.kind, account=account_name,
+                    prefix=display_prefix(secret))
+
+
+@router.get("/me", tags=["accounts"])
+async def me(token: Caller) -> dict[str, Any]:
+    """Who this token belongs to."""
+    return {"account": token.account_name, "kind": token.kind, "admin": token.is_admin}
+
+
+@router.get("/nodes", response_model=list[NodeOut], tags=["nodes"])
+async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
+    """Your nodes (all nodes for admins) with hardware, benchmark and uptime."""
+    nodes = await grid.store.list_nodes(None if token.is_admin else token.account_id)
+    return [_node_out(grid, node) for node in nodes]
+
+
+def _node_out(grid: Grid, node: NodeRecord) -> NodeOut:
+    return NodeOut(
+        id=node.id, name=node.name, state=node.state.value,
+        online=grid.hub.get(node.id) is not None, slots=node.slots, kinds=node.kinds,
+        hardware=node.hardware, benchmark=node.benchmark, worker_version=node.worker_version,
+        uptime_s=node.connected_seconds, last_seen_at=node.last_seen_at,
+    )
+
+
+def _validation_message(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in err['loc']) or 'params'}: {err['msg']}"
+        for err in exc.errors()[:5]
+    )

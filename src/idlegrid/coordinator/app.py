@@ -1,0 +1,167 @@
+"""The coordinator ASGI application: REST API, node WebSocket, background loops."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request, WebSocket
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from idlegrid import __version__
+from idlegrid.blobs import BlobStore
+from idlegrid.broker import MemoryBroker
+from idlegrid.coordinator import api
+from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.monitor import Monitor
+from idlegrid.coordinator.nodes import node_socket
+from idlegrid.settings import CoordinatorSettings
+from idlegrid.store import Store, open_store
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: CoordinatorSettings) -> FastAPI:
+    """The coordinator for `settings`; state opens in the lifespan, not at import."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+        store = open_store(settings.database)
+        await store.open()
+        await bootstrap_admin(store, settings)
+        grid = Grid(settings=settings, store=store, broker=MemoryBroker(),
+                    blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes))
+        monitor = Monitor(grid)
+        await monitor.start()
+        app.state.grid = grid
+        try:
+            yield
+        finally:
+            await monitor.stop()
+            for session in grid.hub.sessions():
+                with contextlib.suppress(Exception):
+                    await session.close()
+            await grid.broker.close()
+            await store.close()
+
+    app = FastAPI(
+        title="idlegrid coordinator", version=__version__, lifespan=lifespan,
+        description="Jobs, blobs and results for researchers; a WebSocket for worker nodes.",
+    )
+    app.include_router(api.router)
+    _install_error_handlers(app)
+    app.add_middleware(BodyLimit, default_limit=settings.max_request_bytes,
+                       blob_limit=settings.max_blob_bytes)
+
+    @app.get("/healthz", tags=["meta"])
+    async def healthz() -> dict[str, Any]:
+        return {"ok": True, "version": __version__}
+
+    @app.websocket("/v1/nodes/ws")
+    async def nodes_ws(websocket: WebSocket) -> None:
+        await node_socket(websocket, websocket.app.state.grid)
+
+    return app
+
+
+async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
+    """On the first start, make an admin account and write its token to a 0600 file."""
+    if await store.count_accounts() > 0:
+        return
+    import time
+
+    account = await store.create_account("admin", is_admin=True, now=time.time())
+    token = new_token("api")
+    await store.add_token(account.id, kind="api", token_hash=hash_token(token),
+                          prefix=display_prefix(token), label="bootstrap", now=time.time())
+    path = settings.admin_token_file
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+    log.warning("created the admin account; its API token is in %s (read it with: cat %s)",
+                path, path)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(api.ApiError)
+    async def on_api_error(request: Request, exc: api.ApiError) -> Any:
+        return api.error_response(exc.status, exc.code, exc.message)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> Any:
+        parts = []
+        for err in exc.errors()[:5]:
+            where = ".".join(str(p) for p in err.get("loc", ()))
+            parts.append(f"{where}: {err.get('msg')}")
+        return api.error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http(request: Request, exc: StarletteHTTPException) -> Any:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return api.error_response(exc.status_code, code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> Any:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return api.error_response(500, "internal", "internal error; the coordinator logged it")
+
+
+class BodyLimit:
+    """Refuse request bodies over the limit with 413, even without a Content-Length."""
+
+    def __init__(self, app: ASGIApp, *, default_limit: int, blob_limit: int) -> None:
+        self.app = app
+        self.default_limit = default_limit
+        self.blob_limit = blob_limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        limit = self.blob_limit if path.startswith("/v1/blobs/") else self.default_limit
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await _send_413(send, limit)
+            return
+        received = 0
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > limit:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal response_started
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not response_started:
+                await _send_413(send, limit)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _send_413(send: Send, limit: int) -> None:
+    response = api.error_response(413, "too_large", f"request body is over the {limit}-byte limit")
+    await send({"type": "http.response.start", "status": 413,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(response.body)).encode())]})
+    await send({"type": "http.response.body", "body": response.body})

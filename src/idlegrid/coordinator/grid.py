@@ -1,0 +1,339 @@
+"""The coordinator's core: jobs in, tasks out, results verified, jobs assembled.
+
+`Grid` wires the store (truth), the broker (ready queue, presence), the blob store and
+the hub of connected nodes around the pure policies (scheduler, verifier). The REST API,
+the WebSocket handler and the monitor all call it; none of them touch SQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from idlegrid import protocol
+from idlegrid.blobs import BlobError, BlobStore
+from idlegrid.broker.base import Broker
+from idlegrid.coordinator.hub import Hub, NodeSession
+from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
+from idlegrid.policy import scheduler, verifier
+from idlegrid.settings import CoordinatorSettings
+from idlegrid.store.base import (
+    Assignment,
+    ClaimMiss,
+    JobRecord,
+    NewJob,
+    NewShard,
+    NodeTask,
+    ReadyTask,
+    ResultReceipt,
+    Store,
+)
+
+log = logging.getLogger(__name__)
+
+CANDIDATES_PER_CLAIM = 64
+
+
+class JobInputError(ValueError):
+    """A job request that cannot be accepted; the message is for the researcher."""
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """What the coordinator keeps in memory about a job to dispatch and verify it."""
+
+    kind: TaskKind
+    params: KindParams
+    requirements: Requirements
+    replication: int
+    min_quorum: int
+
+
+class Grid:
+    def __init__(
+        self, *, settings: CoordinatorSettings, store: Store, broker: Broker, blobs: BlobStore,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.store = store
+        self.broker = broker
+        self.blobs = blobs
+        self.hub = Hub()
+        self.clock = clock
+        self._plans: dict[int, JobPlan] = {}
+        self.work_available = asyncio.Event()
+
+    # -- jobs ----------------------------------------------------------------------------
+
+    async def submit_job(
+        self, *, account_id: int, kind_name: str, inputs: Mapping[str, str],
+        params: Mapping[str, Any], replication: int | None, priority: int,
+    ) -> JobRecord:
+        """Validate, split and store a job; its tasks enter the ready queue."""
+        kind = get_kind(kind_name)
+        parsed = kind.parse_params(params)
+        missing = set(kind.input_names) - set(inputs)
+        extra = set(inputs) - set(kind.input_names)
+        if missing or extra:
+            raise JobInputError(
+                f"kind {kind.name!r} takes inputs {list(kind.input_names)}; "
+                f"missing {sorted(missing)}, unexpected {sorted(extra)}"
+            )
+        for name, blob_hash in inputs.items():
+            if not self.blobs.exists(blob_hash):
+                raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
+        specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
+        shards = [NewShard(index=s.index, input_hash=h, input_size=len(s.payload),
+                           items=s.items, cost_flops=s.cost_flops) for s, h in specs]
+        replication = replication or self.settings.default_replication
+        record, ready = await self.store.create_job(
+            NewJob(
+                account_id=account_id, kind=kind.name, params=parsed.model_dump(mode="json"),
+                inputs=dict(inputs), replication=replication,
+                min_quorum=1 if replication == 1 else 2,
+                max_attempts=max(self.settings.max_attempts, replication + 2),
+                priority=priority, shards=shards,
+            ),
+            now=self.clock(),
+        )
+        await self.enqueue(ready)
+        log.info("job %s: %s, %d shards, %d items", record.id, kind.name, len(shards),
+                 record.items_total)
+        return record
+
+    def _split(
+        self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str]
+    ) -> list[tuple[Any, str]]:
+        data = {name: self.blobs.read(blob_hash) for name, blob_hash in inputs.items()}
+        return [(spec, self.blobs.put(spec.payload)) for spec in kind.split(data, params)]
+
+    async def plan(self, job_id: int) -> JobPlan | None:
+        plan = self._plans.get(job_id)
+        if plan is None:
+            job = await self.store.get_job(job_id)
+            if job is None:
+                return None
+            kind = get_kind(job.kind)
+            params = kind.parse_params(job.params)
+            plan = JobPlan(kind=kind, params=params, requirements=kind.requirements(params),
+                           replication=job.replication, min_quorum=job.min_quorum)
+            self._plans[job_id] = plan
+        return plan
+
+    async def cancel_job(self, job_id: int) -> None:
+        held = await self.store.cancel_job(job_id, now=self.clock())
+        # Its ready tasks stay in the broker until a claim finds them gone.
+        await self._send_cancels(held, reason=f"job {job_id} was cancelled")
+        self._plans.pop(job_id, None)
+
+    # -- dispatch ------------------------------------------------------------------------
+
+    async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
+        if ready:
+            await self.broker.push_ready(ready)
+            self.work_available.set()
+
+    async def fill(self, session: NodeSession) -> int:
+        """Give a node as many tasks as it wants and can run; return how many it got."""
+        given = 0
+        async with session.fill_lock:
+            while session.wants > 0:
+                assignment = await self._claim_one(session)
+                if assignment is None:
+                    break
+                session.live.add(assignment.task_id)
+                session.shard_of[assignment.task_id] = assignment.shard_id
+                session.requested -= 1
+                given += 1
+                if not await session.send(_assign_message(assignment)):
+                    break  # the lease runs out and the monitor requeues the task
+        return given
+
+    async def _claim_one(self, session: NodeSession) -> Assignment | None:
+        now = self.clock()
+        entries = await self.broker.ready_candidates(limit=CANDIDATES_PER_CLAIM)
+        by_id = {entry.task_id: entry for entry in entries}
+        candidates = []
+        for entry in entries:
+            plan = await self.plan(entry.job_id)
+            if plan is None:
+                await self.broker.discard([entry.task_id])
+                continue
+            candidates.append(scheduler.Candidate(
+                task_id=entry.task_id, job_id=entry.job_id, kind=entry.kind,
+                priority=entry.priority, created_at=entry.created_at,
+                requirements=plan.requirements,
+            ))
+        for candidate in scheduler.rank(session.view, candidates, now=now):
+            entry = by_id[candidate.task_id]
+            plan = self._plans[entry.job_id]
+            claim = await self.store.claim_task(
+                entry.task_id, session.node_id, now=now,
+                lease_deadline=now + self.lease_seconds(session, entry),
+                distinct_nodes=plan.replication > 1,
+            )
+            if isinstance(claim, Assignment):
+                await self.broker.discard([entry.task_id])
+                return claim
+            if claim is ClaimMiss.GONE:
+                await self.broker.discard([entry.task_id])
+        return None
+
+    def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
+        """Estimated run time on this node with slack, never below the minimum lease."""
+        rate = session.kind_rates.get(entry.kind)
+        if rate and rate > 0:
+            estimate = entry.items / rate
+        else:
+            estimate = entry.cost_flops / max(session.view.gflops, 1.0) / 1e9
+        return max(self.settings.min_lease_s, estimate * self.settings.lease_slack)
+
+    async def fill_waiting(self) -> None:
+        """Offer queued work to every connected node that asked for some."""
+        for session in self.hub.sessions():
+            if session.wants > 0:
+                await self.fill(session)
+
+    # -- results -------------------------------------------------------------------------
+
+    async def accept_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
+        """Take a node's result: check it, record it once, verify its shard."""
+        problem = await self._check_output(session, msg)
+        if problem is not None:
+            failed = await self.store.record_failure(
+                msg.task_id, session.node_id, reason=f"invalid output: {problem}",
+                now=self.clock(),
+            )
+            if failed:
+                session.forget_task(msg.task_id)
+                await self.replenish()
+            return ResultReceipt("rejected", problem)
+        receipt = await self.store.accept_result(
+            msg.task_id, session.node_id, output_hash=msg.output, output_size=msg.output_size,
+            elapsed_s=msg.elapsed_s, now=self.clock(),
+        )
+        if receipt.status != "rejected":
+            session.forget_task(msg.task_id)
+        if receipt.status == "accepted" and receipt.shard_id is not None:
+            await self.verify_shard(receipt.shard_id)
+        return receipt
+
+    async def _check_output(self, session: NodeSession, msg: protocol.Result) -> str | None:
+        try:
+            size = self.blobs.size(msg.output)
+        except (FileNotFoundError, BlobError):
+            return f"output blob {msg.output} was not uploaded"
+        if size != msg.output_size:
+            return f"output blob has {size} bytes, not {msg.output_size}"
+        assignment = await self.store.task_input(msg.task_id, session.node_id)
+        if assignment is None:
+            return None  # not this node's task: accept_result rejects it with the reason
+        plan = await self.plan(assignment.job_id)
+        if plan is None:
+            return None
+        try:
+            await asyncio.to_thread(
+                plan.kind.check_output, self.blobs.read(assignment.input_hash),
+                self.blobs.read(msg.output), plan.params,
+            )
+        except ValueError as exc:
+            return str(exc)
+        return None
+
+    async def record_failure(self, session: NodeSession, msg: protocol.Failure) -> bool:
+        changed = await self.store.record_failure(
+            msg.task_id, session.node_id, reason=msg.reason, now=self.clock()
+        )
+        session.forget_task(msg.task_id)
+        if changed:
+            log.info("task %s failed on node %s: %s", msg.task_id, session.node_id, msg.reason)
+            await self.replenish()
+        return changed
+
+    async def verify_shard(self, shard_id: int) -> None:
+        """Run the verifier over a shard's results and store its decision."""
+        found = await self.store.shard_for_verify(shard_id)
+        if found is None or not found.results:
+            return
+        plan = await self.plan(found.job.id)
+        assert plan is not None
+        outputs = [(r.task_id, self.blobs.read(r.output_hash)) for r in found.results]
+        decision = await asyncio.to_thread(
+            verifier.decide, outputs,
+            lambda a, b: plan.kind.compare(a, b, plan.params),
+            min_quorum=plan.min_quorum,
+        )
+        outcome = await self.store.decide_shard(
+            shard_id, canonical_task_id=decision.canonical, valid=decision.valid,
+            invalid=decision.invalid, fail_reason=decision.fail_reason, now=self.clock(),
+        )
+        await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+        if outcome.job_done:
+            await self.assemble(found.job.id)
+        elif not outcome.decided:
+            await self.replenish()
+
+    async def assemble(self, job_id: int) -> None:
+        """Build and store a finished job's result from its canonical outputs."""
+        plan = await self.plan(job_id)
+        assert plan is not None
+        hashes = await self.store.canonical_outputs(job_id)
+        result_hash, size = await asyncio.to_thread(self._assemble, plan, hashes)
+        if await self.store.complete_job(
+            job_id, result_hash=result_hash, result_size=size, now=self.clock()
+        ):
+            log.info("job %s completed (%d bytes)", job_id, size)
+        self._plans.pop(job_id, None)
+
+    def _assemble(self, plan: JobPlan, hashes: Sequence[str]) -> tuple[str, int]:
+        result = plan.kind.assemble([self.blobs.read(h) for h in hashes], plan.params)
+        return self.blobs.put(result), len(result)
+
+    # -- leases and nodes ----------------------------------------------------------------
+
+    async def replenish(self) -> None:
+        ready, failed_jobs = await self.store.replenish(now=self.clock())
+        for job_id in failed_jobs:
+            log.warning("job %s failed: a shard ran out of attempts", job_id)
+            self._plans.pop(job_id, None)
+        await self.enqueue(ready)
+
+    async def expire(self, expired: Sequence[NodeTask], *, why: str) -> None:
+        """Requeue the shards of expired tasks; tell connected holders."""
+        if not expired:
+            return
+        log.info("%d task(s) expired: %s", len(expired), why)
+        for task in expired:
+            session = self.hub.get(task.node_id)
+            if session is not None:
+                session.forget_task(task.task_id)
+        await self.replenish()
+
+    async def _send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:
+        for task in held:
+            session = self.hub.get(task.node_id)
+            if session is not None:
+                session.forget_task(task.task_id)
+                await session.send(protocol.Cancel(task_id=task.task_id, reason=reason))
+        self.work_available.set()
+
+    async def rebuild_queue(self) -> None:
+        """Refill the broker's ready queue from the store (startup, broker loss)."""
+        ready = await self.store.ready_tasks(limit=1_000_000)
+        await self.broker.replace_ready(ready)
+        if ready:
+            self.work_available.set()
+
+
+def _assign_message(assignment: Assignment) -> protocol.Assign:
+    return protocol.Assign(
+        task_id=assignment.task_id, job_id=assignment.job_id,
+        shard_index=assignment.shard_index, kind=assignment.kind, params=assignment.params,
+        input=protocol.BlobRef(hash=assignment.input_hash, size=assignment.input_size),
+        lease_deadline=datetime.fromtimestamp(assignment.lease_deadline, UTC),
+    )

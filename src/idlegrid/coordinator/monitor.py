@@ -1,0 +1,117 @@
+"""Background passes of the coordinator, each a small idempotent function of "now".
+
+Each pass looks at what is due in the store and broker and fixes it; calling one twice
+does nothing the second time. Tests call them one at a time; `Monitor.run` loops them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from idlegrid.coordinator.grid import Grid
+
+log = logging.getLogger(__name__)
+
+
+async def expire_leases(grid: Grid) -> int:
+    """Overdue tasks lose their lease; their shards get new tasks."""
+    expired = await grid.store.expire_overdue(now=grid.clock())
+    await grid.expire(expired, why="lease deadline passed")
+    return len(expired)
+
+
+async def mark_silent_nodes_offline(grid: Grid) -> int:
+    """Nodes not heard from within the timeout go offline and lose their leases."""
+    now = grid.clock()
+    silent = [
+        node_id for node_id, seen in (await grid.broker.presence()).items()
+        if now - seen > grid.settings.node_timeout_s
+    ]
+    for node_id in silent:
+        log.info("node %s missed its heartbeats: offline", node_id)
+        session = grid.hub.get(node_id)
+        if session is not None:
+            grid.hub.remove(session)
+            await session.close()
+        await grid.store.set_node_offline(node_id, now=now)
+        await grid.broker.forget_node(node_id)
+        await grid.expire(await grid.store.expire_node_tasks(node_id, now=now),
+                          why=f"node {node_id} went silent")
+    return len(silent)
+
+
+async def record_presence(grid: Grid) -> None:
+    """Persist last-seen times (and uptime) of the nodes heard from."""
+    await grid.store.touch_nodes(await grid.broker.presence())
+
+
+async def finish_pending(grid: Grid) -> None:
+    """Verify results and assemble jobs that a crash left between two steps."""
+    for shard_id in await grid.store.shards_to_verify(limit=100):
+        await grid.verify_shard(shard_id)
+    for job_id in await grid.store.jobs_to_assemble():
+        await grid.assemble(job_id)
+    await grid.replenish()
+
+
+async def run_once(grid: Grid) -> None:
+    await expire_leases(grid)
+    await mark_silent_nodes_offline(grid)
+    await finish_pending(grid)
+
+
+class Monitor:
+    """Owns the coordinator's background loops; started and stopped by the app lifespan."""
+
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = asyncio.Event()
+
+    async def start(self) -> None:
+        await self._startup()
+        self._tasks = [
+            asyncio.create_task(self._loop(run_once, self.grid.settings.monitor_interval_s),
+                                name="monitor"),
+            asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
+            asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+        ]
+
+    async def _startup(self) -> None:
+        """Rebuild in-memory state from the store after a (re)start."""
+        await self.grid.rebuild_queue()
+        now = self.grid.clock()
+        # Nodes that held leases get one timeout's grace to reconnect before they expire.
+        for node in await self.grid.store.list_nodes():
+            if node.state == "online":
+                await self.grid.broker.node_seen(node.id, now)
+        await finish_pending(self.grid)
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        self.grid.work_available.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+
+    async def _loop(self, step, interval: float) -> None:  # type: ignore[no-untyped-def]
+        while not self._stopping.is_set():
+            try:
+                await step(self.grid)
+            except Exception:
+                log.exception("monitor pass %s failed", getattr(step, "__name__", step))
+            try:
+                await asyncio.wait_for(self._stopping.wait(), interval)
+            except TimeoutError:
+                pass
+
+    async def _dispatch_loop(self) -> None:
+        while not self._stopping.is_set():
+            await self.grid.work_available.wait()
+            self.grid.work_available.clear()
+            try:
+                await self.grid.fill_waiting()
+            except Exception:
+                log.exception("dispatch pass failed")

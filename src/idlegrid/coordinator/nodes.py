@@ -1,0 +1,195 @@
+"""The node WebSocket: one connection per worker, hello first, then a message loop.
+
+Nothing a node sends can crash this handler: every frame is parsed into a versioned
+message or answered with an `error`, and an exception while handling one message is
+logged and answered without ending the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+
+from fastapi import WebSocket, WebSocketDisconnect
+
+from idlegrid import protocol
+from idlegrid.coordinator.auth import hash_token
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.hub import NodeSession
+from idlegrid.kinds import KINDS
+from idlegrid.policy.scheduler import NodeView
+
+log = logging.getLogger(__name__)
+
+HELLO_TIMEOUT_S = 30.0
+MAX_FRAME_CHARS = 1_000_000
+CLOSE_UNAUTHORIZED = 4401
+
+
+async def node_socket(websocket: WebSocket, grid: Grid) -> None:
+    """Serve one node connection until it closes."""
+    await websocket.accept()
+    session = None
+    try:
+        session = await _handshake(websocket, grid)
+        if session is not None:
+            await _serve(websocket, grid, session)
+    except WebSocketDisconnect:
+        pass
+    finally:
+        if session is not None and grid.hub.remove(session):
+            log.info("node %s disconnected", session.node_id)
+
+
+async def _receive(websocket: WebSocket) -> str | None:
+    """Next frame as text; None (after an error reply) for frames that can't be text."""
+    message = await websocket.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000))
+    text = message.get("text")
+    if text is None:
+        data = message.get("bytes") or b""
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            await _error(websocket, "malformed", "binary frame is not UTF-8 JSON")
+            return None
+    if len(text) > MAX_FRAME_CHARS:
+        await _error(websocket, "malformed", f"frame over {MAX_FRAME_CHARS} characters")
+        return None
+    return text
+
+
+async def _error(
+    websocket: WebSocket, code: str, message: str, task_id: int | None = None
+) -> None:
+    error = protocol.Error(code=code, message=message, task_id=task_id)  # type: ignore[arg-type]
+    await websocket.send_text(error.model_dump_json())
+
+
+async def _handshake(websocket: WebSocket, grid: Grid) -> NodeSession | None:
+    """Wait for a valid hello; answer anything else with an error."""
+    while True:
+        text = await asyncio.wait_for(_receive(websocket), HELLO_TIMEOUT_S)
+        if text is None:
+            continue
+        try:
+            msg = protocol.parse_node_message(text)
+        except protocol.ProtocolError as exc:
+            await _error(websocket, exc.code, exc.message)
+            continue
+        if not isinstance(msg, protocol.Hello):
+            await _error(websocket, "out_of_order", f"send hello before {msg.type}")
+            continue
+        return await _register(websocket, grid, msg)
+
+
+async def _register(
+    websocket: WebSocket, grid: Grid, hello: protocol.Hello
+) -> NodeSession | None:
+    token = await grid.store.find_token(hash_token(hello.token))
+    if token is None or token.kind != "node":
+        await _error(websocket, "unauthorized", "a valid node token is required")
+        await websocket.close(code=CLOSE_UNAUTHORIZED)
+        return None
+    now = grid.clock()
+    kinds = sorted(set(hello.kinds) & set(KINDS))
+    address = websocket.client.host if websocket.client else ""
+    try:
+        node = await grid.store.register_node(
+            token.account_id, hello.node_key, name=hello.name,
+            worker_version=hello.worker_version, hardware=hello.hardware.model_dump(),
+            benchmark=hello.benchmark.model_dump(), kinds=kinds, slots=hello.slots,
+            address=address, now=now,
+        )
+    except PermissionError as exc:
+        await _error(websocket, "unauthorized", str(exc))
+        await websocket.close(code=CLOSE_UNAUTHORIZED)
+        return None
+    session = NodeSession(
+        node_id=node.id, account_id=node.account_id, name=node.name, slots=hello.slots,
+        view=NodeView(node_id=node.id, kinds=frozenset(kinds),
+                      backends=hello.hardware.backends, memory_mb=hello.hardware.memory_mb,
+                      gflops=hello.benchmark.matmul_gflops),
+        kind_rates=dict(hello.benchmark.kind_rates),
+        send_text=websocket.send_text, close=websocket.close,
+    )
+    drop = await _reconcile(grid, session, set(hello.running))
+    old = grid.hub.add(session)
+    if old is not None:
+        await old.close()
+    await grid.broker.node_seen(node.id, now)
+    await session.send(protocol.Welcome(
+        node_id=node.id, heartbeat_interval_s=grid.settings.heartbeat_interval_s,
+        server_time=datetime.now(UTC), drop=sorted(drop),
+    ))
+    log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots,
+             kinds)
+    return session
+
+
+async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set[int]:
+    """Match what a reconnecting node holds with what the store says it holds.
+
+    Tasks the store leased to the node that it no longer has go back to the queue; tasks
+    it still runs stay its own; tasks it claims but does not hold are dropped.
+    """
+    held = {task.task_id: task for task in await grid.store.node_tasks(session.node_id)}
+    lost = [held[t] for t in held.keys() - claimed]
+    if lost:
+        expired = []
+        for task in lost:
+            expired += await grid.store.expire_task(task.task_id, now=grid.clock())
+        await grid.expire(expired, why=f"node {session.node_id} reconnected without them")
+    session.live = set(held.keys() & claimed)
+    return claimed - held.keys()
+
+
+async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None:
+    while True:
+        text = await _receive(websocket)
+        if text is None:
+            continue
+        await grid.broker.node_seen(session.node_id, grid.clock())
+        try:
+            msg = protocol.parse_node_message(text)
+        except protocol.ProtocolError as exc:
+            await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
+            continue
+        try:
+            await _handle(grid, session, msg)
+        except Exception:
+            log.exception("node %s: handling %s failed", session.node_id, msg.type)
+            await session.send(protocol.Error(
+                code="internal", message=f"the coordinator could not handle this {msg.type}",
+                task_id=getattr(msg, "task_id", None),
+            ))
+
+
+async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
+    match msg:
+        case protocol.Heartbeat(running=running):
+            session.progress = {
+                session.shard_of[p.task_id]: p.progress
+                for p in running if p.task_id in session.shard_of
+            }
+        case protocol.Ready(free_slots=free):
+            session.requested = free
+            await grid.fill(session)
+        case protocol.Result():
+            receipt = await grid.accept_result(session, msg)
+            if receipt.status == "rejected":
+                log.warning("node %s: result for task %s rejected: %s", session.node_id,
+                            msg.task_id, receipt.reason)
+                await session.send(protocol.Error(
+                    code="rejected", message=receipt.reason, task_id=msg.task_id
+                ))
+            else:
+                await session.send(protocol.ResultAck(task_id=msg.task_id, status=receipt.status))
+        case protocol.Failure():
+            await grid.record_failure(session, msg)
+        case protocol.Hello():
+            await session.send(protocol.Error(
+                code="out_of_order", message="hello was already received on this connection"
+            ))

@@ -1,0 +1,64 @@
+"""`idlegrid demo`: a coordinator, local workers and a real embedding job, checked."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+
+from idlegrid.localgrid import LocalGrid
+
+COSINE_FLOOR = 0.999
+
+
+def run_demo(*, texts: int, workers: int, shard_size: int) -> int:
+    """Run the demo; return the process exit code (0 when every row checked out)."""
+    console = Console()
+    from idlegrid.corpus import stdlib_paragraphs
+
+    corpus = stdlib_paragraphs(texts)
+    console.print(f"corpus: {len(corpus)} paragraphs of standard-library docstrings")
+    with tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp, LocalGrid(Path(tmp)) as grid:
+        console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
+        threads = 1 if workers > 1 else 0
+        for i in range(workers):
+            grid.start_worker(f"worker-{i + 1}", kinds="embed-text", threads=threads)
+        with console.status(f"waiting for {workers} workers to benchmark and connect"):
+            grid.wait_for_nodes(workers)
+        with grid.client() as client:
+            for node in client.nodes():
+                rate = node["benchmark"].get("kind_rates", {}).get("embed-text", 0)
+                console.print(f"  node {node['id']} {node['name']}: "
+                              f"{node['benchmark']['matmul_gflops']:.1f} GFLOPS, "
+                              f"{rate:.0f} texts/s")
+            started = time.perf_counter()
+            job = client.submit_embeddings(corpus, shard_size=shard_size)
+            job.wait(progress=True)
+            vectors = job.result()
+            elapsed = time.perf_counter() - started
+        console.print(f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
+                      f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers")
+    return _check(console, corpus, vectors)
+
+
+def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
+    from idlegrid.kinds.embed_text import embed_reference
+
+    with console.status("computing the reference embedding in this process"):
+        reference = embed_reference(corpus)
+    if vectors.shape != reference.shape:
+        console.print(f"[red]shape {vectors.shape} != reference {reference.shape}")
+        return 1
+    cosine = np.sum(vectors * reference, axis=1) / (
+        np.linalg.norm(vectors, axis=1) * np.linalg.norm(reference, axis=1)
+    )
+    worst = float(cosine.min())
+    ok = bool(np.all(cosine >= COSINE_FLOOR))
+    verdict = "[green]OK" if ok else "[red]FAILED"
+    console.print(f"check: {vectors.shape[0]} rows, min cosine vs reference {worst:.6f} "
+                  f"(floor {COSINE_FLOOR}) {verdict}")
+    console.print("all processes stopped")
+    return 0 if ok else 1

@@ -1,0 +1,45 @@
+"""Built-in task kinds. Volunteers only ever run these: no researcher code."""
+
+from __future__ import annotations
+
+from idlegrid.kinds.base import (
+    Cancelled,
+    InputError,
+    KindParams,
+    Requirements,
+    RunContext,
+    ShardSpec,
+    TaskKind,
+    Verdict,
+)
+from idlegrid.kinds.embed_text import EmbedTextKind
+from idlegrid.kinds.sleep import SleepKind
+
+KINDS: dict[str, TaskKind] = {kind.name: kind for kind in (EmbedTextKind(), SleepKind())}
+
+
+class UnknownKind(LookupError):
+    pass
+
+
+def get_kind(name: str) -> TaskKind:
+    """The built-in kind called `name`."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise UnknownKind(f"unknown kind {name!r}; known kinds: {', '.join(sorted(KINDS))}") from None
+
+
+__all__ = [
+    "KINDS",
+    "Cancelled",
+    "InputError",
+    "KindParams",
+    "Requirements",
+    "RunContext",
+    "ShardSpec",
+    "TaskKind",
+    "UnknownKind",
+    "Verdict",
+    "get_kind",
+]

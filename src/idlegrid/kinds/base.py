@@ -1,0 +1,107 @@
+"""The task-kind interface: how a kind of work is split, run, compared and assembled.
+
+A kind does no I/O of its own. The coordinator hands it the bytes of a job's input blobs
+and stores what it returns; the worker hands `run` the bytes of one shard's input blob.
+Heavy ML imports happen inside `run` (and helpers it calls), so importing a kind module
+never imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict
+
+
+class InputError(ValueError):
+    """A researcher's input cannot be used; the message says why (and where)."""
+
+
+class Verdict(enum.StrEnum):
+    """Outcome of comparing two results of one shard."""
+
+    AGREE = "agree"
+    DISAGREE = "disagree"
+    INCONCLUSIVE = "inconclusive"
+
+
+class KindParams(BaseModel):
+    """Settings of one job of a kind; each kind subclasses this with its own fields."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a node needs to run a shard of a kind (hard filters for the scheduler)."""
+
+    min_memory_mb: int = 0
+    # Backends the kind can use ("cpu", "cuda", "rocm", "mps"); empty means any.
+    backends: frozenset[str] = frozenset()
+    min_gflops: float = 0.0
+    min_disk_mb: int = 0
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One independent piece of a job, as produced by `split`."""
+
+    index: int
+    payload: bytes
+    items: int
+    cost_flops: float
+
+
+@dataclass
+class RunContext:
+    """What the worker gives a kind's `run`: the device and a way to report progress."""
+
+    device: str = "cpu"
+    threads: int = 1
+    report_progress: Callable[[float], None] = field(default=lambda fraction: None)
+    is_cancelled: Callable[[], bool] = field(default=lambda: False)
+
+
+class Cancelled(Exception):
+    """Raised by `run` when the worker cancelled the task while it ran."""
+
+
+class TaskKind(ABC):
+    """One built-in kind of work. Subclasses are stateless singletons."""
+
+    name: ClassVar[str]
+    params_model: ClassVar[type[KindParams]]
+    # Names of the job's input blobs this kind expects, e.g. ("texts",).
+    input_names: ClassVar[tuple[str, ...]]
+    result_media_type: ClassVar[str] = "application/octet-stream"
+
+    def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
+        """Validate a job's settings for this kind (raises pydantic.ValidationError)."""
+        return self.params_model.model_validate(dict(raw or {}))
+
+    @abstractmethod
+    def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
+        """Cut a job's inputs into shards; raise InputError on unusable input."""
+
+    def requirements(self, params: KindParams) -> Requirements:
+        """Hardware a node needs to run a shard of this job."""
+        return Requirements()
+
+    @abstractmethod
+    def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
+        """Worker side: compute one shard's output from its input payload."""
+
+    @abstractmethod
+    def compare(self, a: bytes, b: bytes, params: KindParams) -> Verdict:
+        """Fuzzy comparison of two outputs of the same shard."""
+
+    @abstractmethod
+    def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
+        """Build the job's result from the canonical outputs, in shard order."""
+
+    def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
+        """Cheap structural check of an output before it is accepted (raise InputError)."""

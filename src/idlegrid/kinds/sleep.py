@@ -1,0 +1,73 @@
+"""The `sleep` kind: each item sleeps a while and echoes a checksum. For tests and benchmarks."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Mapping, Sequence
+
+from pydantic import Field
+
+from idlegrid.kinds.base import (
+    Cancelled,
+    InputError,
+    KindParams,
+    RunContext,
+    ShardSpec,
+    TaskKind,
+    Verdict,
+)
+
+
+class SleepParams(KindParams):
+    tasks: int = Field(default=4, ge=1, le=1_000_000, description="number of shards")
+    seconds: float = Field(default=0.0, ge=0.0, le=3600.0, description="sleep per shard")
+
+
+class SleepKind(TaskKind):
+    """Shards that sleep `seconds` and return a digest of their index: cheap and checkable."""
+
+    name = "sleep"
+    params_model = SleepParams
+    input_names = ()
+    result_media_type = "application/json"
+
+    def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
+        assert isinstance(params, SleepParams)
+        return [
+            ShardSpec(
+                index=i,
+                payload=json.dumps({"index": i, "seconds": params.seconds}).encode(),
+                items=1,
+                cost_flops=1e6,
+            )
+            for i in range(params.tasks)
+        ]
+
+    def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
+        spec = json.loads(payload)
+        deadline = time.monotonic() + float(spec["seconds"])
+        while (left := deadline - time.monotonic()) > 0:
+            if ctx.is_cancelled():
+                raise Cancelled()
+            time.sleep(min(left, 0.05))
+        ctx.report_progress(1.0)
+        return _digest(spec["index"])
+
+    def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
+        try:
+            json.loads(output)["digest"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InputError("sleep output must be JSON with a 'digest'") from exc
+
+    def compare(self, a: bytes, b: bytes, params: KindParams) -> Verdict:
+        return Verdict.AGREE if a == b else Verdict.DISAGREE
+
+    def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
+        return json.dumps([json.loads(o) for o in outputs]).encode()
+
+
+def _digest(index: int) -> bytes:
+    digest = hashlib.sha256(f"sleep:{index}".encode()).hexdigest()
+    return json.dumps({"index": index, "digest": digest}).encode()

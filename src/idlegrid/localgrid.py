@@ -1,0 +1,186 @@
+"""A whole grid on one machine, as real processes: for the demo, tests and benchmarks.
+
+`LocalGrid` starts `idlegrid serve` on a free port and `idlegrid worker` processes that
+connect to it over real WebSockets, and stops every process it started on exit, even
+when the code inside the `with` block fails.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+import httpx
+
+_LISTENING = re.compile(r"listening on (http://\S+)")
+
+
+class LocalGrid:
+    def __init__(
+        self, root: Path, *, heartbeat_s: float = 2.0, node_timeout_s: float = 6.0,
+        min_lease_s: float = 60.0, extra_env: dict[str, str] | None = None,
+    ) -> None:
+        self.root = root
+        self.data_dir = root / "coordinator"
+        self.heartbeat_s = heartbeat_s
+        self.node_timeout_s = node_timeout_s
+        self.min_lease_s = min_lease_s
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        self.url = ""
+        self.admin_token = ""
+        self.node_token = ""
+        self.coordinator: subprocess.Popen[str] | None = None
+        self.workers: list[subprocess.Popen[str]] = []
+        self._logs: list[IO[str]] = []
+
+    def __enter__(self) -> LocalGrid:
+        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.start_coordinator()
+            self.node_token = self.create_token(kind="node")["token"]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # -- coordinator -------------------------------------------------------------------------
+
+    def start_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:
+        """Start (or restart) the coordinator on the same data directory."""
+        log = self._log("coordinator.log")
+        self.coordinator = subprocess.Popen(
+            [sys.executable, "-m", "idlegrid", "serve", "--data-dir", str(self.data_dir),
+             "--port", str(port), "--heartbeat-interval", str(self.heartbeat_s),
+             "--node-timeout", str(self.node_timeout_s), "--min-lease", str(self.min_lease_s),
+             "--log-level", "info"],
+            stdout=subprocess.PIPE, stderr=log, text=True, env=self.env,
+            start_new_session=True,
+        )
+        self.url = self._await_listening(self.coordinator, timeout)
+        threading.Thread(target=_drain, args=(self.coordinator.stdout, log), daemon=True).start()
+        self._await_health(timeout)
+        self.admin_token = (self.data_dir / "admin-token").read_text().strip()
+        return self.url
+
+    def _await_listening(self, proc: subprocess.Popen[str], timeout: float) -> str:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"coordinator exited early; see {self.root}/coordinator.log")
+            match = _LISTENING.search(line)
+            if match:
+                return match.group(1)
+        raise TimeoutError("coordinator did not start listening")
+
+    def _await_health(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError("coordinator did not become healthy")
+
+    def kill_coordinator(self) -> None:
+        """SIGKILL the coordinator: no shutdown code runs."""
+        assert self.coordinator is not None
+        self.coordinator.kill()
+        self.coordinator.wait()
+
+    def create_token(self, *, kind: str = "api", account: str | None = None) -> dict[str, Any]:
+        response = httpx.post(
+            f"{self.url}/v1/tokens", json={"kind": kind, "account": account},
+            headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30,
+        )
+        response.raise_for_status()
+        return dict(response.json())
+
+    def client(self, token: str | None = None) -> Any:
+        from idlegrid.client import Client
+
+        return Client(self.url, token or self.admin_token)
+
+    # -- workers -----------------------------------------------------------------------------
+
+    def start_worker(
+        self, name: str, *, kinds: str = "", slots: int = 1, threads: int = 0,
+        benchmark: bool = True, extra: tuple[str, ...] = (),
+    ) -> subprocess.Popen[str]:
+        args = [sys.executable, "-m", "idlegrid", "worker", "--server", self.url,
+                "--token", self.node_token, "--state-dir", str(self.root / name),
+                "--name", name, "--slots", str(slots), *extra]
+        if kinds:
+            args += ["--kinds", kinds]
+        if threads:
+            args += ["--threads", str(threads)]
+        if not benchmark:
+            args.append("--no-benchmark")
+        proc = subprocess.Popen(args, stdout=self._log(f"{name}.log"), stderr=subprocess.STDOUT,
+                                text=True, env=self.env, start_new_session=True)
+        self.workers.append(proc)
+        return proc
+
+    def wait_for_nodes(self, count: int, *, timeout: float = 120.0) -> None:
+        """Block until `count` nodes are connected."""
+        deadline = time.monotonic() + timeout
+        with self.client() as client:
+            while time.monotonic() < deadline:
+                if sum(1 for n in client.nodes() if n["online"]) >= count:
+                    return
+                self._check_alive()
+                time.sleep(0.2)
+        raise TimeoutError(f"{count} workers did not connect; logs in {self.root}")
+
+    def _check_alive(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is not None and proc.returncode not in (0, -signal.SIGKILL):
+                raise RuntimeError(f"a worker exited with {proc.returncode}; logs in {self.root}")
+
+    # -- teardown ----------------------------------------------------------------------------
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop workers, then the coordinator: SIGTERM, then SIGKILL if they linger."""
+        for proc in [*self.workers, *([self.coordinator] if self.coordinator else [])]:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in [*self.workers, *([self.coordinator] if self.coordinator else [])]:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            if proc.stdout:
+                proc.stdout.close()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def _log(self, name: str) -> IO[str]:
+        handle = open(self.root / name, "a")  # noqa: SIM115 - closed in stop()
+        self._logs.append(handle)
+        return handle
+
+
+def _drain(source: IO[str] | None, sink: IO[str]) -> None:
+    """Copy what a child prints after start-up to its log, so its pipe never fills."""
+    if source is None:
+        return
+    try:
+        for line in source:
+            sink.write(line)
+    except (ValueError, OSError):
+        pass  # closed at teardown

@@ -1,0 +1,1 @@
+"""Pure policy: scheduling and verification decisions from plain values, no I/O."""

@@ -1,0 +1,224 @@
+"""Wire messages between a worker node and the coordinator (WebSocket, JSON text frames).
+
+Every message carries `type` (the discriminator) and `v` (the protocol version). Both
+sides import this module and nothing else of each other. It imports nothing of idlegrid.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PROTOCOL_VERSION = 1
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+BlobHash = Annotated[str, Field(pattern=SHA256_PATTERN)]
+TaskId = Annotated[int, Field(ge=1)]
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    v: Literal[1] = PROTOCOL_VERSION
+
+
+# -- what a node says about itself -----------------------------------------------------
+
+
+class Gpu(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    backend: Literal["cuda", "rocm", "mps"]
+    name: str = Field(max_length=200)
+    memory_mb: int = Field(ge=0)
+
+
+class HardwareProfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    os: str = Field(default="", max_length=200)
+    cpu_model: str = Field(default="", max_length=200)
+    cpu_cores: int = Field(default=1, ge=1, le=4096)
+    memory_mb: int = Field(default=0, ge=0)
+    gpus: list[Gpu] = Field(default_factory=list, max_length=64)
+    torch_version: str | None = Field(default=None, max_length=100)
+
+    @property
+    def backends(self) -> frozenset[str]:
+        return frozenset({"cpu", *(gpu.backend for gpu in self.gpus)})
+
+
+class Benchmark(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    backend: str = Field(default="cpu", max_length=20)
+    matmul_gflops: float = Field(default=0.0, ge=0.0)
+    # Throughput per kind in items per second, e.g. {"embed-text": 350.0}.
+    kind_rates: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class TaskProgress(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    task_id: TaskId
+    progress: float = Field(ge=0.0, le=1.0)
+
+
+# -- node -> coordinator ---------------------------------------------------------------
+
+
+class Hello(_Message):
+    """First message of a connection: who the node is, what it has, what it holds."""
+
+    type: Literal["hello"] = "hello"
+    token: str = Field(min_length=1, max_length=200)
+    node_key: str = Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    name: str = Field(default="", max_length=100)
+    worker_version: str = Field(max_length=50)
+    hardware: HardwareProfile
+    benchmark: Benchmark
+    slots: int = Field(ge=1, le=256)
+    kinds: list[str] = Field(max_length=64)
+    # Tasks still running or finished-but-unreported from before a reconnect.
+    running: list[TaskId] = Field(default_factory=list, max_length=1024)
+
+
+class Heartbeat(_Message):
+    type: Literal["heartbeat"] = "heartbeat"
+    load: float = Field(default=0.0, ge=0.0)
+    running: list[TaskProgress] = Field(default_factory=list, max_length=1024)
+
+
+class Ready(_Message):
+    """The node has `free_slots` free and would like that many tasks."""
+
+    type: Literal["ready"] = "ready"
+    free_slots: int = Field(ge=0, le=256)
+
+
+class Result(_Message):
+    type: Literal["result"] = "result"
+    task_id: TaskId
+    output: BlobHash
+    output_size: int = Field(ge=0)
+    elapsed_s: float = Field(ge=0.0)
+    metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class Failure(_Message):
+    type: Literal["failure"] = "failure"
+    task_id: TaskId
+    reason: str = Field(max_length=2000)
+    # False when retrying elsewhere is pointless (e.g. the input itself is bad).
+    retryable: bool = True
+
+
+# -- coordinator -> node ---------------------------------------------------------------
+
+
+class Welcome(_Message):
+    type: Literal["welcome"] = "welcome"
+    node_id: int
+    heartbeat_interval_s: float
+    server_time: datetime
+    # Of the tasks the node said it holds, those it should drop (unknown, done, not its).
+    drop: list[int] = Field(default_factory=list)
+
+
+class BlobRef(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    hash: BlobHash
+    size: int = Field(ge=0)
+
+
+class Assign(_Message):
+    type: Literal["assign"] = "assign"
+    task_id: TaskId
+    job_id: int
+    shard_index: int
+    kind: str
+    params: dict[str, object]
+    input: BlobRef
+    lease_deadline: datetime
+
+
+class ResultAck(_Message):
+    """Answer to `result`: the node may forget the task once it has this."""
+
+    type: Literal["result_ack"] = "result_ack"
+    task_id: int
+    status: Literal["accepted", "late", "duplicate"]
+
+
+class Cancel(_Message):
+    type: Literal["cancel"] = "cancel"
+    task_id: int
+    reason: str
+
+
+class Error(_Message):
+    """Answer to a message the coordinator could not take. Nothing changed because of it."""
+
+    type: Literal["error"] = "error"
+    code: Literal[
+        "malformed", "unknown_type", "version", "out_of_order", "unauthorized",
+        "rejected", "internal",
+    ]
+    message: str
+    task_id: int | None = None
+
+
+NodeMessage = Annotated[Hello | Heartbeat | Ready | Result | Failure, Field(discriminator="type")]
+ServerMessage = Annotated[
+    Welcome | Assign | ResultAck | Cancel | Error, Field(discriminator="type")
+]
+
+_node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
+_server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
+NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "failure"})
+
+
+class ProtocolError(ValueError):
+    """A frame that is not a valid message; `code` and `message` go into an Error reply."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result | Failure:
+    """Parse one frame from a node, or raise ProtocolError with a readable reason."""
+    import json
+
+    try:
+        raw = json.loads(frame)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError("malformed", f"frame is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ProtocolError("malformed", "a message must be a JSON object")
+    kind = raw.get("type")
+    if kind not in NODE_TYPES:
+        raise ProtocolError(
+            "unknown_type", f"unknown message type {kind!r}; expected one of {sorted(NODE_TYPES)}"
+        )
+    if raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "version", f"protocol version {raw.get('v')!r} not supported; this is {PROTOCOL_VERSION}"
+        )
+    try:
+        return _node_adapter.validate_python(raw)
+    except ValidationError as exc:
+        raise ProtocolError("malformed", _describe(exc)) from None
+
+
+def parse_server_message(frame: str | bytes) -> Welcome | Assign | ResultAck | Cancel | Error:
+    """Parse one frame from the coordinator (worker side)."""
+    try:
+        return _server_adapter.validate_json(frame)
+    except ValidationError as exc:
+        raise ProtocolError("malformed", _describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "message"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)

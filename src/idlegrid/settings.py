@@ -1,0 +1,105 @@
+"""Frozen settings objects, built from CLI flags over `IDLEGRID_*` environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+MIB = 1024 * 1024
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorSettings:
+    """Everything `idlegrid serve` can be told; defaults make a one-machine grid."""
+
+    data_dir: Path = Path("./idlegrid-data")
+    # Empty means SQLite in data_dir.
+    database_url: str = ""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_blob_bytes: int = 256 * MIB
+    max_request_bytes: int = 16 * MIB
+    heartbeat_interval_s: float = 15.0
+    # A node that sends nothing for this long is offline; its tasks go back to the queue.
+    node_timeout_s: float = 45.0
+    # Lease = max(min_lease_s, estimated shard time on the node x lease_slack).
+    min_lease_s: float = 120.0
+    lease_slack: float = 4.0
+    monitor_interval_s: float = 1.0
+    # Attempts of one shard (all tasks ever created for it) before the shard fails.
+    max_attempts: int = 5
+    default_replication: int = 1
+
+    @property
+    def database(self) -> str:
+        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'idlegrid.db'}"
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+    @property
+    def admin_token_file(self) -> Path:
+        return self.data_dir / "admin-token"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CoordinatorSettings:
+        """Defaults, then `IDLEGRID_<FIELD>` variables, then explicit (non-None) overrides."""
+        return _from_env(cls, env, overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerSettings:
+    """Everything `idlegrid worker` can be told."""
+
+    servers: tuple[str, ...] = ("http://127.0.0.1:8000",)
+    token: str = ""
+    state_dir: Path = field(default_factory=lambda: Path.home() / ".idlegrid" / "worker")
+    name: str = ""
+    slots: int = 1
+    # Kinds this worker offers; empty means every built-in kind it can import.
+    kinds: tuple[str, ...] = ()
+    device: str = ""  # empty: best available
+    threads: int = 0  # torch threads per process; 0: cores / slots
+    rebenchmark: bool = False
+    benchmark: bool = True
+    backoff_base_s: float = 0.5
+    backoff_max_s: float = 30.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
+        return _from_env(cls, env, overrides)
+
+
+def _from_env(cls: type[T], env: Mapping[str, str] | None, overrides: Mapping[str, Any]) -> T:
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = env.get(f"IDLEGRID_{f.name.upper()}")
+        if raw is not None and raw != "":
+            values[f.name] = _coerce(f, raw)
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = value
+    return cls(**values)
+
+
+def _coerce(f: dataclasses.Field[Any], raw: str) -> Any:
+    kind = str(f.type)
+    if "Path" in kind:
+        return Path(raw)
+    if "tuple" in kind:
+        return tuple(part.strip() for part in raw.split(",") if part.strip())
+    if kind == "bool":
+        return raw.lower() in {"1", "true", "yes", "on"}
+    if kind == "int":
+        return int(raw)
+    if kind == "float":
+        return float(raw)
+    return raw

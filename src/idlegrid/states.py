@@ -1,0 +1,102 @@
+"""Lifecycles of jobs, shards, tasks and nodes: enums plus one transition check each.
+
+The store calls `check_transition` before every state change, so an illegal move (a
+cancelled job becoming completed, a completed task being reassigned) raises instead of
+quietly corrupting state.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+
+
+class JobState(enum.StrEnum):
+    QUEUED = "queued"  # shards wait for nodes
+    RUNNING = "running"  # at least one task was assigned
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class ShardState(enum.StrEnum):
+    OPEN = "open"  # needs results
+    DONE = "done"  # has a canonical result
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+class TaskState(enum.StrEnum):
+    READY = "ready"  # waiting in the ready queue for a node
+    ASSIGNED = "assigned"  # leased to a node until its lease deadline
+    EXPIRED = "expired"  # lease lost; a late result still counts while the shard is open
+    COMPLETED = "completed"  # result received and stored
+    FAILED = "failed"  # the node reported a failure
+    CANCELLED = "cancelled"  # no longer needed (shard decided, job cancelled)
+
+
+class NodeState(enum.StrEnum):
+    ONLINE = "online"
+    OFFLINE = "offline"
+
+
+TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
+LIVE_TASK_STATES = frozenset({TaskState.READY, TaskState.ASSIGNED})
+
+_ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
+    JobState: {
+        JobState.QUEUED: frozenset(
+            {JobState.RUNNING, JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}
+        ),
+        JobState.RUNNING: frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED}),
+        JobState.COMPLETED: frozenset(),
+        JobState.FAILED: frozenset(),
+        JobState.CANCELLED: frozenset(),
+    },
+    ShardState: {
+        ShardState.OPEN: frozenset({ShardState.DONE, ShardState.FAILED, ShardState.CANCELLED}),
+        ShardState.DONE: frozenset(),
+        ShardState.FAILED: frozenset(),
+        ShardState.CANCELLED: frozenset(),
+    },
+    TaskState: {
+        TaskState.READY: frozenset({TaskState.ASSIGNED, TaskState.CANCELLED}),
+        TaskState.ASSIGNED: frozenset(
+            {TaskState.COMPLETED, TaskState.FAILED, TaskState.EXPIRED, TaskState.CANCELLED}
+        ),
+        # An expired task may still deliver (late result) or report failure.
+        TaskState.EXPIRED: frozenset(
+            {TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}
+        ),
+        TaskState.COMPLETED: frozenset(),
+        TaskState.FAILED: frozenset(),
+        TaskState.CANCELLED: frozenset(),
+    },
+    NodeState: {
+        NodeState.ONLINE: frozenset({NodeState.OFFLINE}),
+        NodeState.OFFLINE: frozenset({NodeState.ONLINE}),
+    },
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change that the lifecycle does not allow."""
+
+
+def can_transition(current: enum.Enum, target: enum.Enum) -> bool:
+    """Whether `current -> target` is a legal move of the same lifecycle."""
+    if type(current) is not type(target):
+        return False
+    return target in _ALLOWED[type(current)][current]
+
+
+def check_transition(current: enum.Enum, target: enum.Enum) -> None:
+    """Raise IllegalTransition unless `current -> target` is legal."""
+    if not can_transition(current, target):
+        raise IllegalTransition(f"{type(current).__name__}: {current.value} -> {target.value}")
+
+
+def sources_of(target: enum.Enum) -> frozenset[enum.Enum]:
+    """Every state from which `target` may be reached (for conditional SQL updates)."""
+    table = _ALLOWED[type(target)]
+    return frozenset(state for state, targets in table.items() if target in targets)

@@ -1,0 +1,134 @@
+"""SQL tables of the durable state. Alembic migrations create them; this module names them.
+
+Times are UTC epoch seconds (float): portable across SQLite and PostgreSQL and cheap to
+compare in the monitor's "due" queries.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    Column,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+    Text,
+    UniqueConstraint,
+)
+
+metadata = MetaData()
+
+accounts = Table(
+    "accounts",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(100), nullable=False, unique=True),
+    Column("is_admin", Boolean, nullable=False, default=False),
+    Column("created_at", Double, nullable=False),
+)
+
+tokens = Table(
+    "tokens",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("kind", String(10), nullable=False),  # "api" (researcher) or "node"
+    Column("token_hash", String(64), nullable=False, unique=True),
+    Column("prefix", String(16), nullable=False),
+    Column("label", String(100), nullable=False, default=""),
+    Column("created_at", Double, nullable=False),
+    Column("revoked_at", Double, nullable=True),
+)
+
+nodes = Table(
+    "nodes",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("node_key", String(64), nullable=False, unique=True),
+    Column("name", String(100), nullable=False, default=""),
+    Column("state", String(16), nullable=False),
+    Column("worker_version", String(50), nullable=False, default=""),
+    Column("hardware", JSON, nullable=False),
+    Column("benchmark", JSON, nullable=False),
+    Column("kinds", JSON, nullable=False),
+    Column("slots", Integer, nullable=False, default=1),
+    Column("address", String(64), nullable=False, default=""),
+    Column("created_at", Double, nullable=False),
+    Column("last_seen_at", Double, nullable=False),
+    Column("connected_seconds", Double, nullable=False, default=0.0),
+)
+
+jobs = Table(
+    "jobs",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("kind", String(40), nullable=False),
+    Column("params", JSON, nullable=False),
+    Column("inputs", JSON, nullable=False),  # input name -> blob hash
+    Column("state", String(16), nullable=False),
+    Column("replication", Integer, nullable=False),
+    Column("min_quorum", Integer, nullable=False),
+    Column("max_attempts", Integer, nullable=False),
+    Column("priority", Integer, nullable=False, default=0),
+    Column("shards_total", Integer, nullable=False),
+    Column("items_total", Integer, nullable=False),
+    Column("result_hash", String(64), nullable=True),
+    Column("result_size", Integer, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("started_at", Double, nullable=True),
+    Column("finished_at", Double, nullable=True),
+    Index("ix_jobs_account", "account_id", "id"),
+    Index("ix_jobs_state", "state"),
+)
+
+shards = Table(
+    "shards",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("job_id", Integer, ForeignKey("jobs.id"), nullable=False),
+    Column("idx", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("input_hash", String(64), nullable=False),
+    Column("input_size", Integer, nullable=False),
+    Column("item_count", Integer, nullable=False),
+    Column("cost_flops", Double, nullable=False),
+    Column("attempts", Integer, nullable=False, default=0),
+    Column("canonical_task_id", Integer, nullable=True),
+    Column("output_hash", String(64), nullable=True),
+    Column("output_size", Integer, nullable=True),
+    Column("error", Text, nullable=True),
+    Column("finished_at", Double, nullable=True),
+    UniqueConstraint("job_id", "idx", name="uq_shards_job_idx"),
+    Index("ix_shards_state", "state"),
+)
+
+tasks = Table(
+    "tasks",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("shard_id", Integer, ForeignKey("shards.id"), nullable=False),
+    Column("job_id", Integer, ForeignKey("jobs.id"), nullable=False),
+    Column("node_id", Integer, ForeignKey("nodes.id"), nullable=True),
+    Column("state", String(16), nullable=False),
+    # None until verified; then "valid", "invalid" or "late" (arrived after the decision).
+    Column("outcome", String(16), nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("assigned_at", Double, nullable=True),
+    Column("lease_deadline", Double, nullable=True),
+    Column("finished_at", Double, nullable=True),
+    Column("output_hash", String(64), nullable=True),
+    Column("output_size", Integer, nullable=True),
+    Column("elapsed_s", Double, nullable=True),
+    Column("failure_reason", Text, nullable=True),
+    Index("ix_tasks_state_lease", "state", "lease_deadline"),
+    Index("ix_tasks_shard", "shard_id"),
+    Index("ix_tasks_node_state", "node_id", "state"),
+)

@@ -1,0 +1,709 @@
+"""`SqlStore`: the store interface on SQLAlchemy 2 (async), SQLite by default.
+
+State changes are conditional updates (`UPDATE ... WHERE state = ...`) checked by their
+row count: a claim, a decision or an expiry that lost a race changes nothing. SQLite allows
+one writer at a time, so on SQLite this process serializes its write transactions with an
+asyncio lock instead of spinning on "database is locked".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from sqlalchemy import and_, case, event, exists, func, insert, select, update
+from sqlalchemy.engine import Row
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+
+from idlegrid.states import (
+    JobState,
+    NodeState,
+    ShardState,
+    TaskState,
+    check_transition,
+    sources_of,
+)
+from idlegrid.store.base import (
+    AccountRecord,
+    Assignment,
+    ClaimMiss,
+    DecisionOutcome,
+    JobRecord,
+    NewJob,
+    NodeRecord,
+    NodeTask,
+    ReadyTask,
+    ResultReceipt,
+    ShardForVerify,
+    ShardRecord,
+    ShardResult,
+    TaskInput,
+    TokenInfo,
+)
+from idlegrid.store.schema import accounts, jobs, nodes, shards, tasks, tokens
+
+_LIVE = (TaskState.READY.value, TaskState.ASSIGNED.value)
+_HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
+
+
+def _states(*states: Any) -> list[str]:
+    return [s.value for s in states]
+
+
+class SqlStore:
+    """Durable state in one SQL database (SQLite file or PostgreSQL)."""
+
+    def __init__(self, url: str, *, echo: bool = False) -> None:
+        self.url = url
+        self.engine: AsyncEngine = create_async_engine(url, echo=echo)
+        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self._write_lock = asyncio.Lock() if self.is_sqlite else None
+        if self.is_sqlite:
+            event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
+
+    async def open(self) -> None:
+        """Bring the schema to the newest migration."""
+        from idlegrid.store.migrate import upgrade
+
+        async with self.engine.begin() as conn:
+            await conn.run_sync(upgrade)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    @contextlib.asynccontextmanager
+    async def _tx(self) -> AsyncIterator[AsyncConnection]:
+        if self._write_lock is None:
+            async with self.engine.begin() as conn:
+                yield conn
+            return
+        async with self._write_lock, self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        async with self.engine.connect() as conn:
+            yield conn
+
+    # -- accounts and tokens ------------------------------------------------------------
+
+    async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord:
+        async with self._tx() as conn:
+            result = await conn.execute(
+                insert(accounts).values(name=name, is_admin=is_admin, created_at=now)
+            )
+            return AccountRecord(id=_pk(result), name=name, is_admin=is_admin)
+
+    async def get_account(self, name: str) -> AccountRecord | None:
+        async with self._read() as conn:
+            row = (await conn.execute(select(accounts).where(accounts.c.name == name))).first()
+        return AccountRecord(id=row.id, name=row.name, is_admin=row.is_admin) if row else None
+
+    async def count_accounts(self) -> int:
+        async with self._read() as conn:
+            return int((await conn.execute(select(func.count()).select_from(accounts))).scalar_one())
+
+    async def add_token(
+        self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
+    ) -> int:
+        async with self._tx() as conn:
+            result = await conn.execute(
+                insert(tokens).values(
+                    account_id=account_id, kind=kind, token_hash=token_hash, prefix=prefix,
+                    label=label, created_at=now,
+                )
+            )
+            return _pk(result)
+
+    async def find_token(self, token_hash: str) -> TokenInfo | None:
+        query = (
+            select(tokens.c.id, tokens.c.kind, accounts.c.id.label("account_id"),
+                   accounts.c.name, accounts.c.is_admin)
+            .join(accounts, accounts.c.id == tokens.c.account_id)
+            .where(tokens.c.token_hash == token_hash, tokens.c.revoked_at.is_(None))
+        )
+        async with self._read() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        return TokenInfo(
+            token_id=row.id, account_id=row.account_id, account_name=row.name,
+            kind=row.kind, is_admin=row.is_admin,
+        )
+
+    # -- nodes ----------------------------------------------------------------------------
+
+    async def register_node(
+        self, account_id: int, node_key: str, *, name: str, worker_version: str,
+        hardware: dict[str, Any], benchmark: dict[str, Any], kinds: list[str], slots: int,
+        address: str, now: float,
+    ) -> NodeRecord:
+        values = dict(
+            name=name, worker_version=worker_version, hardware=hardware, benchmark=benchmark,
+            kinds=kinds, slots=slots, address=address, last_seen_at=now,
+            state=NodeState.ONLINE.value,
+        )
+        async with self._tx() as conn:
+            row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).first()
+            if row is None:
+                await conn.execute(
+                    insert(nodes).values(
+                        account_id=account_id, node_key=node_key, created_at=now,
+                        connected_seconds=0.0, **values,
+                    )
+                )
+            elif row.account_id != account_id:
+                raise PermissionError("this node key belongs to another account")
+            else:
+                await conn.execute(update(nodes).where(nodes.c.id == row.id).values(**values))
+            row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
+        return _node(row)
+
+    async def set_node_offline(self, node_id: int, *, now: float) -> None:
+        async with self._tx() as conn:
+            await conn.execute(
+                update(nodes)
+                .where(nodes.c.id == node_id, nodes.c.state == NodeState.ONLINE.value)
+                .values(state=NodeState.OFFLINE.value, last_seen_at=now)
+            )
+
+    async def touch_nodes(self, seen: dict[int, float]) -> None:
+        """Record last-seen times and add the time since the previous touch to uptime."""
+        if not seen:
+            return
+        async with self._tx() as conn:
+            for node_id, at in seen.items():
+                await conn.execute(
+                    update(nodes)
+                    .where(nodes.c.id == node_id, nodes.c.last_seen_at < at)
+                    .values(
+                        # Gaps longer than a minute were time away, not uptime.
+                        connected_seconds=nodes.c.connected_seconds + case(
+                            (at - nodes.c.last_seen_at > 60.0, 0.0),
+                            else_=at - nodes.c.last_seen_at,
+                        ),
+                        last_seen_at=at,
+                    )
+                )
+
+    async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]:
+        query = select(nodes).order_by(nodes.c.id)
+        if account_id is not None:
+            query = query.where(nodes.c.account_id == account_id)
+        async with self._read() as conn:
+            return [_node(row) for row in await conn.execute(query)]
+
+    async def node_tasks(self, node_id: int) -> list[NodeTask]:
+        query = select(tasks.c.id, tasks.c.state).where(
+            tasks.c.node_id == node_id, tasks.c.state.in_(_HELD)
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [NodeTask(task_id=r.id, node_id=node_id, state=TaskState(r.state)) for r in rows]
+
+    # -- jobs -----------------------------------------------------------------------------
+
+    async def create_job(self, job: NewJob, *, now: float) -> tuple[JobRecord, list[ReadyTask]]:
+        async with self._tx() as conn:
+            job_id = _pk(await conn.execute(insert(jobs).values(
+                account_id=job.account_id, kind=job.kind, params=job.params, inputs=job.inputs,
+                state=JobState.QUEUED.value, replication=job.replication,
+                min_quorum=job.min_quorum, max_attempts=job.max_attempts, priority=job.priority,
+                shards_total=len(job.shards), items_total=sum(s.items for s in job.shards),
+                created_at=now,
+            )))
+            await conn.execute(insert(shards), [
+                dict(job_id=job_id, idx=s.index, state=ShardState.OPEN.value,
+                     input_hash=s.input_hash, input_size=s.input_size, item_count=s.items,
+                     cost_flops=s.cost_flops, attempts=0)
+                for s in job.shards
+            ])
+            ready = await self._replenish_in(conn, now=now, job_id=job_id)
+            record = await self._job(conn, job_id)
+        assert record is not None
+        return record, ready[0]
+
+    async def get_job(self, job_id: int) -> JobRecord | None:
+        async with self._read() as conn:
+            return await self._job(conn, job_id)
+
+    async def list_jobs(
+        self, account_id: int | None, *, limit: int, offset: int
+    ) -> list[JobRecord]:
+        query = select(jobs.c.id).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
+        if account_id is not None:
+            query = query.where(jobs.c.account_id == account_id)
+        async with self._read() as conn:
+            ids = (await conn.execute(query)).scalars().all()
+            return [job for i in ids if (job := await self._job(conn, i)) is not None]
+
+    async def list_shards(self, job_id: int) -> list[ShardRecord]:
+        live = (
+            select(func.count())
+            .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(_LIVE))
+            .scalar_subquery()
+        )
+        query = select(shards, live.label("live")).where(shards.c.job_id == job_id)
+        async with self._read() as conn:
+            rows = (await conn.execute(query.order_by(shards.c.idx))).all()
+        return [_shard(row, live=row.live) for row in rows]
+
+    async def cancel_job(self, job_id: int, *, now: float) -> list[NodeTask]:
+        return await self._end_job(job_id, JobState.CANCELLED, error=None, now=now)
+
+    async def fail_job(self, job_id: int, *, error: str, now: float) -> list[NodeTask]:
+        return await self._end_job(job_id, JobState.FAILED, error=error, now=now)
+
+    async def _end_job(
+        self, job_id: int, target: JobState, *, error: str | None, now: float
+    ) -> list[NodeTask]:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id, jobs.c.state.in_(_states(*sources_of(target))))
+                .values(state=target.value, error=error, finished_at=now)
+            )
+            if changed.rowcount != 1:
+                return []
+            shard_target = ShardState.CANCELLED if target == JobState.CANCELLED else ShardState.FAILED
+            await conn.execute(
+                update(shards)
+                .where(shards.c.job_id == job_id, shards.c.state == ShardState.OPEN.value)
+                .values(state=shard_target.value, finished_at=now)
+            )
+            return await self._cancel_live(conn, tasks.c.job_id == job_id, now=now)
+
+    async def canonical_outputs(self, job_id: int) -> list[str]:
+        query = select(shards.c.output_hash, shards.c.state).where(shards.c.job_id == job_id)
+        async with self._read() as conn:
+            rows = (await conn.execute(query.order_by(shards.c.idx))).all()
+        if any(row.state != ShardState.DONE.value or row.output_hash is None for row in rows):
+            raise RuntimeError(f"job {job_id} has shards without a canonical result")
+        return [row.output_hash for row in rows]
+
+    async def complete_job(
+        self, job_id: int, *, result_hash: str, result_size: int, now: float
+    ) -> bool:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == job_id,
+                       jobs.c.state.in_(_states(*sources_of(JobState.COMPLETED))))
+                .values(state=JobState.COMPLETED.value, result_hash=result_hash,
+                        result_size=result_size, finished_at=now)
+            )
+            return changed.rowcount == 1
+
+    async def jobs_to_assemble(self) -> list[int]:
+        not_done = (
+            select(shards.c.id)
+            .where(shards.c.job_id == jobs.c.id, shards.c.state != ShardState.DONE.value)
+            .exists()
+        )
+        query = select(jobs.c.id).where(
+            jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)), ~not_done
+        )
+        async with self._read() as conn:
+            return list((await conn.execute(query)).scalars().all())
+
+    # -- tasks ----------------------------------------------------------------------------
+
+    async def ready_tasks(self, *, limit: int) -> list[ReadyTask]:
+        query = (
+            select(tasks.c.id, tasks.c.shard_id, tasks.c.job_id, tasks.c.created_at,
+                   jobs.c.kind, jobs.c.priority, shards.c.item_count, shards.c.cost_flops)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.state == TaskState.READY.value)
+            .order_by(tasks.c.id)
+            .limit(limit)
+        )
+        async with self._read() as conn:
+            return [_ready(row) for row in await conn.execute(query)]
+
+    async def claim_task(
+        self, task_id: int, node_id: int, *, lease_deadline: float, now: float,
+        distinct_nodes: bool,
+    ) -> Assignment | ClaimMiss:
+        where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
+        if distinct_nodes:
+            other = tasks.alias("other")
+            where.append(~exists().where(
+                other.c.shard_id == tasks.c.shard_id, other.c.node_id == node_id
+            ))
+        async with self._tx() as conn:
+            claimed = await conn.execute(
+                update(tasks).where(*where)
+                .values(state=TaskState.ASSIGNED.value, node_id=node_id, assigned_at=now,
+                        lease_deadline=lease_deadline)
+            )
+            if claimed.rowcount != 1:
+                state = (await conn.execute(
+                    select(tasks.c.state).where(tasks.c.id == task_id)
+                )).scalar_one_or_none()
+                ready = state == TaskState.READY.value
+                return ClaimMiss.CONFLICT if ready else ClaimMiss.GONE
+            row = (await conn.execute(
+                select(tasks.c.id, tasks.c.shard_id, tasks.c.job_id, shards.c.idx,
+                       shards.c.input_hash, shards.c.input_size, jobs.c.kind, jobs.c.params)
+                .join(shards, shards.c.id == tasks.c.shard_id)
+                .join(jobs, jobs.c.id == tasks.c.job_id)
+                .where(tasks.c.id == task_id)
+            )).one()
+            await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == row.job_id, jobs.c.state == JobState.QUEUED.value)
+                .values(state=JobState.RUNNING.value, started_at=now)
+            )
+        return Assignment(
+            task_id=row.id, shard_id=row.shard_id, job_id=row.job_id, shard_index=row.idx,
+            kind=row.kind, params=row.params, input_hash=row.input_hash,
+            input_size=row.input_size, lease_deadline=lease_deadline,
+        )
+
+    async def accept_result(
+        self, task_id: int, node_id: int, *, output_hash: str, output_size: int,
+        elapsed_s: float, now: float,
+    ) -> ResultReceipt:
+        async with self._tx() as conn:
+            row = (await conn.execute(
+                select(tasks.c.node_id, tasks.c.state, tasks.c.output_hash, tasks.c.shard_id,
+                       tasks.c.job_id, shards.c.state.label("shard_state"))
+                .join(shards, shards.c.id == tasks.c.shard_id)
+                .where(tasks.c.id == task_id)
+            )).first()
+            receipt = _judge_result(row, task_id, node_id, output_hash)
+            if receipt is not None:
+                return receipt
+            assert row is not None
+            shard_open = row.shard_state == ShardState.OPEN.value
+            check_transition(TaskState(row.state), TaskState.COMPLETED)
+            changed = await conn.execute(
+                update(tasks)
+                .where(tasks.c.id == task_id, tasks.c.state == row.state)
+                .values(state=TaskState.COMPLETED.value, output_hash=output_hash,
+                        output_size=output_size, elapsed_s=elapsed_s, finished_at=now,
+                        outcome=None if shard_open else "late")
+            )
+            if changed.rowcount != 1:
+                return ResultReceipt("rejected", f"task {task_id} changed state meanwhile")
+        return ResultReceipt(
+            "accepted" if shard_open else "late", shard_id=row.shard_id, job_id=row.job_id
+        )
+
+    async def task_input(self, task_id: int, node_id: int) -> TaskInput | None:
+        query = (
+            select(tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.id == task_id, tasks.c.node_id == node_id)
+        )
+        async with self._read() as conn:
+            row = (await conn.execute(query)).first()
+        if row is None:
+            return None
+        return TaskInput(job_id=row.job_id, shard_id=row.shard_id, input_hash=row.input_hash)
+
+    async def record_failure(
+        self, task_id: int, node_id: int, *, reason: str, now: float
+    ) -> bool:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(tasks)
+                .where(tasks.c.id == task_id, tasks.c.node_id == node_id,
+                       tasks.c.state.in_(_HELD))
+                .values(state=TaskState.FAILED.value, failure_reason=reason[:2000],
+                        finished_at=now)
+            )
+            return changed.rowcount == 1
+
+    async def expire_overdue(self, *, now: float) -> list[NodeTask]:
+        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.lease_deadline < now)
+        return await self._expire(where, now=now)
+
+    async def expire_node_tasks(self, node_id: int, *, now: float) -> list[NodeTask]:
+        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.node_id == node_id)
+        return await self._expire(where, now=now)
+
+    async def expire_task(self, task_id: int, *, now: float) -> list[NodeTask]:
+        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.id == task_id)
+        return await self._expire(where, now=now)
+
+    async def _expire(self, where: Any, *, now: float) -> list[NodeTask]:
+        async with self._tx() as conn:
+            rows = (await conn.execute(select(tasks.c.id, tasks.c.node_id).where(where))).all()
+            if not rows:
+                return []
+            ids = [r.id for r in rows]
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_(ids), tasks.c.state == TaskState.ASSIGNED.value)
+                .values(state=TaskState.EXPIRED.value)
+            )
+        return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in rows]
+
+    async def shards_to_verify(self, *, limit: int) -> list[int]:
+        query = (
+            select(tasks.c.shard_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(shards.c.state == ShardState.OPEN.value,
+                   tasks.c.state == TaskState.COMPLETED.value, tasks.c.outcome.is_(None))
+            .distinct()
+            .limit(limit)
+        )
+        async with self._read() as conn:
+            return list((await conn.execute(query)).scalars().all())
+
+    async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None:
+        async with self._read() as conn:
+            row = (await conn.execute(select(shards).where(shards.c.id == shard_id))).first()
+            if row is None:
+                return None
+            job = await self._job(conn, row.job_id, with_counts=False)
+            results = (await conn.execute(
+                select(tasks.c.id, tasks.c.node_id, tasks.c.output_hash, tasks.c.output_size,
+                       tasks.c.outcome)
+                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.COMPLETED.value,
+                       (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"))
+                .order_by(tasks.c.finished_at, tasks.c.id)
+            )).all()
+        assert job is not None
+        return ShardForVerify(
+            shard=_shard(row),
+            job=job,
+            results=[
+                ShardResult(task_id=r.id, node_id=r.node_id, output_hash=r.output_hash,
+                            output_size=r.output_size, outcome=r.outcome)
+                for r in results
+            ],
+        )
+
+    async def decide_shard(
+        self, shard_id: int, *, canonical_task_id: int | None, valid: Sequence[int],
+        invalid: Sequence[int], fail_reason: str | None, now: float,
+    ) -> DecisionOutcome:
+        async with self._tx() as conn:
+            if invalid:
+                await conn.execute(
+                    update(tasks).where(tasks.c.id.in_(list(invalid))).values(outcome="invalid")
+                )
+            if canonical_task_id is None and fail_reason is None:
+                return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
+            target = ShardState.DONE if canonical_task_id is not None else ShardState.FAILED
+            output = None
+            if canonical_task_id is not None:
+                output = (await conn.execute(
+                    select(tasks.c.output_hash, tasks.c.output_size)
+                    .where(tasks.c.id == canonical_task_id)
+                )).one()
+            changed = await conn.execute(
+                update(shards)
+                .where(shards.c.id == shard_id, shards.c.state == ShardState.OPEN.value)
+                .values(state=target.value, canonical_task_id=canonical_task_id,
+                        output_hash=output.output_hash if output else None,
+                        output_size=output.output_size if output else None,
+                        error=fail_reason, finished_at=now)
+            )
+            if changed.rowcount != 1:
+                return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
+            if valid:
+                await conn.execute(
+                    update(tasks).where(tasks.c.id.in_(list(valid))).values(outcome="valid")
+                )
+            to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
+            job_id = (await conn.execute(
+                select(shards.c.job_id).where(shards.c.id == shard_id)
+            )).scalar_one()
+            open_left = (await conn.execute(
+                select(func.count()).where(shards.c.job_id == job_id,
+                                           shards.c.state != ShardState.DONE.value)
+            )).scalar_one()
+        return DecisionOutcome(decided=True, to_cancel=to_cancel, job_done=open_left == 0)
+
+    async def replenish(self, *, now: float) -> tuple[list[ReadyTask], list[int]]:
+        """Create tasks for open shards short of replicas; fail shards out of attempts."""
+        async with self._tx() as conn:
+            return await self._replenish_in(conn, now=now, job_id=None)
+
+    async def _replenish_in(
+        self, conn: AsyncConnection, *, now: float, job_id: int | None
+    ) -> tuple[list[ReadyTask], list[int]]:
+        pending = (
+            select(func.count())
+            .where(tasks.c.shard_id == shards.c.id,
+                   tasks.c.state.in_(_LIVE)
+                   | ((tasks.c.state == TaskState.COMPLETED.value)
+                      & (tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"))))
+            .scalar_subquery()
+        )
+        query = (
+            select(shards.c.id, shards.c.job_id, shards.c.attempts, pending.label("pending"),
+                   shards.c.item_count, shards.c.cost_flops,
+                   jobs.c.replication, jobs.c.max_attempts, jobs.c.kind, jobs.c.priority)
+            .join(jobs, jobs.c.id == shards.c.job_id)
+            .where(shards.c.state == ShardState.OPEN.value,
+                   jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
+                   pending < jobs.c.replication)
+        )
+        if job_id is not None:
+            query = query.where(shards.c.job_id == job_id)
+        rows = (await conn.execute(query)).all()
+        new_tasks: list[dict[str, Any]] = []
+        exhausted: list[Row[Any]] = []
+        for row in rows:
+            wanted = min(row.replication - row.pending, row.max_attempts - row.attempts)
+            if wanted <= 0:
+                if row.pending == 0:
+                    exhausted.append(row)
+                continue
+            new_tasks += [dict(shard_id=row.id, job_id=row.job_id, state=TaskState.READY.value,
+                               created_at=now)] * wanted
+            await conn.execute(
+                update(shards).where(shards.c.id == row.id)
+                .values(attempts=shards.c.attempts + wanted)
+            )
+        failed_jobs = await self._fail_exhausted(conn, exhausted, now=now)
+        if not new_tasks:
+            return [], failed_jobs
+        meta = {row.id: row for row in rows}
+        ready = []
+        for values in new_tasks:
+            task_id = _pk(await conn.execute(insert(tasks).values(**values)))
+            row = meta[values["shard_id"]]
+            ready.append(ReadyTask(task_id=task_id, shard_id=row.id, job_id=row.job_id,
+                                   kind=row.kind, priority=row.priority, created_at=now,
+                                   items=row.item_count, cost_flops=row.cost_flops))
+        return ready, failed_jobs
+
+    async def _fail_exhausted(
+        self, conn: AsyncConnection, rows: list[Row[Any]], *, now: float
+    ) -> list[int]:
+        failed_jobs: list[int] = []
+        for row in rows:
+            reason = (
+                f"shard {row.id} got no usable result in {row.attempts} attempts "
+                f"(max_attempts={row.max_attempts})"
+            )
+            await conn.execute(
+                update(shards)
+                .where(shards.c.id == row.id, shards.c.state == ShardState.OPEN.value)
+                .values(state=ShardState.FAILED.value, error=reason, finished_at=now)
+            )
+            changed = await conn.execute(
+                update(jobs)
+                .where(jobs.c.id == row.job_id,
+                       jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)))
+                .values(state=JobState.FAILED.value, error=reason, finished_at=now)
+            )
+            if changed.rowcount == 1:
+                failed_jobs.append(row.job_id)
+                await self._cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
+        return failed_jobs
+
+    async def _cancel_live(
+        self, conn: AsyncConnection, where: Any, *, now: float
+    ) -> list[NodeTask]:
+        """Cancel ready and held tasks matching `where`; return those a node holds."""
+        rows = (await conn.execute(
+            select(tasks.c.id, tasks.c.node_id, tasks.c.state)
+            .where(where, tasks.c.state.in_(_states(TaskState.READY, TaskState.ASSIGNED,
+                                                    TaskState.EXPIRED)))
+        )).all()
+        if not rows:
+            return []
+        await conn.execute(
+            update(tasks).where(tasks.c.id.in_([r.id for r in rows]))
+            .values(state=TaskState.CANCELLED.value, finished_at=now)
+        )
+        return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state))
+                for r in rows if r.node_id is not None]
+
+    async def _job(
+        self, conn: AsyncConnection, job_id: int, *, with_counts: bool = True
+    ) -> JobRecord | None:
+        row = (await conn.execute(select(jobs).where(jobs.c.id == job_id))).first()
+        if row is None:
+            return None
+        counts: dict[str, int] = {}
+        tasks_run = 0
+        if with_counts:
+            counts = {
+                state: n for state, n in (await conn.execute(
+                    select(shards.c.state, func.count()).where(shards.c.job_id == job_id)
+                    .group_by(shards.c.state)
+                )).tuples()
+            }
+            tasks_run = (await conn.execute(
+                select(func.count()).where(tasks.c.job_id == job_id,
+                                           tasks.c.state == TaskState.COMPLETED.value)
+            )).scalar_one()
+        return JobRecord(
+            id=row.id, account_id=row.account_id, kind=row.kind, params=row.params,
+            inputs=row.inputs, state=JobState(row.state), replication=row.replication,
+            min_quorum=row.min_quorum, max_attempts=row.max_attempts, priority=row.priority,
+            shards_total=row.shards_total, items_total=row.items_total,
+            result_hash=row.result_hash, result_size=row.result_size, error=row.error,
+            created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
+            shard_counts=counts, tasks_run=tasks_run,
+        )
+
+
+def _judge_result(
+    row: Row[Any] | None, task_id: int, node_id: int, output_hash: str
+) -> ResultReceipt | None:
+    """Why a result cannot be taken as new, or None when it can."""
+    if row is None:
+        return ResultReceipt("rejected", f"unknown task {task_id}")
+    if row.node_id != node_id:
+        return ResultReceipt("rejected", f"task {task_id} is not held by this node")
+    state = TaskState(row.state)
+    if state == TaskState.COMPLETED:
+        if row.output_hash == output_hash:
+            return ResultReceipt("duplicate", shard_id=row.shard_id, job_id=row.job_id)
+        return ResultReceipt("rejected", f"task {task_id} already reported another output")
+    if state == TaskState.CANCELLED:
+        return ResultReceipt("late", "the task was cancelled", row.shard_id, row.job_id)
+    if state not in (TaskState.ASSIGNED, TaskState.EXPIRED):
+        return ResultReceipt("rejected", f"task {task_id} is {state.value}")
+    return None
+
+
+def _pk(result: Any) -> int:
+    return int(result.inserted_primary_key[0])
+
+
+def _node(row: Row[Any]) -> NodeRecord:
+    return NodeRecord(
+        id=row.id, account_id=row.account_id, node_key=row.node_key, name=row.name,
+        state=NodeState(row.state), hardware=row.hardware, benchmark=row.benchmark,
+        kinds=row.kinds, slots=row.slots, worker_version=row.worker_version,
+        created_at=row.created_at, last_seen_at=row.last_seen_at,
+        connected_seconds=row.connected_seconds,
+    )
+
+
+def _shard(row: Row[Any], *, live: int = 0) -> ShardRecord:
+    return ShardRecord(
+        id=row.id, job_id=row.job_id, index=row.idx, state=ShardState(row.state),
+        items=row.item_count, attempts=row.attempts, input_hash=row.input_hash,
+        output_hash=row.output_hash, error=row.error, live_tasks=live,
+    )
+
+
+def _ready(row: Row[Any]) -> ReadyTask:
+    return ReadyTask(task_id=row.id, shard_id=row.shard_id, job_id=row.job_id, kind=row.kind,
+                     priority=row.priority, created_at=row.created_at, items=row.item_count,
+                     cost_flops=row.cost_flops)
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    # WAL lets readers run beside the writer; synchronous=FULL makes a commit durable
+    # before the coordinator acknowledges a result to its node.
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA synchronous=FULL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.close()
+

