@@ -16,11 +16,18 @@ import click
 from idlegrid import __version__
 
 server_option = click.option(
-    "--server", "-s", envvar="IDLEGRID_SERVER", default="http://127.0.0.1:8000",
-    show_default=True, help="Coordinator URL (env IDLEGRID_SERVER).",
+    "--server",
+    "-s",
+    envvar="IDLEGRID_SERVER",
+    default="http://127.0.0.1:8000",
+    show_default=True,
+    help="Coordinator URL (env IDLEGRID_SERVER).",
 )
 token_option = click.option(
-    "--token", "-t", envvar="IDLEGRID_TOKEN", required=True,
+    "--token",
+    "-t",
+    envvar="IDLEGRID_TOKEN",
+    required=True,
     help="Researcher API token (env IDLEGRID_TOKEN).",
 )
 
@@ -55,24 +62,54 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--data-dir", type=click.Path(path_type=Path), envvar="IDLEGRID_DATA_DIR",
-              default=Path("./idlegrid-data"), show_default=True,
-              help="Where the SQLite database, blobs and admin token live.")
-@click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="",
-              help="Database URL; default: SQLite in the data dir.")
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    envvar="IDLEGRID_DATA_DIR",
+    default=Path("./idlegrid-data"),
+    show_default=True,
+    help="Where the SQLite database, blobs and admin token live.",
+)
+@click.option(
+    "--database",
+    envvar="IDLEGRID_DATABASE_URL",
+    default="",
+    help="Database URL; default: SQLite in the data dir.",
+)
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
-@click.option("--port", default=8000, show_default=True, type=int,
-              help="Port to listen on; 0 picks a free one (printed).")
-@click.option("--heartbeat-interval", type=float, default=None,
-              help="Seconds between node heartbeats (default 15).")
-@click.option("--node-timeout", type=float, default=None,
-              help="Seconds of silence before a node is offline and its tasks requeued.")
+@click.option(
+    "--port",
+    default=8000,
+    show_default=True,
+    type=int,
+    help="Port to listen on; 0 picks a free one (printed).",
+)
+@click.option(
+    "--heartbeat-interval",
+    type=float,
+    default=None,
+    help="Seconds between node heartbeats (default 15).",
+)
+@click.option(
+    "--node-timeout",
+    type=float,
+    default=None,
+    help="Seconds of silence before a node is offline and its tasks requeued.",
+)
 @click.option("--min-lease", type=float, default=None, help="Shortest task lease, seconds.")
 @click.option("--max-blob-mb", type=float, default=None, help="Largest upload, MiB.")
 @click.option("--log-level", default="info", show_default=True)
-def serve(data_dir: Path, database: str, host: str, port: int, heartbeat_interval: float | None,
-          node_timeout: float | None, min_lease: float | None, max_blob_mb: float | None,
-          log_level: str) -> None:
+def serve(
+    data_dir: Path,
+    database: str,
+    host: str,
+    port: int,
+    heartbeat_interval: float | None,
+    node_timeout: float | None,
+    min_lease: float | None,
+    max_blob_mb: float | None,
+    log_level: str,
+) -> None:
     """Run the coordinator: REST API, node WebSocket and dashboard API.
 
     On first start it creates an admin account and writes its API token to
@@ -85,8 +122,12 @@ def serve(data_dir: Path, database: str, host: str, port: int, heartbeat_interva
 
     _setup_logging(log_level)
     settings = CoordinatorSettings.from_env(
-        data_dir=data_dir, database_url=database or None, host=host, port=port,
-        heartbeat_interval_s=heartbeat_interval, node_timeout_s=node_timeout,
+        data_dir=data_dir,
+        database_url=database or None,
+        host=host,
+        port=port,
+        heartbeat_interval_s=heartbeat_interval,
+        node_timeout_s=node_timeout,
         min_lease_s=min_lease,
         max_blob_bytes=int(max_blob_mb * 1024 * 1024) if max_blob_mb else None,
     )
@@ -94,12 +135,19 @@ def serve(data_dir: Path, database: str, host: str, port: int, heartbeat_interva
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(settings), log_level=log_level, lifespan="on",
-                            access_log=log_level == "debug", ws_max_size=16 * 1024 * 1024, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        create_app(settings),
+        log_level=log_level,
+        lifespan="on",
+        access_log=log_level == "debug",
+        ws_max_size=16 * 1024 * 1024,
+        timeout_graceful_shutdown=5,
+    )
     server = uvicorn.Server(config)
     click.echo(f"idlegrid coordinator listening on http://{host}:{bound}", err=False)
-    click.echo(f"admin token: {settings.admin_token_file} (read it with: "
-               f"cat {settings.admin_token_file})")
+    click.echo(
+        f"admin token: {settings.admin_token_file} (read it with: cat {settings.admin_token_file})"
+    )
     sys.stdout.flush()
     server.run(sockets=[sock])
 
@@ -108,25 +156,55 @@ def serve(data_dir: Path, database: str, host: str, port: int, heartbeat_interva
 
 
 @main.command()
-@click.option("--server", "-s", "servers", multiple=True, envvar="IDLEGRID_SERVERS",
-              default=["http://127.0.0.1:8000"], show_default=True,
-              help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, comma list).")
-@click.option("--token", "-t", envvar="IDLEGRID_NODE_TOKEN", required=True,
-              help="Node token (env IDLEGRID_NODE_TOKEN).")
-@click.option("--state-dir", type=click.Path(path_type=Path), default=None,
-              help="Node identity, blob cache, benchmark (default ~/.idlegrid/worker).")
+@click.option(
+    "--server",
+    "-s",
+    "servers",
+    multiple=True,
+    envvar="IDLEGRID_SERVERS",
+    default=["http://127.0.0.1:8000"],
+    show_default=True,
+    help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, comma list).",
+)
+@click.option(
+    "--token",
+    "-t",
+    envvar="IDLEGRID_NODE_TOKEN",
+    required=True,
+    help="Node token (env IDLEGRID_NODE_TOKEN).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Node identity, blob cache, benchmark (default ~/.idlegrid/worker).",
+)
 @click.option("--name", default="", help="A name shown on the dashboard.")
 @click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
 @click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
 @click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")
 @click.option("--threads", default=0, help="Torch threads (default: cores / slots).")
-@click.option("--benchmark/--no-benchmark", default=True, show_default=True,
-              help="Benchmark at registration (cached per hardware).")
+@click.option(
+    "--benchmark/--no-benchmark",
+    default=True,
+    show_default=True,
+    help="Benchmark at registration (cached per hardware).",
+)
 @click.option("--rebenchmark", is_flag=True, help="Run the benchmark again.")
 @click.option("--log-level", default="info", show_default=True)
-def worker(servers: tuple[str, ...], token: str, state_dir: Path | None, name: str, slots: int,
-           kinds: str, device: str, threads: int, benchmark: bool, rebenchmark: bool,
-           log_level: str) -> None:
+def worker(
+    servers: tuple[str, ...],
+    token: str,
+    state_dir: Path | None,
+    name: str,
+    slots: int,
+    kinds: str,
+    device: str,
+    threads: int,
+    benchmark: bool,
+    rebenchmark: bool,
+    log_level: str,
+) -> None:
     """Run a worker node: probe and benchmark this machine, then take tasks.
 
     The worker connects out to the coordinator (works behind NAT), reconnects with
@@ -138,9 +216,15 @@ def worker(servers: tuple[str, ...], token: str, state_dir: Path | None, name: s
     _setup_logging(log_level)
     expanded = tuple(part for s in servers for part in s.split(",") if part)
     settings = WorkerSettings.from_env(
-        servers=expanded, token=token, state_dir=state_dir, name=name or socket.gethostname(),
-        slots=slots, kinds=tuple(k for k in kinds.split(",") if k) or None,
-        device=device or None, threads=threads or None, benchmark=benchmark,
+        servers=expanded,
+        token=token,
+        state_dir=state_dir,
+        name=name or socket.gethostname(),
+        slots=slots,
+        kinds=tuple(k for k in kinds.split(",") if k) or None,
+        device=device or None,
+        threads=threads or None,
+        benchmark=benchmark,
         rebenchmark=rebenchmark,
     )
     try:
@@ -173,17 +257,37 @@ def _fail(exc: Exception) -> None:
 @main.command()
 @click.argument("kind")
 @click.argument("inputs", nargs=-1)
-@click.option("--param", "-p", "params", multiple=True, metavar="KEY=VALUE",
-              help="A setting of the kind, e.g. -p shard_size=128 (value parsed as JSON).")
+@click.option(
+    "--param",
+    "-p",
+    "params",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A setting of the kind, e.g. -p shard_size=128 (value parsed as JSON).",
+)
 @click.option("--replication", type=int, default=None, help="Replicas per shard.")
 @click.option("--priority", type=int, default=0, show_default=True)
 @click.option("--wait/--no-wait", default=False, help="Wait with a progress bar.")
-@click.option("--output", "-o", type=click.Path(path_type=Path), default=None,
-              help="With --wait: save the result here.")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="With --wait: save the result here.",
+)
 @server_option
 @token_option
-def submit(kind: str, inputs: tuple[str, ...], params: tuple[str, ...], replication: int | None,
-           priority: int, wait: bool, output: Path | None, server: str, token: str) -> None:
+def submit(
+    kind: str,
+    inputs: tuple[str, ...],
+    params: tuple[str, ...],
+    replication: int | None,
+    priority: int,
+    wait: bool,
+    output: Path | None,
+    server: str,
+    token: str,
+) -> None:
     """Submit a job: KIND and its inputs as NAME=PATH (or just PATH for one input).
 
     \b
@@ -207,8 +311,13 @@ def submit(kind: str, inputs: tuple[str, ...], params: tuple[str, ...], replicat
             settings[key] = raw
     try:
         client = _client(server, token)
-        job = client.submit(kind, inputs={n: p.read_bytes() for n, p in files.items()},
-                            params=settings, replication=replication, priority=priority)
+        job = client.submit(
+            kind,
+            inputs={n: p.read_bytes() for n, p in files.items()},
+            params=settings,
+            replication=replication,
+            priority=priority,
+        )
         click.echo(f"job {job.id} submitted")
         if wait:
             job.wait(progress=True)
@@ -243,9 +352,14 @@ def jobs(limit: int, server: str, token: str) -> None:
     table = Table("id", "kind", "state", "shards", "items", "error")
     try:
         for job in _client(server, token).jobs(limit=limit):
-            table.add_row(str(job["id"]), job["kind"], job["state"],
-                          f"{job['shards_done']}/{job['shards_total']}", str(job["items_total"]),
-                          (job["error"] or "")[:60])
+            table.add_row(
+                str(job["id"]),
+                job["kind"],
+                job["state"],
+                f"{job['shards_done']}/{job['shards_total']}",
+                str(job["items_total"]),
+                (job["error"] or "")[:60],
+            )
     except Exception as exc:
         _fail(exc)
     Console().print(table)
@@ -274,17 +388,24 @@ def job(job_id: int, watch: bool, cancel: bool, server: str, token: str) -> None
     click.echo(json.dumps(info, indent=2))
     click.echo(f"shards: {info['shard_counts']}")
     for shard in shards[:50]:
-        click.echo(f"  #{shard['index']:<5} {shard['state']:<9} items={shard['items']:<5} "
-                   f"attempts={shard['attempts']} running={shard['live_tasks']} "
-                   f"progress={shard['progress']:.0%}")
+        click.echo(
+            f"  #{shard['index']:<5} {shard['state']:<9} items={shard['items']:<5} "
+            f"attempts={shard['attempts']} running={shard['live_tasks']} "
+            f"progress={shard['progress']:.0%}"
+        )
     if len(shards) > 50:
         click.echo(f"  ... {len(shards) - 50} more")
 
 
 @main.command()
 @click.argument("job_id", type=int)
-@click.option("--output", "-o", type=click.Path(path_type=Path), required=True,
-              help="File to write (embed-text: a .npy float32 array).")
+@click.option(
+    "--output",
+    "-o",
+    type=click.Path(path_type=Path),
+    required=True,
+    help="File to write (embed-text: a .npy float32 array).",
+)
 @server_option
 @token_option
 def results(job_id: int, output: Path, server: str, token: str) -> None:
@@ -316,7 +437,8 @@ def token_create(is_node: bool, account: str | None, label: str, server: str, to
 
     try:
         made = _client(server, token).create_token(
-            kind="node" if is_node else "api", label=label, account=account)
+            kind="node" if is_node else "api", label=label, account=account
+        )
     except IdlegridError as exc:
         _fail(exc)
     click.echo(made["token"])

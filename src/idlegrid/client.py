@@ -1,10 +1,10 @@
 """The researcher SDK: submit jobs, follow them, fetch results.
 
-    from idlegrid import Client
-    client = Client("http://127.0.0.1:8000", token="igr_...")
-    job = client.submit_embeddings(["a text", "another"])
-    job.wait(progress=True)
-    vectors = job.result()          # numpy float32 array, one row per text, input order
+from idlegrid import Client
+client = Client("http://127.0.0.1:8000", token="igr_...")
+job = client.submit_embeddings(["a text", "another"])
+job.wait(progress=True)
+vectors = job.result()          # numpy float32 array, one row per text, input order
 """
 
 from __future__ import annotations
@@ -42,15 +42,21 @@ class Client:
     """A connection to one coordinator with one researcher token."""
 
     def __init__(
-        self, server: str | None = None, token: str | None = None, *, timeout: float = 120.0,
+        self,
+        server: str | None = None,
+        token: str | None = None,
+        *,
+        timeout: float = 120.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.server = (server or os.environ.get("IDLEGRID_SERVER") or "http://127.0.0.1:8000")
+        self.server = server or os.environ.get("IDLEGRID_SERVER") or "http://127.0.0.1:8000"
         token = token or os.environ.get("IDLEGRID_TOKEN")
         if not token:
             raise ValueError("a token is needed: pass token= or set IDLEGRID_TOKEN")
         self._http = httpx.Client(
-            base_url=self.server.rstrip("/"), timeout=timeout, transport=transport,
+            base_url=self.server.rstrip("/"),
+            timeout=timeout,
+            transport=transport,
             headers={"Authorization": f"Bearer {token}"},
         )
 
@@ -87,32 +93,53 @@ class Client:
     # -- jobs ------------------------------------------------------------------------------
 
     def submit(
-        self, kind: str, *, inputs: Mapping[str, bytes] | None = None,
-        params: Mapping[str, Any] | None = None, replication: int | None = None,
+        self,
+        kind: str,
+        *,
+        inputs: Mapping[str, bytes] | None = None,
+        params: Mapping[str, Any] | None = None,
+        replication: int | None = None,
         priority: int = 0,
     ) -> Job:
         """Upload inputs and submit a job of any built-in kind."""
         refs = {name: self.upload(data) for name, data in (inputs or {}).items()}
-        body: dict[str, Any] = {"kind": kind, "inputs": refs, "params": dict(params or {}),
-                                "priority": priority}
+        body: dict[str, Any] = {
+            "kind": kind,
+            "inputs": refs,
+            "params": dict(params or {}),
+            "priority": priority,
+        }
         if replication is not None:
             body["replication"] = replication
         info = self.request("POST", "/v1/jobs", json=body).json()
         return Job(self, info["id"], info)
 
     def submit_embeddings(
-        self, texts: Iterable[str] | str | Path, *, shard_size: int | None = None,
-        batch_size: int | None = None, replication: int | None = None, priority: int = 0,
+        self,
+        texts: Iterable[str] | str | Path,
+        *,
+        shard_size: int | None = None,
+        batch_size: int | None = None,
+        replication: int | None = None,
+        priority: int = 0,
     ) -> Job:
         """Embed texts (a list, or a path to a JSONL file) with all-MiniLM-L6-v2."""
         if isinstance(texts, str | Path):
             data = Path(texts).read_bytes()
         else:
             data = "".join(json.dumps(t, ensure_ascii=False) + "\n" for t in texts).encode()
-        params = {k: v for k, v in {"shard_size": shard_size, "batch_size": batch_size}.items()
-                  if v is not None}
-        return self.submit("embed-text", inputs={"texts": data}, params=params,
-                           replication=replication, priority=priority)
+        params = {
+            k: v
+            for k, v in {"shard_size": shard_size, "batch_size": batch_size}.items()
+            if v is not None
+        }
+        return self.submit(
+            "embed-text",
+            inputs={"texts": data},
+            params=params,
+            replication=replication,
+            priority=priority,
+        )
 
     def job(self, job_id: int) -> Job:
         return Job(self, job_id)
@@ -200,15 +227,21 @@ class _ProgressBar:
 
         self.label = label
         self.progress = Progress(
-            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-            "shards", TimeElapsedColumn(), transient=False,
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            "shards",
+            TimeElapsedColumn(),
+            transient=False,
         )
         self.progress.start()
         self.task = self.progress.add_task(label, total=None)
 
     def update(self, info: dict[str, Any]) -> None:
         self.progress.update(
-            self.task, total=info["shards_total"], completed=info["shards_done"],
+            self.task,
+            total=info["shards_total"],
+            completed=info["shards_done"],
             description=f"{self.label} [{info['state']}]",
         )
 
@@ -219,7 +252,8 @@ class _ProgressBar:
 def _error(response: httpx.Response) -> IdlegridError:
     try:
         body = response.json()
-        return IdlegridError(response.status_code, body.get("error", "error"),
-                             body.get("message", response.text))
+        return IdlegridError(
+            response.status_code, body.get("error", "error"), body.get("message", response.text)
+        )
     except ValueError:
         return IdlegridError(response.status_code, "error", response.text[:500])

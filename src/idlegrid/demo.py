@@ -31,16 +31,20 @@ def run_demo(*, texts: int, workers: int, shard_size: int) -> int:
         with grid.client() as client:
             for node in client.nodes():
                 rate = node["benchmark"].get("kind_rates", {}).get("embed-text", 0)
-                console.print(f"  node {node['id']} {node['name']}: "
-                              f"{node['benchmark']['matmul_gflops']:.1f} GFLOPS, "
-                              f"{rate:.0f} texts/s")
+                console.print(
+                    f"  node {node['id']} {node['name']}: "
+                    f"{node['benchmark']['matmul_gflops']:.1f} GFLOPS, "
+                    f"{rate:.0f} texts/s"
+                )
             started = time.perf_counter()
             job = client.submit_embeddings(corpus, shard_size=shard_size)
             job.wait(progress=True)
             vectors = job.result()
             elapsed = time.perf_counter() - started
-        console.print(f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
-                      f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers")
+        console.print(
+            f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
+            f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"
+        )
     return _check(console, corpus, vectors)
 
 
@@ -58,7 +62,9 @@ def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
     worst = float(cosine.min())
     ok = bool(np.all(cosine >= COSINE_FLOOR))
     verdict = "[green]OK" if ok else "[red]FAILED"
-    console.print(f"check: {vectors.shape[0]} rows, min cosine vs reference {worst:.6f} "
-                  f"(floor {COSINE_FLOOR}) {verdict}")
+    console.print(
+        f"check: {vectors.shape[0]} rows, min cosine vs reference {worst:.6f} "
+        f"(floor {COSINE_FLOOR}) {verdict}"
+    )
     console.print("all processes stopped")
     return 0 if ok else 1

@@ -24,8 +24,13 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 
 class LocalGrid:
     def __init__(
-        self, root: Path, *, heartbeat_s: float = 2.0, node_timeout_s: float = 6.0,
-        min_lease_s: float = 60.0, extra_env: dict[str, str] | None = None,
+        self,
+        root: Path,
+        *,
+        heartbeat_s: float = 2.0,
+        node_timeout_s: float = 6.0,
+        min_lease_s: float = 60.0,
+        extra_env: dict[str, str] | None = None,
     ) -> None:
         self.root = root
         self.data_dir = root / "coordinator"
@@ -38,6 +43,7 @@ class LocalGrid:
         self.node_token = ""
         self.coordinator: subprocess.Popen[str] | None = None
         self.workers: list[subprocess.Popen[str]] = []
+        self.old_coordinators: list[subprocess.Popen[str]] = []
         self._logs: list[IO[str]] = []
 
     def __enter__(self) -> LocalGrid:
@@ -59,11 +65,28 @@ class LocalGrid:
         """Start (or restart) the coordinator on the same data directory."""
         log = self._log("coordinator.log")
         self.coordinator = subprocess.Popen(
-            [sys.executable, "-m", "idlegrid", "serve", "--data-dir", str(self.data_dir),
-             "--port", str(port), "--heartbeat-interval", str(self.heartbeat_s),
-             "--node-timeout", str(self.node_timeout_s), "--min-lease", str(self.min_lease_s),
-             "--log-level", "info"],
-            stdout=subprocess.PIPE, stderr=log, text=True, env=self.env,
+            [
+                sys.executable,
+                "-m",
+                "idlegrid",
+                "serve",
+                "--data-dir",
+                str(self.data_dir),
+                "--port",
+                str(port),
+                "--heartbeat-interval",
+                str(self.heartbeat_s),
+                "--node-timeout",
+                str(self.node_timeout_s),
+                "--min-lease",
+                str(self.min_lease_s),
+                "--log-level",
+                "info",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=self.env,
             start_new_session=True,
         )
         self.url = self._await_listening(self.coordinator, timeout)
@@ -100,11 +123,14 @@ class LocalGrid:
         assert self.coordinator is not None
         self.coordinator.kill()
         self.coordinator.wait()
+        self.old_coordinators.append(self.coordinator)
 
     def create_token(self, *, kind: str = "api", account: str | None = None) -> dict[str, Any]:
         response = httpx.post(
-            f"{self.url}/v1/tokens", json={"kind": kind, "account": account},
-            headers={"Authorization": f"Bearer {self.admin_token}"}, timeout=30,
+            f"{self.url}/v1/tokens",
+            json={"kind": kind, "account": account},
+            headers={"Authorization": f"Bearer {self.admin_token}"},
+            timeout=30,
         )
         response.raise_for_status()
         return dict(response.json())
@@ -117,20 +143,46 @@ class LocalGrid:
     # -- workers -----------------------------------------------------------------------------
 
     def start_worker(
-        self, name: str, *, kinds: str = "", slots: int = 1, threads: int = 0,
-        benchmark: bool = True, extra: tuple[str, ...] = (),
+        self,
+        name: str,
+        *,
+        kinds: str = "",
+        slots: int = 1,
+        threads: int = 0,
+        benchmark: bool = True,
+        extra: tuple[str, ...] = (),
     ) -> subprocess.Popen[str]:
-        args = [sys.executable, "-m", "idlegrid", "worker", "--server", self.url,
-                "--token", self.node_token, "--state-dir", str(self.root / name),
-                "--name", name, "--slots", str(slots), *extra]
+        args = [
+            sys.executable,
+            "-m",
+            "idlegrid",
+            "worker",
+            "--server",
+            self.url,
+            "--token",
+            self.node_token,
+            "--state-dir",
+            str(self.root / name),
+            "--name",
+            name,
+            "--slots",
+            str(slots),
+            *extra,
+        ]
         if kinds:
             args += ["--kinds", kinds]
         if threads:
             args += ["--threads", str(threads)]
         if not benchmark:
             args.append("--no-benchmark")
-        proc = subprocess.Popen(args, stdout=self._log(f"{name}.log"), stderr=subprocess.STDOUT,
-                                text=True, env=self.env, start_new_session=True)
+        proc = subprocess.Popen(
+            args,
+            stdout=self._log(f"{name}.log"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=self.env,
+            start_new_session=True,
+        )
         self.workers.append(proc)
         return proc
 
@@ -182,5 +234,6 @@ def _drain(source: IO[str] | None, sink: IO[str]) -> None:
     try:
         for line in source:
             sink.write(line)
+        source.close()
     except (ValueError, OSError):
         pass  # closed at teardown

@@ -19,7 +19,7 @@ TaskId = Annotated[int, Field(ge=1)]
 
 class _Message(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    v: Literal[1] = PROTOCOL_VERSION
+    v: Literal[1] = 1
 
 
 # -- what a node says about itself -----------------------------------------------------
@@ -157,8 +157,13 @@ class Error(_Message):
 
     type: Literal["error"] = "error"
     code: Literal[
-        "malformed", "unknown_type", "version", "out_of_order", "unauthorized",
-        "rejected", "internal",
+        "malformed",
+        "unknown_type",
+        "version",
+        "out_of_order",
+        "unauthorized",
+        "rejected",
+        "internal",
     ]
     message: str
     task_id: int | None = None
@@ -189,18 +194,21 @@ def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result
 
     try:
         raw = json.loads(frame)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        # RecursionError: deeply nested arrays, which a hostile frame can hold.
         raise ProtocolError("malformed", f"frame is not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise ProtocolError("malformed", "a message must be a JSON object")
     kind = raw.get("type")
-    if kind not in NODE_TYPES:
+    # A non-string type (a list, say) is unhashable: test it before the set lookup.
+    if not isinstance(kind, str) or kind not in NODE_TYPES:
         raise ProtocolError(
             "unknown_type", f"unknown message type {kind!r}; expected one of {sorted(NODE_TYPES)}"
         )
     if raw.get("v", PROTOCOL_VERSION) != PROTOCOL_VERSION:
         raise ProtocolError(
-            "version", f"protocol version {raw.get('v')!r} not supported; this is {PROTOCOL_VERSION}"
+            "version",
+            f"protocol version {raw.get('v')!r} not supported; this is {PROTOCOL_VERSION}",
         )
     try:
         return _node_adapter.validate_python(raw)

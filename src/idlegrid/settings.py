@@ -49,7 +49,9 @@ class CoordinatorSettings:
         return self.data_dir / "admin-token"
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> CoordinatorSettings:
+    def from_env(
+        cls, env: Mapping[str, str] | None = None, **overrides: Any
+    ) -> CoordinatorSettings:
         """Defaults, then `IDLEGRID_<FIELD>` variables, then explicit (non-None) overrides."""
         return _from_env(cls, env, overrides)
 

@@ -65,9 +65,7 @@ _ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
             {TaskState.COMPLETED, TaskState.FAILED, TaskState.EXPIRED, TaskState.CANCELLED}
         ),
         # An expired task may still deliver (late result) or report failure.
-        TaskState.EXPIRED: frozenset(
-            {TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}
-        ),
+        TaskState.EXPIRED: frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}),
         TaskState.COMPLETED: frozenset(),
         TaskState.FAILED: frozenset(),
         TaskState.CANCELLED: frozenset(),

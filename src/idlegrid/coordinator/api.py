@@ -111,7 +111,9 @@ class TokenCreate(BaseModel):
     kind: Literal["api", "node"] = "api"
     label: str = Field(default="", max_length=100)
     account: str | None = Field(
-        default=None, max_length=100, pattern=r"^[A-Za-z0-9_.@-]+$",
+        default=None,
+        max_length=100,
+        pattern=r"^[A-Za-z0-9_.@-]+$",
         description="admin only: make the token for this account (created if missing)",
     )
 
@@ -146,8 +148,12 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
     try:
         get_kind(body.kind)
         job = await grid.submit_job(
-            account_id=token.account_id, kind_name=body.kind, inputs=body.inputs,
-            params=body.params, replication=body.replication, priority=body.priority,
+            account_id=token.account_id,
+            kind_name=body.kind,
+            inputs=body.inputs,
+            params=body.params,
+            replication=body.replication,
+            priority=body.priority,
         )
     except UnknownKind as exc:
         raise ApiError(422, "unknown_kind", str(exc)) from None
@@ -160,7 +166,8 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
 
 @router.get("/jobs", response_model=list[JobOut], tags=["jobs"])
 async def list_jobs(
-    token: Researcher, grid: GridDep,
+    token: Researcher,
+    grid: GridDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
     offset: Annotated[int, Query(ge=0)] = 0,
 ) -> list[JobOut]:
@@ -190,7 +197,8 @@ async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
     if job.result_hash is None:
         raise ApiError(409, "not_ready", f"job {job_id} is {job.state.value}; no result yet")
     return Response(
-        grid.blobs.read(job.result_hash), media_type=get_kind(job.kind).result_media_type,
+        grid.blobs.read(job.result_hash),
+        media_type=get_kind(job.kind).result_media_type,
         headers={"X-Idlegrid-Sha256": job.result_hash},
     )
 
@@ -210,13 +218,26 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         shard_list = [_shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
     done = job.shard_counts.get("done", 0)
     return JobOut(
-        id=job.id, kind=job.kind, state=job.state.value, params=job.params, inputs=job.inputs,
-        replication=job.replication, priority=job.priority, shards_total=job.shards_total,
-        shards_done=done, items_total=job.items_total,
+        id=job.id,
+        kind=job.kind,
+        state=job.state.value,
+        params=job.params,
+        inputs=job.inputs,
+        replication=job.replication,
+        priority=job.priority,
+        shards_total=job.shards_total,
+        shards_done=done,
+        items_total=job.items_total,
         progress=done / job.shards_total if job.shards_total else 1.0,
-        shard_counts=job.shard_counts, tasks_completed=job.tasks_run, result=job.result_hash,
-        result_size=job.result_size, error=job.error, created_at=job.created_at,
-        started_at=job.started_at, finished_at=job.finished_at, shards=shard_list,
+        shard_counts=job.shard_counts,
+        tasks_completed=job.tasks_run,
+        result=job.result_hash,
+        result_size=job.result_size,
+        error=job.error,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        shards=shard_list,
     )
 
 
@@ -229,9 +250,14 @@ def _task_progress(grid: Grid) -> dict[int, float]:
 
 def _shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
     fraction = 1.0 if shard.state.value == "done" else 0.0
-    return ShardOut(index=shard.index, state=shard.state.value, items=shard.items,
-                    attempts=shard.attempts, live_tasks=shard.live_tasks,
-                    progress=fraction if fraction else progress.get(shard.id, 0.0))
+    return ShardOut(
+        index=shard.index,
+        state=shard.state.value,
+        items=shard.items,
+        attempts=shard.attempts,
+        live_tasks=shard.live_tasks,
+        progress=fraction if fraction else progress.get(shard.id, 0.0),
+    )
 
 
 # -- blobs ---------------------------------------------------------------------------------
@@ -256,8 +282,9 @@ async def get_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
     try:
         data = grid.blobs.read(blob_hash)
     except BlobError as exc:
-        raise ApiError(exc.status, "not_found" if exc.status == 404 else "invalid_hash",
-                       exc.message) from None
+        raise ApiError(
+            exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
+        ) from None
     return Response(data, media_type="application/octet-stream")
 
 
@@ -289,15 +316,22 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
             raise ApiError(403, "forbidden", "only admins can make tokens for other accounts")
         account = await grid.store.get_account(body.account)
         if account is None:
-            account = await grid.store.create_account(body.account, is_admin=False,
-                                                      now=grid.clock())
+            account = await grid.store.create_account(
+                body.account, is_admin=False, now=grid.clock()
+            )
         account_id, account_name = account.id, account.name
     secret = new_token(body.kind)
-    await grid.store.add_token(account_id, kind=body.kind, token_hash=hash_token(secret),
-                               prefix=display_prefix(secret), label=body.label,
-                               now=grid.clock())
-    return TokenOut(token=secret, kind=body.kind, account=account_name,
-                    prefix=display_prefix(secret))
+    await grid.store.add_token(
+        account_id,
+        kind=body.kind,
+        token_hash=hash_token(secret),
+        prefix=display_prefix(secret),
+        label=body.label,
+        now=grid.clock(),
+    )
+    return TokenOut(
+        token=secret, kind=body.kind, account=account_name, prefix=display_prefix(secret)
+    )
 
 
 @router.get("/me", tags=["accounts"])
@@ -315,10 +349,17 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
 
 def _node_out(grid: Grid, node: NodeRecord) -> NodeOut:
     return NodeOut(
-        id=node.id, name=node.name, state=node.state.value,
-        online=grid.hub.get(node.id) is not None, slots=node.slots, kinds=node.kinds,
-        hardware=node.hardware, benchmark=node.benchmark, worker_version=node.worker_version,
-        uptime_s=node.connected_seconds, last_seen_at=node.last_seen_at,
+        id=node.id,
+        name=node.name,
+        state=node.state.value,
+        online=grid.hub.get(node.id) is not None,
+        slots=node.slots,
+        kinds=node.kinds,
+        hardware=node.hardware,
+        benchmark=node.benchmark,
+        worker_version=node.worker_version,
+        uptime_s=node.connected_seconds,
+        last_seen_at=node.last_seen_at,
     )
 
 

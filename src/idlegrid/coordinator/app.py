@@ -36,8 +36,12 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
         store = open_store(settings.database)
         await store.open()
         await bootstrap_admin(store, settings)
-        grid = Grid(settings=settings, store=store, broker=MemoryBroker(),
-                    blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes))
+        grid = Grid(
+            settings=settings,
+            store=store,
+            broker=MemoryBroker(),
+            blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes),
+        )
         monitor = Monitor(grid)
         await monitor.start()
         app.state.grid = grid
@@ -52,13 +56,16 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             await store.close()
 
     app = FastAPI(
-        title="idlegrid coordinator", version=__version__, lifespan=lifespan,
+        title="idlegrid coordinator",
+        version=__version__,
+        lifespan=lifespan,
         description="Jobs, blobs and results for researchers; a WebSocket for worker nodes.",
     )
     app.include_router(api.router)
     _install_error_handlers(app)
-    app.add_middleware(BodyLimit, default_limit=settings.max_request_bytes,
-                       blob_limit=settings.max_blob_bytes)
+    app.add_middleware(
+        BodyLimit, default_limit=settings.max_request_bytes, blob_limit=settings.max_blob_bytes
+    )
 
     @app.get("/healthz", tags=["meta"])
     async def healthz() -> dict[str, Any]:
@@ -79,14 +86,21 @@ async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
 
     account = await store.create_account("admin", is_admin=True, now=time.time())
     token = new_token("api")
-    await store.add_token(account.id, kind="api", token_hash=hash_token(token),
-                          prefix=display_prefix(token), label="bootstrap", now=time.time())
+    await store.add_token(
+        account.id,
+        kind="api",
+        token_hash=hash_token(token),
+        prefix=display_prefix(token),
+        label="bootstrap",
+        now=time.time(),
+    )
     path = settings.admin_token_file
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as handle:
         handle.write(token + "\n")
-    log.warning("created the admin account; its API token is in %s (read it with: cat %s)",
-                path, path)
+    log.warning(
+        "created the admin account; its API token is in %s (read it with: cat %s)", path, path
+    )
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -161,7 +175,14 @@ class _TooLarge(Exception):
 
 async def _send_413(send: Send, limit: int) -> None:
     response = api.error_response(413, "too_large", f"request body is over the {limit}-byte limit")
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(response.body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 413,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(response.body)).encode()),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": response.body})

@@ -56,7 +56,12 @@ class JobPlan:
 
 class Grid:
     def __init__(
-        self, *, settings: CoordinatorSettings, store: Store, broker: Broker, blobs: BlobStore,
+        self,
+        *,
+        settings: CoordinatorSettings,
+        store: Store,
+        broker: Broker,
+        blobs: BlobStore,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
@@ -71,8 +76,14 @@ class Grid:
     # -- jobs ----------------------------------------------------------------------------
 
     async def submit_job(
-        self, *, account_id: int, kind_name: str, inputs: Mapping[str, str],
-        params: Mapping[str, Any], replication: int | None, priority: int,
+        self,
+        *,
+        account_id: int,
+        kind_name: str,
+        inputs: Mapping[str, str],
+        params: Mapping[str, Any],
+        replication: int | None,
+        priority: int,
     ) -> JobRecord:
         """Validate, split and store a job; its tasks enter the ready queue."""
         kind = get_kind(kind_name)
@@ -88,22 +99,35 @@ class Grid:
             if not self.blobs.exists(blob_hash):
                 raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
         specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
-        shards = [NewShard(index=s.index, input_hash=h, input_size=len(s.payload),
-                           items=s.items, cost_flops=s.cost_flops) for s, h in specs]
+        shards = [
+            NewShard(
+                index=s.index,
+                input_hash=h,
+                input_size=len(s.payload),
+                items=s.items,
+                cost_flops=s.cost_flops,
+            )
+            for s, h in specs
+        ]
         replication = replication or self.settings.default_replication
         record, ready = await self.store.create_job(
             NewJob(
-                account_id=account_id, kind=kind.name, params=parsed.model_dump(mode="json"),
-                inputs=dict(inputs), replication=replication,
+                account_id=account_id,
+                kind=kind.name,
+                params=parsed.model_dump(mode="json"),
+                inputs=dict(inputs),
+                replication=replication,
                 min_quorum=1 if replication == 1 else 2,
                 max_attempts=max(self.settings.max_attempts, replication + 2),
-                priority=priority, shards=shards,
+                priority=priority,
+                shards=shards,
             ),
             now=self.clock(),
         )
         await self.enqueue(ready)
-        log.info("job %s: %s, %d shards, %d items", record.id, kind.name, len(shards),
-                 record.items_total)
+        log.info(
+            "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
+        )
         return record
 
     def _split(
@@ -120,8 +144,13 @@ class Grid:
                 return None
             kind = get_kind(job.kind)
             params = kind.parse_params(job.params)
-            plan = JobPlan(kind=kind, params=params, requirements=kind.requirements(params),
-                           replication=job.replication, min_quorum=job.min_quorum)
+            plan = JobPlan(
+                kind=kind,
+                params=params,
+                requirements=kind.requirements(params),
+                replication=job.replication,
+                min_quorum=job.min_quorum,
+            )
             self._plans[job_id] = plan
         return plan
 
@@ -164,16 +193,23 @@ class Grid:
             if plan is None:
                 await self.broker.discard([entry.task_id])
                 continue
-            candidates.append(scheduler.Candidate(
-                task_id=entry.task_id, job_id=entry.job_id, kind=entry.kind,
-                priority=entry.priority, created_at=entry.created_at,
-                requirements=plan.requirements,
-            ))
+            candidates.append(
+                scheduler.Candidate(
+                    task_id=entry.task_id,
+                    job_id=entry.job_id,
+                    kind=entry.kind,
+                    priority=entry.priority,
+                    created_at=entry.created_at,
+                    requirements=plan.requirements,
+                )
+            )
         for candidate in scheduler.rank(session.view, candidates, now=now):
             entry = by_id[candidate.task_id]
             plan = self._plans[entry.job_id]
             claim = await self.store.claim_task(
-                entry.task_id, session.node_id, now=now,
+                entry.task_id,
+                session.node_id,
+                now=now,
                 lease_deadline=now + self.lease_seconds(session, entry),
                 distinct_nodes=plan.replication > 1,
             )
@@ -206,7 +242,9 @@ class Grid:
         problem = await self._check_output(session, msg)
         if problem is not None:
             failed = await self.store.record_failure(
-                msg.task_id, session.node_id, reason=f"invalid output: {problem}",
+                msg.task_id,
+                session.node_id,
+                reason=f"invalid output: {problem}",
                 now=self.clock(),
             )
             if failed:
@@ -214,8 +252,12 @@ class Grid:
                 await self.replenish()
             return ResultReceipt("rejected", problem)
         receipt = await self.store.accept_result(
-            msg.task_id, session.node_id, output_hash=msg.output, output_size=msg.output_size,
-            elapsed_s=msg.elapsed_s, now=self.clock(),
+            msg.task_id,
+            session.node_id,
+            output_hash=msg.output,
+            output_size=msg.output_size,
+            elapsed_s=msg.elapsed_s,
+            now=self.clock(),
         )
         if receipt.status != "rejected":
             session.forget_task(msg.task_id)
@@ -238,8 +280,10 @@ class Grid:
             return None
         try:
             await asyncio.to_thread(
-                plan.kind.check_output, self.blobs.read(assignment.input_hash),
-                self.blobs.read(msg.output), plan.params,
+                plan.kind.check_output,
+                self.blobs.read(assignment.input_hash),
+                self.blobs.read(msg.output),
+                plan.params,
             )
         except ValueError as exc:
             return str(exc)
@@ -264,13 +308,18 @@ class Grid:
         assert plan is not None
         outputs = [(r.task_id, self.blobs.read(r.output_hash)) for r in found.results]
         decision = await asyncio.to_thread(
-            verifier.decide, outputs,
+            verifier.decide,
+            outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
             min_quorum=plan.min_quorum,
         )
         outcome = await self.store.decide_shard(
-            shard_id, canonical_task_id=decision.canonical, valid=decision.valid,
-            invalid=decision.invalid, fail_reason=decision.fail_reason, now=self.clock(),
+            shard_id,
+            canonical_task_id=decision.canonical,
+            valid=decision.valid,
+            invalid=decision.invalid,
+            fail_reason=decision.fail_reason,
+            now=self.clock(),
         )
         await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         if outcome.job_done:
@@ -332,8 +381,11 @@ class Grid:
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:
     return protocol.Assign(
-        task_id=assignment.task_id, job_id=assignment.job_id,
-        shard_index=assignment.shard_index, kind=assignment.kind, params=assignment.params,
+        task_id=assignment.task_id,
+        job_id=assignment.job_id,
+        shard_index=assignment.shard_index,
+        kind=assignment.kind,
+        params=assignment.params,
         input=protocol.BlobRef(hash=assignment.input_hash, size=assignment.input_size),
         lease_deadline=datetime.fromtimestamp(assignment.lease_deadline, UTC),
     )

@@ -7,6 +7,7 @@ does nothing the second time. Tests call them one at a time; `Monitor.run` loops
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 from idlegrid.coordinator.grid import Grid
@@ -25,7 +26,8 @@ async def mark_silent_nodes_offline(grid: Grid) -> int:
     """Nodes not heard from within the timeout go offline and lose their leases."""
     now = grid.clock()
     silent = [
-        node_id for node_id, seen in (await grid.broker.presence()).items()
+        node_id
+        for node_id, seen in (await grid.broker.presence()).items()
         if now - seen > grid.settings.node_timeout_s
     ]
     for node_id in silent:
@@ -36,8 +38,9 @@ async def mark_silent_nodes_offline(grid: Grid) -> int:
             await session.close()
         await grid.store.set_node_offline(node_id, now=now)
         await grid.broker.forget_node(node_id)
-        await grid.expire(await grid.store.expire_node_tasks(node_id, now=now),
-                          why=f"node {node_id} went silent")
+        await grid.expire(
+            await grid.store.expire_node_tasks(node_id, now=now), why=f"node {node_id} went silent"
+        )
     return len(silent)
 
 
@@ -72,8 +75,9 @@ class Monitor:
     async def start(self) -> None:
         await self._startup()
         self._tasks = [
-            asyncio.create_task(self._loop(run_once, self.grid.settings.monitor_interval_s),
-                                name="monitor"),
+            asyncio.create_task(
+                self._loop(run_once, self.grid.settings.monitor_interval_s), name="monitor"
+            ),
             asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
         ]
@@ -102,10 +106,8 @@ class Monitor:
                 await step(self.grid)
             except Exception:
                 log.exception("monitor pass %s failed", getattr(step, "__name__", step))
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), interval)
-            except TimeoutError:
-                pass
 
     async def _dispatch_loop(self) -> None:
         while not self._stopping.is_set():

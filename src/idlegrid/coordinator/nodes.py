@@ -61,9 +61,7 @@ async def _receive(websocket: WebSocket) -> str | None:
     return text
 
 
-async def _error(
-    websocket: WebSocket, code: str, message: str, task_id: int | None = None
-) -> None:
+async def _error(websocket: WebSocket, code: str, message: str, task_id: int | None = None) -> None:
     error = protocol.Error(code=code, message=message, task_id=task_id)  # type: ignore[arg-type]
     await websocket.send_text(error.model_dump_json())
 
@@ -85,9 +83,7 @@ async def _handshake(websocket: WebSocket, grid: Grid) -> NodeSession | None:
         return await _register(websocket, grid, msg)
 
 
-async def _register(
-    websocket: WebSocket, grid: Grid, hello: protocol.Hello
-) -> NodeSession | None:
+async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> NodeSession | None:
     token = await grid.store.find_token(hash_token(hello.token))
     if token is None or token.kind != "node":
         await _error(websocket, "unauthorized", "a valid node token is required")
@@ -98,34 +94,51 @@ async def _register(
     address = websocket.client.host if websocket.client else ""
     try:
         node = await grid.store.register_node(
-            token.account_id, hello.node_key, name=hello.name,
-            worker_version=hello.worker_version, hardware=hello.hardware.model_dump(),
-            benchmark=hello.benchmark.model_dump(), kinds=kinds, slots=hello.slots,
-            address=address, now=now,
+            token.account_id,
+            hello.node_key,
+            name=hello.name,
+            worker_version=hello.worker_version,
+            hardware=hello.hardware.model_dump(),
+            benchmark=hello.benchmark.model_dump(),
+            kinds=kinds,
+            slots=hello.slots,
+            address=address,
+            now=now,
         )
     except PermissionError as exc:
         await _error(websocket, "unauthorized", str(exc))
         await websocket.close(code=CLOSE_UNAUTHORIZED)
         return None
     session = NodeSession(
-        node_id=node.id, account_id=node.account_id, name=node.name, slots=hello.slots,
-        view=NodeView(node_id=node.id, kinds=frozenset(kinds),
-                      backends=hello.hardware.backends, memory_mb=hello.hardware.memory_mb,
-                      gflops=hello.benchmark.matmul_gflops),
+        node_id=node.id,
+        account_id=node.account_id,
+        name=node.name,
+        slots=hello.slots,
+        view=NodeView(
+            node_id=node.id,
+            kinds=frozenset(kinds),
+            backends=hello.hardware.backends,
+            memory_mb=hello.hardware.memory_mb,
+            gflops=hello.benchmark.matmul_gflops,
+        ),
         kind_rates=dict(hello.benchmark.kind_rates),
-        send_text=websocket.send_text, close=websocket.close,
+        send_text=websocket.send_text,
+        close=websocket.close,
     )
     drop = await _reconcile(grid, session, set(hello.running))
     old = grid.hub.add(session)
     if old is not None:
         await old.close()
     await grid.broker.node_seen(node.id, now)
-    await session.send(protocol.Welcome(
-        node_id=node.id, heartbeat_interval_s=grid.settings.heartbeat_interval_s,
-        server_time=datetime.now(UTC), drop=sorted(drop),
-    ))
-    log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots,
-             kinds)
+    await session.send(
+        protocol.Welcome(
+            node_id=node.id,
+            heartbeat_interval_s=grid.settings.heartbeat_interval_s,
+            server_time=datetime.now(UTC),
+            drop=sorted(drop),
+        )
+    )
+    log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots, kinds)
     return session
 
 
@@ -161,10 +174,13 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
             await _handle(grid, session, msg)
         except Exception:
             log.exception("node %s: handling %s failed", session.node_id, msg.type)
-            await session.send(protocol.Error(
-                code="internal", message=f"the coordinator could not handle this {msg.type}",
-                task_id=getattr(msg, "task_id", None),
-            ))
+            await session.send(
+                protocol.Error(
+                    code="internal",
+                    message=f"the coordinator could not handle this {msg.type}",
+                    task_id=getattr(msg, "task_id", None),
+                )
+            )
 
 
 async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
@@ -172,7 +188,8 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
         case protocol.Heartbeat(running=running):
             session.progress = {
                 session.shard_of[p.task_id]: p.progress
-                for p in running if p.task_id in session.shard_of
+                for p in running
+                if p.task_id in session.shard_of
             }
         case protocol.Ready(free_slots=free):
             session.requested = free
@@ -180,16 +197,22 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
         case protocol.Result():
             receipt = await grid.accept_result(session, msg)
             if receipt.status == "rejected":
-                log.warning("node %s: result for task %s rejected: %s", session.node_id,
-                            msg.task_id, receipt.reason)
-                await session.send(protocol.Error(
-                    code="rejected", message=receipt.reason, task_id=msg.task_id
-                ))
+                log.warning(
+                    "node %s: result for task %s rejected: %s",
+                    session.node_id,
+                    msg.task_id,
+                    receipt.reason,
+                )
+                await session.send(
+                    protocol.Error(code="rejected", message=receipt.reason, task_id=msg.task_id)
+                )
             else:
                 await session.send(protocol.ResultAck(task_id=msg.task_id, status=receipt.status))
         case protocol.Failure():
             await grid.record_failure(session, msg)
         case protocol.Hello():
-            await session.send(protocol.Error(
-                code="out_of_order", message="hello was already received on this connection"
-            ))
+            await session.send(
+                protocol.Error(
+                    code="out_of_order", message="hello was already received on this connection"
+                )
+            )

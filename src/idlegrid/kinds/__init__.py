@@ -27,7 +27,9 @@ def get_kind(name: str) -> TaskKind:
     try:
         return KINDS[name]
     except KeyError:
-        raise UnknownKind(f"unknown kind {name!r}; known kinds: {', '.join(sorted(KINDS))}") from None
+        raise UnknownKind(
+            f"unknown kind {name!r}; known kinds: {', '.join(sorted(KINDS))}"
+        ) from None
 
 
 __all__ = [

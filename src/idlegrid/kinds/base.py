@@ -103,5 +103,7 @@ class TaskKind(ABC):
     def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
         """Build the job's result from the canonical outputs, in shard order."""
 
-    def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
+    def check_output(  # noqa: B027 - an optional hook: accepting everything is the default
+        self, payload: bytes, output: bytes, params: KindParams
+    ) -> None:
         """Cheap structural check of an output before it is accepted (raise InputError)."""

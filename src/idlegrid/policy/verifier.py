@@ -33,7 +33,8 @@ def decide(
     best: list[int] = []
     for i, (_, output) in enumerate(results):
         group = [i] + [
-            j for j, (_, other) in enumerate(results)
+            j
+            for j, (_, other) in enumerate(results)
             if j != i and compare(output, other) == Verdict.AGREE
         ]
         if len(group) > len(best):
@@ -42,7 +43,8 @@ def decide(
         return Decision(canonical=None, valid=(), invalid=())
     canonical_output = results[best[0]][1]
     invalid = tuple(
-        task_id for j, (task_id, output) in enumerate(results)
+        task_id
+        for j, (task_id, output) in enumerate(results)
         if j not in best and compare(canonical_output, output) == Verdict.DISAGREE
     )
     return Decision(

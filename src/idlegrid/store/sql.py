@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from sqlalchemy import and_, case, event, exists, func, insert, select, update
-from sqlalchemy.engine import Row
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from idlegrid.states import (
@@ -103,7 +102,9 @@ class SqlStore:
 
     async def count_accounts(self) -> int:
         async with self._read() as conn:
-            return int((await conn.execute(select(func.count()).select_from(accounts))).scalar_one())
+            return int(
+                (await conn.execute(select(func.count()).select_from(accounts))).scalar_one()
+            )
 
     async def add_token(
         self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
@@ -111,16 +112,25 @@ class SqlStore:
         async with self._tx() as conn:
             result = await conn.execute(
                 insert(tokens).values(
-                    account_id=account_id, kind=kind, token_hash=token_hash, prefix=prefix,
-                    label=label, created_at=now,
+                    account_id=account_id,
+                    kind=kind,
+                    token_hash=token_hash,
+                    prefix=prefix,
+                    label=label,
+                    created_at=now,
                 )
             )
             return _pk(result)
 
     async def find_token(self, token_hash: str) -> TokenInfo | None:
         query = (
-            select(tokens.c.id, tokens.c.kind, accounts.c.id.label("account_id"),
-                   accounts.c.name, accounts.c.is_admin)
+            select(
+                tokens.c.id,
+                tokens.c.kind,
+                accounts.c.id.label("account_id"),
+                accounts.c.name,
+                accounts.c.is_admin,
+            )
             .join(accounts, accounts.c.id == tokens.c.account_id)
             .where(tokens.c.token_hash == token_hash, tokens.c.revoked_at.is_(None))
         )
@@ -129,20 +139,38 @@ class SqlStore:
         if row is None:
             return None
         return TokenInfo(
-            token_id=row.id, account_id=row.account_id, account_name=row.name,
-            kind=row.kind, is_admin=row.is_admin,
+            token_id=row.id,
+            account_id=row.account_id,
+            account_name=row.name,
+            kind=row.kind,
+            is_admin=row.is_admin,
         )
 
     # -- nodes ----------------------------------------------------------------------------
 
     async def register_node(
-        self, account_id: int, node_key: str, *, name: str, worker_version: str,
-        hardware: dict[str, Any], benchmark: dict[str, Any], kinds: list[str], slots: int,
-        address: str, now: float,
+        self,
+        account_id: int,
+        node_key: str,
+        *,
+        name: str,
+        worker_version: str,
+        hardware: dict[str, Any],
+        benchmark: dict[str, Any],
+        kinds: list[str],
+        slots: int,
+        address: str,
+        now: float,
     ) -> NodeRecord:
         values = dict(
-            name=name, worker_version=worker_version, hardware=hardware, benchmark=benchmark,
-            kinds=kinds, slots=slots, address=address, last_seen_at=now,
+            name=name,
+            worker_version=worker_version,
+            hardware=hardware,
+            benchmark=benchmark,
+            kinds=kinds,
+            slots=slots,
+            address=address,
+            last_seen_at=now,
             state=NodeState.ONLINE.value,
         )
         async with self._tx() as conn:
@@ -150,8 +178,11 @@ class SqlStore:
             if row is None:
                 await conn.execute(
                     insert(nodes).values(
-                        account_id=account_id, node_key=node_key, created_at=now,
-                        connected_seconds=0.0, **values,
+                        account_id=account_id,
+                        node_key=node_key,
+                        created_at=now,
+                        connected_seconds=0.0,
+                        **values,
                     )
                 )
             elif row.account_id != account_id:
@@ -180,7 +211,8 @@ class SqlStore:
                     .where(nodes.c.id == node_id, nodes.c.last_seen_at < at)
                     .values(
                         # Gaps longer than a minute were time away, not uptime.
-                        connected_seconds=nodes.c.connected_seconds + case(
+                        connected_seconds=nodes.c.connected_seconds
+                        + case(
                             (at - nodes.c.last_seen_at > 60.0, 0.0),
                             else_=at - nodes.c.last_seen_at,
                         ),
@@ -207,19 +239,40 @@ class SqlStore:
 
     async def create_job(self, job: NewJob, *, now: float) -> tuple[JobRecord, list[ReadyTask]]:
         async with self._tx() as conn:
-            job_id = _pk(await conn.execute(insert(jobs).values(
-                account_id=job.account_id, kind=job.kind, params=job.params, inputs=job.inputs,
-                state=JobState.QUEUED.value, replication=job.replication,
-                min_quorum=job.min_quorum, max_attempts=job.max_attempts, priority=job.priority,
-                shards_total=len(job.shards), items_total=sum(s.items for s in job.shards),
-                created_at=now,
-            )))
-            await conn.execute(insert(shards), [
-                dict(job_id=job_id, idx=s.index, state=ShardState.OPEN.value,
-                     input_hash=s.input_hash, input_size=s.input_size, item_count=s.items,
-                     cost_flops=s.cost_flops, attempts=0)
-                for s in job.shards
-            ])
+            job_id = _pk(
+                await conn.execute(
+                    insert(jobs).values(
+                        account_id=job.account_id,
+                        kind=job.kind,
+                        params=job.params,
+                        inputs=job.inputs,
+                        state=JobState.QUEUED.value,
+                        replication=job.replication,
+                        min_quorum=job.min_quorum,
+                        max_attempts=job.max_attempts,
+                        priority=job.priority,
+                        shards_total=len(job.shards),
+                        items_total=sum(s.items for s in job.shards),
+                        created_at=now,
+                    )
+                )
+            )
+            await conn.execute(
+                insert(shards),
+                [
+                    dict(
+                        job_id=job_id,
+                        idx=s.index,
+                        state=ShardState.OPEN.value,
+                        input_hash=s.input_hash,
+                        input_size=s.input_size,
+                        item_count=s.items,
+                        cost_flops=s.cost_flops,
+                        attempts=0,
+                    )
+                    for s in job.shards
+                ],
+            )
             ready = await self._replenish_in(conn, now=now, job_id=job_id)
             record = await self._job(conn, job_id)
         assert record is not None
@@ -267,7 +320,9 @@ class SqlStore:
             )
             if changed.rowcount != 1:
                 return []
-            shard_target = ShardState.CANCELLED if target == JobState.CANCELLED else ShardState.FAILED
+            shard_target = (
+                ShardState.CANCELLED if target == JobState.CANCELLED else ShardState.FAILED
+            )
             await conn.execute(
                 update(shards)
                 .where(shards.c.job_id == job_id, shards.c.state == ShardState.OPEN.value)
@@ -289,10 +344,15 @@ class SqlStore:
         async with self._tx() as conn:
             changed = await conn.execute(
                 update(jobs)
-                .where(jobs.c.id == job_id,
-                       jobs.c.state.in_(_states(*sources_of(JobState.COMPLETED))))
-                .values(state=JobState.COMPLETED.value, result_hash=result_hash,
-                        result_size=result_size, finished_at=now)
+                .where(
+                    jobs.c.id == job_id, jobs.c.state.in_(_states(*sources_of(JobState.COMPLETED)))
+                )
+                .values(
+                    state=JobState.COMPLETED.value,
+                    result_hash=result_hash,
+                    result_size=result_size,
+                    finished_at=now,
+                )
             )
             return changed.rowcount == 1
 
@@ -312,8 +372,16 @@ class SqlStore:
 
     async def ready_tasks(self, *, limit: int) -> list[ReadyTask]:
         query = (
-            select(tasks.c.id, tasks.c.shard_id, tasks.c.job_id, tasks.c.created_at,
-                   jobs.c.kind, jobs.c.priority, shards.c.item_count, shards.c.cost_flops)
+            select(
+                tasks.c.id,
+                tasks.c.shard_id,
+                tasks.c.job_id,
+                tasks.c.created_at,
+                jobs.c.kind,
+                jobs.c.priority,
+                shards.c.item_count,
+                shards.c.cost_flops,
+            )
             .join(jobs, jobs.c.id == tasks.c.job_id)
             .join(shards, shards.c.id == tasks.c.shard_id)
             .where(tasks.c.state == TaskState.READY.value)
@@ -324,56 +392,96 @@ class SqlStore:
             return [_ready(row) for row in await conn.execute(query)]
 
     async def claim_task(
-        self, task_id: int, node_id: int, *, lease_deadline: float, now: float,
+        self,
+        task_id: int,
+        node_id: int,
+        *,
+        lease_deadline: float,
+        now: float,
         distinct_nodes: bool,
     ) -> Assignment | ClaimMiss:
         where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
         if distinct_nodes:
             other = tasks.alias("other")
-            where.append(~exists().where(
-                other.c.shard_id == tasks.c.shard_id, other.c.node_id == node_id
-            ))
+            where.append(
+                ~exists().where(other.c.shard_id == tasks.c.shard_id, other.c.node_id == node_id)
+            )
         async with self._tx() as conn:
             claimed = await conn.execute(
-                update(tasks).where(*where)
-                .values(state=TaskState.ASSIGNED.value, node_id=node_id, assigned_at=now,
-                        lease_deadline=lease_deadline)
+                update(tasks)
+                .where(*where)
+                .values(
+                    state=TaskState.ASSIGNED.value,
+                    node_id=node_id,
+                    assigned_at=now,
+                    lease_deadline=lease_deadline,
+                )
             )
             if claimed.rowcount != 1:
-                state = (await conn.execute(
-                    select(tasks.c.state).where(tasks.c.id == task_id)
-                )).scalar_one_or_none()
+                state = (
+                    await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
+                ).scalar_one_or_none()
                 ready = state == TaskState.READY.value
                 return ClaimMiss.CONFLICT if ready else ClaimMiss.GONE
-            row = (await conn.execute(
-                select(tasks.c.id, tasks.c.shard_id, tasks.c.job_id, shards.c.idx,
-                       shards.c.input_hash, shards.c.input_size, jobs.c.kind, jobs.c.params)
-                .join(shards, shards.c.id == tasks.c.shard_id)
-                .join(jobs, jobs.c.id == tasks.c.job_id)
-                .where(tasks.c.id == task_id)
-            )).one()
+            row = (
+                await conn.execute(
+                    select(
+                        tasks.c.id,
+                        tasks.c.shard_id,
+                        tasks.c.job_id,
+                        shards.c.idx,
+                        shards.c.input_hash,
+                        shards.c.input_size,
+                        jobs.c.kind,
+                        jobs.c.params,
+                    )
+                    .join(shards, shards.c.id == tasks.c.shard_id)
+                    .join(jobs, jobs.c.id == tasks.c.job_id)
+                    .where(tasks.c.id == task_id)
+                )
+            ).one()
             await conn.execute(
                 update(jobs)
                 .where(jobs.c.id == row.job_id, jobs.c.state == JobState.QUEUED.value)
                 .values(state=JobState.RUNNING.value, started_at=now)
             )
         return Assignment(
-            task_id=row.id, shard_id=row.shard_id, job_id=row.job_id, shard_index=row.idx,
-            kind=row.kind, params=row.params, input_hash=row.input_hash,
-            input_size=row.input_size, lease_deadline=lease_deadline,
+            task_id=row.id,
+            shard_id=row.shard_id,
+            job_id=row.job_id,
+            shard_index=row.idx,
+            kind=row.kind,
+            params=row.params,
+            input_hash=row.input_hash,
+            input_size=row.input_size,
+            lease_deadline=lease_deadline,
         )
 
     async def accept_result(
-        self, task_id: int, node_id: int, *, output_hash: str, output_size: int,
-        elapsed_s: float, now: float,
+        self,
+        task_id: int,
+        node_id: int,
+        *,
+        output_hash: str,
+        output_size: int,
+        elapsed_s: float,
+        now: float,
     ) -> ResultReceipt:
         async with self._tx() as conn:
-            row = (await conn.execute(
-                select(tasks.c.node_id, tasks.c.state, tasks.c.output_hash, tasks.c.shard_id,
-                       tasks.c.job_id, shards.c.state.label("shard_state"))
-                .join(shards, shards.c.id == tasks.c.shard_id)
-                .where(tasks.c.id == task_id)
-            )).first()
+            row = (
+                await conn.execute(
+                    select(
+                        tasks.c.node_id,
+                        tasks.c.state,
+                        tasks.c.output_hash,
+                        tasks.c.shard_id,
+                        tasks.c.job_id,
+                        shards.c.state.label("shard_state"),
+                    )
+                    .join(shards, shards.c.id == tasks.c.shard_id)
+                    .where(tasks.c.id == task_id)
+                )
+            ).first()
             receipt = _judge_result(row, task_id, node_id, output_hash)
             if receipt is not None:
                 return receipt
@@ -383,9 +491,14 @@ class SqlStore:
             changed = await conn.execute(
                 update(tasks)
                 .where(tasks.c.id == task_id, tasks.c.state == row.state)
-                .values(state=TaskState.COMPLETED.value, output_hash=output_hash,
-                        output_size=output_size, elapsed_s=elapsed_s, finished_at=now,
-                        outcome=None if shard_open else "late")
+                .values(
+                    state=TaskState.COMPLETED.value,
+                    output_hash=output_hash,
+                    output_size=output_size,
+                    elapsed_s=elapsed_s,
+                    finished_at=now,
+                    outcome=None if shard_open else "late",
+                )
             )
             if changed.rowcount != 1:
                 return ResultReceipt("rejected", f"task {task_id} changed state meanwhile")
@@ -405,16 +518,12 @@ class SqlStore:
             return None
         return TaskInput(job_id=row.job_id, shard_id=row.shard_id, input_hash=row.input_hash)
 
-    async def record_failure(
-        self, task_id: int, node_id: int, *, reason: str, now: float
-    ) -> bool:
+    async def record_failure(self, task_id: int, node_id: int, *, reason: str, now: float) -> bool:
         async with self._tx() as conn:
             changed = await conn.execute(
                 update(tasks)
-                .where(tasks.c.id == task_id, tasks.c.node_id == node_id,
-                       tasks.c.state.in_(_HELD))
-                .values(state=TaskState.FAILED.value, failure_reason=reason[:2000],
-                        finished_at=now)
+                .where(tasks.c.id == task_id, tasks.c.node_id == node_id, tasks.c.state.in_(_HELD))
+                .values(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
             )
             return changed.rowcount == 1
 
@@ -447,8 +556,11 @@ class SqlStore:
         query = (
             select(tasks.c.shard_id)
             .join(shards, shards.c.id == tasks.c.shard_id)
-            .where(shards.c.state == ShardState.OPEN.value,
-                   tasks.c.state == TaskState.COMPLETED.value, tasks.c.outcome.is_(None))
+            .where(
+                shards.c.state == ShardState.OPEN.value,
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.outcome.is_(None),
+            )
             .distinct()
             .limit(limit)
         )
@@ -461,27 +573,48 @@ class SqlStore:
             if row is None:
                 return None
             job = await self._job(conn, row.job_id, with_counts=False)
-            results = (await conn.execute(
-                select(tasks.c.id, tasks.c.node_id, tasks.c.output_hash, tasks.c.output_size,
-                       tasks.c.outcome)
-                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.COMPLETED.value,
-                       (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"))
-                .order_by(tasks.c.finished_at, tasks.c.id)
-            )).all()
+            results = (
+                await conn.execute(
+                    select(
+                        tasks.c.id,
+                        tasks.c.node_id,
+                        tasks.c.output_hash,
+                        tasks.c.output_size,
+                        tasks.c.outcome,
+                    )
+                    .where(
+                        tasks.c.shard_id == shard_id,
+                        tasks.c.state == TaskState.COMPLETED.value,
+                        (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"),
+                    )
+                    .order_by(tasks.c.finished_at, tasks.c.id)
+                )
+            ).all()
         assert job is not None
         return ShardForVerify(
             shard=_shard(row),
             job=job,
             results=[
-                ShardResult(task_id=r.id, node_id=r.node_id, output_hash=r.output_hash,
-                            output_size=r.output_size, outcome=r.outcome)
+                ShardResult(
+                    task_id=r.id,
+                    node_id=r.node_id,
+                    output_hash=r.output_hash,
+                    output_size=r.output_size,
+                    outcome=r.outcome,
+                )
                 for r in results
             ],
         )
 
     async def decide_shard(
-        self, shard_id: int, *, canonical_task_id: int | None, valid: Sequence[int],
-        invalid: Sequence[int], fail_reason: str | None, now: float,
+        self,
+        shard_id: int,
+        *,
+        canonical_task_id: int | None,
+        valid: Sequence[int],
+        invalid: Sequence[int],
+        fail_reason: str | None,
+        now: float,
     ) -> DecisionOutcome:
         async with self._tx() as conn:
             if invalid:
@@ -493,17 +626,24 @@ class SqlStore:
             target = ShardState.DONE if canonical_task_id is not None else ShardState.FAILED
             output = None
             if canonical_task_id is not None:
-                output = (await conn.execute(
-                    select(tasks.c.output_hash, tasks.c.output_size)
-                    .where(tasks.c.id == canonical_task_id)
-                )).one()
+                output = (
+                    await conn.execute(
+                        select(tasks.c.output_hash, tasks.c.output_size).where(
+                            tasks.c.id == canonical_task_id
+                        )
+                    )
+                ).one()
             changed = await conn.execute(
                 update(shards)
                 .where(shards.c.id == shard_id, shards.c.state == ShardState.OPEN.value)
-                .values(state=target.value, canonical_task_id=canonical_task_id,
-                        output_hash=output.output_hash if output else None,
-                        output_size=output.output_size if output else None,
-                        error=fail_reason, finished_at=now)
+                .values(
+                    state=target.value,
+                    canonical_task_id=canonical_task_id,
+                    output_hash=output.output_hash if output else None,
+                    output_size=output.output_size if output else None,
+                    error=fail_reason,
+                    finished_at=now,
+                )
             )
             if changed.rowcount != 1:
                 return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
@@ -512,13 +652,16 @@ class SqlStore:
                     update(tasks).where(tasks.c.id.in_(list(valid))).values(outcome="valid")
                 )
             to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
-            job_id = (await conn.execute(
-                select(shards.c.job_id).where(shards.c.id == shard_id)
-            )).scalar_one()
-            open_left = (await conn.execute(
-                select(func.count()).where(shards.c.job_id == job_id,
-                                           shards.c.state != ShardState.DONE.value)
-            )).scalar_one()
+            job_id = (
+                await conn.execute(select(shards.c.job_id).where(shards.c.id == shard_id))
+            ).scalar_one()
+            open_left = (
+                await conn.execute(
+                    select(func.count()).where(
+                        shards.c.job_id == job_id, shards.c.state != ShardState.DONE.value
+                    )
+                )
+            ).scalar_one()
         return DecisionOutcome(decided=True, to_cancel=to_cancel, job_done=open_left == 0)
 
     async def replenish(self, *, now: float) -> tuple[list[ReadyTask], list[int]]:
@@ -531,36 +674,55 @@ class SqlStore:
     ) -> tuple[list[ReadyTask], list[int]]:
         pending = (
             select(func.count())
-            .where(tasks.c.shard_id == shards.c.id,
-                   tasks.c.state.in_(_LIVE)
-                   | ((tasks.c.state == TaskState.COMPLETED.value)
-                      & (tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"))))
+            .where(
+                tasks.c.shard_id == shards.c.id,
+                tasks.c.state.in_(_LIVE)
+                | (
+                    (tasks.c.state == TaskState.COMPLETED.value)
+                    & (tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"))
+                ),
+            )
             .scalar_subquery()
         )
         query = (
-            select(shards.c.id, shards.c.job_id, shards.c.attempts, pending.label("pending"),
-                   shards.c.item_count, shards.c.cost_flops,
-                   jobs.c.replication, jobs.c.max_attempts, jobs.c.kind, jobs.c.priority)
+            select(
+                shards.c.id,
+                shards.c.job_id,
+                shards.c.attempts,
+                pending.label("pending"),
+                shards.c.item_count,
+                shards.c.cost_flops,
+                jobs.c.replication,
+                jobs.c.max_attempts,
+                jobs.c.kind,
+                jobs.c.priority,
+            )
             .join(jobs, jobs.c.id == shards.c.job_id)
-            .where(shards.c.state == ShardState.OPEN.value,
-                   jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
-                   pending < jobs.c.replication)
+            .where(
+                shards.c.state == ShardState.OPEN.value,
+                jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
+                pending < jobs.c.replication,
+            )
         )
         if job_id is not None:
             query = query.where(shards.c.job_id == job_id)
         rows = (await conn.execute(query)).all()
         new_tasks: list[dict[str, Any]] = []
-        exhausted: list[Row[Any]] = []
+        exhausted: list[Any] = []
         for row in rows:
             wanted = min(row.replication - row.pending, row.max_attempts - row.attempts)
             if wanted <= 0:
                 if row.pending == 0:
                     exhausted.append(row)
                 continue
-            new_tasks += [dict(shard_id=row.id, job_id=row.job_id, state=TaskState.READY.value,
-                               created_at=now)] * wanted
+            new_tasks += [
+                dict(
+                    shard_id=row.id, job_id=row.job_id, state=TaskState.READY.value, created_at=now
+                )
+            ] * wanted
             await conn.execute(
-                update(shards).where(shards.c.id == row.id)
+                update(shards)
+                .where(shards.c.id == row.id)
                 .values(attempts=shards.c.attempts + wanted)
             )
         failed_jobs = await self._fail_exhausted(conn, exhausted, now=now)
@@ -571,13 +733,22 @@ class SqlStore:
         for values in new_tasks:
             task_id = _pk(await conn.execute(insert(tasks).values(**values)))
             row = meta[values["shard_id"]]
-            ready.append(ReadyTask(task_id=task_id, shard_id=row.id, job_id=row.job_id,
-                                   kind=row.kind, priority=row.priority, created_at=now,
-                                   items=row.item_count, cost_flops=row.cost_flops))
+            ready.append(
+                ReadyTask(
+                    task_id=task_id,
+                    shard_id=row.id,
+                    job_id=row.job_id,
+                    kind=row.kind,
+                    priority=row.priority,
+                    created_at=now,
+                    items=row.item_count,
+                    cost_flops=row.cost_flops,
+                )
+            )
         return ready, failed_jobs
 
     async def _fail_exhausted(
-        self, conn: AsyncConnection, rows: list[Row[Any]], *, now: float
+        self, conn: AsyncConnection, rows: list[Any], *, now: float
     ) -> list[int]:
         failed_jobs: list[int] = []
         for row in rows:
@@ -592,8 +763,10 @@ class SqlStore:
             )
             changed = await conn.execute(
                 update(jobs)
-                .where(jobs.c.id == row.job_id,
-                       jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)))
+                .where(
+                    jobs.c.id == row.job_id,
+                    jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
+                )
                 .values(state=JobState.FAILED.value, error=reason, finished_at=now)
             )
             if changed.rowcount == 1:
@@ -605,19 +778,28 @@ class SqlStore:
         self, conn: AsyncConnection, where: Any, *, now: float
     ) -> list[NodeTask]:
         """Cancel ready and held tasks matching `where`; return those a node holds."""
-        rows = (await conn.execute(
-            select(tasks.c.id, tasks.c.node_id, tasks.c.state)
-            .where(where, tasks.c.state.in_(_states(TaskState.READY, TaskState.ASSIGNED,
-                                                    TaskState.EXPIRED)))
-        )).all()
+        rows = (
+            await conn.execute(
+                select(tasks.c.id, tasks.c.node_id, tasks.c.state).where(
+                    where,
+                    tasks.c.state.in_(
+                        _states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
+                    ),
+                )
+            )
+        ).all()
         if not rows:
             return []
         await conn.execute(
-            update(tasks).where(tasks.c.id.in_([r.id for r in rows]))
+            update(tasks)
+            .where(tasks.c.id.in_([r.id for r in rows]))
             .values(state=TaskState.CANCELLED.value, finished_at=now)
         )
-        return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state))
-                for r in rows if r.node_id is not None]
+        return [
+            NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state))
+            for r in rows
+            if r.node_id is not None
+        ]
 
     async def _job(
         self, conn: AsyncConnection, job_id: int, *, with_counts: bool = True
@@ -629,28 +811,48 @@ class SqlStore:
         tasks_run = 0
         if with_counts:
             counts = {
-                state: n for state, n in (await conn.execute(
-                    select(shards.c.state, func.count()).where(shards.c.job_id == job_id)
-                    .group_by(shards.c.state)
-                )).tuples()
+                state: n
+                for state, n in (
+                    await conn.execute(
+                        select(shards.c.state, func.count())
+                        .where(shards.c.job_id == job_id)
+                        .group_by(shards.c.state)
+                    )
+                ).all()
             }
-            tasks_run = (await conn.execute(
-                select(func.count()).where(tasks.c.job_id == job_id,
-                                           tasks.c.state == TaskState.COMPLETED.value)
-            )).scalar_one()
+            tasks_run = (
+                await conn.execute(
+                    select(func.count()).where(
+                        tasks.c.job_id == job_id, tasks.c.state == TaskState.COMPLETED.value
+                    )
+                )
+            ).scalar_one()
         return JobRecord(
-            id=row.id, account_id=row.account_id, kind=row.kind, params=row.params,
-            inputs=row.inputs, state=JobState(row.state), replication=row.replication,
-            min_quorum=row.min_quorum, max_attempts=row.max_attempts, priority=row.priority,
-            shards_total=row.shards_total, items_total=row.items_total,
-            result_hash=row.result_hash, result_size=row.result_size, error=row.error,
-            created_at=row.created_at, started_at=row.started_at, finished_at=row.finished_at,
-            shard_counts=counts, tasks_run=tasks_run,
+            id=row.id,
+            account_id=row.account_id,
+            kind=row.kind,
+            params=row.params,
+            inputs=row.inputs,
+            state=JobState(row.state),
+            replication=row.replication,
+            min_quorum=row.min_quorum,
+            max_attempts=row.max_attempts,
+            priority=row.priority,
+            shards_total=row.shards_total,
+            items_total=row.items_total,
+            result_hash=row.result_hash,
+            result_size=row.result_size,
+            error=row.error,
+            created_at=row.created_at,
+            started_at=row.started_at,
+            finished_at=row.finished_at,
+            shard_counts=counts,
+            tasks_run=tasks_run,
         )
 
 
 def _judge_result(
-    row: Row[Any] | None, task_id: int, node_id: int, output_hash: str
+    row: Any | None, task_id: int, node_id: int, output_hash: str
 ) -> ResultReceipt | None:
     """Why a result cannot be taken as new, or None when it can."""
     if row is None:
@@ -673,28 +875,50 @@ def _pk(result: Any) -> int:
     return int(result.inserted_primary_key[0])
 
 
-def _node(row: Row[Any]) -> NodeRecord:
+def _node(row: Any) -> NodeRecord:
     return NodeRecord(
-        id=row.id, account_id=row.account_id, node_key=row.node_key, name=row.name,
-        state=NodeState(row.state), hardware=row.hardware, benchmark=row.benchmark,
-        kinds=row.kinds, slots=row.slots, worker_version=row.worker_version,
-        created_at=row.created_at, last_seen_at=row.last_seen_at,
+        id=row.id,
+        account_id=row.account_id,
+        node_key=row.node_key,
+        name=row.name,
+        state=NodeState(row.state),
+        hardware=row.hardware,
+        benchmark=row.benchmark,
+        kinds=row.kinds,
+        slots=row.slots,
+        worker_version=row.worker_version,
+        created_at=row.created_at,
+        last_seen_at=row.last_seen_at,
         connected_seconds=row.connected_seconds,
     )
 
 
-def _shard(row: Row[Any], *, live: int = 0) -> ShardRecord:
+def _shard(row: Any, *, live: int = 0) -> ShardRecord:
     return ShardRecord(
-        id=row.id, job_id=row.job_id, index=row.idx, state=ShardState(row.state),
-        items=row.item_count, attempts=row.attempts, input_hash=row.input_hash,
-        output_hash=row.output_hash, error=row.error, live_tasks=live,
+        id=row.id,
+        job_id=row.job_id,
+        index=row.idx,
+        state=ShardState(row.state),
+        items=row.item_count,
+        attempts=row.attempts,
+        input_hash=row.input_hash,
+        output_hash=row.output_hash,
+        error=row.error,
+        live_tasks=live,
     )
 
 
-def _ready(row: Row[Any]) -> ReadyTask:
-    return ReadyTask(task_id=row.id, shard_id=row.shard_id, job_id=row.job_id, kind=row.kind,
-                     priority=row.priority, created_at=row.created_at, items=row.item_count,
-                     cost_flops=row.cost_flops)
+def _ready(row: Any) -> ReadyTask:
+    return ReadyTask(
+        task_id=row.id,
+        shard_id=row.shard_id,
+        job_id=row.job_id,
+        kind=row.kind,
+        priority=row.priority,
+        created_at=row.created_at,
+        items=row.item_count,
+        cost_flops=row.cost_flops,
+    )
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -706,4 +930,3 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA busy_timeout=30000")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
-

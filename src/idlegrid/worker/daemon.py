@@ -108,12 +108,21 @@ class Worker:
         self._set_threads()
         if self.settings.benchmark:
             self.benchmark = await asyncio.to_thread(
-                benchmark.load_or_run, self.settings.state_dir, self.hardware, self.kinds,
-                self.device, self.settings.rebenchmark,
+                benchmark.load_or_run,
+                self.settings.state_dir,
+                self.hardware,
+                self.kinds,
+                self.device,
+                self.settings.rebenchmark,
             )
-        log.info("hardware: %s, %d cores, %d MB RAM, gpus %s; benchmark %s",
-                 self.hardware.cpu_model, self.hardware.cpu_cores, self.hardware.memory_mb,
-                 [g.name for g in self.hardware.gpus], self.benchmark.model_dump())
+        log.info(
+            "hardware: %s, %d cores, %d MB RAM, gpus %s; benchmark %s",
+            self.hardware.cpu_model,
+            self.hardware.cpu_cores,
+            self.hardware.memory_mb,
+            [g.name for g in self.hardware.gpus],
+            self.benchmark.model_dump(),
+        )
 
     def _set_threads(self) -> None:
         cores = os.cpu_count() or 1
@@ -145,8 +154,9 @@ class Worker:
                     raise
                 if self._stop.is_set():
                     break
-                delay = backoff_delay(attempt, base=self.settings.backoff_base_s,
-                                      cap=self.settings.backoff_max_s)
+                delay = backoff_delay(
+                    attempt, base=self.settings.backoff_base_s, cap=self.settings.backoff_max_s
+                )
                 attempt += 1
                 log.info("reconnecting in %.1f s", delay)
                 with contextlib.suppress(TimeoutError):
@@ -196,9 +206,14 @@ class Worker:
     async def _hello(self, ws: ClientConnection) -> protocol.Welcome:
         assert self.hardware is not None
         hello = protocol.Hello(
-            token=self.settings.token, node_key=self.key, name=self.settings.name,
-            worker_version=__version__, hardware=self.hardware, benchmark=self.benchmark,
-            slots=self.settings.slots, kinds=self.kinds,
+            token=self.settings.token,
+            node_key=self.key,
+            name=self.settings.name,
+            worker_version=__version__,
+            hardware=self.hardware,
+            benchmark=self.benchmark,
+            slots=self.settings.slots,
+            kinds=self.kinds,
             running=sorted(set(self.running) | set(self.outbox)),
         )
         await ws.send(hello.model_dump_json())
@@ -212,8 +227,10 @@ class Worker:
     async def _heartbeats(self, ws: ClientConnection, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
-            running = [protocol.TaskProgress(task_id=t, progress=r.progress)
-                       for t, r in self.running.items()]
+            running = [
+                protocol.TaskProgress(task_id=t, progress=r.progress)
+                for t, r in self.running.items()
+            ]
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
             await self._send(protocol.Heartbeat(load=load, running=running))
 
@@ -240,7 +257,7 @@ class Worker:
             return
         match msg:
             case protocol.Assign():
-                self._start(msg)
+                await self._start(msg)
             case protocol.Cancel(task_id=task_id, reason=reason):
                 self._drop(task_id, reason)
                 await self._send_ready()
@@ -254,16 +271,18 @@ class Worker:
 
     # -- tasks -------------------------------------------------------------------------------
 
-    def _start(self, assign: protocol.Assign) -> None:
+    async def _start(self, assign: protocol.Assign) -> None:
         if assign.task_id in self.running or assign.task_id in self.outbox:
             return
         if assign.kind not in self.kinds:
             self.outbox[assign.task_id] = protocol.Failure(
-                task_id=assign.task_id, reason=f"this node does not run {assign.kind}")
-            asyncio.get_running_loop().create_task(self._deliver(assign.task_id))
+                task_id=assign.task_id, reason=f"this node does not run {assign.kind}"
+            )
+            await self._deliver(assign.task_id)
             return
         self.running[assign.task_id] = RunningTask(assign)
         run = asyncio.create_task(self._execute(assign.task_id), name=f"task-{assign.task_id}")
+        # Owned: kept in _task_runs until done, cancelled and awaited in _shutdown.
         self._task_runs.add(run)
         run.add_done_callback(self._task_runs.discard)
 
@@ -284,7 +303,9 @@ class Worker:
             digest = hashlib.sha256(output).hexdigest()
             await self._upload(digest, output)
             self.outbox[task_id] = protocol.Result(
-                task_id=task_id, output=digest, output_size=len(output),
+                task_id=task_id,
+                output=digest,
+                output_size=len(output),
                 elapsed_s=time.monotonic() - task.started,
             )
             self.completed += 1
@@ -306,7 +327,8 @@ class Worker:
         kind = get_kind(assign.kind)
         params = kind.parse_params(assign.params)
         ctx = RunContext(
-            device=self.device, threads=self.settings.threads or 1,
+            device=self.device,
+            threads=self.settings.threads or 1,
             report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
             is_cancelled=task.cancel.is_set,
         )

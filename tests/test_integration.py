@@ -1,0 +1,162 @@
+"""End to end with real processes: `idlegrid serve`, `idlegrid worker`, real WebSockets.
+
+These prove what the in-process tests cannot: a worker or the coordinator killed with
+SIGKILL mid-job, and the job still completes with every shard's result stored once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import websockets
+
+from idlegrid.kinds.sleep import _digest
+from idlegrid.localgrid import LocalGrid
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def grid(tmp_path: Path) -> Iterator[LocalGrid]:
+    with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=60.0) as local:
+        yield local
+
+
+def _expected_sleep_result(tasks: int) -> list[dict[str, object]]:
+    return [json.loads(_digest(i)) for i in range(tasks)]
+
+
+def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _shard_rows(grid: LocalGrid) -> list[tuple[int, str, int | None, str | None]]:
+    with sqlite3.connect(grid.data_dir / "idlegrid.db") as db:
+        return db.execute(
+            "SELECT idx, state, canonical_task_id, output_hash FROM shards ORDER BY idx"
+        ).fetchall()
+
+
+def _valid_or_pending_results(grid: LocalGrid) -> dict[int, int]:
+    """Per shard, how many results were counted (canonical or accepted while open)."""
+    with sqlite3.connect(grid.data_dir / "idlegrid.db") as db:
+        rows = db.execute(
+            "SELECT shard_id, COUNT(*) FROM tasks WHERE state = 'completed' "
+            "AND (outcome IS NULL OR outcome = 'valid') GROUP BY shard_id"
+        ).fetchall()
+    return dict(rows)
+
+
+def test_embed_job_end_to_end_matches_reference(grid: LocalGrid) -> None:
+    from idlegrid.corpus import stdlib_paragraphs
+    from idlegrid.kinds.embed_text import embed_reference
+
+    texts = stdlib_paragraphs(150)
+    grid.start_worker("w1", kinds="embed-text", benchmark=False)
+    grid.wait_for_nodes(1)
+    with grid.client() as client:
+        job = client.submit_embeddings(texts, shard_size=40)
+        info = job.wait(timeout=240)
+        vectors = job.result()
+    assert info["shards_total"] == 4
+    assert vectors.shape == (150, 384) and vectors.dtype == np.float32
+    reference = embed_reference(texts)
+    cosine = np.sum(vectors * reference, axis=1)
+    assert cosine.min() >= 0.999
+
+
+def test_worker_killed_mid_task_is_reassigned(grid: LocalGrid) -> None:
+    doomed = grid.start_worker("doomed", kinds="sleep", benchmark=False)
+    grid.wait_for_nodes(1)
+    with grid.client() as client:
+        job = client.submit("sleep", params={"tasks": 3, "seconds": 1.5})
+        _wait_until(lambda: job.info()["state"] == "running", 30, "a task to be assigned")
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+        grid.start_worker("rescuer", kinds="sleep", benchmark=False)
+        info = job.wait(timeout=90)
+        assert job.result() == _expected_sleep_result(3)
+        shards = job.info(shards=True)["shards"]
+    assert info["state"] == "completed"
+    # The killed worker's shard needed a second attempt, and still counted once.
+    assert max(s["attempts"] for s in shards) >= 2
+    assert all(n == 1 for n in _valid_or_pending_results(grid).values())
+
+
+def test_coordinator_killed_mid_job_finishes_every_shard_once(grid: LocalGrid) -> None:
+    for name in ("w1", "w2"):
+        grid.start_worker(name, kinds="sleep", benchmark=False, slots=2)
+    grid.wait_for_nodes(2)
+    tasks = 24
+    with grid.client() as client:
+        job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.4})
+        _wait_until(lambda: 2 <= job.info()["shards_done"] < tasks - 6, 60, "partial progress")
+    port = int(grid.url.rsplit(":", 1)[1])
+    grid.kill_coordinator()
+    time.sleep(1.0)  # workers notice, keep running their tasks, and retry
+    grid.start_coordinator(port=port)
+    with grid.client() as client:
+        info = client.job(job.id).wait(timeout=120)
+        assert client.job(job.id).result() == _expected_sleep_result(tasks)
+    assert info["state"] == "completed"
+    rows = _shard_rows(grid)
+    assert len(rows) == tasks
+    assert all(state == "done" and canonical is not None for _, state, canonical, _ in rows)
+    assert all(n == 1 for n in _valid_or_pending_results(grid).values())
+
+
+def test_malformed_frames_over_a_real_socket(grid: LocalGrid) -> None:
+    async def talk() -> list[dict[str, object]]:
+        url = grid.url.replace("http://", "ws://") + "/v1/nodes/ws"
+        replies = []
+        async with websockets.connect(url) as ws:
+            for frame in ("{not json", json.dumps({"type": "bogus"}), json.dumps([1, 2]),
+                          json.dumps({"type": "ready", "free_slots": 1})):
+                await ws.send(frame)
+                replies.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+            await ws.send(b"\xff\xfe binary")
+            replies.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
+        return replies
+
+    replies = asyncio.run(talk())
+    assert [r["type"] for r in replies] == ["error"] * 5
+    assert [r["code"] for r in replies] == [
+        "malformed", "unknown_type", "malformed", "out_of_order", "malformed"
+    ]
+    # The coordinator is unharmed.
+    with grid.client() as client:
+        assert client.jobs() == []
+
+
+def test_demo_runs_and_leaves_no_process(tmp_path: Path) -> None:
+    before = {p.pid for p in psutil.process_iter()}
+    result = subprocess.run(
+        [sys.executable, "-m", "idlegrid", "demo", "--texts", "120", "--workers", "2",
+         "--shard-size", "30"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "OK" in result.stdout and "texts/s" in result.stdout
+    time.sleep(0.5)
+    leftovers = [
+        p for p in psutil.process_iter(["pid", "cmdline"])
+        if p.info["pid"] not in before and "idlegrid" in " ".join(p.info["cmdline"] or [])
+        and any(part in ("serve", "worker") for part in (p.info["cmdline"] or []))
+    ]
+    assert leftovers == []
