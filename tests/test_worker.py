@@ -1,0 +1,107 @@
+"""Worker pieces that need no coordinator: backoff, identity, URLs, the blob cache."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import httpx
+import pytest
+
+from idlegrid.settings import WorkerSettings
+from idlegrid.worker.cache import BlobCache, BlobMismatch
+from idlegrid.worker.daemon import Worker, available_kinds, backoff_delay, node_key, ws_url
+
+
+@pytest.mark.parametrize("attempt", [0, 1, 2, 5, 10, 100])
+def test_backoff_is_jittered_and_capped(attempt: int) -> None:
+    delays = [backoff_delay(attempt, base=0.5, cap=30.0) for _ in range(200)]
+    ceiling = min(30.0, 0.5 * 2**attempt)
+    assert all(0 <= d <= ceiling for d in delays)
+    assert len(set(delays)) > 150  # jitter: reconnecting nodes do not stampede together
+
+
+def test_backoff_grows_with_attempts() -> None:
+    early = sum(backoff_delay(0, base=0.5, cap=30) for _ in range(500)) / 500
+    late = sum(backoff_delay(6, base=0.5, cap=30) for _ in range(500)) / 500
+    assert late > 10 * early
+
+
+@pytest.mark.parametrize(
+    ("server", "url"),
+    [
+        ("http://127.0.0.1:8000", "ws://127.0.0.1:8000/v1/nodes/ws"),
+        ("http://host:1/", "ws://host:1/v1/nodes/ws"),
+        ("https://grid.example", "wss://grid.example/v1/nodes/ws"),
+    ],
+)
+def test_ws_url(server: str, url: str) -> None:
+    assert ws_url(server) == url
+
+
+def test_node_key_is_stable_per_state_dir(tmp_path: Path) -> None:
+    first = node_key(tmp_path / "a")
+    assert node_key(tmp_path / "a") == first
+    assert node_key(tmp_path / "b") != first
+
+
+def test_worker_refuses_unknown_kinds_and_missing_token(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="token"):
+        Worker(WorkerSettings(state_dir=tmp_path))
+    with pytest.raises(ValueError, match="unknown kinds"):
+        Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("mine-bitcoin",)))
+
+
+def test_available_kinds_include_embed_text_here() -> None:
+    assert {"sleep", "embed-text"} <= set(available_kinds())
+
+
+async def test_blob_cache_fetches_checks_and_reuses(tmp_path: Path) -> None:
+    blob = b"shard payload"
+    digest = hashlib.sha256(blob).hexdigest()
+    calls = []
+
+    def serve(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        if request.url.path.endswith(digest):
+            return httpx.Response(200, content=blob)
+        return httpx.Response(200, content=b"tampered")
+
+    cache = BlobCache(tmp_path)
+    async with httpx.AsyncClient(
+        transport=httpx.MockTransport(serve), base_url="http://coordinator"
+    ) as http:
+        assert await cache.get(http, digest) == blob
+        assert await cache.get(http, digest) == blob
+        assert calls == [f"/v1/blobs/{digest}"]  # second read came from the cache
+        assert (cache.hits, cache.misses) == (1, 1)
+        with pytest.raises(BlobMismatch):
+            await cache.get(http, "0" * 64)
+    assert cache.holds() == [digest]
+
+
+async def test_blob_cache_refetches_a_corrupted_file(tmp_path: Path) -> None:
+    blob = b"good bytes"
+    digest = hashlib.sha256(blob).hexdigest()
+    cache = BlobCache(tmp_path)
+    cache.path(digest).write_bytes(b"bit rot")
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=blob))
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as http:
+        assert await cache.get(http, digest) == blob
+    assert cache.path(digest).read_bytes() == blob
+
+
+async def test_blob_cache_evicts_least_recently_used(tmp_path: Path) -> None:
+    blobs = [bytes([i]) * 100 for i in range(5)]
+    transport = httpx.MockTransport(
+        lambda request: httpx.Response(
+            200,
+            content=next(b for b in blobs
+                         if hashlib.sha256(b).hexdigest() == request.url.path.rsplit("/")[-1]),
+        )
+    )
+    cache = BlobCache(tmp_path, max_bytes=250)
+    async with httpx.AsyncClient(transport=transport, base_url="http://c") as http:
+        for blob in blobs:
+            await cache.get(http, hashlib.sha256(blob).hexdigest())
+    assert len(cache.holds()) == 2
