@@ -118,8 +118,8 @@ def test_sources_of_agrees_with_can_transition_everywhere() -> None:
 
 
 def test_state_groups() -> None:
-    assert TERMINAL_JOB_STATES == {J.COMPLETED, J.FAILED, J.CANCELLED}
-    assert LIVE_TASK_STATES == {T.READY, T.ASSIGNED}
+    assert set(TERMINAL_JOB_STATES) == {J.COMPLETED, J.FAILED, J.CANCELLED}
+    assert set(LIVE_TASK_STATES) == {T.READY, T.ASSIGNED}
     # Enum values are what the store writes: plain strings.
     assert TaskState("expired") is T.EXPIRED
     assert JobState.RUNNING == "running"

@@ -118,7 +118,9 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> Any:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
+            exc.status_code, "http_error"
+        )
         return api.error_response(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(Exception)
@@ -154,7 +156,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _TooLarge()
+                    raise _TooLarge(limit)
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -169,8 +171,11 @@ class BodyLimit:
                 await _send_413(send, limit)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(StarletteHTTPException):
+    # An HTTPException, because FastAPI turns any other error raised while it reads a
+    # JSON body into "400 There was an error parsing the body".
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"request body is over the {limit}-byte limit")
 
 
 async def _send_413(send: Send, limit: int) -> None:

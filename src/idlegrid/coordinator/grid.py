@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from idlegrid import protocol
-from idlegrid.blobs import BlobError, BlobStore
+from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
@@ -96,7 +96,7 @@ class Grid:
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
         for name, blob_hash in inputs.items():
-            if not self.blobs.exists(blob_hash):
+            if not is_blob_hash(blob_hash) or not self.blobs.exists(blob_hash):
                 raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
         specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
         shards = [
@@ -346,10 +346,11 @@ class Grid:
     # -- leases and nodes ----------------------------------------------------------------
 
     async def replenish(self) -> None:
-        ready, failed_jobs = await self.store.replenish(now=self.clock())
+        ready, failed_jobs, to_cancel = await self.store.replenish(now=self.clock())
         for job_id in failed_jobs:
             log.warning("job %s failed: a shard ran out of attempts", job_id)
             self._plans.pop(job_id, None)
+        await self._send_cancels(to_cancel, reason="the job failed")
         await self.enqueue(ready)
 
     async def expire(self, expired: Sequence[NodeTask], *, why: str) -> None:

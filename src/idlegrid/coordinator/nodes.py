@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 HELLO_TIMEOUT_S = 30.0
 MAX_FRAME_CHARS = 1_000_000
 CLOSE_UNAUTHORIZED = 4401
+CLOSE_POLICY = 1008
 
 
 async def node_socket(websocket: WebSocket, grid: Grid) -> None:
@@ -37,6 +38,9 @@ async def node_socket(websocket: WebSocket, grid: Grid) -> None:
             await _serve(websocket, grid, session)
     except WebSocketDisconnect:
         pass
+    except TimeoutError:
+        await _error(websocket, "out_of_order", f"no hello within {HELLO_TIMEOUT_S:.0f} s")
+        await websocket.close(code=CLOSE_POLICY)
     finally:
         if session is not None and grid.hub.remove(session):
             log.info("node %s disconnected", session.node_id)

@@ -617,11 +617,8 @@ class SqlStore:
         now: float,
     ) -> DecisionOutcome:
         async with self._tx() as conn:
-            if invalid:
-                await conn.execute(
-                    update(tasks).where(tasks.c.id.in_(list(invalid))).values(outcome="invalid")
-                )
             if canonical_task_id is None and fail_reason is None:
+                await self._mark(conn, invalid, "invalid")
                 return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
             target = ShardState.DONE if canonical_task_id is not None else ShardState.FAILED
             output = None
@@ -647,10 +644,9 @@ class SqlStore:
             )
             if changed.rowcount != 1:
                 return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
-            if valid:
-                await conn.execute(
-                    update(tasks).where(tasks.c.id.in_(list(valid))).values(outcome="valid")
-                )
+            # Only the decision that won marks results: a lost race leaves them to it.
+            await self._mark(conn, valid, "valid")
+            await self._mark(conn, invalid, "invalid")
             to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
             job_id = (
                 await conn.execute(select(shards.c.job_id).where(shards.c.id == shard_id))
@@ -664,32 +660,49 @@ class SqlStore:
             ).scalar_one()
         return DecisionOutcome(decided=True, to_cancel=to_cancel, job_done=open_left == 0)
 
-    async def replenish(self, *, now: float) -> tuple[list[ReadyTask], list[int]]:
+    @staticmethod
+    async def _mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
+        if task_ids:
+            await conn.execute(
+                update(tasks).where(tasks.c.id.in_(list(task_ids))).values(outcome=outcome)
+            )
+
+    async def replenish(
+        self, *, now: float
+    ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]:
         """Create tasks for open shards short of replicas; fail shards out of attempts."""
         async with self._tx() as conn:
             return await self._replenish_in(conn, now=now, job_id=None)
 
     async def _replenish_in(
         self, conn: AsyncConnection, *, now: float, job_id: int | None
-    ) -> tuple[list[ReadyTask], list[int]]:
-        pending = (
+    ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]:
+        live = (
+            select(func.count())
+            .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(_LIVE))
+            .scalar_subquery()
+        )
+        results = (
             select(func.count())
             .where(
                 tasks.c.shard_id == shards.c.id,
-                tasks.c.state.in_(_LIVE)
-                | (
-                    (tasks.c.state == TaskState.COMPLETED.value)
-                    & (tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"))
-                ),
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"),
             )
             .scalar_subquery()
         )
+        pending = live + results
+        # An open shard with a quorum's worth of results and nothing live has results that
+        # disagree: it needs one more (BOINC raises such a workunit's target), or it would
+        # wait forever. With a quorum of one, any result decides, so this never applies.
+        no_quorum = (jobs.c.min_quorum > 1) & (results >= jobs.c.min_quorum) & (live == 0)
         query = (
             select(
                 shards.c.id,
                 shards.c.job_id,
                 shards.c.attempts,
                 pending.label("pending"),
+                no_quorum.label("no_quorum"),
                 shards.c.item_count,
                 shards.c.cost_flops,
                 jobs.c.replication,
@@ -701,7 +714,7 @@ class SqlStore:
             .where(
                 shards.c.state == ShardState.OPEN.value,
                 jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
-                pending < jobs.c.replication,
+                (pending < jobs.c.replication) | no_quorum,
             )
         )
         if job_id is not None:
@@ -710,9 +723,10 @@ class SqlStore:
         new_tasks: list[dict[str, Any]] = []
         exhausted: list[Any] = []
         for row in rows:
-            wanted = min(row.replication - row.pending, row.max_attempts - row.attempts)
+            short = max(row.replication - row.pending, 1 if row.no_quorum else 0)
+            wanted = min(short, row.max_attempts - row.attempts)
             if wanted <= 0:
-                if row.pending == 0:
+                if row.pending == 0 or row.no_quorum:
                     exhausted.append(row)
                 continue
             new_tasks += [
@@ -725,9 +739,9 @@ class SqlStore:
                 .where(shards.c.id == row.id)
                 .values(attempts=shards.c.attempts + wanted)
             )
-        failed_jobs = await self._fail_exhausted(conn, exhausted, now=now)
+        failed_jobs, to_cancel = await self._fail_exhausted(conn, exhausted, now=now)
         if not new_tasks:
-            return [], failed_jobs
+            return [], failed_jobs, to_cancel
         meta = {row.id: row for row in rows}
         ready = []
         for values in new_tasks:
@@ -745,12 +759,14 @@ class SqlStore:
                     cost_flops=row.cost_flops,
                 )
             )
-        return ready, failed_jobs
+        return ready, failed_jobs, to_cancel
 
     async def _fail_exhausted(
         self, conn: AsyncConnection, rows: list[Any], *, now: float
-    ) -> list[int]:
+    ) -> tuple[list[int], list[NodeTask]]:
+        """Fail shards out of attempts and their jobs; return the jobs and tasks to cancel."""
         failed_jobs: list[int] = []
+        to_cancel: list[NodeTask] = []
         for row in rows:
             reason = (
                 f"shard {row.id} got no usable result in {row.attempts} attempts "
@@ -771,8 +787,14 @@ class SqlStore:
             )
             if changed.rowcount == 1:
                 failed_jobs.append(row.job_id)
-                await self._cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
-        return failed_jobs
+                # Its other shards end with it, as in `fail_job`.
+                await conn.execute(
+                    update(shards)
+                    .where(shards.c.job_id == row.job_id, shards.c.state == ShardState.OPEN.value)
+                    .values(state=ShardState.FAILED.value, finished_at=now)
+                )
+                to_cancel += await self._cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
+        return failed_jobs, to_cancel
 
     async def _cancel_live(
         self, conn: AsyncConnection, where: Any, *, now: float

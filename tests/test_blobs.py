@@ -1,0 +1,140 @@
+"""Content-addressed blob storage: hashes checked, limits kept, nothing half-written left."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+
+import pytest
+
+from idlegrid.blobs import BlobError, BlobStore, is_blob_hash, sha256_hex
+
+LIMIT = 1000
+
+
+@pytest.fixture
+def blobs(tmp_path: Path) -> BlobStore:
+    return BlobStore(tmp_path / "blobs", max_bytes=LIMIT)
+
+
+async def _chunks(parts: Iterable[bytes]) -> AsyncIterator[bytes]:
+    for part in parts:
+        yield part
+
+
+def _tmp_files(blobs: BlobStore) -> list[str]:
+    return os.listdir(blobs.root / "tmp")
+
+
+def _stored(blobs: BlobStore) -> list[Path]:
+    return [p for p in blobs.root.rglob("*") if p.is_file() and p.parent.name != "tmp"]
+
+
+def test_put_read_exists(blobs: BlobStore) -> None:
+    blob_hash = blobs.put(b"hello")
+    assert blob_hash == sha256_hex(b"hello")
+    assert blobs.exists(blob_hash)
+    assert blobs.read(blob_hash) == b"hello"
+    assert blobs.size(blob_hash) == 5
+    # Laid out as <root>/ab/cdef..., the name being the hash.
+    assert blobs.path(blob_hash) == blobs.root / blob_hash[:2] / blob_hash[2:]
+    assert _tmp_files(blobs) == []
+
+
+def test_put_is_idempotent(blobs: BlobStore) -> None:
+    assert blobs.put(b"same") == blobs.put(b"same")
+    assert len(_stored(blobs)) == 1
+    assert _tmp_files(blobs) == []
+
+
+def test_empty_blob(blobs: BlobStore) -> None:
+    blob_hash = blobs.put(b"")
+    assert blobs.read(blob_hash) == b""
+
+
+def test_missing_blob_is_404(blobs: BlobStore) -> None:
+    missing = sha256_hex(b"never stored")
+    assert not blobs.exists(missing)
+    with pytest.raises(BlobError) as raised:
+        blobs.read(missing)
+    assert raised.value.status == 404
+
+
+def test_put_over_the_limit_is_413(blobs: BlobStore) -> None:
+    blobs.put(b"x" * LIMIT)  # exactly at the limit is fine
+    with pytest.raises(BlobError) as raised:
+        blobs.put(b"x" * (LIMIT + 1))
+    assert raised.value.status == 413
+    assert not blobs.exists(sha256_hex(b"x" * (LIMIT + 1)))
+
+
+@pytest.mark.parametrize(
+    "bad", ["", "abc", "AB" * 32, "g" * 64, "a" * 63, "a" * 65, "../" + "a" * 61, "a" * 62 + "/x"]
+)
+def test_bad_hashes_are_422(blobs: BlobStore, bad: str) -> None:
+    assert not is_blob_hash(bad)
+    for call in (blobs.path, blobs.exists, blobs.read):
+        with pytest.raises(BlobError) as raised:
+            call(bad)
+        assert raised.value.status == 422
+
+
+async def test_put_stream_stores_a_matching_upload(blobs: BlobStore) -> None:
+    data = b"abc" * 100
+    size = await blobs.put_stream(sha256_hex(data), _chunks([data[:7], data[7:200], data[200:]]))
+    assert size == len(data)
+    assert blobs.read(sha256_hex(data)) == data
+    assert _tmp_files(blobs) == []
+
+
+async def test_put_stream_of_a_stored_blob_keeps_one_copy(blobs: BlobStore) -> None:
+    blob_hash = blobs.put(b"twice")
+    assert await blobs.put_stream(blob_hash, _chunks([b"tw", b"ice"])) == 5
+    assert len(_stored(blobs)) == 1
+    assert _tmp_files(blobs) == []
+
+
+async def test_put_stream_hash_mismatch_is_422_and_leaves_nothing(blobs: BlobStore) -> None:
+    claimed = sha256_hex(b"what I said")
+    with pytest.raises(BlobError) as raised:
+        await blobs.put_stream(claimed, _chunks([b"what I ", b"sent"]))
+    assert raised.value.status == 422
+    assert claimed in raised.value.message
+    assert not blobs.exists(claimed)
+    assert _tmp_files(blobs) == []
+    assert _stored(blobs) == []
+
+
+async def test_put_stream_over_the_limit_is_413_and_leaves_nothing(blobs: BlobStore) -> None:
+    data = b"y" * (LIMIT + 1)
+    with pytest.raises(BlobError) as raised:
+        await blobs.put_stream(sha256_hex(data), _chunks([data[:600], data[600:]]))
+    assert raised.value.status == 413
+    assert _tmp_files(blobs) == []
+    assert _stored(blobs) == []
+
+
+async def test_put_stream_bad_hash_is_422_before_reading(blobs: BlobStore) -> None:
+    read: list[bytes] = []
+
+    async def body() -> AsyncIterator[bytes]:
+        read.append(b"x")
+        yield b"x"
+
+    with pytest.raises(BlobError) as raised:
+        await blobs.put_stream("not-a-hash", body())
+    assert raised.value.status == 422
+    assert read == []
+    assert _tmp_files(blobs) == []
+
+
+async def test_put_stream_interrupted_upload_leaves_nothing(blobs: BlobStore) -> None:
+    async def broken() -> AsyncIterator[bytes]:
+        yield b"partial"
+        raise ConnectionResetError("client went away")
+
+    with pytest.raises(ConnectionResetError):
+        await blobs.put_stream(sha256_hex(b"partial and more"), broken())
+    assert _tmp_files(blobs) == []
+    assert _stored(blobs) == []

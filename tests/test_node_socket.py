@@ -1,0 +1,461 @@
+"""The node WebSocket under TestClient: handshake, bad frames, dispatch, results."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+import pytest
+from conftest import Api, bearer, sha
+from starlette.testclient import WebSocketTestSession
+from starlette.websockets import WebSocketDisconnect
+
+from idlegrid.kinds.sleep import _digest
+
+WS = "/v1/nodes/ws"
+
+
+class Node:
+    """One worker connection, speaking the protocol by hand."""
+
+    def __init__(self, api: Api, ws: WebSocketTestSession, token: str) -> None:
+        self.api = api
+        self.ws = ws
+        self.token = token
+
+    def send(self, **message: Any) -> None:
+        self.ws.send_text(json.dumps(message))
+
+    def recv(self, timeout: float = 5.0) -> dict[str, Any]:
+        """The next message; fails instead of hanging when none comes."""
+
+        async def next_message() -> Any:
+            with anyio.fail_after(timeout):
+                return await self.ws._send_rx.receive()
+
+        message = self.ws.portal.call(next_message)
+        self.ws._raise_on_close(message)
+        return dict(json.loads(message["text"]))
+
+    def expect(self, type_: str, **fields: Any) -> dict[str, Any]:
+        message = self.recv()
+        assert message["type"] == type_, message
+        assert message["v"] == 1
+        for key, value in fields.items():
+            assert message[key] == value, message
+        return message
+
+    def expect_error(self, code: str, **fields: Any) -> str:
+        message = self.expect("error", code=code, **fields)
+        assert message["message"]
+        return str(message["message"])
+
+    def sync(self) -> None:
+        """Wait until every earlier frame was handled: the reply to a bad frame comes last."""
+        self.ws.send_text("sync")
+        self.expect_error("malformed")
+
+    def hello(self, *, key: str = "node-key-1", kinds: tuple[str, ...] = ("sleep",),
+              slots: int = 1, running: tuple[int, ...] = (), token: str | None = None) -> None:
+        self.send(type="hello", token=token or self.token, node_key=key, name=key,
+                  worker_version="0.1.0", hardware={"cpu_cores": 2, "memory_mb": 4096},
+                  benchmark={"matmul_gflops": 10.0}, slots=slots, kinds=list(kinds),
+                  running=list(running))
+
+    def join(self, **kwargs: Any) -> dict[str, Any]:
+        self.hello(**kwargs)
+        welcome = self.expect("welcome")
+        assert welcome["node_id"] >= 1 and welcome["heartbeat_interval_s"] > 0
+        return welcome
+
+    def ready(self, free_slots: int = 1) -> None:
+        self.send(type="ready", free_slots=free_slots)
+
+    def take(self) -> dict[str, Any]:
+        self.ready()
+        return self.expect("assign")
+
+    def upload(self, data: bytes) -> str:
+        return self.api.upload(data, token=self.token)
+
+    def result(self, task_id: int, output: bytes, *, upload: bool = True) -> None:
+        blob_hash = self.upload(output) if upload else sha(output)
+        self.send(type="result", task_id=task_id, output=blob_hash, output_size=len(output),
+                  elapsed_s=0.01)
+
+
+@pytest.fixture
+def node_token(api: Api) -> str:
+    return api.token(account="volunteer", kind="node")
+
+
+@pytest.fixture
+def researcher(api: Api) -> str:
+    return api.token(account="alice")
+
+
+@pytest.fixture
+def connect(api: Api, node_token: str) -> Iterator[Any]:
+    """Open node connections: `connect()` with the volunteer's token, or another one."""
+    with contextlib.ExitStack() as stack:
+
+        def open_node(token: str = node_token) -> Node:
+            return Node(api, stack.enter_context(api.client.websocket_connect(WS)), token)
+
+        yield open_node
+
+
+def _job(api: Api, token: str, job_id: int) -> dict[str, Any]:
+    return api.job(token, job_id)
+
+
+# -- handshake ------------------------------------------------------------------------------
+
+
+def test_messages_before_hello_are_out_of_order(connect: Any) -> None:
+    node = connect()
+    node.ready()
+    assert "hello" in node.expect_error("out_of_order")
+    node.send(type="heartbeat")
+    node.expect_error("out_of_order")
+    node.send(type="result", task_id=1, output="ab" * 32, output_size=1, elapsed_s=0)
+    node.expect_error("out_of_order")
+    node.send(type="failure", task_id=1, reason="x")
+    node.expect_error("out_of_order")
+    node.join()
+
+
+BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
+    ("not-json", "hello there", "malformed"),
+    ("json-array", "[1, 2]", "malformed"),
+    ("json-string", '"ready"', "malformed"),
+    ("deep-nesting", "[" * 100_000, "malformed"),
+    ("unknown-type", '{"type": "gimme"}', "unknown_type"),
+    ("no-type", '{"free_slots": 1}', "unknown_type"),
+    ("list-type", '{"type": ["ready"]}', "unknown_type"),
+    ("server-type", '{"type": "welcome"}', "unknown_type"),
+    ("version-2", '{"type": "ready", "v": 2, "free_slots": 1}', "version"),
+    ("bad-field", '{"type": "ready", "free_slots": -1}', "malformed"),
+    ("long-name-hello", json.dumps({
+        "type": "hello", "token": "t", "node_key": "node-key-1", "name": "n" * 101,
+        "worker_version": "1", "hardware": {}, "benchmark": {}, "slots": 1, "kinds": []}),
+     "malformed"),
+    ("binary-garbage", b"\xff\xfe\x00\x81garbage", "malformed"),
+    ("binary-not-object", b"12", "malformed"),
+    ("too-long", " " * 1_000_001, "malformed"),
+]
+
+
+def _send_frame(node: Node, frame: str | bytes) -> None:
+    if isinstance(frame, bytes):
+        node.ws.send_bytes(frame)
+    else:
+        node.ws.send_text(frame)
+
+
+@pytest.mark.parametrize(("frame", "code"), [row[1:] for row in BAD_FRAMES],
+                         ids=[row[0] for row in BAD_FRAMES])
+def test_bad_frames_before_hello_get_errors(connect: Any, frame: str | bytes, code: str) -> None:
+    node = connect()
+    _send_frame(node, frame)
+    node.expect_error(code)
+    node.join()  # the connection survived
+
+
+def test_binary_json_frames_are_accepted(connect: Any) -> None:
+    node = connect()
+    node.ws.send_bytes(json.dumps({"type": "ready", "free_slots": 1}).encode())
+    node.expect_error("out_of_order")
+
+
+@pytest.mark.parametrize("token_kind", ["unknown", "api"])
+def test_bad_token_is_unauthorized_and_closes(
+    api: Api, connect: Any, token_kind: str
+) -> None:
+    token = "ign_not-a-token" if token_kind == "unknown" else api.token(account="alice")
+    node = connect(token)
+    node.hello()
+    assert "node token" in node.expect_error("unauthorized")
+    with pytest.raises(WebSocketDisconnect) as closed:
+        node.recv()
+    assert closed.value.code == 4401
+    assert api.client.get("/v1/nodes", headers=api.admin).json() == []
+
+
+def test_a_node_key_belongs_to_one_account(api: Api, connect: Any) -> None:
+    connect().join(key="shared-key-1")
+    thief = connect(api.token(account="mallory", kind="node"))
+    thief.hello(key="shared-key-1")
+    assert "another account" in thief.expect_error("unauthorized")
+    with pytest.raises(WebSocketDisconnect):
+        thief.recv()
+
+
+def test_second_hello_is_out_of_order(connect: Any) -> None:
+    node = connect()
+    first = node.join()
+    node.hello()
+    assert "already" in node.expect_error("out_of_order")
+    node.ready()
+    node.sync()
+    assert first["drop"] == []
+
+
+def test_connected_node_is_listed(api: Api, connect: Any) -> None:
+    node = connect()
+    welcome = node.join(kinds=("sleep", "no-such-kind"), slots=3)
+    [listed] = api.client.get("/v1/nodes", headers=api.admin).json()
+    assert listed["id"] == welcome["node_id"] and listed["online"] is True
+    # Kinds the coordinator does not know are dropped.
+    assert listed["kinds"] == ["sleep"] and listed["slots"] == 3
+    assert listed["hardware"]["memory_mb"] == 4096
+    volunteer = bearer(api.token(account="volunteer"))
+    assert [n["id"] for n in api.client.get("/v1/nodes", headers=volunteer).json()] == [
+        welcome["node_id"]]
+    other = bearer(api.token(account="alice"))
+    assert api.client.get("/v1/nodes", headers=other).json() == []
+
+
+# -- after hello ----------------------------------------------------------------------------
+
+
+def test_errors_after_hello_leave_the_connection_working(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    node = connect()
+    node.join()
+    for _, frame, code in BAD_FRAMES:
+        _send_frame(node, frame)
+        node.expect_error(code)
+    node.ready()
+    node.sync()  # nothing to do yet: no assign came before the sync reply
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    # The node asked for work before there was any: the dispatch loop brings it.
+    assign = node.expect("assign", job_id=job["id"], shard_index=0, kind="sleep")
+    assert assign["params"] == {"tasks": 1, "seconds": 0.0}
+
+
+def test_full_happy_path(api: Api, connect: Any, researcher: str) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 2})
+    node = connect()
+    node.join(slots=2)
+    node.ready(free_slots=2)
+    assigns = [node.expect("assign"), node.expect("assign")]
+    assert sorted(a["shard_index"] for a in assigns) == [0, 1]
+    assert len({a["task_id"] for a in assigns}) == 2
+    running = _job(api, researcher, job["id"])
+    assert running["state"] == "running" and running["started_at"] is not None
+
+    for assign in assigns:
+        # The input blob is downloadable with the node token and matches its hash.
+        got = api.client.get(f"/v1/blobs/{assign['input']['hash']}", headers=bearer(node.token))
+        assert got.status_code == 200 and sha(got.content) == assign["input"]["hash"]
+        assert len(got.content) == assign["input"]["size"]
+        assert json.loads(got.content)["index"] == assign["shard_index"]
+        node.result(assign["task_id"], _digest(assign["shard_index"]))
+        node.expect("result_ack", task_id=assign["task_id"], status="accepted")
+
+    done = _job(api, researcher, job["id"])
+    assert done["state"] == "completed" and done["progress"] == 1.0
+    assert done["shards_done"] == 2 and done["tasks_completed"] == 2
+    assert all(s["state"] == "done" and s["progress"] == 1.0 for s in done["shards"])
+    result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+    assert result.status_code == 200
+    assert result.headers["content-type"].startswith("application/json")
+    assert result.headers["x-idlegrid-sha256"] == sha(result.content) == done["result"]
+    assert json.loads(result.content) == [json.loads(_digest(0)), json.loads(_digest(1))]
+
+    # Sending the same result again is acknowledged as a duplicate and changes nothing.
+    node.result(assigns[0]["task_id"], _digest(assigns[0]["shard_index"]))
+    node.expect("result_ack", task_id=assigns[0]["task_id"], status="duplicate")
+    assert _job(api, researcher, job["id"])["tasks_completed"] == 2
+
+
+def test_node_gets_no_task_of_a_kind_it_does_not_offer(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join(kinds=("embed-text",))
+    node.ready()
+    node.sync()  # the reply to the sync frame is the next message: no assign came
+
+
+def test_ready_gives_no_more_than_free_slots(api: Api, connect: Any, researcher: str) -> None:
+    api.submit(researcher, kind="sleep", params={"tasks": 5})
+    node = connect()
+    node.join(slots=2)
+    node.ready(free_slots=1)
+    node.expect("assign")
+    node.sync()
+    node.ready(free_slots=5)  # more than its slots: it gets one more, for two in all
+    node.expect("assign")
+    node.sync()
+
+
+def test_result_for_a_task_the_node_does_not_hold_is_rejected(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    holder, other = connect(), connect()
+    holder.join(key="holder-key")
+    other.join(key="other-key")
+    assign = holder.take()
+    before = _job(api, researcher, job["id"])
+
+    other.result(assign["task_id"], _digest(0))
+    assert "not held" in other.expect_error("rejected", task_id=assign["task_id"])
+    other.result(987654, _digest(0))
+    assert "unknown task" in other.expect_error("rejected", task_id=987654)
+    after = _job(api, researcher, job["id"])
+    assert after == before
+    assert after["state"] == "running" and after["shards"][0]["live_tasks"] == 1
+
+    # The holder can still deliver it.
+    holder.result(assign["task_id"], _digest(0))
+    holder.expect("result_ack", status="accepted")
+    assert _job(api, researcher, job["id"])["state"] == "completed"
+
+
+def test_result_without_uploaded_output_is_rejected(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join()
+    assign = node.take()
+    node.result(assign["task_id"], _digest(0), upload=False)
+    message = node.expect_error("rejected", task_id=assign["task_id"])
+    assert "not uploaded" in message
+    after = _job(api, researcher, job["id"])
+    assert after["state"] == "running" and after["tasks_completed"] == 0
+
+
+def test_result_with_wrong_size_is_rejected(api: Api, connect: Any, researcher: str) -> None:
+    api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join()
+    assign = node.take()
+    output = _digest(0)
+    node.send(type="result", task_id=assign["task_id"], output=node.upload(output),
+              output_size=len(output) + 1, elapsed_s=0.0)
+    assert "bytes" in node.expect_error("rejected", task_id=assign["task_id"])
+
+
+def test_structurally_wrong_output_is_rejected_and_the_shard_retried(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join()
+    assign = node.take()
+    node.result(assign["task_id"], b"this is not JSON")
+    assert "digest" in node.expect_error("rejected", task_id=assign["task_id"])
+    [shard] = _job(api, researcher, job["id"])["shards"]
+    assert shard["state"] == "open" and shard["attempts"] == 2 and shard["live_tasks"] == 1
+
+    retry = node.take()
+    assert retry["task_id"] != assign["task_id"] and retry["shard_index"] == 0
+    node.result(retry["task_id"], _digest(0))
+    node.expect("result_ack", task_id=retry["task_id"], status="accepted")
+    assert _job(api, researcher, job["id"])["state"] == "completed"
+
+
+def test_failure_report_requeues_the_shard(api: Api, connect: Any, researcher: str) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join()
+    assign = node.take()
+    node.send(type="failure", task_id=assign["task_id"], reason="GPU fell off the bus")
+    retry = node.take()
+    assert retry["task_id"] != assign["task_id"] and retry["shard_index"] == 0
+    [shard] = _job(api, researcher, job["id"])["shards"]
+    assert shard["attempts"] == 2 and shard["live_tasks"] == 1
+
+
+def test_heartbeat_progress_shows_in_the_job(api: Api, connect: Any, researcher: str) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 2})
+    node = connect()
+    node.join()
+    assign = node.take()
+    node.send(type="heartbeat", load=0.5,
+              running=[{"task_id": assign["task_id"], "progress": 0.5},
+                       {"task_id": 999, "progress": 0.9}])  # not its task: ignored
+    node.sync()
+    shards = _job(api, researcher, job["id"])["shards"]
+    progress = {s["index"]: s["progress"] for s in shards}
+    assert progress == {assign["shard_index"]: 0.5, 1 - assign["shard_index"]: 0.0}
+    assert _job(api, researcher, job["id"])["progress"] == 0.0  # no shard is done yet
+
+
+def test_cancelled_job_tells_the_node(api: Api, connect: Any, researcher: str) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node = connect()
+    node.join()
+    assign = node.take()
+    cancelled = api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(researcher))
+    assert cancelled.json()["state"] == "cancelled"
+    node.expect("cancel", task_id=assign["task_id"])
+    # Its result, if it still sends one, is late and changes nothing.
+    node.result(assign["task_id"], _digest(0))
+    node.expect("result_ack", task_id=assign["task_id"], status="late")
+    assert _job(api, researcher, job["id"])["state"] == "cancelled"
+
+
+def test_reconnect_keeps_held_tasks_and_drops_unknown_ones(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 2})
+    first = connect()
+    first.join(slots=2)
+    first.ready(free_slots=2)
+    kept, lost = first.expect("assign"), first.expect("assign")
+    # The node comes back claiming one task it holds and one it never had.
+    again = connect()
+    welcome = again.join(slots=2, running=(kept["task_id"], 4242))
+    assert welcome["drop"] == [4242]
+    # The task it forgot went back to the queue as a new task, which it can take.
+    again.ready()
+    retry = again.expect("assign", shard_index=lost["shard_index"])
+    assert retry["task_id"] != lost["task_id"]
+    again.result(kept["task_id"], _digest(kept["shard_index"]))
+    again.expect("result_ack", task_id=kept["task_id"], status="accepted")
+    again.result(retry["task_id"], _digest(retry["shard_index"]))
+    # Deciding the shard cancels its expired first task: in case it still runs, stop it.
+    again.expect("cancel", task_id=lost["task_id"])
+    again.expect("result_ack", task_id=retry["task_id"], status="accepted")
+    assert _job(api, researcher, job["id"])["state"] == "completed"
+
+
+def test_replicated_shard_with_disagreeing_results_gets_a_third_node(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1}, replication=2)
+    honest, cheat, third = connect(), connect(), connect()
+    honest.join(key="honest-key")
+    cheat.join(key="cheat-key")
+    third.join(key="third-key")
+    first = honest.take()
+    honest.ready()
+    honest.sync()  # one replica per node: the second replica is not for it
+    second = cheat.take()
+    assert first["shard_index"] == second["shard_index"] == 0
+    honest.result(first["task_id"], _digest(0))
+    honest.expect("result_ack", status="accepted")
+    # Well-formed, so it passes the output check, but it disagrees with the honest one.
+    cheat.result(second["task_id"], json.dumps({"index": 0, "digest": "forged"}).encode())
+    cheat.expect("result_ack", status="accepted")
+    [shard] = _job(api, researcher, job["id"])["shards"]
+    assert shard["state"] == "open" and shard["live_tasks"] == 1 and shard["attempts"] == 3
+
+    tie_breaker = third.take()
+    assert tie_breaker["shard_index"] == 0
+    third.result(tie_breaker["task_id"], _digest(0))
+    third.expect("result_ack", status="accepted")
+    done = _job(api, researcher, job["id"])
+    assert done["state"] == "completed"
+    result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+    assert json.loads(result.content) == [json.loads(_digest(0))]
