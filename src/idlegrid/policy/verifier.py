@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from idlegrid.kinds.base import Verdict
@@ -21,25 +21,34 @@ def decide(
     compare: Callable[[bytes, bytes], Verdict],
     *,
     min_quorum: int,
+    credibility: Mapping[int, float] | None = None,
+    min_credibility: float = 0.0,
 ) -> Decision:
-    """Pick a canonical result once `min_quorum` results agree.
+    """Pick a canonical result once enough results, and enough credibility, agree.
 
-    `results` are (task_id, output) in arrival order. The largest group of results that
-    agree with one representative wins if it reaches the quorum; its earliest member is
-    canonical, the ones that disagree with it are invalid, inconclusive ones are neither.
+    `results` are (task_id, output) in arrival order. Results are grouped by agreement
+    with a representative; the largest group (ties: the most credible, then the
+    earliest) wins if it has at least `min_quorum` members and, when `credibility` (per
+    task, the probability its node answers right) is given, if the probability that its
+    answer is the right one is at least `min_credibility` (Sarmenta 2002). Votes alone
+    let two colluders outvote one honest node; credibility makes new or caught nodes
+    count for little. The winner's earliest member is canonical; results that disagree
+    with it are invalid; inconclusive ones are neither.
     """
     if min_quorum < 1:
         raise ValueError("min_quorum must be at least 1")
-    best: list[int] = []
-    for i, (_, output) in enumerate(results):
-        group = [i] + [
-            j
-            for j, (_, other) in enumerate(results)
-            if j != i and compare(output, other) == Verdict.AGREE
-        ]
-        if len(group) > len(best):
-            best = sorted(group)
-    if len(best) < min_quorum:
+    if not results:
+        return Decision(canonical=None, valid=(), invalid=())
+    groups = _groups(results, compare)
+    cred = {task_id: (credibility or {}).get(task_id, 1.0) for task_id, _ in results}
+    posterior = group_posteriors([[results[i][0] for i in g] for g in groups], cred)
+    ranked = sorted(
+        range(len(groups)), key=lambda g: (-len(groups[g]), -posterior[g], groups[g][0])
+    )
+    best = groups[ranked[0]]
+    if len(best) < min_quorum or (
+        credibility is not None and posterior[ranked[0]] < min_credibility
+    ):
         return Decision(canonical=None, valid=(), invalid=())
     canonical_output = results[best[0]][1]
     invalid = tuple(
@@ -52,3 +61,47 @@ def decide(
         valid=tuple(results[j][0] for j in best),
         invalid=invalid,
     )
+
+
+def _groups(
+    results: Sequence[tuple[int, bytes]], compare: Callable[[bytes, bytes], Verdict]
+) -> list[list[int]]:
+    """Indices of results agreeing with each result, deduplicated, members sorted."""
+    seen: set[tuple[int, ...]] = set()
+    groups = []
+    for i, (_, output) in enumerate(results):
+        members = [i] + [
+            j
+            for j, (_, other) in enumerate(results)
+            if j != i and compare(output, other) == Verdict.AGREE
+        ]
+        key = tuple(sorted(members))
+        if key not in seen:
+            seen.add(key)
+            groups.append(list(key))
+    return groups
+
+
+def group_posteriors(
+    groups: Sequence[Sequence[int]], credibility: Mapping[int, float]
+) -> list[float]:
+    """Probability that each group's answer is the right one, given who voted for what.
+
+    Each task is right independently with its credibility; at most one answer is right.
+    P(group a right) is proportional to prod(c, members of a) * prod(1 - c, others); the
+    hypothesis that no answer is right, prod(1 - c, everyone), takes the rest.
+    """
+    everyone = {task for group in groups for task in group}
+    weights = []
+    for group in groups:
+        members = set(group)
+        weight = 1.0
+        for task in everyone:
+            c = min(max(credibility.get(task, 1.0), 0.0), 1.0)
+            weight *= c if task in members else 1.0 - c
+        weights.append(weight)
+    none_right = 1.0
+    for task in everyone:
+        none_right *= 1.0 - min(max(credibility.get(task, 1.0), 0.0), 1.0)
+    total = sum(weights) + none_right
+    return [w / total if total > 0 else 0.0 for w in weights]

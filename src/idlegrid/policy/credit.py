@@ -1,0 +1,54 @@
+"""Credit: granted for validated work only, priced from the kind's FLOP estimate.
+
+One credit unit follows BOINC's cobblestone: a machine sustaining 1 GFLOPS for one day
+earns 200. What a node claims about its work is never used: the coordinator prices a
+shard from the kind's `cost_flops`, which it computed itself when splitting the job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+COBBLESTONES_PER_GFLOPS_DAY = 200.0
+SECONDS_PER_DAY = 86_400.0
+WEEK_S = 7 * SECONDS_PER_DAY
+
+
+def credit_for(cost_flops: float) -> float:
+    """Credit for one validated result of a shard estimated at `cost_flops`."""
+    return max(0.0, cost_flops) / 1e9 / SECONDS_PER_DAY * COBBLESTONES_PER_GFLOPS_DAY
+
+
+@dataclass(frozen=True)
+class CreditTotals:
+    total: float = 0.0
+    # Exponentially decayed sum of credit (half-life `half_life_s`) as of `updated_at`.
+    decayed: float = 0.0
+    updated_at: float = 0.0
+
+
+def grant(
+    totals: CreditTotals, amount: float, *, now: float, half_life_s: float = WEEK_S
+) -> CreditTotals:
+    """Add `amount` of credit at time `now`."""
+    decayed = _decay(totals, now, half_life_s) + amount
+    return CreditTotals(
+        total=totals.total + amount, decayed=decayed, updated_at=max(now, totals.updated_at)
+    )
+
+
+def recent_average(totals: CreditTotals, *, now: float, half_life_s: float = WEEK_S) -> float:
+    """Recent average credit per day (BOINC's RAC), with a one-week half-life.
+
+    The decayed sum divided by the mean life of the decay (half-life / ln 2) is the
+    average daily rate that would sustain it: a node earning c per day for many weeks
+    converges to c.
+    """
+    mean_life_days = half_life_s / math.log(2) / SECONDS_PER_DAY
+    return _decay(totals, now, half_life_s) / mean_life_days
+
+
+def _decay(totals: CreditTotals, now: float, half_life_s: float) -> float:
+    elapsed = max(0.0, now - totals.updated_at)
+    return totals.decayed * 0.5 ** (elapsed / half_life_s)

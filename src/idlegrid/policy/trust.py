@@ -1,0 +1,112 @@
+"""Trust in a node, per kind and backend: earned by valid results, lost by invalid ones.
+
+Pure functions over a frozen `Trust` record. A node is trusted separately on each
+(kind, backend) pair: a node can be reliable on its CPU and broken on its GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrustSettings:
+    # Fraction of nodes assumed faulty or malicious before they prove otherwise
+    # (Sarmenta's f); a new node's credibility is 1 - f.
+    prior_bad_fraction: float = 0.2
+    # Consecutive valid results before a node may run a shard alone (BOINC's N).
+    adaptive_after: int = 10
+    # Share of unreplicated results checked by a second, trusted node anyway.
+    spot_check_rate: float = 0.1
+    # Daily task quota: starts here, +1 per valid result, halves on an invalid one.
+    initial_daily_quota: int = 50
+    max_daily_quota: int = 10_000
+    # Invalid results within `invalid_window` results that suspend the node.
+    suspend_after_invalids: int = 3
+    invalid_window: int = 50
+
+
+@dataclass(frozen=True, kw_only=True)
+class Trust:
+    consecutive_valid: int = 0
+    valid_total: int = 0
+    invalid_total: int = 0
+    error_total: int = 0
+    # Invalid results among the last `invalid_window` validated results (decays).
+    recent_invalid: int = 0
+    daily_quota: int = TrustSettings().initial_daily_quota
+    suspended: bool = False
+
+    @property
+    def results_total(self) -> int:
+        return self.valid_total + self.invalid_total + self.error_total
+
+    @property
+    def error_rate(self) -> float:
+        """Share of this node's results that were invalid or errors."""
+        total = self.results_total
+        return (self.invalid_total + self.error_total) / total if total else 0.0
+
+
+def new_trust(settings: TrustSettings) -> Trust:
+    return Trust(daily_quota=settings.initial_daily_quota)
+
+
+def after_valid(trust: Trust, settings: TrustSettings) -> Trust:
+    """A result of this node was validated."""
+    # One old invalid result is forgiven per `invalid_window` valid ones.
+    window_passed = (trust.valid_total + 1) % settings.invalid_window == 0
+    decay = 1 if trust.recent_invalid and window_passed else 0
+    return dataclasses.replace(
+        trust,
+        consecutive_valid=trust.consecutive_valid + 1,
+        valid_total=trust.valid_total + 1,
+        recent_invalid=max(0, trust.recent_invalid - decay),
+        daily_quota=min(settings.max_daily_quota, trust.daily_quota + 1),
+    )
+
+
+def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
+    """A result of this node was outvoted or failed a spot check: reset, halve, maybe suspend."""
+    recent = trust.recent_invalid + 1
+    return dataclasses.replace(
+        trust,
+        consecutive_valid=0,
+        invalid_total=trust.invalid_total + 1,
+        recent_invalid=recent,
+        daily_quota=max(1, trust.daily_quota // 2),
+        suspended=trust.suspended or recent >= settings.suspend_after_invalids,
+    )
+
+
+def after_error(trust: Trust) -> Trust:
+    """The node reported a failure or returned a structurally wrong output."""
+    return dataclasses.replace(trust, consecutive_valid=0, error_total=trust.error_total + 1)
+
+
+def credibility(trust: Trust, settings: TrustSettings) -> float:
+    """Probability that this node's next result is right (Sarmenta 2002, spot-checking).
+
+    A node that has passed k checks in a row is bad with probability at most f / (k + 1):
+    every valid result it returned was a check it could have failed.
+    """
+    if trust.suspended:
+        return 0.0
+    return 1.0 - settings.prior_bad_fraction / (trust.consecutive_valid + 1)
+
+
+def may_run_alone(trust: Trust, settings: TrustSettings, *, draw: float) -> bool:
+    """BOINC's adaptive replication: after N valid in a row, alone with p = 1 - 1/N_valid.
+
+    `draw` is a uniform random number in [0, 1) supplied by the caller (pure function).
+    """
+    n = trust.consecutive_valid
+    if trust.suspended or n < settings.adaptive_after:
+        return False
+    return draw < 1.0 - 1.0 / n
+
+
+def needs_spot_check(settings: TrustSettings, *, draw: float) -> bool:
+    """Whether an unreplicated result is checked by a second, trusted node."""
+    return draw < settings.spot_check_rate
