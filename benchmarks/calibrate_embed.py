@@ -1,0 +1,149 @@
+"""Calibrate embed-text's `compare`: how far apart are honest results, and cheats?
+
+Embeds the same texts many honest ways (thread counts, batch sizes, batch order, float64
+arithmetic) and many dishonest or broken ways (noise, low-precision rounding of the
+output, bfloat16 arithmetic, a perturbed model, a truncated model), and prints, for each,
+the lowest per-row cosine against the reference run and whether the kind's `compare`
+agrees. The honest floor and the cheats' ceiling bound where COSINE_AGREE may sit.
+
+    .venv/bin/python benchmarks/calibrate_embed.py --texts 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from idlegrid.corpus import stdlib_paragraphs
+from idlegrid.kinds.base import RunContext, Verdict
+from idlegrid.kinds.embed_text import (
+    COSINE_AGREE,
+    EmbedTextKind,
+    EmbedTextParams,
+    embeddings_to_npy,
+    load_model,
+    row_cosines,
+)
+
+
+def encode(model, texts: list[str], *, batch_size: int, threads: int, sort: bool) -> np.ndarray:  # type: ignore[no-untyped-def]
+    torch.set_num_threads(threads)
+    if sort:
+        return model.encode(texts, batch_size=batch_size, normalize_embeddings=True)
+    parts = [
+        model.encode(texts[i : i + batch_size], batch_size=batch_size, normalize_embeddings=True)
+        for i in range(0, len(texts), batch_size)
+    ]
+    return np.concatenate(parts)
+
+
+def variants(texts: list[str]) -> dict[str, tuple[bool, Callable[[], np.ndarray]]]:
+    """name -> (honest?, how to compute it)."""
+    model = load_model("cpu")
+
+    def with_model(changed, **kw):  # type: ignore[no-untyped-def]
+        return lambda: encode(
+            changed, texts, **({"batch_size": 64, "threads": 2, "sort": True} | kw)
+        )
+
+    def perturbed(scale: float):  # type: ignore[no-untyped-def]
+        clone = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in clone.parameters():
+                p.add_(torch.randn(p.shape, generator=gen) * p.std() * scale)
+        return clone
+
+    def truncated():  # type: ignore[no-untyped-def]
+        clone = copy.deepcopy(model)
+        clone[0].auto_model.encoder.layer = clone[0].auto_model.encoder.layer[:-1]
+        return clone
+
+    def double():  # type: ignore[no-untyped-def]
+        return copy.deepcopy(model).double()
+
+    def bf16() -> np.ndarray:
+        torch.set_num_threads(2)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model.encode(texts, batch_size=64, normalize_embeddings=True)
+        return np.asarray(out, dtype=np.float32)
+
+    reference = encode(model, texts, batch_size=64, threads=2, sort=True)
+    rng = np.random.default_rng(0)
+
+    def noisy(sigma: float) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            out = reference + rng.normal(0, sigma, reference.shape).astype(np.float32)
+            return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+        return make
+
+    def rounded(dtype: str) -> Callable[[], np.ndarray]:
+        def make() -> np.ndarray:
+            if dtype == "float16":
+                return reference.astype(np.float16).astype(np.float32)
+            bits = reference.view(np.uint32) & np.uint32(0xFFFF0000)  # bfloat16 truncation
+            return bits.view(np.float32)
+
+        return make
+
+    return {
+        "threads=1": (True, with_model(model, threads=1)),
+        "batch=1": (True, with_model(model, batch_size=1)),
+        "batch=8": (True, with_model(model, batch_size=8)),
+        "batch=128": (True, with_model(model, batch_size=128)),
+        "unsorted batches of 32": (True, with_model(model, batch_size=32, sort=False)),
+        "float64 arithmetic": (True, with_model(double())),
+        "kind.run (threads=2)": (True, lambda: _kind_run(texts)),
+        "noise sigma=1e-4": (False, noisy(1e-4)),
+        "noise sigma=1e-3": (False, noisy(1e-3)),
+        "output rounded to float16": (False, rounded("float16")),
+        "output rounded to bfloat16": (False, rounded("bfloat16")),
+        "bfloat16 arithmetic": (False, bf16),
+        "weights perturbed 1%": (False, with_model(perturbed(0.01))),
+        "weights perturbed 0.1%": (False, with_model(perturbed(0.001))),
+        "last layer dropped": (False, with_model(truncated())),
+        "reference": (True, lambda: reference),
+    }
+
+
+def _kind_run(texts: list[str]) -> np.ndarray:
+    torch.set_num_threads(2)
+    payload = json.dumps({"offset": 0, "texts": texts}).encode()
+    out = EmbedTextKind().run(payload, EmbedTextParams(), RunContext())
+    from idlegrid.kinds.embed_text import parse_embeddings
+
+    return parse_embeddings(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--texts", type=int, default=256)
+    args = parser.parse_args()
+    texts = stdlib_paragraphs(args.texts)
+    kind, params = EmbedTextKind(), EmbedTextParams()
+    runs = variants(texts)
+    reference = runs.pop("reference")[1]()
+    ref_bytes = embeddings_to_npy(reference)
+    honest_floor, cheat_ceiling = 1.0, 0.0
+    print(f"{'variant':<30} {'honest':>6} {'min cosine':>14} {'1 - min cos':>12}  compare")
+    for name, (honest, make) in runs.items():
+        out = np.asarray(make(), dtype=np.float32)
+        low = float(row_cosines(reference, out).min())
+        verdict = kind.compare(ref_bytes, embeddings_to_npy(out), params)
+        print(f"{name:<30} {honest!s:>6} {low:>14.10f} {1 - low:>12.2e}  {verdict.value}")
+        if honest:
+            honest_floor = min(honest_floor, low)
+        else:
+            cheat_ceiling = max(cheat_ceiling, low) if verdict == Verdict.AGREE else cheat_ceiling
+    print(f"honest floor: {honest_floor:.10f}  COSINE_AGREE: {COSINE_AGREE}")
+    print(f"highest cheat that compare still accepts: {cheat_ceiling:.10f} (0 = none)")
+
+
+if __name__ == "__main__":
+    main()
