@@ -12,10 +12,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "idlegrid"
 
 
-def _imports(path: Path) -> set[str]:
+def _imports(path: Path, *, top_level_only: bool = False) -> set[str]:
     tree = ast.parse(path.read_text())
     found: set[str] = set()
-    for node in ast.walk(tree):
+    for node in tree.body if top_level_only else ast.walk(tree):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -30,7 +30,7 @@ def _files(part: str) -> list[Path]:
 
 FORBIDDEN = [
     ("protocol.py", ("idlegrid",)),
-    ("kinds", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store", "torch")),
+    ("kinds", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store")),
     ("policy", ("idlegrid.store", "idlegrid.broker", "idlegrid.coordinator", "fastapi",
                 "sqlalchemy", "websockets", "torch")),
     ("worker", ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker")),
@@ -47,6 +47,17 @@ def test_part_does_not_import(part: str, banned: tuple[str, ...]) -> None:
         for path in _files(part)
         for name in _imports(path)
         if any(name == b or name.startswith(b + ".") for b in banned)
+    ]
+    assert offenders == []
+
+
+def test_kinds_import_ml_libraries_only_inside_functions() -> None:
+    heavy = ("torch", "sentence_transformers", "transformers")
+    offenders = [
+        f"{path.relative_to(PACKAGE)} imports {name} at module level"
+        for path in _files("kinds")
+        for name in _imports(path, top_level_only=True)
+        if any(name == h or name.startswith(h + ".") for h in heavy)
     ]
     assert offenders == []
 

@@ -12,10 +12,14 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
+from idlegrid.kinds.diloco import DilocoKind
 from idlegrid.kinds.embed_text import EmbedTextKind
 from idlegrid.kinds.sleep import SleepKind
+from idlegrid.kinds.vectors import VectorsKind
 
-KINDS: dict[str, TaskKind] = {kind.name: kind for kind in (EmbedTextKind(), SleepKind())}
+KINDS: dict[str, TaskKind] = {
+    kind.name: kind for kind in (DilocoKind(), EmbedTextKind(), SleepKind(), VectorsKind())
+}
 
 
 class UnknownKind(LookupError):

@@ -1,0 +1,336 @@
+"""The `diloco-train` kind: one round of local training that returns a compressed pseudo-gradient.
+
+Input: one blob `dataset`, a safetensors file holding either `tokens` (1-D token ids, for
+`transformer-lm`) or `x` (float32, examples first) and `y` (integer labels), optionally
+with `eval.tokens` or `eval.x`/`eval.y` as the held-out split (else the last tenth is held
+out). A dataset blob with no arrays and the header {"corpus": "pydoc-topics"} names the
+character corpus built into idlegrid, so no data bytes travel (`corpus_dataset_blob`).
+
+A shard is one worker's part of the training data; a task trains on it for H AdamW steps
+from the round's global weights (see `training.tasks` for the payload and result bytes).
+Without a round driver, `split` makes round 0 from the seed and `assemble` closes it: the
+job's result is round 1's weights as safetensors. The coordinator's round driver repeats
+rounds with `training.rounds.close_round` and publishes `training.tasks` payloads itself.
+
+torch is imported only inside `run` (through `training.inner`): the coordinator imports
+this module to split, compare and assemble without it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from pydantic import Field, model_validator
+
+from idlegrid.kinds.base import (
+    Cancelled,
+    InputError,
+    KindParams,
+    Requirements,
+    RunContext,
+    ShardSpec,
+    TaskKind,
+    Verdict,
+)
+from idlegrid.training import corpus, models, rounds, tasks, verify, worker
+from idlegrid.training import data as datasets
+from idlegrid.training.aggregate import Aggregation
+from idlegrid.training.compression import Compression, decode, method_of
+from idlegrid.training.flat import ContainerError, pack, unpack, weights_to_safetensors
+from idlegrid.training.inner import InnerSettings, use_threads
+from idlegrid.training.outer import OuterSettings
+from idlegrid.training.worker_state import WorkerState
+
+CORPUS_NAME = "pydoc-topics"
+# The worker process's weights cache and error-feedback residuals, shared by its tasks.
+WORKER_STATE = WorkerState()
+
+
+class DilocoParams(KindParams):
+    architecture: str = Field(default="transformer-lm", description="a built-in architecture")
+    model: dict[str, Any] = Field(default_factory=dict, description="the architecture's config")
+    rounds: int = Field(default=10, ge=1, le=100_000)
+    workers: int = Field(default=4, ge=1, le=10_000, description="shards (tasks) per round")
+    inner: InnerSettings = InnerSettings()
+    outer: OuterSettings = OuterSettings()
+    upload: Compression = Compression(method="int8")
+    download: Compression = Compression(method="int8")
+    aggregation: Aggregation = Aggregation()
+    seed: int = Field(default=0, ge=0, lt=2**63, description="initial weights and batches")
+    eval_batches: int = Field(default=16, ge=1, le=10_000)
+    # For the round driver: a round closes on `min_updates` or after `round_timeout_s`.
+    eval_every: int = Field(default=1, ge=1, description="rounds between held-out evaluations")
+    min_updates: int | None = Field(default=None, ge=1, description="default: workers")
+    round_timeout_s: float = Field(default=600.0, gt=0.0)
+    asynchronous: bool = Field(default=False, description="late updates count, down-weighted")
+    max_staleness: int = Field(default=2, ge=0, le=100, description="asynchronous mode")
+
+    @model_validator(mode="after")
+    def _valid_model(self) -> DilocoParams:
+        self.model_settings()
+        if self.min_updates is not None and self.min_updates > self.workers:
+            raise ValueError(f"min_updates {self.min_updates} exceeds workers {self.workers}")
+        return self
+
+    def train_spec(self) -> worker.TrainSpec:
+        """What every task of this job shares, for the worker side."""
+        return worker.TrainSpec(
+            self.architecture, self.model_settings(), self.inner, self.upload, self.eval_batches
+        )
+
+    def model_settings(self) -> Any:
+        """The validated config of the chosen architecture."""
+        try:
+            return models.parse_config(self.architecture, self.model)
+        except ValueError as exc:
+            raise ValueError(f"model: {exc}") from None
+
+
+class DilocoKind(TaskKind):
+    """Train a built-in architecture with DiLoCo: H local steps a task, one update a round."""
+
+    name = "diloco-train"
+    params_model = DilocoParams
+    input_names = ("dataset",)
+    result_media_type = "application/x-safetensors"
+
+    def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
+        assert isinstance(params, DilocoParams)
+        if "dataset" not in inputs:
+            raise InputError("missing input 'dataset' (safetensors)")
+        train, _ = read_dataset(inputs["dataset"])
+        state = rounds.initial_state(initial_weights(params))
+        stream = stream_id(params, inputs["dataset"])
+        return [
+            ShardSpec(
+                index=shard,
+                payload=tasks.encode_task(
+                    round_task(params, state, train, shard, stream=stream, inline=True)
+                ),
+                items=params.inner.steps,
+                cost_flops=train_flops(params),
+            )
+            for shard in range(params.workers)
+        ]
+
+    def requirements(self, params: KindParams) -> Requirements:
+        assert isinstance(params, DilocoParams)
+        count = models.parameter_count(params.architecture, params.model_settings())
+        # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies.
+        return Requirements(min_memory_mb=256 + math.ceil(24 * count / 2**20))
+
+    def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
+        assert isinstance(params, DilocoParams)
+        try:
+            task = tasks.decode_task(payload)
+        except ContainerError as exc:
+            raise InputError(f"task payload: {exc}") from None
+        use_threads(ctx.threads)
+        # No `fetch` yet: RunContext cannot reach the blob cache, so payloads carry their
+        # weights (inline, or a chain of inline updates from weights this node holds).
+        try:
+            result = worker.run_task(
+                task, params.train_spec(), WORKER_STATE,
+                device=ctx.device, on_step=_progress(ctx, params.inner.steps),
+            )  # fmt: skip
+        except (ContainerError, tasks.MissingWeights, ValueError) as exc:
+            raise InputError(f"task: {exc}") from None
+        return tasks.encode_result(result)
+
+    def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
+        assert isinstance(params, DilocoParams)
+        try:
+            task, result = tasks.decode_task(payload), tasks.decode_result(output)
+        except ContainerError as exc:
+            raise InputError(str(exc)) from None
+        problem = output_problem(task, result, params)
+        if problem:
+            raise InputError(problem)
+
+    def compare(self, a: bytes, b: bytes, params: KindParams) -> Verdict:
+        assert isinstance(params, DilocoParams)
+        try:
+            first, second = tasks.decode_result(a), tasks.decode_result(b)
+        except ContainerError:
+            return Verdict.DISAGREE
+        return compare_results(first, second, stateless=not params.upload.stateful)
+
+    def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
+        assert isinstance(params, DilocoParams)
+        state = rounds.initial_state(initial_weights(params))
+        updates = [_update_of(output, state) for output in outputs]
+        closed = rounds.close_round(
+            state, updates, rule=params.aggregation, outer=params.outer, download=params.download
+        )
+        return checkpoint(params, closed.state, train_loss=closed.train_loss)
+
+
+# -- coordinator side -------------------------------------------------------------------
+
+
+def initial_weights(params: DilocoParams) -> np.ndarray:
+    """Round 0's weights, from the seed (numpy: the coordinator needs no torch)."""
+    return models.init_weights(params.architecture, params.model_settings(), params.seed)
+
+
+def stream_id(params: DilocoParams, dataset: bytes) -> str:
+    """A name for one training run in workers' caches, when no job id is at hand."""
+    text = params.model_dump_json().encode() + hashlib.sha256(dataset).digest()
+    return "run-" + hashlib.sha256(text).hexdigest()[:16]
+
+
+def corpus_dataset_blob() -> bytes:
+    """A `dataset` input that names the built-in character corpus (no data inside)."""
+    return pack({}, {"corpus": CORPUS_NAME, "sha256": corpus.TEXT_SHA256})
+
+
+def dataset_blob(train: datasets.Dataset, held_out: datasets.Dataset | None = None) -> bytes:
+    """A `dataset` input of arrays, optionally with its held-out split."""
+    arrays = datasets.to_arrays(train, "")
+    if held_out is not None:
+        arrays.update(datasets.to_arrays(held_out, "eval."))
+    return pack(arrays, {})
+
+
+def read_dataset(blob: bytes) -> tuple[tasks.DataRef, tasks.DataRef]:
+    """The training and held-out data of a `dataset` input; InputError if unusable."""
+    try:
+        arrays, header = unpack(blob)
+        if header.get("corpus") is not None:
+            return _corpus_dataset(header)
+        train = datasets.from_arrays(arrays, "")
+        if any(name.startswith("eval.") for name in arrays):
+            return train, datasets.from_arrays(arrays, "eval.")
+    except ContainerError as exc:
+        raise InputError(f"dataset: {exc}") from None
+    cut = len(train) - max(1, len(train) // 10)
+    if cut <= 0:
+        raise InputError("dataset: too small to hold a tenth out for evaluation")
+    return _split_off(train, cut)
+
+
+def _corpus_dataset(header: Mapping[str, Any]) -> tuple[tasks.DataRef, tasks.DataRef]:
+    if header["corpus"] != CORPUS_NAME or header.get("sha256") != corpus.TEXT_SHA256:
+        raise InputError(f"dataset: unknown corpus {header['corpus']!r}; known: {CORPUS_NAME}")
+    train, held_out = len(corpus.train_tokens()), len(corpus.eval_tokens())
+    return tasks.CorpusSlice("train", 0, train), tasks.CorpusSlice("eval", 0, held_out)
+
+
+def _split_off(data: datasets.Dataset, cut: int) -> tuple[datasets.Dataset, datasets.Dataset]:
+    if isinstance(data, datasets.TokenData):
+        return datasets.TokenData(data.tokens[:cut]), datasets.TokenData(data.tokens[cut:])
+    return (
+        datasets.ExampleData(data.x[:cut], data.y[:cut]),
+        datasets.ExampleData(data.x[cut:], data.y[cut:]),
+    )
+
+
+def round_task(
+    params: DilocoParams,
+    state: rounds.RoundState,
+    train: tasks.DataRef,
+    shard: int,
+    *,
+    stream: str,
+    inline: bool = False,
+    chain: tuple[tasks.Link, ...] = (),
+    keyframe_blob: str | None = None,
+) -> tasks.TaskPayload:
+    """The payload of one shard's task in the round `state` starts."""
+    return tasks.TaskPayload(
+        mode="train",
+        stream=stream,
+        round=state.round,
+        shard=shard,
+        seed=rounds.task_seed(params.seed, state.round, shard),
+        target=tasks.WeightsRef(state.round, state.digest),
+        data=tasks.shard_ref(train, shard, params.workers),
+        weights=state.weights if inline else None,
+        keyframe_blob=keyframe_blob,
+        chain=chain,
+    )
+
+
+def train_flops(params: DilocoParams) -> float:
+    """Cost of one task: 6 FLOPs per parameter per example-token, H steps."""
+    count = models.parameter_count(params.architecture, params.model_settings())
+    per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
+    return float(6 * count * per_example * params.inner.batch_size * params.inner.steps)
+
+
+def checkpoint(params: DilocoParams, state: rounds.RoundState, **metrics: float) -> bytes:
+    """Safetensors of a round's global weights, with round, digest and metrics as metadata."""
+    spec = models.flat_spec(params.architecture, params.model_settings())
+    metadata = {"architecture": params.architecture, "round": state.round,
+                "digest": state.digest, **metrics}  # fmt: skip
+    return weights_to_safetensors(state.weights, spec, metadata)
+
+
+def _update_of(output: bytes, state: rounds.RoundState) -> rounds.Update:
+    try:
+        result = tasks.decode_result(output)
+    except ContainerError as exc:
+        raise InputError(f"output: {exc}") from None
+    if result.update is None or result.weights_digest != state.digest:
+        raise InputError("assemble closes round 0 only: an output is not a round-0 update")
+    return rounds.Update(decode(result.update), result.round, result.loss_mean)
+
+
+def output_problem(
+    task: tasks.TaskPayload, result: tasks.TaskResult, params: DilocoParams
+) -> str | None:
+    """Why a result cannot be the output of a task, or None if it fits."""
+    expected = (task.mode, task.round, task.shard, task.seed, task.target.digest)
+    got = (result.mode, result.round, result.shard, result.seed, result.weights_digest)
+    if got != expected:
+        return f"result is for {got}, the task was {expected}"
+    if not all(np.isfinite([result.loss_first, result.loss_mean, result.loss_last])):
+        return "losses must be finite"
+    if task.mode == "eval":
+        return None
+    size = models.parameter_count(params.architecture, params.model_settings())
+    if result.update is None or result.sketch is None:
+        return "a training result needs an update and a sketch"
+    if method_of(result.update) != params.upload.method:
+        return f"update is {method_of(result.update)}, the job uploads {params.upload.method}"
+    if decode(result.update).shape != (size,) or result.sketch.shape != (verify.SKETCH_SIZE,):
+        return f"update must have {size} values and the sketch {verify.SKETCH_SIZE}"
+    if not np.all(np.isfinite(decode(result.update))):
+        return "update contains NaN or infinite values"
+    return None
+
+
+def compare_results(
+    first: tasks.TaskResult, second: tasks.TaskResult, *, stateless: bool
+) -> Verdict:
+    """Replicas agree if they started alike and their losses and pseudo-gradients agree."""
+    same_task = (first.mode, first.round, first.shard, first.seed, first.weights_digest) == (
+        second.mode, second.round, second.shard, second.seed, second.weights_digest,
+    )  # fmt: skip
+    if not same_task or not verify.losses_agree(first.loss_mean, second.loss_mean):
+        return Verdict.DISAGREE
+    if first.mode == "eval":
+        return Verdict.AGREE
+    if first.sketch is None or second.sketch is None:
+        return Verdict.DISAGREE
+    agree = verify.deltas_agree(first.sketch, second.sketch)
+    # A stateless update is a function of the pseudo-gradient alone: compare it too.
+    if agree and stateless and first.update is not None and second.update is not None:
+        agree = verify.deltas_agree(decode(first.update), decode(second.update))
+    return Verdict.AGREE if agree else Verdict.DISAGREE
+
+
+# -- worker side ------------------------------------------------------------------------
+
+
+def _progress(ctx: RunContext, steps: int) -> Any:
+    def on_step(done: int) -> None:
+        if ctx.is_cancelled():
+            raise Cancelled()
+        ctx.report_progress(done / steps)
+
+    return on_step

@@ -1,0 +1,201 @@
+"""Worker side: H inner AdamW steps from the global weights, giving a pseudo-gradient.
+
+torch is imported inside functions only. Given the same weights, data, settings and seed,
+`train_inner` is deterministic on one CPU with a fixed thread count: batches come from
+numpy's seeded generator and no module draws random numbers (no dropout). Other thread
+counts and other hardware round differently; `verify` holds the tolerance for that.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from idlegrid.training import models
+from idlegrid.training.data import Dataset, TokenData, batches, eval_batches
+
+if TYPE_CHECKING:
+    import torch
+
+
+class InnerSettings(BaseModel):
+    """One task's local training: H AdamW steps on batches of its shard."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(default=100, ge=1, le=100_000, description="H: inner steps per round")
+    batch_size: int = Field(default=16, ge=1, le=4096)
+    seq_len: int = Field(default=64, ge=1, le=4096, description="tokens per window (LMs)")
+    lr: float = Field(default=1e-3, gt=0.0, le=1.0)
+    weight_decay: float = Field(default=0.01, ge=0.0, le=1.0)
+    beta1: float = Field(default=0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(default=0.95, ge=0.0, lt=1.0)
+    grad_clip: float | None = Field(default=1.0, gt=0.0, description="max gradient norm")
+    warmup_steps: int = Field(
+        default=0, ge=0, description="linear lr warmup at the start of every task"
+    )
+
+
+@dataclass(frozen=True)
+class InnerResult:
+    """A task's pseudo-gradient (global minus local weights) and its training losses."""
+
+    delta: np.ndarray
+    loss_first: float  # the first batch's loss at the global weights
+    loss_mean: float
+    loss_last: float
+
+
+def train_inner(
+    architecture: str,
+    config: Any,
+    weights: np.ndarray,
+    data: Dataset,
+    settings: InnerSettings,
+    *,
+    seed: int,
+    device: str = "cpu",
+    on_step: Callable[[int], None] | None = None,
+) -> InnerResult:
+    """Run `settings.steps` AdamW steps from `weights`; return delta = weights - local.
+
+    `on_step(done)` runs after each step (progress, and a place to raise on cancel).
+    The optimizer starts fresh every task: a node keeps no state between rounds.
+    """
+    import torch
+
+    check_fits(architecture, config, data, settings.seq_len)
+    module = load_module(architecture, config, weights, device)
+    optimizer = torch.optim.AdamW(
+        module.parameters(),
+        lr=settings.lr,
+        betas=(settings.beta1, settings.beta2),
+        weight_decay=settings.weight_decay,
+    )
+    task = models.get_architecture(architecture).task
+    stream = batches(
+        data, seed=seed, count=settings.steps, batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+    )  # fmt: skip
+    losses = []
+    for step, (inputs, targets) in enumerate(stream):
+        for group in optimizer.param_groups:
+            group["lr"] = settings.lr * min(1.0, (step + 1) / (settings.warmup_steps + 1))
+        loss = batch_loss(module, task, inputs, targets, device)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if settings.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+        if on_step is not None:
+            on_step(step + 1)
+    delta = weights - flat_weights(module)
+    return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1])
+
+
+def evaluate(
+    architecture: str,
+    config: Any,
+    weights: np.ndarray,
+    data: Dataset,
+    *,
+    batches: int,
+    batch_size: int,
+    seq_len: int,
+    device: str = "cpu",
+) -> float:
+    """Mean loss of `weights` over a fixed set of evaluation batches of `data`."""
+    import torch
+
+    check_fits(architecture, config, data, seq_len)
+    module = load_module(architecture, config, weights, device)
+    task = models.get_architecture(architecture).task
+    fixed = eval_batches(data, count=batches, batch_size=batch_size, seq_len=seq_len)
+    with torch.no_grad():
+        return mean_loss(module, task, fixed, device)
+
+
+def mean_loss(
+    module: torch.nn.Module,
+    task: str,
+    batches: Iterable[tuple[np.ndarray, np.ndarray]],
+    device: str,
+) -> float:
+    losses = [float(batch_loss(module, task, x, y, device)) for x, y in batches]
+    return float(np.mean(losses))
+
+
+def batch_loss(
+    module: torch.nn.Module, task: str, inputs: np.ndarray, targets: np.ndarray, device: str
+) -> torch.Tensor:
+    """Cross-entropy of one batch (per token for language models)."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
+    y = torch.from_numpy(np.ascontiguousarray(targets)).to(device)
+    logits = module(x)
+    if task == "language-model":
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return F.cross_entropy(logits, y)
+
+
+def load_module(architecture: str, config: Any, weights: np.ndarray, device: str) -> Any:
+    """The architecture's torch module holding `weights` (a flat float32 vector)."""
+    import torch
+
+    spec = models.flat_spec(architecture, config)
+    if weights.shape != (spec.size,):
+        raise ValueError(f"{architecture} has {spec.size} weights, got {weights.shape}")
+    module = models.build_module(architecture, config)
+    offset = 0
+    with torch.no_grad():
+        for parameter in module.parameters():
+            count = parameter.numel()
+            chunk = torch.from_numpy(weights[offset : offset + count].copy())
+            parameter.copy_(chunk.view_as(parameter))
+            offset += count
+    return module.to(device)
+
+
+def flat_weights(module: torch.nn.Module) -> np.ndarray:
+    """A module's parameters as one float32 vector, in parameter order."""
+    parts = [p.detach().cpu().reshape(-1).numpy() for p in module.parameters()]
+    return np.concatenate(parts).astype(np.float32, copy=False)
+
+
+def use_threads(threads: int) -> None:
+    """Let torch use `threads` CPU threads (process-wide: all tasks share one setting)."""
+    import torch
+
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
+def check_fits(architecture: str, config: Any, data: Dataset, seq_len: int) -> None:
+    """ValueError if the data cannot feed the architecture (ids out of range, sizes)."""
+    if isinstance(data, TokenData):
+        if not isinstance(config, models.LMConfig):
+            raise ValueError(f"{architecture} trains on examples with labels, not tokens")
+        if seq_len > config.context:
+            raise ValueError(f"seq_len {seq_len} exceeds the model's context {config.context}")
+        if len(data) and int(data.tokens.max()) >= config.vocab:
+            raise ValueError(f"token id {int(data.tokens.max())} >= vocab {config.vocab}")
+        return
+    if isinstance(config, models.LMConfig):
+        raise ValueError(f"{architecture} trains on tokens, not examples")
+    example = tuple(data.x.shape[1:])
+    if isinstance(config, models.MLPConfig) and math.prod(example) != config.inputs:
+        raise ValueError(f"examples of shape {example} do not have {config.inputs} inputs")
+    if isinstance(config, models.CNNConfig):
+        expected = (config.channels, config.image_size, config.image_size)
+        if example != expected:
+            raise ValueError(f"examples of shape {example}, expected {expected}")
+    if len(data) and not 0 <= int(data.y.min()) <= int(data.y.max()) < config.classes:
+        raise ValueError(f"labels must lie in 0..{config.classes - 1}")

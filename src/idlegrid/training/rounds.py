@@ -1,0 +1,104 @@
+"""One DiLoCo round, closed: updates in, new global weights and the published update out.
+
+Pure numpy, no I/O, no torch: the coordinator's round driver stores a `RoundState`,
+feeds `close_round` the decoded updates that arrived (on quorum or when the timer ran
+out), stores the returned state and publishes the returned message. The simulation and
+the kind's `assemble` use the same function, so there is one definition of a round.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from idlegrid.training import aggregate as aggregation
+from idlegrid.training.compression import Compression, Message
+from idlegrid.training.flat import digest
+from idlegrid.training.outer import OuterSettings, nesterov_step, publish_update
+
+
+@dataclass(frozen=True)
+class RoundState:
+    """The coordinator's training state at the start of round `round`."""
+
+    round: int
+    weights: np.ndarray
+    momentum: np.ndarray
+    download_residual: np.ndarray | None = None
+
+    @property
+    def digest(self) -> str:
+        return digest(self.weights)
+
+
+@dataclass(frozen=True)
+class Update:
+    """One task's decoded pseudo-gradient, with what the round needs to weigh it."""
+
+    delta: np.ndarray
+    base_round: int  # the round whose weights the task started from
+    loss: float = float("nan")
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    state: RoundState  # the next round's state
+    message: Message  # the published update: state.weights = apply_update(old, message)
+    suspicion: tuple[float, ...] = field(default=())  # per update: distance to the aggregate
+    train_loss: float = float("nan")
+
+
+def initial_state(weights: np.ndarray) -> RoundState:
+    """Round 0: the initial weights, zero momentum."""
+    weights = np.asarray(weights, dtype=np.float32)
+    return RoundState(0, weights, np.zeros_like(weights))
+
+
+def close_round(
+    state: RoundState,
+    updates: Sequence[Update],
+    *,
+    rule: aggregation.Aggregation,
+    outer: OuterSettings,
+    download: Compression,
+    asynchronous: bool = False,
+) -> ClosedRound:
+    """Aggregate a round's updates, take the outer step, compress it for download.
+
+    Updates from older rounds are dropped unless `asynchronous`, where they count with
+    their staleness weight. A round without updates keeps its momentum untouched and
+    publishes only what download error feedback still owes the workers (often nothing).
+    """
+    usable = [u for u in updates if u.base_round == state.round or asynchronous]
+    usable = [u for u in usable if u.base_round <= state.round]
+    if not usable:
+        return _empty_round(state, download)
+    deltas = [u.delta for u in usable]
+    staleness = [state.round - u.base_round for u in usable] if asynchronous else None
+    outer_gradient = aggregation.aggregate(deltas, rule, staleness=staleness)
+    update, momentum = nesterov_step(outer_gradient, state.momentum, outer)
+    published = publish_update(state.weights, update, state.download_residual, download)
+    suspicion = aggregation.distances(deltas, outer_gradient)
+    losses = [u.loss for u in usable if np.isfinite(u.loss)]
+    return ClosedRound(
+        state=RoundState(state.round + 1, published.weights, momentum, published.residual),
+        message=published.message,
+        suspicion=tuple(float(s) for s in suspicion),
+        train_loss=float(np.mean(losses)) if losses else float("nan"),
+    )
+
+
+def _empty_round(state: RoundState, download: Compression) -> ClosedRound:
+    zero = np.zeros_like(state.weights)
+    published = publish_update(state.weights, zero, state.download_residual, download)
+    next_state = RoundState(state.round + 1, published.weights, state.momentum, published.residual)
+    return ClosedRound(state=next_state, message=published.message)
+
+
+def task_seed(job_seed: int, round_number: int, shard: int) -> int:
+    """The seed of one shard's task in one round: the same for every replica of it."""
+    text = f"idlegrid/diloco:{job_seed}:{round_number}:{shard}".encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:8], "little") >> 1

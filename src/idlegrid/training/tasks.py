@@ -1,0 +1,354 @@
+"""The bytes of a training task and of its result: safetensors containers, no pickle.
+
+A task payload says which weights to start from and how to get them, which data to train
+on, with which seed, and in which round. Weights come in one of three ways, cheapest first:
+
+1. a chain: the published updates of the last rounds (inline, or as references to their
+   blobs), each with the digest of the weights it applies to. A worker holding any weights
+   of the chain (by digest) applies the rest with `outer.apply_update` and checks the
+   digest of the result: download compression.
+2. a keyframe: a reference to the checkpoint blob of the target weights (safetensors),
+   fetched through the worker's content-addressed blob cache: for a node that holds
+   none of the chain's weights (it joined mid-training, or restarted).
+3. inline weights (round 0, or a grid without blob references).
+
+A result carries the compressed pseudo-gradient, a sketch of the uncompressed one (for
+comparing replicas, see `verify`), the training losses, and the digest of the weights it
+started from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from idlegrid.training import compression, corpus
+from idlegrid.training import data as datasets
+from idlegrid.training.flat import ContainerError, digest, pack, unpack
+from idlegrid.training.outer import apply_update
+
+TASK_FORMAT = "idlegrid/diloco-task"
+RESULT_FORMAT = "idlegrid/diloco-result"
+VERSION = 1
+Mode = Literal["train", "eval"]
+
+
+class MissingWeights(LookupError):
+    """The worker cannot rebuild the task's starting weights from what it holds."""
+
+
+@dataclass(frozen=True)
+class WeightsRef:
+    """Global weights of a round, named by the digest of their float32 bytes."""
+
+    round: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class Link:
+    """One published update and the weights it applies to.
+
+    The update travels inline (`message`) or as a reference to its blob (`blob`, the
+    SHA-256 of `compression.encode_message`), which a worker fetches only if it needs it.
+    """
+
+    base: WeightsRef
+    message: compression.Message | None = None
+    blob: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.message is None) == (self.blob is None):
+            raise ValueError("a link has either an inline message or a blob reference")
+
+
+@dataclass(frozen=True)
+class CorpusSlice:
+    """Part of the built-in corpus, so no data bytes travel: tokens [start, stop) of a split."""
+
+    part: Literal["train", "eval"]
+    start: int
+    stop: int
+
+    def load(self) -> datasets.TokenData:
+        tokens = corpus.train_tokens() if self.part == "train" else corpus.eval_tokens()
+        if not 0 <= self.start <= self.stop <= len(tokens):
+            raise ContainerError(f"corpus slice {self.start}:{self.stop} of {len(tokens)}")
+        return datasets.TokenData(tokens[self.start : self.stop])
+
+
+DataRef = datasets.Dataset | CorpusSlice
+
+
+@dataclass(frozen=True)
+class TaskPayload:
+    mode: Mode
+    stream: str  # one training run, as the worker's caches know it (e.g. "job-17")
+    round: int
+    shard: int
+    seed: int
+    target: WeightsRef  # the weights the task starts from
+    data: DataRef
+    weights: np.ndarray | None = None  # the target weights inline
+    keyframe_blob: str | None = None  # SHA-256 of the checkpoint of the target weights
+    chain: tuple[Link, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class TaskResult:
+    mode: Mode
+    round: int
+    shard: int
+    seed: int
+    weights_digest: str  # the weights the task started from
+    loss_first: float
+    loss_mean: float
+    loss_last: float
+    update: compression.Message | None = None  # compressed pseudo-gradient (train)
+    sketch: np.ndarray | None = None  # count sketch of the uncompressed pseudo-gradient
+
+
+# -- payload ----------------------------------------------------------------------------
+
+
+def encode_task(task: TaskPayload) -> bytes:
+    """The payload blob of a task."""
+    arrays: dict[str, np.ndarray] = {}
+    links = []
+    for i, link in enumerate(task.chain):
+        entry: dict[str, Any] = {"round": link.base.round, "digest": link.base.digest}
+        if link.message is None:
+            entry["blob"] = link.blob
+        else:
+            meta, parts = compression.to_arrays(link.message, f"chain.{i}.")
+            entry.update(meta)
+            arrays.update(parts)
+        links.append(entry)
+    if task.weights is not None:
+        arrays["weights"] = np.asarray(task.weights, dtype=np.float32)
+    header: dict[str, Any] = {
+        "format": TASK_FORMAT,
+        "version": VERSION,
+        "mode": task.mode,
+        "stream": task.stream,
+        "round": task.round,
+        "shard": task.shard,
+        "seed": task.seed,
+        "target": {"round": task.target.round, "digest": task.target.digest},
+        "keyframe_blob": task.keyframe_blob,
+        "chain": links,
+    }
+    if isinstance(task.data, CorpusSlice):
+        header["data"] = {"source": "corpus", "sha256": corpus.TEXT_SHA256,
+                          "part": task.data.part, "start": task.data.start,
+                          "stop": task.data.stop}  # fmt: skip
+    else:
+        header["data"] = {"source": "inline"}
+        arrays.update(datasets.to_arrays(task.data, "data."))
+    return pack(arrays, header)
+
+
+def decode_task(blob: bytes) -> TaskPayload:
+    """The task of a payload blob; ContainerError says what is wrong with it."""
+    arrays, header = unpack(blob)
+    _check_format(header, TASK_FORMAT)
+    try:
+        chain = tuple(_link(link, arrays, f"chain.{i}.") for i, link in enumerate(header["chain"]))
+        weights = arrays.get("weights")
+        if weights is not None and (weights.dtype != np.float32 or weights.ndim != 1):
+            raise ContainerError("weights must be a 1-D float32 array")
+        return TaskPayload(
+            mode=_mode(header["mode"]),
+            stream=str(header["stream"]),
+            round=int(header["round"]),
+            shard=int(header["shard"]),
+            seed=int(header["seed"]),
+            target=_ref(header["target"]),
+            data=_data(header["data"], arrays),
+            weights=weights,
+            keyframe_blob=None
+            if header.get("keyframe_blob") is None
+            else str(header["keyframe_blob"]),
+            chain=chain,
+        )
+    except ContainerError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ContainerError(f"malformed task header: {exc!r}") from None
+
+
+def _check_format(header: Mapping[str, Any], expected: str) -> None:
+    if header.get("format") != expected:
+        raise ContainerError(f"not a {expected} container")
+    if header.get("version") != VERSION:
+        raise ContainerError(f"{expected} version {header.get('version')!r}; this is {VERSION}")
+
+
+def _link(raw: Mapping[str, Any], arrays: Mapping[str, np.ndarray], prefix: str) -> Link:
+    if raw.get("blob") is not None:
+        return Link(_ref(raw), blob=str(raw["blob"]))
+    return Link(_ref(raw), compression.from_arrays(raw, arrays, prefix))
+
+
+def _ref(raw: Mapping[str, Any]) -> WeightsRef:
+    return WeightsRef(int(raw["round"]), str(raw["digest"]))
+
+
+def _mode(raw: object) -> Mode:
+    if raw == "train":
+        return "train"
+    if raw == "eval":
+        return "eval"
+    raise ContainerError(f"mode must be 'train' or 'eval', got {raw!r}")
+
+
+def _data(raw: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> DataRef:
+    if raw["source"] == "inline":
+        return datasets.from_arrays(arrays, "data.")
+    if raw["source"] != "corpus":
+        raise ContainerError(f"unknown data source {raw['source']!r}")
+    if raw["sha256"] != corpus.TEXT_SHA256:
+        raise ContainerError("the task's corpus is not the one this worker ships")
+    part = raw["part"]
+    if part not in ("train", "eval"):
+        raise ContainerError(f"corpus part must be 'train' or 'eval', got {part!r}")
+    return CorpusSlice(part, int(raw["start"]), int(raw["stop"]))
+
+
+def shard_ref(data: DataRef, shard: int, shards: int) -> DataRef:
+    """One worker's contiguous part of the training data (a corpus slice stays a slice)."""
+    if isinstance(data, CorpusSlice):
+        if not 0 <= shard < shards:
+            raise ValueError(f"shard {shard} of {shards}")
+        bounds = np.linspace(data.start, data.stop, shards + 1).astype(np.int64)
+        return CorpusSlice(data.part, int(bounds[shard]), int(bounds[shard + 1]))
+    return datasets.shard(data, shard, shards)
+
+
+def load_data(ref: DataRef) -> datasets.Dataset:
+    """The dataset a task trains or evaluates on."""
+    return ref.load() if isinstance(ref, CorpusSlice) else ref
+
+
+# -- starting weights -------------------------------------------------------------------
+
+
+def resolve_weights(
+    task: TaskPayload,
+    cached: Callable[[str], np.ndarray | None],
+    fetch: Callable[[str], bytes] | None = None,
+    read_checkpoint: Callable[[bytes], np.ndarray] | None = None,
+) -> np.ndarray:
+    """The task's starting weights, rebuilt bit for bit and checked against their digest.
+
+    `cached(digest)` returns weights the worker holds; `fetch(blob_hash)` reaches update
+    blobs and the keyframe (parsed by `read_checkpoint`). MissingWeights if no way works.
+    """
+    if task.weights is not None:
+        return _checked(task.weights, task.target, "inline weights")
+    start, weights = _latest_cached(task, cached)
+    if weights is None:
+        return _checked(_keyframe(task, fetch, read_checkpoint), task.target, "keyframe")
+    for link in task.chain[start:]:
+        weights = apply_update(weights, _message(link, fetch))
+    return _checked(weights, task.target, "weights rebuilt from the chain")
+
+
+def _message(link: Link, fetch: Callable[[str], bytes] | None) -> compression.Message:
+    if link.message is not None:
+        return link.message
+    if fetch is None or link.blob is None:
+        raise MissingWeights(f"the update after round {link.base.round} is a blob reference "
+                             "and this worker cannot fetch blobs")  # fmt: skip
+    return compression.decode_message(fetch(link.blob))
+
+
+def _keyframe(
+    task: TaskPayload,
+    fetch: Callable[[str], bytes] | None,
+    read_checkpoint: Callable[[bytes], np.ndarray] | None,
+) -> np.ndarray:
+    if not (task.keyframe_blob and fetch and read_checkpoint):
+        raise MissingWeights(
+            f"this node holds no weights of round {task.target.round} or of the chain "
+            "before it, and has no keyframe to fetch: the task needs inline weights"
+        )
+    return read_checkpoint(fetch(task.keyframe_blob))
+
+
+def _latest_cached(
+    task: TaskPayload, cached: Callable[[str], np.ndarray | None]
+) -> tuple[int, np.ndarray | None]:
+    target = cached(task.target.digest)
+    if target is not None:
+        return len(task.chain), target
+    for i in range(len(task.chain) - 1, -1, -1):
+        weights = cached(task.chain[i].base.digest)
+        if weights is not None:
+            return i, weights
+    return 0, None
+
+
+def _checked(weights: np.ndarray, ref: WeightsRef, what: str) -> np.ndarray:
+    if digest(weights) != ref.digest:
+        raise ContainerError(f"{what} do not match the digest of round {ref.round}'s weights")
+    return weights
+
+
+# -- result -----------------------------------------------------------------------------
+
+
+def encode_result(result: TaskResult) -> bytes:
+    """The output blob of a task."""
+    arrays: dict[str, np.ndarray] = {}
+    update_meta = None
+    if result.update is not None:
+        update_meta, parts = compression.to_arrays(result.update, "update.")
+        arrays.update(parts)
+    if result.sketch is not None:
+        arrays["sketch"] = np.asarray(result.sketch, dtype=np.float32)
+    header = {
+        "format": RESULT_FORMAT,
+        "version": VERSION,
+        "mode": result.mode,
+        "round": result.round,
+        "shard": result.shard,
+        "seed": result.seed,
+        "weights_digest": result.weights_digest,
+        "loss_first": result.loss_first,
+        "loss_mean": result.loss_mean,
+        "loss_last": result.loss_last,
+        "update": update_meta,
+    }
+    return pack(arrays, header)
+
+
+def decode_result(blob: bytes) -> TaskResult:
+    """The result of an output blob; ContainerError says what is wrong with it."""
+    arrays, header = unpack(blob)
+    _check_format(header, RESULT_FORMAT)
+    try:
+        meta = header["update"]
+        update = None if meta is None else compression.from_arrays(meta, arrays, "update.")
+        sketch = arrays.get("sketch")
+        if sketch is not None and (sketch.dtype != np.float32 or sketch.ndim != 1):
+            raise ContainerError("sketch must be a 1-D float32 array")
+        return TaskResult(
+            mode=_mode(header["mode"]),
+            round=int(header["round"]),
+            shard=int(header["shard"]),
+            seed=int(header["seed"]),
+            weights_digest=str(header["weights_digest"]),
+            loss_first=float(header["loss_first"]),
+            loss_mean=float(header["loss_mean"]),
+            loss_last=float(header["loss_last"]),
+            update=update,
+            sketch=sketch,
+        )
+    except ContainerError:
+        raise
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ContainerError(f"malformed result header: {exc!r}") from None

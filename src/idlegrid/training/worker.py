@@ -1,0 +1,88 @@
+"""Worker side of one training task: starting weights, inner steps, compressed update.
+
+The `diloco-train` kind's `run` and the in-process simulation both call `run_task`, so a
+simulated worker does exactly what a real one does. torch is imported (through `inner`)
+only when a task runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from idlegrid.training import models, tasks, verify
+from idlegrid.training.compression import Compression, compress
+from idlegrid.training.data import Dataset
+from idlegrid.training.flat import weights_from_safetensors
+from idlegrid.training.inner import InnerSettings
+from idlegrid.training.worker_state import WorkerState
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What every task of one training run shares: model, inner loop, upload compression."""
+
+    architecture: str
+    config: Any
+    inner: InnerSettings
+    upload: Compression
+    eval_batches: int = 16
+
+
+def run_task(
+    task: tasks.TaskPayload,
+    spec: TrainSpec,
+    state: WorkerState,
+    *,
+    device: str = "cpu",
+    on_step: Callable[[int], None] | None = None,
+    fetch: Callable[[str], bytes] | None = None,
+) -> tasks.TaskResult:
+    """Train (or evaluate) one task; remember its weights and top-k residual in `state`.
+
+    Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
+    or ValueError if the task or its data do not fit the model.
+    """
+    weights = tasks.resolve_weights(task, state.weights, fetch, _checkpoint_reader(spec))
+    state.remember_weights(task.target.digest, weights)
+    data = tasks.load_data(task.data)
+    if task.mode == "eval":
+        return _evaluate(task, spec, weights, data, device)
+    from idlegrid.training import inner
+
+    trained = inner.train_inner(
+        spec.architecture, spec.config, weights, data, spec.inner,
+        seed=task.seed, device=device, on_step=on_step,
+    )  # fmt: skip
+    residual = state.residual(task.stream) if spec.upload.stateful else None
+    if residual is not None and residual.shape != trained.delta.shape:
+        residual = None
+    message, residual = compress(trained.delta, spec.upload, residual)
+    state.set_residual(task.stream, residual)
+    return tasks.TaskResult(
+        "train", task.round, task.shard, task.seed, task.target.digest,
+        trained.loss_first, trained.loss_mean, trained.loss_last,
+        update=message, sketch=verify.sketch(trained.delta),
+    )  # fmt: skip
+
+
+def _evaluate(
+    task: tasks.TaskPayload, spec: TrainSpec, weights: np.ndarray, data: Dataset, device: str
+) -> tasks.TaskResult:
+    from idlegrid.training import inner
+
+    loss = inner.evaluate(
+        spec.architecture, spec.config, weights, data, batches=spec.eval_batches,
+        batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len, device=device,
+    )  # fmt: skip
+    return tasks.TaskResult(
+        "eval", task.round, task.shard, task.seed, task.target.digest, loss, loss, loss
+    )
+
+
+def _checkpoint_reader(spec: TrainSpec) -> Callable[[bytes], np.ndarray]:
+    flat_spec = models.flat_spec(spec.architecture, spec.config)
+    return lambda blob: weights_from_safetensors(blob, flat_spec)

@@ -1,0 +1,96 @@
+"""Inner steps on a worker: determinism, pseudo-gradients, losses, data checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from idlegrid.training import corpus, models
+from idlegrid.training.data import ExampleData, TokenData
+
+torch = pytest.importorskip("torch")
+from idlegrid.training import inner  # noqa: E402
+
+LM = models.LMConfig(vocab=103, context=32, width=16, layers=1, heads=2)
+SETTINGS = inner.InnerSettings(steps=8, batch_size=4, seq_len=32, lr=3e-3)
+
+
+def _lm_data() -> TokenData:
+    return TokenData(corpus.train_tokens()[:20_000])
+
+
+def _train(seed: int, weights: np.ndarray | None = None) -> inner.InnerResult:
+    start = models.init_weights("transformer-lm", LM, 0) if weights is None else weights
+    return inner.train_inner("transformer-lm", LM, start, _lm_data(), SETTINGS, seed=seed)
+
+
+def test_the_same_seed_gives_the_same_bits() -> None:
+    first, second = _train(seed=5), _train(seed=5)
+    assert np.array_equal(first.delta, second.delta)
+    assert first.loss_mean == second.loss_mean
+    assert not np.array_equal(first.delta, _train(seed=6).delta)
+
+
+def test_the_pseudo_gradient_is_global_minus_local_weights() -> None:
+    weights = models.init_weights("transformer-lm", LM, 0)
+    result = _train(seed=1, weights=weights)
+    assert result.delta.dtype == np.float32 and result.delta.shape == weights.shape
+    assert np.linalg.norm(result.delta) > 0
+    assert result.loss_first > result.loss_last
+    # Weights are not modified in place.
+    assert np.array_equal(weights, models.init_weights("transformer-lm", LM, 0))
+
+
+def test_evaluation_is_fixed_and_lower_after_training() -> None:
+    weights = models.init_weights("transformer-lm", LM, 0)
+    held_out = TokenData(corpus.eval_tokens())
+
+    def loss(w: np.ndarray) -> float:
+        return inner.evaluate(
+            "transformer-lm", LM, w, held_out, batches=2, batch_size=4, seq_len=32
+        )
+
+    assert loss(weights) == loss(weights)
+    trained = weights - _train(seed=1).delta
+    assert loss(trained) < loss(weights)
+
+
+@pytest.mark.parametrize("architecture", ["mlp", "cnn"])
+def test_classifiers_train_on_examples(architecture: str) -> None:
+    rng = np.random.default_rng(0)
+    config = models.parse_config(architecture, {"inputs": 64, "classes": 3} if architecture == "mlp"
+                                 else {"image_size": 8, "width": 4, "classes": 3})  # fmt: skip
+    x = rng.standard_normal((60, 1, 8, 8)).astype(np.float32)
+    data = ExampleData(x if architecture == "cnn" else x.reshape(60, 64), rng.integers(0, 3, 60))
+    weights = models.init_weights(architecture, config, 0)
+    settings = inner.InnerSettings(steps=5, batch_size=8)
+    result = inner.train_inner(architecture, config, weights, data, settings, seed=0)
+    assert result.delta.shape == weights.shape and np.isfinite(result.loss_mean)
+
+
+def test_data_that_does_not_fit_the_model_is_refused() -> None:
+    weights = models.init_weights("transformer-lm", LM, 0)
+    too_big = TokenData(np.full(100, 200, dtype=np.uint8))
+    with pytest.raises(ValueError, match="vocab"):
+        inner.train_inner("transformer-lm", LM, weights, too_big, SETTINGS, seed=0)
+    long = inner.InnerSettings(steps=1, seq_len=64)
+    with pytest.raises(ValueError, match="context"):
+        inner.train_inner("transformer-lm", LM, weights, _lm_data(), long, seed=0)
+    examples = ExampleData(np.zeros((4, 3), np.float32), np.zeros(4, np.int64))
+    with pytest.raises(ValueError, match="tokens"):
+        inner.train_inner("transformer-lm", LM, weights, examples, SETTINGS, seed=0)
+
+
+def test_on_step_sees_every_step_and_may_stop_the_run() -> None:
+    seen: list[int] = []
+    weights = models.init_weights("transformer-lm", LM, 0)
+    inner.train_inner("transformer-lm", LM, weights, _lm_data(), SETTINGS, seed=0,
+                      on_step=seen.append)  # fmt: skip
+    assert seen == list(range(1, 9))
+
+    def stop(done: int) -> None:
+        if done == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        inner.train_inner("transformer-lm", LM, weights, _lm_data(), SETTINGS, seed=0, on_step=stop)

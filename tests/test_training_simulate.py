@@ -1,0 +1,61 @@
+"""The in-process DiLoCo reference run: training works and bytes are counted both ways."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from idlegrid.training import models, simulate, verify
+from idlegrid.training.compression import Compression
+from idlegrid.training.inner import InnerSettings
+
+pytest.importorskip("torch")
+
+TINY = simulate.Setup(
+    workers=2,
+    rounds=3,
+    model=models.LMConfig(vocab=103, context=16, width=16, layers=1, heads=2),
+    inner=InnerSettings(steps=6, batch_size=4, seq_len=16, lr=3e-3),
+    eval_batches=2,
+)
+
+
+# Per result: a count sketch and the container's JSON header, whatever the model's size.
+RESULT_OVERHEAD = 4 * verify.SKETCH_SIZE + 1500
+
+
+def test_diloco_lowers_the_held_out_loss_and_counts_its_bytes() -> None:
+    report = simulate.run_diloco(TINY, progress=lambda line: None)
+    losses = [loss for _, loss in report.curve]
+    assert [steps for steps, _ in report.curve] == [0, 6, 12, 18]
+    assert losses[-1] < losses[0] - 0.3
+    size = models.parameter_count("transformer-lm", TINY.model)
+    # Round 0 downloads fp32 weights; rounds 1 and 2 only an int8 update each.
+    assert 4 * size + 2 * size < report.bytes_received < 4 * size + 2 * 1.05 * size + 6000
+    assert 3 * size < report.bytes_sent < 3 * (1.05 * size + RESULT_OVERHEAD)
+
+
+def test_sync_counts_a_ring_all_reduce_every_step() -> None:
+    report = simulate.run_sync(TINY, progress=lambda line: None)
+    size = models.parameter_count("transformer-lm", TINY.model)
+    assert report.bytes_sent == report.bytes_received == TINY.steps * 2 * 1 * 4 * size // 2
+    assert report.curve[-1][1] < report.curve[0][1]
+    assert simulate.allreduce_bytes(4000, 4) == 6000
+
+
+def test_topk_upload_sends_one_percent_as_index_value_pairs() -> None:
+    upload = Compression(method="topk", topk_fraction=0.01)
+    topk = dataclasses.replace(TINY, rounds=2, upload=upload)
+    size = models.parameter_count("transformer-lm", TINY.model)
+    sent = simulate.run_diloco(topk, progress=lambda line: None).bytes_sent
+    assert sent < 2 * (8 * math.ceil(0.01 * size) + RESULT_OVERHEAD) < 2 * size
+
+
+def test_the_command_line_prints_the_ratio_last(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--workers", "2", "--rounds", "1", "--inner-steps", "2", "--batch-size", "2",
+            "--seq-len", "16", "--width", "16", "--layers", "1"]  # fmt: skip
+    assert simulate.main(argv) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("bytes_ratio: ") and " loss_gap: " in last
