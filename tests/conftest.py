@@ -1,10 +1,20 @@
-"""Shared fixtures of the in-process tier: a real SqlStore on a temporary SQLite file, and
-the coordinator app under starlette's TestClient with its lifespan running."""
+"""Shared fixtures: the backends (a real SqlStore on a temporary SQLite file or in its own
+PostgreSQL schema; brokers in-process or in Redis under their own key prefix), and the
+coordinator app under starlette's TestClient with its lifespan running.
+
+PostgreSQL and Redis tests use the services named by IDLEGRID_TEST_POSTGRES_URL and
+IDLEGRID_TEST_REDIS_URL (default: the local ones). When one is unreachable its tests are
+skipped with the reason, except under CI=true, where they fail.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import os
+import uuid
 from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -13,8 +23,10 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from idlegrid.broker import Broker, MemoryBroker
 from idlegrid.coordinator.app import create_app
 from idlegrid.settings import CoordinatorSettings
+from idlegrid.store import sql_url
 from idlegrid.store.sql import SqlStore
 
 # Small limits so the 413 paths are cheap to reach.
@@ -43,22 +55,145 @@ def assert_error(response: httpx.Response, status: int, code: str | None = None)
     return str(body["message"])
 
 
+# -- services -----------------------------------------------------------------------------
+
+POSTGRES_URL = os.environ.get(
+    "IDLEGRID_TEST_POSTGRES_URL", "postgresql://postgres@127.0.0.1:5432/test"
+)
+REDIS_URL = os.environ.get("IDLEGRID_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def off_loop(coro: Any) -> Any:
+    """Run a coroutine to completion from sync code, whatever loop the caller is in."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _unreachable(service: str, url: str, error: BaseException) -> None:
+    message = f"{service} at {url} is unreachable ({type(error).__name__}: {error})"
+    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+        pytest.fail(f"{message}; CI=true requires it")
+    pytest.skip(f"{message}; start it or set IDLEGRID_TEST_{service.upper()}_URL")
+
+
+async def _postgres_execute(statement: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(POSTGRES_URL, timeout=5)
+    try:
+        await conn.execute(statement)
+    finally:
+        await conn.close()
+
+
+async def _redis_ping() -> None:
+    import redis.asyncio as redis
+
+    client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
+    try:
+        await client.ping()
+    finally:
+        await client.aclose()
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> str:
+    """The test PostgreSQL server's URL, once it answered."""
+    try:
+        off_loop(_postgres_execute("SELECT 1"))
+    except Exception as exc:
+        _unreachable("postgres", POSTGRES_URL, exc)
+    return POSTGRES_URL
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> str:
+    """The test Redis server's URL, once it answered."""
+    try:
+        off_loop(_redis_ping())
+    except Exception as exc:
+        _unreachable("redis", REDIS_URL, exc)
+    return REDIS_URL
+
+
+@pytest.fixture
+def pg_schema(postgres_url: str) -> Iterator[str]:
+    """A fresh PostgreSQL schema name for one test; dropped afterwards."""
+    name = f"t_{uuid.uuid4().hex[:16]}"
+    yield name
+    off_loop(_postgres_execute(f'DROP SCHEMA IF EXISTS "{name}" CASCADE'))
+
+
+@pytest.fixture
+def redis_prefix(redis_url: str) -> Iterator[str]:
+    """A fresh key prefix for one test; its keys are deleted afterwards."""
+    prefix = f"idlegrid-test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+
+    async def delete_keys() -> None:
+        import redis.asyncio as redis
+
+        client = redis.Redis.from_url(redis_url)
+        try:
+            keys = [key async for key in client.scan_iter(match=prefix + "*")]
+            if keys:
+                await client.delete(*keys)
+        finally:
+            await client.aclose()
+
+    off_loop(delete_keys())
+
+
 # -- store --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def db_url(tmp_path: Path) -> str:
-    return f"sqlite+aiosqlite:///{tmp_path / 'store.db'}"
+@dataclass(frozen=True)
+class Database:
+    """Where a test's store lives: a SQLAlchemy URL and, on PostgreSQL, its own schema."""
+
+    url: str
+    schema: str = ""
+
+    def store(self) -> SqlStore:
+        return SqlStore(self.url, schema=self.schema)
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
+    if request.param == "sqlite":
+        return Database(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}")
+    schema = request.getfixturevalue("pg_schema")
+    return Database(sql_url(request.getfixturevalue("postgres_url")), schema)
 
 
 @pytest.fixture
-async def store(db_url: str) -> AsyncIterator[SqlStore]:
-    sql_store = SqlStore(db_url)
+async def store(db: Database) -> AsyncIterator[SqlStore]:
+    sql_store = db.store()
     await sql_store.open()
     try:
         yield sql_store
     finally:
         await sql_store.close()
+
+
+# -- broker -------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def broker(request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
+    """Every broker implementation, empty, with its own key space."""
+    instance: Broker
+    if request.param == "memory":
+        instance = MemoryBroker()
+    else:
+        from idlegrid.broker.redis import RedisBroker
+
+        url = request.getfixturevalue("redis_url")
+        instance = RedisBroker(url, prefix=request.getfixturevalue("redis_prefix"))
+    try:
+        yield instance
+    finally:
+        await instance.close()
 
 
 # -- coordinator app ------------------------------------------------------------------------

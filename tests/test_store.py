@@ -1,4 +1,5 @@
-"""SqlStore on a temporary SQLite file, migrated by Alembic: the durable truth."""
+"""The store contract: SqlStore on a temporary SQLite file and in its own PostgreSQL schema,
+migrated by Alembic (the `store` fixture runs every test on both)."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import asyncio
 import hashlib
 
 import pytest
-from sqlalchemy import select, update
-from sqlalchemy.exc import IntegrityError
+from conftest import Database
+from sqlalchemy import inspect, select, update
 
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
 from idlegrid.store.base import (
+    AccountExists,
     AccountRecord,
     Assignment,
     ClaimMiss,
@@ -86,7 +88,7 @@ async def test_accounts_and_tokens(store: SqlStore) -> None:
     assert await store.count_accounts() == 2
     assert await store.get_account("alice") == alice
     assert await store.get_account("nobody") is None
-    with pytest.raises(IntegrityError):
+    with pytest.raises(AccountExists):
         await _account(store, "alice")
 
     token_id = await store.add_token(alice.id, kind="node", token_hash=_hash("secret"),
@@ -590,11 +592,11 @@ async def test_a_shard_with_one_result_of_two_waits_for_its_live_replica(
 # -- migrations ---------------------------------------------------------------------------
 
 
-async def test_migrations_run_twice_are_a_no_op(store: SqlStore, db_url: str) -> None:
+async def test_migrations_run_twice_are_a_no_op(store: SqlStore, db: Database) -> None:
     alice = await _account(store)
     job, _ = await store.create_job(_job(alice, shards=2), now=T0)
     await store.open()  # the same store again
-    second = SqlStore(db_url)
+    second = db.store()
     await second.open()
     try:
         assert await second.get_account("alice") == alice
@@ -609,8 +611,7 @@ async def test_migrations_run_twice_are_a_no_op(store: SqlStore, db_url: str) ->
 
 async def test_a_fresh_database_has_every_table(store: SqlStore) -> None:
     async with store.engine.connect() as conn:
-        names = {row[0] for row in (await conn.exec_driver_sql(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")).all()}
+        names = set(await conn.run_sync(lambda sync: inspect(sync).get_table_names()))
     assert {"accounts", "tokens", "nodes", "jobs", "shards", "tasks", "alembic_version"} <= names
 
 

@@ -74,7 +74,24 @@ def main() -> None:
     "--database",
     envvar="IDLEGRID_DATABASE_URL",
     default="",
-    help="Database URL; default: SQLite in the data dir.",
+    help="Database URL (postgresql://user@host/db); default: SQLite in the data dir.",
+)
+@click.option(
+    "--database-schema",
+    default=None,
+    help="PostgreSQL schema of the tables, made if missing (env IDLEGRID_DATABASE_SCHEMA).",
+)
+@click.option(
+    "--redis",
+    "redis_url",
+    envvar="IDLEGRID_REDIS_URL",
+    default="",
+    help="Redis URL (redis://host:6379/0) for several coordinators; default: in-process.",
+)
+@click.option(
+    "--redis-prefix",
+    default=None,
+    help="Prefix of every Redis key (env IDLEGRID_REDIS_PREFIX; default idlegrid:).",
 )
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option(
@@ -102,6 +119,9 @@ def main() -> None:
 def serve(
     data_dir: Path,
     database: str,
+    database_schema: str | None,
+    redis_url: str,
+    redis_prefix: str | None,
     host: str,
     port: int,
     heartbeat_interval: float | None,
@@ -124,6 +144,9 @@ def serve(
     settings = CoordinatorSettings.from_env(
         data_dir=data_dir,
         database_url=database or None,
+        database_schema=database_schema,
+        redis_url=redis_url or None,
+        redis_prefix=redis_prefix,
         host=host,
         port=port,
         heartbeat_interval_s=heartbeat_interval,
@@ -150,6 +173,45 @@ def serve(
     )
     sys.stdout.flush()
     server.run(sockets=[sock])
+
+
+@main.command()
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    envvar="IDLEGRID_DATA_DIR",
+    default=Path("./idlegrid-data"),
+    show_default=True,
+    help="Where the SQLite database lives (when no --database is given).",
+)
+@click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="", help="Database URL.")
+@click.option(
+    "--database-schema", default=None, help="PostgreSQL schema (env IDLEGRID_DATABASE_SCHEMA)."
+)
+def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
+    """Bring the database to this version's schema, then exit.
+
+    `serve` does the same on start (one process at a time); run this first to upgrade a
+    production database before restarting the coordinators.
+    """
+    from idlegrid.settings import CoordinatorSettings
+    from idlegrid.store import open_store
+
+    settings = CoordinatorSettings.from_env(
+        data_dir=data_dir, database_url=database or None, database_schema=database_schema
+    )
+    if not settings.database_url:
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> None:
+        store = open_store(settings.database, schema=settings.database_schema)
+        try:
+            await store.open()
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+    click.echo("the database is at the newest migration")
 
 
 # -- worker ---------------------------------------------------------------------------------

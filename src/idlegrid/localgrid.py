@@ -2,7 +2,9 @@
 
 `LocalGrid` starts `idlegrid serve` on a free port and `idlegrid worker` processes that
 connect to it over real WebSockets, and stops every process it started on exit, even
-when the code inside the `with` block fails.
+when the code inside the `with` block fails. Given a PostgreSQL database and a Redis
+server it runs in production mode, where `add_coordinator` starts more coordinator
+processes sharing them (and the data directory, for blobs).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,6 +34,10 @@ class LocalGrid:
         node_timeout_s: float = 6.0,
         min_lease_s: float = 60.0,
         extra_env: dict[str, str] | None = None,
+        database: str = "",
+        database_schema: str = "",
+        redis: str = "",
+        redis_prefix: str = "",
     ) -> None:
         self.root = root
         self.data_dir = root / "coordinator"
@@ -38,10 +45,23 @@ class LocalGrid:
         self.node_timeout_s = node_timeout_s
         self.min_lease_s = min_lease_s
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        self.database, self.database_schema = database, database_schema
+        self.redis, self.redis_prefix = redis, redis_prefix
+        self.backend_args: list[str] = []
+        for flag, value in (
+            ("--database", database),
+            ("--database-schema", database_schema),
+            ("--redis", redis),
+            ("--redis-prefix", redis_prefix),
+        ):
+            if value:
+                self.backend_args += [flag, value]
         self.url = ""
         self.admin_token = ""
         self.node_token = ""
         self.coordinator: subprocess.Popen[str] | None = None
+        # More coordinators sharing the database and Redis, by URL (production mode).
+        self.others: dict[str, subprocess.Popen[str]] = {}
         self.workers: list[subprocess.Popen[str]] = []
         self.old_coordinators: list[subprocess.Popen[str]] = []
         self._logs: list[IO[str]] = []
@@ -63,8 +83,29 @@ class LocalGrid:
 
     def start_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:
         """Start (or restart) the coordinator on the same data directory."""
-        log = self._log("coordinator.log")
-        self.coordinator = subprocess.Popen(
+        self.coordinator, self.url = self._spawn_coordinator("coordinator.log", port, timeout)
+        self.admin_token = (self.data_dir / "admin-token").read_text().strip()
+        return self.url
+
+    def add_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:
+        """Start one more coordinator process on the same database, Redis and data dir."""
+        if not self.backend_args:
+            raise RuntimeError("several coordinators need a PostgreSQL database and Redis")
+        name = f"coordinator-{len(self.others) + len(self.old_coordinators) + 2}.log"
+        proc, url = self._spawn_coordinator(name, port, timeout)
+        self.others[url] = proc
+        return url
+
+    @property
+    def urls(self) -> list[str]:
+        """Every running coordinator's URL, the first one first."""
+        return [self.url, *self.others]
+
+    def _spawn_coordinator(
+        self, log_name: str, port: int, timeout: float
+    ) -> tuple[subprocess.Popen[str], str]:
+        log = self._log(log_name)
+        proc = subprocess.Popen(
             [
                 sys.executable,
                 "-m",
@@ -82,6 +123,7 @@ class LocalGrid:
                 str(self.min_lease_s),
                 "--log-level",
                 "info",
+                *self.backend_args,
             ],
             stdout=subprocess.PIPE,
             stderr=log,
@@ -89,11 +131,15 @@ class LocalGrid:
             env=self.env,
             start_new_session=True,
         )
-        self.url = self._await_listening(self.coordinator, timeout)
-        threading.Thread(target=_drain, args=(self.coordinator.stdout, log), daemon=True).start()
-        self._await_health(timeout)
-        self.admin_token = (self.data_dir / "admin-token").read_text().strip()
-        return self.url
+        try:
+            url = self._await_listening(proc, timeout)
+            threading.Thread(target=_drain, args=(proc.stdout, log), daemon=True).start()
+            self._await_health(url, timeout)
+        except BaseException:
+            proc.kill()
+            proc.wait()
+            raise
+        return proc, url
 
     def _await_listening(self, proc: subprocess.Popen[str], timeout: float) -> str:
         assert proc.stdout is not None
@@ -107,23 +153,24 @@ class LocalGrid:
                 return match.group(1)
         raise TimeoutError("coordinator did not start listening")
 
-    def _await_health(self, timeout: float) -> None:
+    def _await_health(self, url: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{self.url}/healthz", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/healthz", timeout=2).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
         raise TimeoutError("coordinator did not become healthy")
 
-    def kill_coordinator(self) -> None:
-        """SIGKILL the coordinator: no shutdown code runs."""
-        assert self.coordinator is not None
-        self.coordinator.kill()
-        self.coordinator.wait()
-        self.old_coordinators.append(self.coordinator)
+    def kill_coordinator(self, url: str | None = None) -> None:
+        """SIGKILL a coordinator (the first one by default): no shutdown code runs."""
+        proc = self.others.pop(url) if url and url != self.url else self.coordinator
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+        self.old_coordinators.append(proc)
 
     def create_token(self, *, kind: str = "api", account: str | None = None) -> dict[str, Any]:
         response = httpx.post(
@@ -151,14 +198,16 @@ class LocalGrid:
         threads: int = 0,
         benchmark: bool = True,
         extra: tuple[str, ...] = (),
+        servers: Sequence[str] = (),
     ) -> subprocess.Popen[str]:
+        """Start a worker; `servers`: the coordinators it tries in turn (default: the first)."""
+        server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
         args = [
             sys.executable,
             "-m",
             "idlegrid",
             "worker",
-            "--server",
-            self.url,
+            *server_args,
             "--token",
             self.node_token,
             "--state-dir",
@@ -205,11 +254,12 @@ class LocalGrid:
     # -- teardown ----------------------------------------------------------------------------
 
     def stop(self, timeout: float = 15.0) -> None:
-        """Stop workers, then the coordinator: SIGTERM, then SIGKILL if they linger."""
-        for proc in [*self.workers, *([self.coordinator] if self.coordinator else [])]:
+        """Stop workers, then the coordinators: SIGTERM, then SIGKILL if they linger."""
+        coordinators = [*([self.coordinator] if self.coordinator else []), *self.others.values()]
+        for proc in [*self.workers, *coordinators]:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for proc in [*self.workers, *([self.coordinator] if self.coordinator else [])]:
+        for proc in [*self.workers, *coordinators]:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:

@@ -19,8 +19,15 @@ class CoordinatorSettings:
     """Everything `idlegrid serve` can be told; defaults make a one-machine grid."""
 
     data_dir: Path = Path("./idlegrid-data")
-    # Empty means SQLite in data_dir.
+    # Empty means SQLite in data_dir; postgresql://... for several coordinator processes.
     database_url: str = ""
+    # PostgreSQL schema of the tables (made if missing); empty: the server's search path.
+    database_schema: str = ""
+    # Empty means the in-process broker (one coordinator); redis://... shares the ready
+    # queue, presence and messages between several coordinators.
+    redis_url: str = ""
+    # Every Redis key starts with this, so grids (or test runs) can share one server.
+    redis_prefix: str = "idlegrid:"
     host: str = "127.0.0.1"
     port: int = 8000
     max_blob_bytes: int = 256 * MIB

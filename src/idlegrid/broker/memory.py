@@ -2,20 +2,34 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
 
 from idlegrid.store.base import ReadyTask
 
 
 class MemoryBroker:
     def __init__(self) -> None:
-        # Insertion-ordered: task ids grow, so iteration is oldest first.
+        # Kept in task id order (ids grow, so mostly by insertion): oldest first.
         self._ready: dict[int, ReadyTask] = {}
+        self._built = False
         self._seen: dict[int, float] = {}
+        self._owners: dict[int, str] = {}
+        self._subscribers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = {}
 
     async def push_ready(self, entries: Sequence[ReadyTask]) -> None:
+        newest = next(reversed(self._ready), 0)
+        in_order = True
         for entry in entries:
-            self._ready.setdefault(entry.task_id, entry)
+            if entry.task_id not in self._ready:
+                in_order = in_order and entry.task_id > newest
+                newest = max(newest, entry.task_id)
+                self._ready[entry.task_id] = entry
+        if not in_order:
+            self._ready = dict(sorted(self._ready.items()))  # rare: keep oldest first
 
     async def ready_candidates(self, *, limit: int) -> list[ReadyTask]:
         out = []
@@ -33,16 +47,50 @@ class MemoryBroker:
         return len(self._ready)
 
     async def replace_ready(self, entries: Sequence[ReadyTask]) -> None:
-        self._ready = {entry.task_id: entry for entry in sorted(entries, key=lambda e: e.task_id)}
+        merged = {**{entry.task_id: entry for entry in entries}, **self._ready}
+        self._ready = dict(sorted(merged.items()))
+        self._built = True
 
-    async def node_seen(self, node_id: int, at: float) -> None:
+    async def needs_rebuild(self) -> bool:
+        return not self._built
+
+    async def node_seen(self, node_id: int, at: float, *, owner: str = "") -> None:
         self._seen[node_id] = max(at, self._seen.get(node_id, 0.0))
+        if owner:
+            self._owners[node_id] = owner
 
     async def presence(self) -> dict[int, float]:
         return dict(self._seen)
 
     async def forget_node(self, node_id: int) -> None:
         self._seen.pop(node_id, None)
+        self._owners.pop(node_id, None)
+
+    async def node_disconnected(self, node_id: int, owner: str) -> None:
+        if self._owners.get(node_id) == owner:
+            del self._owners[node_id]
+
+    async def connections(self) -> dict[int, str]:
+        return dict(self._owners)
+
+    async def publish(self, channel: str, payload: Mapping[str, Any]) -> None:
+        message = json.loads(json.dumps(payload))  # what Redis would deliver: a copy
+        for queue in self._subscribers.get(channel, ()):
+            queue.put_nowait(message)
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._subscribers.setdefault(channel, set()).add(queue)
+        try:
+            yield _drain(queue)
+        finally:
+            self._subscribers[channel].discard(queue)
 
     async def close(self) -> None:
         self._ready.clear()
+
+
+async def _drain(queue: asyncio.Queue[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    while True:
+        yield await queue.get()

@@ -15,7 +15,7 @@ from idlegrid.blobs import BlobError, is_blob_hash
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid, JobInputError
 from idlegrid.kinds import InputError, UnknownKind, get_kind
-from idlegrid.store.base import JobRecord, NodeRecord, ShardRecord, TokenInfo
+from idlegrid.store.base import AccountExists, JobRecord, NodeRecord, ShardRecord, TokenInfo
 
 
 class ApiError(Exception):
@@ -316,9 +316,13 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
             raise ApiError(403, "forbidden", "only admins can make tokens for other accounts")
         account = await grid.store.get_account(body.account)
         if account is None:
-            account = await grid.store.create_account(
-                body.account, is_admin=False, now=grid.clock()
-            )
+            try:
+                account = await grid.store.create_account(
+                    body.account, is_admin=False, now=grid.clock()
+                )
+            except AccountExists:  # made a moment ago by a concurrent request
+                account = await grid.store.get_account(body.account)
+                assert account is not None
         account_id, account_name = account.id, account.name
     secret = new_token(body.kind)
     await grid.store.add_token(
@@ -344,15 +348,17 @@ async def me(token: Caller) -> dict[str, Any]:
 async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     """Your nodes (all nodes for admins) with hardware, benchmark and uptime."""
     nodes = await grid.store.list_nodes(None if token.is_admin else token.account_id)
-    return [_node_out(grid, node) for node in nodes]
+    # Connected to this process or, with several coordinators, to another one.
+    connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
+    return [_node_out(node, online=node.id in connected) for node in nodes]
 
 
-def _node_out(grid: Grid, node: NodeRecord) -> NodeOut:
+def _node_out(node: NodeRecord, *, online: bool) -> NodeOut:
     return NodeOut(
         id=node.id,
         name=node.name,
         state=node.state.value,
-        online=grid.hub.get(node.id) is not None,
+        online=online,
         slots=node.slots,
         kinds=node.kinds,
         hardware=node.hardware,

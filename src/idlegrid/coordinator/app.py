@@ -8,21 +8,22 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request, WebSocket
+from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idlegrid import __version__
 from idlegrid.blobs import BlobStore
-from idlegrid.broker import MemoryBroker
-from idlegrid.coordinator import api
+from idlegrid.broker import open_broker
+from idlegrid.coordinator import api, metrics
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.monitor import Monitor
 from idlegrid.coordinator.nodes import node_socket
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store, open_store
+from idlegrid.store.base import AccountExists
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +34,13 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = open_store(settings.database)
+        store = open_store(settings.database, schema=settings.database_schema)
         await store.open()
         await bootstrap_admin(store, settings)
         grid = Grid(
             settings=settings,
             store=store,
-            broker=MemoryBroker(),
+            broker=open_broker(settings.redis_url, prefix=settings.redis_prefix),
             blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes),
         )
         monitor = Monitor(grid)
@@ -71,6 +72,12 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     async def healthz() -> dict[str, Any]:
         return {"ok": True, "version": __version__}
 
+    @app.get("/metrics", tags=["meta"], response_class=Response)
+    async def prometheus_metrics(request: Request) -> Response:
+        """Prometheus metrics of this coordinator process (text exposition format)."""
+        text = await metrics.render(request.app.state.grid)
+        return Response(text, media_type=metrics.CONTENT_TYPE)
+
     @app.websocket("/v1/nodes/ws")
     async def nodes_ws(websocket: WebSocket) -> None:
         await node_socket(websocket, websocket.app.state.grid)
@@ -84,7 +91,10 @@ async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
         return
     import time
 
-    account = await store.create_account("admin", is_admin=True, now=time.time())
+    try:
+        account = await store.create_account("admin", is_admin=True, now=time.time())
+    except AccountExists:
+        return  # another coordinator process sharing the database made it a moment ago
     token = new_token("api")
     await store.add_token(
         account.id,

@@ -3,12 +3,20 @@
 `Grid` wires the store (truth), the broker (ready queue, presence), the blob store and
 the hub of connected nodes around the pure policies (scheduler, verifier). The REST API,
 the WebSocket handler and the monitor all call it; none of them touch SQL.
+
+Several coordinator processes may share one store and one broker; each has its own hub.
+What concerns a node connected to another process (a cancel) or every process (new work
+in the shared queue, a job that ended) goes out on the broker's `grid` channel (`publish`);
+`peers` handles what the other processes sent.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
+import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +27,8 @@ from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
+from idlegrid.coordinator.metrics import Counters
+from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
 from idlegrid.policy import scheduler, verifier
 from idlegrid.settings import CoordinatorSettings
@@ -37,6 +47,7 @@ from idlegrid.store.base import (
 log = logging.getLogger(__name__)
 
 CANDIDATES_PER_CLAIM = 64
+CHANNEL = "grid"
 
 
 class JobInputError(ValueError):
@@ -72,6 +83,10 @@ class Grid:
         self.clock = clock
         self._plans: dict[int, JobPlan] = {}
         self.work_available = asyncio.Event()
+        # Names this process in the broker: which process holds which node's connection.
+        self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.counters = Counters()
+        self.presence_paused_until = 0.0  # monotonic; see peers.heard_from
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -158,7 +173,7 @@ class Grid:
         held = await self.store.cancel_job(job_id, now=self.clock())
         # Its ready tasks stay in the broker until a claim finds them gone.
         await self._send_cancels(held, reason=f"job {job_id} was cancelled")
-        self._plans.pop(job_id, None)
+        await self._job_ended(job_id)
 
     # -- dispatch ------------------------------------------------------------------------
 
@@ -166,6 +181,7 @@ class Grid:
         if ready:
             await self.broker.push_ready(ready)
             self.work_available.set()
+            await self.publish({"type": "work"})
 
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
@@ -214,7 +230,10 @@ class Grid:
                 distinct_nodes=plan.replication > 1,
             )
             if isinstance(claim, Assignment):
-                await self.broker.discard([entry.task_id])
+                # The claim is committed: the node must hear of it even if the broker is
+                # away (a later claim discards the stale entry).
+                with unless_broker_away("discarding a claimed task"):
+                    await self.broker.discard([entry.task_id])
                 return claim
             if claim is ClaimMiss.GONE:
                 await self.broker.discard([entry.task_id])
@@ -239,6 +258,11 @@ class Grid:
 
     async def accept_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         """Take a node's result: check it, record it once, verify its shard."""
+        receipt = await self._take_result(session, msg)
+        self.counters.results[receipt.status] += 1
+        return receipt
+
+    async def _take_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         problem = await self._check_output(session, msg)
         if problem is not None:
             failed = await self.store.record_failure(
@@ -322,10 +346,18 @@ class Grid:
             now=self.clock(),
         )
         await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+        self._count_verdicts(outcome.decided, decision)
         if outcome.job_done:
             await self.assemble(found.job.id)
         elif not outcome.decided:
             await self.replenish()
+
+    def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
+        # The store marks results only for the decision that won (or an undecided one).
+        if decided:
+            self.counters.verified["valid"] += len(decision.valid)
+        if decided or (decision.canonical is None and decision.fail_reason is None):
+            self.counters.verified["invalid"] += len(decision.invalid)
 
     async def assemble(self, job_id: int) -> None:
         """Build and store a finished job's result from its canonical outputs."""
@@ -337,7 +369,7 @@ class Grid:
             job_id, result_hash=result_hash, result_size=size, now=self.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
-        self._plans.pop(job_id, None)
+        await self._job_ended(job_id)
 
     def _assemble(self, plan: JobPlan, hashes: Sequence[str]) -> tuple[str, int]:
         result = plan.kind.assemble([self.blobs.read(h) for h in hashes], plan.params)
@@ -349,7 +381,7 @@ class Grid:
         ready, failed_jobs, to_cancel = await self.store.replenish(now=self.clock())
         for job_id in failed_jobs:
             log.warning("job %s failed: a shard ran out of attempts", job_id)
-            self._plans.pop(job_id, None)
+            await self._job_ended(job_id)
         await self._send_cancels(to_cancel, reason="the job failed")
         await self.enqueue(ready)
 
@@ -358,6 +390,7 @@ class Grid:
         if not expired:
             return
         log.info("%d task(s) expired: %s", len(expired), why)
+        self.counters.lease_expiries += len(expired)
         for task in expired:
             session = self.hub.get(task.node_id)
             if session is not None:
@@ -366,11 +399,30 @@ class Grid:
 
     async def _send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:
         for task in held:
-            session = self.hub.get(task.node_id)
-            if session is not None:
-                session.forget_task(task.task_id)
-                await session.send(protocol.Cancel(task_id=task.task_id, reason=reason))
+            if not await self.cancel_locally(task.node_id, task.task_id, reason):
+                # Perhaps connected to another coordinator process: the holder tells it.
+                await self.publish(
+                    {
+                        "type": "cancel",
+                        "node_id": task.node_id,
+                        "task_id": task.task_id,
+                        "reason": reason,
+                    }
+                )
         self.work_available.set()
+
+    async def cancel_locally(self, node_id: int, task_id: int, reason: str) -> bool:
+        """Tell a node connected to this process to drop a task; False if it is not here."""
+        session = self.hub.get(node_id)
+        if session is None:
+            return False
+        session.forget_task(task_id)
+        await session.send(protocol.Cancel(task_id=task_id, reason=reason))
+        return True
+
+    async def _job_ended(self, job_id: int) -> None:
+        self.forget_plan(job_id)
+        await self.publish({"type": "job_ended", "job_id": job_id})
 
     async def rebuild_queue(self) -> None:
         """Refill the broker's ready queue from the store (startup, broker loss)."""
@@ -378,6 +430,13 @@ class Grid:
         await self.broker.replace_ready(ready)
         if ready:
             self.work_available.set()
+
+    async def publish(self, message: dict[str, Any]) -> None:
+        """Tell the other coordinator processes (see `peers`)."""
+        await self.broker.publish(CHANNEL, {**message, "origin": self.process_id})
+
+    def forget_plan(self, job_id: int) -> None:
+        self._plans.pop(job_id, None)
 
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:

@@ -10,9 +10,14 @@ import asyncio
 import contextlib
 import logging
 
-from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator import peers
+from idlegrid.coordinator.grid import CHANNEL, Grid
 
 log = logging.getLogger(__name__)
+
+SYNC_INTERVAL_S = 30.0
+SYNC_LIMIT = 10_000
+RESUBSCRIBE_S = 1.0
 
 
 async def expire_leases(grid: Grid) -> int:
@@ -58,10 +63,36 @@ async def finish_pending(grid: Grid) -> None:
     await grid.replenish()
 
 
+async def check_broker(grid: Grid) -> bool:
+    """Rebuild the broker's contents from the store if it lost them (Redis restarted)."""
+    if not await grid.broker.needs_rebuild():
+        return False
+    log.warning("the broker lost its ready queue; rebuilding it from the store")
+    await peers.recover_broker(grid)
+    return True
+
+
+async def sync_queue(grid: Grid) -> None:
+    """Put the oldest ready tasks of the store into the queue again (idempotent).
+
+    A safety net for pushes lost while the broker was unreachable; a task claimed
+    meanwhile is harmless there (the next claim finds it gone and discards it).
+    """
+    await grid.broker.push_ready(await grid.store.ready_tasks(limit=SYNC_LIMIT))
+
+
+def offer_work(grid: Grid) -> None:
+    """Wake the dispatcher if a node here waits for work (a lost "work" message)."""
+    if any(session.wants > 0 for session in grid.hub.sessions()):
+        grid.work_available.set()
+
+
 async def run_once(grid: Grid) -> None:
+    await check_broker(grid)
     await expire_leases(grid)
     await mark_silent_nodes_offline(grid)
     await finish_pending(grid)
+    offer_work(grid)
 
 
 class Monitor:
@@ -80,10 +111,14 @@ class Monitor:
             ),
             asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
+            asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S), name="sync"),
+            asyncio.create_task(self._listen(), name="listen"),
         ]
 
     async def _startup(self) -> None:
         """Rebuild in-memory state from the store after a (re)start."""
+        # With a shared broker, another running process may have built the queue already;
+        # refilling it anyway only re-adds what is there.
         await self.grid.rebuild_queue()
         now = self.grid.clock()
         # Nodes that held leases get one timeout's grace to reconnect before they expire.
@@ -108,6 +143,21 @@ class Monitor:
                 log.exception("monitor pass %s failed", getattr(step, "__name__", step))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), interval)
+
+    async def _listen(self) -> None:
+        """Handle what the other coordinator processes publish, until stopped."""
+        while not self._stopping.is_set():
+            try:
+                async with self.grid.broker.subscribe(CHANNEL) as messages:
+                    async for message in messages:
+                        try:
+                            await peers.on_message(self.grid, message)
+                        except Exception:
+                            log.exception("handling broker message %s failed", message)
+            except Exception:
+                log.exception("broker subscription failed; subscribing again")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), RESUBSCRIBE_S)
 
     async def _dispatch_loop(self) -> None:
         while not self._stopping.is_set():

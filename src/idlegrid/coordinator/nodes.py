@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from fastapi import WebSocket, WebSocketDisconnect
 
 from idlegrid import protocol
+from idlegrid.coordinator import peers
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.hub import NodeSession
@@ -42,7 +43,7 @@ async def node_socket(websocket: WebSocket, grid: Grid) -> None:
         await _error(websocket, "out_of_order", f"no hello within {HELLO_TIMEOUT_S:.0f} s")
         await websocket.close(code=CLOSE_POLICY)
     finally:
-        if session is not None and grid.hub.remove(session):
+        if session is not None and await peers.detach(grid, session):
             log.info("node %s disconnected", session.node_id)
 
 
@@ -130,10 +131,7 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         close=websocket.close,
     )
     drop = await _reconcile(grid, session, set(hello.running))
-    old = grid.hub.add(session)
-    if old is not None:
-        await old.close()
-    await grid.broker.node_seen(node.id, now)
+    await peers.attach(grid, session)
     await session.send(
         protocol.Welcome(
             node_id=node.id,
@@ -168,7 +166,7 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
         text = await _receive(websocket)
         if text is None:
             continue
-        await grid.broker.node_seen(session.node_id, grid.clock())
+        await peers.heard_from(grid, session)
         try:
             msg = protocol.parse_node_message(text)
         except protocol.ProtocolError as exc:

@@ -6,13 +6,18 @@ from idlegrid.store.base import Store
 from idlegrid.store.sql import SqlStore
 
 
-def open_store(url: str) -> Store:
+def sql_url(url: str) -> str:
+    """The SQLAlchemy async URL for a database URL (postgresql:// and sqlite:/// too)."""
+    if url.startswith(("postgresql://", "postgres://")):
+        return "postgresql+asyncpg://" + url.split("://", 1)[1]
+    if url.startswith("sqlite:///"):
+        return "sqlite+aiosqlite:///" + url.removeprefix("sqlite:///")
+    return url
+
+
+def open_store(url: str, *, schema: str = "") -> Store:
     """The store for a database URL (sqlite+aiosqlite:/// or postgresql+asyncpg://)."""
-    if url.startswith("postgresql://"):
-        url = "postgresql+asyncpg://" + url.removeprefix("postgresql://")
-    elif url.startswith("sqlite:///"):
-        url = "sqlite+aiosqlite:///" + url.removeprefix("sqlite:///")
-    return SqlStore(url)
+    return SqlStore(sql_url(url), schema=schema)
 
 
-__all__ = ["SqlStore", "Store", "open_store"]
+__all__ = ["SqlStore", "Store", "open_store", "sql_url"]

@@ -15,6 +15,10 @@ from typing import Any, Literal, Protocol
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
 
 
+class AccountExists(ValueError):
+    """`create_account` with a name that is taken (perhaps a moment ago, by another process)."""
+
+
 @dataclass(frozen=True)
 class TokenInfo:
     token_id: int
@@ -228,6 +232,9 @@ class Store(Protocol):
     async def touch_nodes(self, seen: dict[int, float]) -> None: ...
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
     async def node_tasks(self, node_id: int) -> list[NodeTask]: ...
+    async def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """How many tasks and how many jobs are in each state (for metrics)."""
+        ...
 
     # jobs
     async def create_job(self, job: NewJob, *, now: float) -> tuple[JobRecord, list[ReadyTask]]: ...

@@ -1,19 +1,27 @@
-"""`SqlStore`: the store interface on SQLAlchemy 2 (async), SQLite by default.
+"""`SqlStore`: the store interface on SQLAlchemy 2 (async): SQLite or PostgreSQL.
 
 State changes are conditional updates (`UPDATE ... WHERE state = ...`) checked by their
-row count: a claim, a decision or an expiry that lost a race changes nothing. SQLite allows
-one writer at a time, so on SQLite this process serializes its write transactions with an
-asyncio lock instead of spinning on "database is locked".
+row count: a claim, a decision or an expiry that lost a race changes nothing, in one
+process or across several sharing a PostgreSQL database (a conditional update re-checks
+its condition after waiting for a concurrent writer, also under READ COMMITTED). What a
+single update cannot decide alone (how many tasks a shard still needs) takes row locks
+on PostgreSQL. SQLite allows one writer at a time, so on SQLite this process serializes
+its write transactions with an asyncio lock instead of spinning on "database is locked".
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+import functools
+import re
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from sqlalchemy import and_, case, event, exists, func, insert, select, update
+from sqlalchemy import and_, case, event, exists, func, insert, select, text, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from idlegrid.states import (
@@ -25,6 +33,7 @@ from idlegrid.states import (
     sources_of,
 )
 from idlegrid.store.base import (
+    AccountExists,
     AccountRecord,
     Assignment,
     ClaimMiss,
@@ -45,28 +54,76 @@ from idlegrid.store.schema import accounts, jobs, nodes, shards, tasks, tokens
 
 _LIVE = (TaskState.READY.value, TaskState.ASSIGNED.value)
 _HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
+# PostgreSQL aborts one side of a deadlock (40P01) or a serialization conflict (40001);
+# the transaction it rolled back is safe to run again.
+_RETRY_SQLSTATES = frozenset({"40P01", "40001"})
+_RETRIES = 4
+# Any fixed number: the key of the advisory lock that serializes migrations.
+_MIGRATION_LOCK = 0x1D1E
+_SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def _states(*states: Any) -> list[str]:
     return [s.value for s in states]
 
 
+def _retry_conflicts(
+    method: Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]]:
+    """Run a one-transaction method again when PostgreSQL aborted it for a deadlock."""
+
+    @functools.wraps(method)
+    async def wrapper(self: SqlStore, *args: P.args, **kwargs: P.kwargs) -> R:
+        for attempt in range(_RETRIES):
+            try:
+                return await method(self, *args, **kwargs)
+            except DBAPIError as exc:
+                sqlstate = getattr(exc.orig, "sqlstate", None)
+                if sqlstate not in _RETRY_SQLSTATES or attempt == _RETRIES - 1:
+                    raise
+                await asyncio.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
+
+    return wrapper
+
+
 class SqlStore:
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
-    def __init__(self, url: str, *, echo: bool = False) -> None:
+    def __init__(self, url: str, *, schema: str = "", echo: bool = False) -> None:
+        """`schema`: PostgreSQL schema to use (made on `open`); empty: the default."""
         self.url = url
-        self.engine: AsyncEngine = create_async_engine(url, echo=echo)
+        self.schema = schema
+        is_postgres = make_url(url).get_backend_name() == "postgresql"
+        connect_args: dict[str, Any] = {}
+        if schema:
+            if not is_postgres or not _SCHEMA_NAME.fullmatch(schema):
+                raise ValueError(f"schema {schema!r}: a lower-case SQL name, PostgreSQL only")
+            connect_args["server_settings"] = {"search_path": schema}
+        # A coordinator runs many short transactions at once: a pool big enough that they
+        # seldom open (and close) overflow connections, which costs more than the query.
+        pool = {"pool_size": 10, "max_overflow": 20} if is_postgres else {}
+        self.engine: AsyncEngine = create_async_engine(
+            url, echo=echo, connect_args=connect_args, **pool
+        )
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
 
     async def open(self) -> None:
-        """Bring the schema to the newest migration."""
+        """Bring the schema to the newest migration (one process at a time on PostgreSQL)."""
         from idlegrid.store.migrate import upgrade
 
         async with self.engine.begin() as conn:
+            if not self.is_sqlite:
+                # Coordinators starting together would otherwise race to create tables.
+                await conn.execute(text(f"SELECT pg_advisory_xact_lock({_MIGRATION_LOCK})"))
+                if self.schema:
+                    await conn.execute(text(f'CREATE SCHEMA IF NOT EXISTS "{self.schema}"'))
             await conn.run_sync(upgrade)
 
     async def close(self) -> None:
@@ -89,11 +146,14 @@ class SqlStore:
     # -- accounts and tokens ------------------------------------------------------------
 
     async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord:
-        async with self._tx() as conn:
-            result = await conn.execute(
-                insert(accounts).values(name=name, is_admin=is_admin, created_at=now)
-            )
-            return AccountRecord(id=_pk(result), name=name, is_admin=is_admin)
+        try:
+            async with self._tx() as conn:
+                result = await conn.execute(
+                    insert(accounts).values(name=name, is_admin=is_admin, created_at=now)
+                )
+                return AccountRecord(id=_pk(result), name=name, is_admin=is_admin)
+        except IntegrityError as exc:
+            raise AccountExists(f"an account named {name!r} exists") from exc
 
     async def get_account(self, name: str) -> AccountRecord | None:
         async with self._read() as conn:
@@ -173,22 +233,28 @@ class SqlStore:
             last_seen_at=now,
             state=NodeState.ONLINE.value,
         )
+        upsert = postgresql.insert if not self.is_sqlite else sqlite.insert
         async with self._tx() as conn:
-            row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).first()
-            if row is None:
-                await conn.execute(
-                    insert(nodes).values(
-                        account_id=account_id,
-                        node_key=node_key,
-                        created_at=now,
-                        connected_seconds=0.0,
-                        **values,
-                    )
+            # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
+            inserted = await conn.execute(
+                upsert(nodes)
+                .values(
+                    account_id=account_id,
+                    node_key=node_key,
+                    created_at=now,
+                    connected_seconds=0.0,
+                    **values,
                 )
-            elif row.account_id != account_id:
-                raise PermissionError("this node key belongs to another account")
-            else:
-                await conn.execute(update(nodes).where(nodes.c.id == row.id).values(**values))
+                .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
+            )
+            if inserted.rowcount != 1:
+                updated = await conn.execute(
+                    update(nodes)
+                    .where(nodes.c.node_key == node_key, nodes.c.account_id == account_id)
+                    .values(**values)
+                )
+                if updated.rowcount != 1:
+                    raise PermissionError("this node key belongs to another account")
             row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
         return _node(row)
 
@@ -234,6 +300,21 @@ class SqlStore:
         async with self._read() as conn:
             rows = (await conn.execute(query)).all()
         return [NodeTask(task_id=r.id, node_id=node_id, state=TaskState(r.state)) for r in rows]
+
+    async def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        async with self._read() as conn:
+            by_state = [
+                {
+                    state: count
+                    for state, count in (
+                        await conn.execute(
+                            select(table.c.state, func.count()).group_by(table.c.state)
+                        )
+                    ).all()
+                }
+                for table in (tasks, jobs)
+            ]
+        return by_state[0], by_state[1]
 
     # -- jobs -----------------------------------------------------------------------------
 
@@ -309,6 +390,7 @@ class SqlStore:
     async def fail_job(self, job_id: int, *, error: str, now: float) -> list[NodeTask]:
         return await self._end_job(job_id, JobState.FAILED, error=error, now=now)
 
+    @_retry_conflicts
     async def _end_job(
         self, job_id: int, target: JobState, *, error: str | None, now: float
     ) -> list[NodeTask]:
@@ -391,6 +473,7 @@ class SqlStore:
         async with self._read() as conn:
             return [_ready(row) for row in await conn.execute(query)]
 
+    @_retry_conflicts
     async def claim_task(
         self,
         task_id: int,
@@ -407,6 +490,15 @@ class SqlStore:
                 ~exists().where(other.c.shard_id == tasks.c.shard_id, other.c.node_id == node_id)
             )
         async with self._tx() as conn:
+            if distinct_nodes and not self.is_sqlite:
+                # The "no replica on this node yet" check reads other rows: lock the shard
+                # so two claims of its replicas for one node cannot both pass it.
+                shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
+                await conn.execute(
+                    select(shards.c.id)
+                    .where(shards.c.id == shard_of_task.scalar_subquery())
+                    .with_for_update()
+                )
             claimed = await conn.execute(
                 update(tasks)
                 .where(*where)
@@ -539,6 +631,7 @@ class SqlStore:
         where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.id == task_id)
         return await self._expire(where, now=now)
 
+    @_retry_conflicts
     async def _expire(self, where: Any, *, now: float) -> list[NodeTask]:
         async with self._tx() as conn:
             rows = (await conn.execute(select(tasks.c.id, tasks.c.node_id).where(where))).all()
@@ -606,6 +699,7 @@ class SqlStore:
             ],
         )
 
+    @_retry_conflicts
     async def decide_shard(
         self,
         shard_id: int,
@@ -648,9 +742,10 @@ class SqlStore:
             await self._mark(conn, valid, "valid")
             await self._mark(conn, invalid, "invalid")
             to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
-            job_id = (
-                await conn.execute(select(shards.c.job_id).where(shards.c.id == shard_id))
-            ).scalar_one()
+        # Counted after the commit: when two processes decide a job's last two shards at
+        # once, the later commit then sees both (inside the transactions neither would).
+        job_id = select(shards.c.job_id).where(shards.c.id == shard_id).scalar_subquery()
+        async with self._read() as conn:
             open_left = (
                 await conn.execute(
                     select(func.count()).where(
@@ -667,6 +762,7 @@ class SqlStore:
                 update(tasks).where(tasks.c.id.in_(list(task_ids))).values(outcome=outcome)
             )
 
+    @_retry_conflicts
     async def replenish(
         self, *, now: float
     ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]:
@@ -720,6 +816,8 @@ class SqlStore:
         if job_id is not None:
             query = query.where(shards.c.job_id == job_id)
         rows = (await conn.execute(query)).all()
+        if rows and not self.is_sqlite:
+            rows = await self._lock_and_recount(conn, query, [row.id for row in rows])
         new_tasks: list[dict[str, Any]] = []
         exhausted: list[Any] = []
         for row in rows:
@@ -760,6 +858,32 @@ class SqlStore:
                 )
             )
         return ready, failed_jobs, to_cancel
+
+    @staticmethod
+    async def _lock_and_recount(
+        conn: AsyncConnection, query: Any, shard_ids: list[int]
+    ) -> list[Any]:
+        """Lock the shards short of tasks and count again (PostgreSQL).
+
+        Another process may be topping up the same shards: SKIP LOCKED leaves those to it,
+        and the second count, a new statement under READ COMMITTED, sees every task a
+        transaction that held a lock before us committed, so no shard gets tasks twice.
+        """
+        locked = (
+            (
+                await conn.execute(
+                    select(shards.c.id)
+                    .where(shards.c.id.in_(shard_ids))
+                    .order_by(shards.c.id)
+                    .with_for_update(skip_locked=True)
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if not locked:
+            return []
+        return list((await conn.execute(query.where(shards.c.id.in_(locked)))).all())
 
     async def _fail_exhausted(
         self, conn: AsyncConnection, rows: list[Any], *, now: float
@@ -812,9 +936,13 @@ class SqlStore:
         ).all()
         if not rows:
             return []
+        # Still conditional: a result committed meanwhile by another process stays.
         await conn.execute(
             update(tasks)
-            .where(tasks.c.id.in_([r.id for r in rows]))
+            .where(
+                tasks.c.id.in_([r.id for r in rows]),
+                tasks.c.state.in_(_states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)),
+            )
             .values(state=TaskState.CANCELLED.value, finished_at=now)
         )
         return [

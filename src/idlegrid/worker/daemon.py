@@ -92,6 +92,7 @@ class Worker:
         self._ws: ClientConnection | None = None
         self._http: httpx.AsyncClient | None = None
         self._stop = asyncio.Event()
+        self._welcomed = False
         self.hardware: protocol.HardwareProfile | None = None
         self.benchmark = protocol.Benchmark()
         self.device = settings.device or "cpu"
@@ -139,14 +140,17 @@ class Worker:
         """Serve until `stop()`: connect, work, reconnect when the connection drops."""
         if self.hardware is None:
             await self.prepare()
-        attempt = 0
+        attempt = 0  # tries since the last session that got a welcome: sets the backoff
         servers = list(self.settings.servers)
+        turn = 0
         try:
             while not self._stop.is_set():
-                server = servers[attempt % len(servers)]
+                # Each try goes to the next server: a dead coordinator costs one try.
+                server = servers[turn % len(servers)]
+                turn += 1
+                self._welcomed = False
                 try:
                     await self._session(server)
-                    attempt = 0
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
                     log.info("connection to %s lost: %s", server, exc)
                 except _Unauthorized as exc:
@@ -154,6 +158,8 @@ class Worker:
                     raise
                 if self._stop.is_set():
                     break
+                if self._welcomed:
+                    attempt = 0
                 delay = backoff_delay(
                     attempt, base=self.settings.backoff_base_s, cap=self.settings.backoff_max_s
                 )
@@ -181,6 +187,7 @@ class Worker:
             connect(ws_url(server), max_size=2**24, open_timeout=10, ping_interval=20) as ws,
         ):
             welcome = await self._hello(ws)
+            self._welcomed = True
             self._ws, self._http = ws, http
             log.info("connected to %s as node %s", server, welcome.node_id)
             heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))

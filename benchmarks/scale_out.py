@@ -1,0 +1,155 @@
+"""Dispatch throughput of production mode with 1, 2 and 3 coordinator processes.
+
+    .venv/bin/python benchmarks/scale_out.py [--tasks 1500] [--workers 4] [--slots 4]
+        [--database postgresql://postgres@127.0.0.1:5432/test] [--redis redis://127.0.0.1:6379/0]
+
+The dispatch workload: one job of `sleep` tasks with seconds=0, so every second goes to
+the grid itself (claim, assign, blob download, result upload, result check, verification,
+in PostgreSQL and Redis), none to computing. For each coordinator count the script starts
+that many `idlegrid serve` processes on one fresh PostgreSQL schema and one fresh Redis
+key prefix (both removed afterwards), and `--workers` worker processes spread round-robin
+over them (each lists every coordinator, its own first). After a warm-up job it times one
+job from submission to completion (the coordinator's own timestamps) and prints tasks/s
+and the CPU seconds each group of processes spent meanwhile. The last line is
+`coordinators_1: A coordinators_2: B coordinators_3: C` (tasks per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from idlegrid.localgrid import LocalGrid
+
+WARMUP_TASKS = 100
+
+
+@dataclass(frozen=True)
+class Run:
+    coordinators: int
+    tasks: int
+    seconds: float
+    cpu: dict[str, float]
+
+    @property
+    def rate(self) -> float:
+        return self.tasks / self.seconds
+
+    def line(self) -> str:
+        cpu = ", ".join(f"{group} {seconds:.1f}" for group, seconds in self.cpu.items())
+        return (
+            f"coordinators={self.coordinators}: {self.tasks} tasks in {self.seconds:.2f} s = "
+            f"{self.rate:.1f} tasks/s (CPU s: {cpu})"
+        )
+
+
+def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each group's processes."""
+    totals: dict[str, float] = {}
+    for group, group_pids in pids.items():
+        total = 0.0
+        for pid in group_pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        totals[group] = total
+    return totals
+
+
+def _service_pids(name: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "") == name]
+
+
+def measure(args: argparse.Namespace, coordinators: int, root: Path) -> Run:
+    schema = f"bench_{uuid.uuid4().hex[:12]}"
+    prefix = f"idlegrid-bench:{schema}:"
+    try:
+        with LocalGrid(
+            root,
+            heartbeat_s=5.0,
+            node_timeout_s=30.0,
+            database=args.database,
+            database_schema=schema,
+            redis=args.redis,
+            redis_prefix=prefix,
+        ) as grid:
+            for _ in range(coordinators - 1):
+                grid.add_coordinator()
+            urls = grid.urls
+            for i in range(args.workers):
+                first = i % len(urls)
+                grid.start_worker(
+                    f"worker-{i}",
+                    kinds="sleep",
+                    slots=args.slots,
+                    benchmark=False,
+                    servers=urls[first:] + urls[:first],
+                )
+            grid.wait_for_nodes(args.workers)
+            with grid.client() as client:
+                client.submit("sleep", params={"tasks": WARMUP_TASKS}).wait(timeout=600)
+                pids = {
+                    "coordinators": [
+                        p.pid for p in [grid.coordinator, *grid.others.values()] if p is not None
+                    ],
+                    "workers": [p.pid for p in grid.workers],
+                    "postgres": _service_pids("postgres"),
+                    "redis": _service_pids("redis-server"),
+                }
+                before = _cpu_seconds(pids)
+                job = client.submit("sleep", params={"tasks": args.tasks, "seconds": 0})
+                info = job.wait(timeout=3600, poll_s=1.0)
+                after = _cpu_seconds(pids)
+        seconds = float(info["finished_at"]) - float(info["created_at"])
+        cpu = {group: after[group] - before[group] for group in pids}
+        return Run(coordinators=coordinators, tasks=args.tasks, seconds=seconds, cpu=cpu)
+    finally:
+        asyncio.run(_drop(args.database, schema, args.redis, prefix))
+
+
+async def _drop(database: str, schema: str, redis_url: str, prefix: str) -> None:
+    import asyncpg
+    import redis.asyncio as redis
+
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match=prefix + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=1500, help="tasks in the timed job")
+    parser.add_argument("--workers", type=int, default=4, help="worker processes")
+    parser.add_argument("--slots", type=int, default=4, help="task slots per worker")
+    parser.add_argument("--database", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--max-coordinators", type=int, default=3)
+    args = parser.parse_args()
+    runs = []
+    for count in range(1, args.max_coordinators + 1):
+        with tempfile.TemporaryDirectory(prefix="idlegrid-scale-") as tmp:
+            run = measure(args, count, Path(tmp))
+        print(run.line(), flush=True)
+        runs.append(run)
+    print(" ".join(f"coordinators_{run.coordinators}: {run.rate:.1f}" for run in runs))
+
+
+if __name__ == "__main__":
+    main()

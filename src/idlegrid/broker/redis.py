@@ -1,0 +1,213 @@
+"""Redis broker: one ready queue, presence and messages shared by several coordinators.
+
+Keys (all under one prefix, so grids or test runs can share a Redis server):
+
+    {prefix}ready           sorted set of ready task ids, scored by id (oldest first)
+    {prefix}ready:entries   hash: task id -> the ReadyTask as JSON
+    {prefix}ready:built     marker: the queue was filled from the SQL store
+    {prefix}seen            hash: node id -> last time it was heard from
+    {prefix}owners          hash: node id -> the coordinator process holding its connection
+    {prefix}ch:{channel}    pub/sub channels between coordinator processes
+
+Redis may keep nothing on disk: after a restart or a flush the marker is gone, and the
+coordinators refill the queue from SQL (`needs_rebuild`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any
+
+import redis.asyncio as redis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialWithJitterBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from idlegrid.store.base import ReadyTask
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 5000
+_RESUBSCRIBE_S = 1.0
+
+# Oldest `limit` entries in one round trip.
+_CANDIDATES = """
+local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+if #ids == 0 then return {} end
+return redis.call('HMGET', KEYS[2], unpack(ids))
+"""
+# Last-seen times only move forward, whichever process writes last; the connection
+# belongs to the process that heard from the node (heartbeats rebuild it after a flush).
+_SEEN = """
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if (not old) or tonumber(old) < tonumber(ARGV[2]) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+if ARGV[3] ~= '' then
+  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
+end
+"""
+# A process forgets a connection only if it still holds it (the node may have moved on).
+_RELEASE = """
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"""
+
+
+class RedisBroker:
+    """The broker in Redis (`redis://` URL), for several coordinator processes."""
+
+    def __init__(self, url: str, *, prefix: str = "idlegrid:") -> None:
+        self.url = url
+        self.prefix = prefix
+        # A few quick retries: while Redis is away a caller should fail in about a second
+        # (the SQL store carries on), not wait out the client's default ten.
+        self.client: redis.Redis = redis.Redis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=2,
+            health_check_interval=30,
+            retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=3),
+        )
+        self._ready = prefix + "ready"
+        self._entries = prefix + "ready:entries"
+        self._built = prefix + "ready:built"
+        self._seen = prefix + "seen"
+        self._owners = prefix + "owners"
+        self._candidates = self.client.register_script(_CANDIDATES)
+        self._seen_script = self.client.register_script(_SEEN)
+        self._release = self.client.register_script(_RELEASE)
+
+    # -- ready queue --------------------------------------------------------------------------
+
+    async def push_ready(self, entries: Sequence[ReadyTask]) -> None:
+        for start in range(0, len(entries), _CHUNK):
+            chunk = entries[start : start + _CHUNK]
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(
+                    self._entries,
+                    mapping={str(e.task_id): json.dumps(dataclasses.asdict(e)) for e in chunk},
+                )
+                pipe.zadd(self._ready, {str(e.task_id): e.task_id for e in chunk})
+                await pipe.execute()
+
+    async def ready_candidates(self, *, limit: int) -> list[ReadyTask]:
+        found = await self._candidates(keys=[self._ready, self._entries], args=[limit])
+        return [ReadyTask(**json.loads(raw)) for raw in found if raw is not None]
+
+    async def discard(self, task_ids: Iterable[int]) -> None:
+        ids = [str(task_id) for task_id in task_ids]
+        if ids:
+            async with self.client.pipeline(transaction=True) as pipe:
+                pipe.zrem(self._ready, *ids)
+                pipe.hdel(self._entries, *ids)
+                await pipe.execute()
+
+    async def ready_count(self) -> int:
+        return int(await self.client.zcard(self._ready))
+
+    async def replace_ready(self, entries: Sequence[ReadyTask]) -> None:
+        await self.push_ready(entries)
+        await self.client.set(self._built, "1")
+
+    async def needs_rebuild(self) -> bool:
+        return not await self.client.exists(self._built)
+
+    # -- nodes --------------------------------------------------------------------------------
+
+    async def node_seen(self, node_id: int, at: float, *, owner: str = "") -> None:
+        await self._seen_script(keys=[self._seen, self._owners], args=[node_id, repr(at), owner])
+
+    async def presence(self) -> dict[int, float]:
+        seen = await self.client.hgetall(self._seen)
+        return {int(node_id): float(at) for node_id, at in seen.items()}
+
+    async def forget_node(self, node_id: int) -> None:
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.hdel(self._seen, str(node_id))
+            pipe.hdel(self._owners, str(node_id))
+            await pipe.execute()
+
+    async def node_disconnected(self, node_id: int, owner: str) -> None:
+        await self._release(keys=[self._owners], args=[node_id, owner])
+
+    async def connections(self) -> dict[int, str]:
+        owners = await self.client.hgetall(self._owners)
+        return {int(node_id): str(owner) for node_id, owner in owners.items()}
+
+    # -- messages -----------------------------------------------------------------------------
+
+    async def publish(self, channel: str, payload: Mapping[str, Any]) -> None:
+        await self.client.publish(self._channel(channel), json.dumps(payload))
+
+    @contextlib.asynccontextmanager
+    async def subscribe(self, channel: str) -> AsyncIterator[AsyncIterator[dict[str, Any]]]:
+        subscription = _Subscription(self.client, self._channel(channel))
+        await subscription.open()
+        try:
+            yield subscription.messages()
+        finally:
+            await subscription.close()
+
+    def _channel(self, channel: str) -> str:
+        return f"{self.prefix}ch:{channel}"
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class _Subscription:
+    """One channel's messages; subscribes again after Redis went away and came back."""
+
+    def __init__(self, client: redis.Redis, channel: str) -> None:
+        self.client = client
+        self.channel = channel
+        self.pubsub: Any = None
+
+    async def open(self) -> None:
+        self.pubsub = self.client.pubsub(ignore_subscribe_messages=False)
+        await self.pubsub.subscribe(self.channel)
+        # Wait for the confirmation: a message published after open() returns is ours.
+        while True:
+            message = await self.pubsub.get_message(timeout=10.0)
+            if message is None:
+                raise RedisTimeoutError(f"no confirmation of SUBSCRIBE {self.channel}")
+            if message["type"] == "subscribe":
+                return
+
+    async def messages(self) -> AsyncIterator[dict[str, Any]]:
+        while True:
+            try:
+                message = await self.pubsub.get_message(
+                    ignore_subscribe_messages=True, timeout=None
+                )
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.warning("subscription to %s lost (%s); subscribing again", self.channel, exc)
+                await self._reopen()
+                continue
+            if message is not None and message["type"] == "message":
+                yield json.loads(message["data"])
+
+    async def _reopen(self) -> None:
+        while True:
+            await self.close()
+            await asyncio.sleep(_RESUBSCRIBE_S)
+            try:
+                await self.open()
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                log.info("Redis still away (%s)", exc)
+
+    async def close(self) -> None:
+        if self.pubsub is not None:
+            with contextlib.suppress(Exception):
+                await self.pubsub.aclose()
+            self.pubsub = None
