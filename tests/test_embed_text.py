@@ -30,6 +30,12 @@ KIND = EmbedTextKind()
 DEFAULT = EmbedTextParams()
 
 
+def _input_order(payload: bytes) -> list[str]:
+    """A one-shard job's texts, back in input order (shards sort them by length)."""
+    spec = json.loads(payload)
+    return [text for _, text in sorted(zip(spec["ids"], spec["texts"], strict=True))]
+
+
 def _split(texts: list[str], **params: object) -> list[ShardSpec]:
     return KIND.split({"texts": texts_to_jsonl(texts)}, EmbedTextParams.model_validate(params))
 
@@ -58,8 +64,26 @@ def test_split_makes_ordered_shards_of_shard_size() -> None:
     assert [shard.index for shard in shards] == [0, 1, 2, 3]
     assert [shard.items for shard in shards] == [3, 3, 3, 1]
     payloads = [json.loads(shard.payload) for shard in shards]
-    assert [payload["offset"] for payload in payloads] == [0, 3, 6, 9]
-    assert [text for payload in payloads for text in payload["texts"]] == texts
+    # Longest first (ties in input order), each text once, with its input position.
+    ids = [i for payload in payloads for i in payload["ids"]]
+    assert sorted(ids) == list(range(10))
+    assert [len(texts[i]) for i in ids] == sorted((len(t) for t in texts), reverse=True)
+    assert [t for payload in payloads for t in payload["texts"]] == [texts[i] for i in ids]
+
+
+def test_assemble_with_inputs_restores_input_order() -> None:
+    texts = ["a", "bbbbbbbb", "cc", "dddd", "e"]
+    shards = _split(texts, shard_size=2)
+    outputs = []
+    for shard in shards:
+        ids = json.loads(shard.payload)["ids"]
+        rows = np.zeros((len(ids), 384), dtype=np.float32)
+        rows[:, 0] = ids  # each row remembers its text's position
+        outputs.append(embeddings_to_npy(rows))
+    whole = parse_embeddings(
+        KIND.assemble_with_inputs([s.payload for s in shards], outputs, DEFAULT)
+    )
+    assert whole[:, 0].tolist() == [0, 1, 2, 3, 4]
 
 
 def test_cost_is_two_flops_per_parameter_per_estimated_token() -> None:
@@ -73,13 +97,13 @@ def test_cost_is_two_flops_per_parameter_per_estimated_token() -> None:
 def test_split_accepts_strings_objects_blank_lines_crlf_and_bom() -> None:
     blob = '\ufeff"first"\r\n\n   \n{"text": "second", "id": 7}\r\n"third"'.encode()
     (shard,) = KIND.split({"texts": blob}, DEFAULT)
-    assert json.loads(shard.payload)["texts"] == ["first", "second", "third"]
+    assert _input_order(shard.payload) == ["first", "second", "third"]
 
 
 def test_texts_to_jsonl_round_trips_awkward_text() -> None:
     texts = ["plain", "line\nbreak", "para\u2028separator", "ünïcödé 日本", ""]
     (shard,) = KIND.split({"texts": texts_to_jsonl(texts)}, DEFAULT)
-    assert json.loads(shard.payload)["texts"] == texts
+    assert _input_order(shard.payload) == texts
 
 
 def test_texts_to_jsonl_refuses_non_strings() -> None:
@@ -208,9 +232,11 @@ OTHER_TEXTS = [f"An unrelated note about baking bread, number {i}." for i in ran
 
 
 def _run(texts: list[str], **params: object) -> bytes:
+    """One shard of `texts`, run and assembled: rows in input order."""
     chosen = EmbedTextParams.model_validate(params)
     (shard,) = KIND.split({"texts": texts_to_jsonl(texts)}, chosen)
-    return KIND.run(shard.payload, chosen, RunContext())
+    output = KIND.run(shard.payload, chosen, RunContext())
+    return KIND.assemble_with_inputs([shard.payload], [output], chosen)
 
 
 @pytest.fixture(scope="module")
@@ -321,5 +347,6 @@ def test_split_run_assemble_matches_the_reference() -> None:
     outputs = [KIND.run(shard.payload, params, RunContext()) for shard in shards]
     for shard, output in zip(shards, outputs, strict=True):
         KIND.check_output(shard.payload, output, params)
-    assembled = parse_embeddings(KIND.assemble(outputs, params))
+    payloads = [shard.payload for shard in shards]
+    assembled = parse_embeddings(KIND.assemble_with_inputs(payloads, outputs, params))
     assert row_cosines(assembled, embed_reference(TEXTS)).min() > 0.99999

@@ -364,15 +364,20 @@ class Grid:
         plan = await self.plan(job_id)
         assert plan is not None
         hashes = await self.store.canonical_outputs(job_id)
-        result_hash, size = await asyncio.to_thread(self._assemble, plan, hashes)
+        inputs = [shard.input_hash for shard in await self.store.list_shards(job_id)]
+        result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
         if await self.store.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
         await self._job_ended(job_id)
 
-    def _assemble(self, plan: JobPlan, hashes: Sequence[str]) -> tuple[str, int]:
-        result = plan.kind.assemble([self.blobs.read(h) for h in hashes], plan.params)
+    def _assemble(
+        self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]
+    ) -> tuple[str, int]:
+        result = plan.kind.assemble_with_inputs(
+            [self.blobs.read(h) for h in inputs], [self.blobs.read(h) for h in hashes], plan.params
+        )
         return self.blobs.put(result), len(result)
 
     # -- leases and nodes ----------------------------------------------------------------

@@ -103,6 +103,12 @@ class TaskKind(ABC):
     def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
         """Build the job's result from the canonical outputs, in shard order."""
 
+    def assemble_with_inputs(
+        self, payloads: Sequence[bytes], outputs: Sequence[bytes], params: KindParams
+    ) -> bytes:
+        """`assemble`, for kinds whose shards say where their rows go (payloads in shard order)."""
+        return self.assemble(outputs, params)
+
     def check_output(  # noqa: B027 - an optional hook: accepting everything is the default
         self, payload: bytes, output: bytes, params: KindParams
     ) -> None:
