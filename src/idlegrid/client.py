@@ -21,7 +21,9 @@ from typing import Any
 import httpx
 import numpy as np
 
-TERMINAL = frozenset({"completed", "failed", "cancelled"})
+from idlegrid.states import TERMINAL_JOB_STATES
+
+TERMINAL = frozenset(state.value for state in TERMINAL_JOB_STATES)
 
 
 class IdlegridError(RuntimeError):

@@ -85,7 +85,3 @@ class Hub:
             del self._sessions[session.node_id]
             return True
         return False
-
-    async def send(self, node_id: int, message: BaseModel) -> bool:
-        session = self._sessions.get(node_id)
-        return await session.send(message) if session else False

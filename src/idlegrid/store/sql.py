@@ -25,6 +25,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from idlegrid.states import (
+    LIVE_TASK_STATES,
     JobState,
     NodeState,
     ShardState,
@@ -52,7 +53,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.schema import accounts, jobs, nodes, shards, tasks, tokens
 
-_LIVE = (TaskState.READY.value, TaskState.ASSIGNED.value)
+_LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 _HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
 # PostgreSQL aborts one side of a deadlock (40P01) or a serialization conflict (40001);
 # the transaction it rolled back is safe to run again.
@@ -763,9 +764,7 @@ class SqlStore:
             )
 
     @_retry_conflicts
-    async def replenish(
-        self, *, now: float
-    ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]:
+    async def replenish(self, *, now: float) -> tuple[list[ReadyTask], list[int], list[NodeTask]]:
         """Create tasks for open shards short of replicas; fail shards out of attempts."""
         async with self._tx() as conn:
             return await self._replenish_in(conn, now=now, job_id=None)
