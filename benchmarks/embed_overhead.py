@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     model = load_model()
     model.encode(corpus[:WARMUP_TEXTS], batch_size=args.batch_size, show_progress_bar=False)
-    with _grid_root(args.grid_dir) as root, LocalGrid(root) as grid:
+    with _grid_root(args.grid_dir) as root, LocalGrid(root, replication=1) as grid:
         grid.start_worker("worker", kinds="embed-text")
         grid.wait_for_nodes(1, timeout=600)
         processes = {"coordinator": _process(grid.coordinator), "worker": _process(grid.workers[0])}

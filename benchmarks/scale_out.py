@@ -80,6 +80,7 @@ def measure(args: argparse.Namespace, coordinators: int, root: Path) -> Run:
             database_schema=schema,
             redis=args.redis,
             redis_prefix=prefix,
+            replication=1,  # dispatch capacity, not verification: one task per shard
         ) as grid:
             for _ in range(coordinators - 1):
                 grid.add_coordinator()

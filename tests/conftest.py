@@ -207,6 +207,12 @@ def settings(tmp_path: Path) -> CoordinatorSettings:
         max_request_bytes=MAX_REQUEST_BYTES,
         # The monitor's periodic passes stay out of the way; its startup pass still runs.
         monitor_interval_s=3600.0,
+        # One mechanism at a time: these tests' nodes share an account and an address,
+        # and a job has one replica unless it asks for more. tests/test_verification.py
+        # runs the shipped defaults (3 replicas on distinct accounts).
+        default_replication=1,
+        distinct_accounts=False,
+        distinct_networks=False,
     )
 
 

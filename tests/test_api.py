@@ -15,6 +15,9 @@ from idlegrid.settings import CoordinatorSettings
 
 # -- meta ---------------------------------------------------------------------------------
 
+NO_CREDIT = {"credit_total": 0.0, "recent_average_credit": 0.0, "flagged": False,
+             "flag_reason": None}
+
 
 def test_health_docs_and_openapi(api: Api) -> None:
     health = api.client.get("/healthz")
@@ -30,7 +33,7 @@ def test_health_docs_and_openapi(api: Api) -> None:
 def test_admin_token_file_is_private(api: Api) -> None:
     assert api.settings.admin_token_file.stat().st_mode & 0o077 == 0
     me = api.client.get("/v1/me", headers=api.admin)
-    assert me.json() == {"account": "admin", "kind": "api", "admin": True}
+    assert me.json() == {"account": "admin", "kind": "api", "admin": True, **NO_CREDIT}
 
 
 def test_unknown_route_and_method_are_json(api: Api) -> None:
@@ -81,7 +84,7 @@ def test_admin_makes_tokens_for_accounts(api: Api) -> None:
     assert body["token"].startswith("igr_") and body["token"].startswith(body["prefix"])
     alice = bearer(body["token"])
     assert api.client.get("/v1/me", headers=alice).json() == {
-        "account": "alice", "kind": "api", "admin": False}
+        "account": "alice", "kind": "api", "admin": False, **NO_CREDIT}
     # A second token for the same account reuses it; a node token is ign_.
     node = api.token(account="alice", kind="node")
     assert node.startswith("ign_")

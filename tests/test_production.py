@@ -45,6 +45,7 @@ def grid(
         database_schema=pg_schema,
         redis=redis_url,
         redis_prefix=redis_prefix,
+        replication=1,
     ) as local:
         second = local.add_coordinator()
         # Half the workers prefer the first coordinator, half the second; each fails over.
@@ -192,7 +193,7 @@ def test_production_settings_come_from_the_environment(
         "IDLEGRID_REDIS_URL": redis_url,
         "IDLEGRID_REDIS_PREFIX": redis_prefix,
     }
-    with LocalGrid(tmp_path, extra_env=env) as local:
+    with LocalGrid(tmp_path, extra_env=env, replication=1) as local:
         tables = off_loop(_tables(postgres_url, pg_schema))
         marker = off_loop(_count_keys(redis_url, redis_prefix + "ready:built"))
         metrics = httpx.get(f"{local.url}/metrics", timeout=10).text
@@ -265,6 +266,7 @@ def test_a_redis_restart_mid_job_loses_no_task(
     tmp_path: Path, postgres_url: str, pg_schema: str, private_redis: Any
 ) -> None:
     with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=MIN_LEASE_S,
+                   replication=1,
                    database=postgres_url,
                    database_schema=pg_schema, redis=private_redis.url,
                    redis_prefix="idlegrid:") as grid:

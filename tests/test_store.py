@@ -15,7 +15,9 @@ from idlegrid.store.base import (
     AccountExists,
     AccountRecord,
     Assignment,
+    Claimer,
     ClaimMiss,
+    Distinct,
     NewJob,
     NewShard,
     NodeRecord,
@@ -61,10 +63,24 @@ def _job(
 
 async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float = T0,
                  distinct: bool = False) -> Assignment:
-    claim = await store.claim_task(task_id, node.id, lease_deadline=now + LEASE, now=now,
-                                   distinct_nodes=distinct)
+    claim = await _try_claim(store, task_id, node, lease_deadline=now + LEASE, now=now)
     assert isinstance(claim, Assignment), claim
     return claim
+
+
+NODES = Distinct(accounts=False, networks=False)  # these tests' nodes share an account
+
+
+def _claimer(node: NodeRecord) -> Claimer:
+    return Claimer(node_id=node.id, account_id=node.account_id, network=node.network,
+                   backend="cpu")
+
+
+async def _try_claim(store: SqlStore, task_id: int, node: NodeRecord, *, lease_deadline: float,
+                     now: float, distinct: bool = False) -> Assignment | ClaimMiss:
+    return await store.claim_task(task_id, _claimer(node), kind="sleep",
+                                  lease_deadline=lease_deadline, now=now,
+                                  distinct=NODES if distinct else None)
 
 
 async def _task_row(store: SqlStore, task_id: int):  # type: ignore[no-untyped-def]
@@ -211,10 +227,8 @@ async def test_claim_assigns_and_starts_the_job(store: SqlStore) -> None:
     assert await store.ready_tasks(limit=10) == []
     assert [t.task_id for t in await store.node_tasks(node.id)] == [ready.task_id]
     # Claiming it again, or a task that does not exist, misses.
-    assert await store.claim_task(ready.task_id, node.id, lease_deadline=T0, now=T0,
-                                  distinct_nodes=False) is ClaimMiss.GONE
-    assert await store.claim_task(999, node.id, lease_deadline=T0, now=T0,
-                                  distinct_nodes=False) is ClaimMiss.GONE
+    assert await _try_claim(store, ready.task_id, node, lease_deadline=T0, now=T0) is ClaimMiss.GONE
+    assert await _try_claim(store, 999, node, lease_deadline=T0, now=T0) is ClaimMiss.GONE
 
 
 async def test_claim_is_atomic_under_concurrency(store: SqlStore) -> None:
@@ -222,8 +236,7 @@ async def test_claim_is_atomic_under_concurrency(store: SqlStore) -> None:
     nodes = [await _node(store, alice, f"node-key-{i:02d}") for i in range(50)]
     _, [ready] = await store.create_job(_job(alice), now=T0)
     claims = await asyncio.gather(*(
-        store.claim_task(ready.task_id, node.id, lease_deadline=T0 + LEASE, now=T0,
-                         distinct_nodes=False)
+        _try_claim(store, ready.task_id, node, lease_deadline=T0 + LEASE, now=T0)
         for node in nodes
     ))
     winners = [c for c in claims if isinstance(c, Assignment)]
@@ -238,8 +251,7 @@ async def test_concurrent_claims_of_many_tasks_never_double_assign(store: SqlSto
     nodes = [await _node(store, alice, f"node-key-{i:02d}") for i in range(10)]
     _, ready = await store.create_job(_job(alice, shards=5), now=T0)
     claims = await asyncio.gather(*(
-        store.claim_task(entry.task_id, node.id, lease_deadline=T0 + LEASE, now=T0,
-                         distinct_nodes=False)
+        _try_claim(store, entry.task_id, node, lease_deadline=T0 + LEASE, now=T0)
         for node in nodes for entry in ready
     ))
     won = [c for c in claims if isinstance(c, Assignment)]
@@ -252,8 +264,8 @@ async def test_distinct_nodes_keeps_one_replica_per_node(store: SqlStore) -> Non
     _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
     one, two = (r.task_id for r in ready)
     await _claim(store, one, first, distinct=True)
-    assert await store.claim_task(two, first.id, lease_deadline=T0 + LEASE, now=T0,
-                                  distinct_nodes=True) is ClaimMiss.CONFLICT
+    assert await _try_claim(store, two, first,
+                            lease_deadline=T0 + LEASE, now=T0, distinct=True) is ClaimMiss.CONFLICT
     assert (await _task_row(store, two)).state == TaskState.READY.value
     await _claim(store, two, second, distinct=True)
 
@@ -264,8 +276,8 @@ async def test_distinct_nodes_also_counts_finished_replicas(store: SqlStore) -> 
     _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
     await _claim(store, ready[0].task_id, node, distinct=True)
     assert (await _result(store, ready[0].task_id, node)).status == "accepted"
-    assert await store.claim_task(ready[1].task_id, node.id, lease_deadline=T0 + LEASE, now=T0,
-                                  distinct_nodes=True) is ClaimMiss.CONFLICT
+    assert await _try_claim(store, ready[1].task_id, node,
+                            lease_deadline=T0 + LEASE, now=T0, distinct=True) is ClaimMiss.CONFLICT
 
 
 async def test_without_distinct_nodes_one_node_may_take_both_replicas(store: SqlStore) -> None:
@@ -428,8 +440,14 @@ async def test_late_result_after_decision_changes_nothing(store: SqlStore) -> No
 
     late = await _result(store, first, slow, OUT_B, now=T0 + 500)
     assert late.status == "late"
+    # Stored all the same, to be checked against the canonical result (Grid.judge_late).
     row = await _task_row(store, first)
-    assert (row.state, row.output_hash) == (TaskState.CANCELLED.value, None)
+    assert (row.state, row.output_hash, row.outcome) == (TaskState.COMPLETED.value, OUT_B, "late")
+    [pending] = await store.late_results(limit=10)
+    assert (pending.task_id, pending.canonical_hash) == (first, OUT_A)
+    await store.judge_late(first, agrees=False, now=T0 + 501)
+    assert (await _task_row(store, first)).outcome == "invalid"
+    assert await store.late_results(limit=10) == []
     [shard] = await store.list_shards(job.id)
     assert (shard.state, shard.output_hash) == (ShardState.DONE, OUT_A)
     assert await store.shards_to_verify(limit=10) == []
@@ -604,7 +622,7 @@ async def test_migrations_run_twice_are_a_no_op(store: SqlStore, db: Database) -
         assert again is not None and again.shards_total == 2
         async with second.engine.connect() as conn:
             version = (await conn.exec_driver_sql("SELECT version_num FROM alembic_version")).all()
-        assert version == [("0001",)]
+        assert version == [("0002",)]
     finally:
         await second.close()
 

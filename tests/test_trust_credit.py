@@ -84,7 +84,61 @@ def test_credibility_grows_with_the_streak(valid: int, expected: float) -> None:
     ],
 )
 def test_adaptive_replication_follows_boincs_rule(valid: int, draw: float, alone: bool) -> None:
-    assert trust.may_run_alone(_after(valid), S, draw=draw) is alone
+    boinc = trust.TrustSettings(adaptive_after=10)
+    assert trust.may_run_alone(_after(valid), boinc, draw=draw) is alone
+
+
+def test_default_streak_before_running_alone() -> None:
+    n = S.adaptive_after
+    assert not trust.may_run_alone(_after(n - 1), S, draw=0.0)
+    assert trust.may_run_alone(_after(n), S, draw=0.0)
+    assert trust.is_trusted(_after(n), S) and not trust.is_trusted(_after(n - 1), S)
+
+
+def test_unchecked_results_earn_quota_but_not_streak() -> None:
+    record = trust.after_unchecked(_after(5), S)
+    assert (record.consecutive_valid, record.valid_total) == (5, 6)
+    assert record.daily_quota == S.initial_daily_quota + 6
+
+
+@pytest.mark.parametrize(
+    ("invalid", "expected"),
+    [(0, 1 - 0.2 / 6), (1, (1 - 0.2 / 6) / 2), (2, (1 - 0.2 / 6) / 4)],
+)
+def test_caught_nodes_count_for_less_than_new_ones(invalid: int, expected: float) -> None:
+    record = _after(0, invalid)
+    for _ in range(5):
+        record = trust.after_valid(record, S)
+    assert math.isclose(trust.credibility(record, S), expected)
+
+
+@pytest.mark.parametrize(
+    ("replication", "expected"),
+    [
+        (1, 0.8 - 1e-9),  # one new node: 0.8, so a replication-1 job is never stuck
+        (2, 0.64 / 0.68 - 1e-9),  # two new nodes agreeing: 0.941
+        (3, 0.95),  # three new nodes reach 0.985: the setting applies
+        (5, 0.95),
+    ],
+)
+def test_required_credibility(replication: int, expected: float) -> None:
+    assert math.isclose(trust.required_credibility(S, replication), expected)
+
+
+def test_a_result_run_alone_needs_what_its_node_had_when_let_alone() -> None:
+    assert trust.required_credibility_alone(S) == S.min_credibility  # N = 60: 0.9967
+    short = trust.TrustSettings(adaptive_after=2)
+    needed = trust.required_credibility_alone(short)
+    assert needed < trust.credibility(_after(2), short) < S.min_credibility
+    assert trust.credibility(_after(2, invalid=1), short) < needed
+
+
+def test_two_new_colluders_do_not_reach_the_quorum_three_new_honest_nodes_do() -> None:
+    need = trust.required_credibility(S, 3)
+    new = trust.credibility(trust.new_trust(S), S)
+    two = verifier.group_posteriors([[1, 2]], {1: new, 2: new})[0]
+    three = verifier.group_posteriors([[1, 2, 3]], {1: new, 2: new, 3: new})[0]
+    assert two < need <= three
 
 
 def test_spot_check_rate() -> None:

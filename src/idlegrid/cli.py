@@ -509,18 +509,24 @@ def token_create(is_node: bool, account: str | None, label: str, server: str, to
 
 @main.command()
 @click.option("--texts", default=2000, show_default=True, help="Texts to embed.")
-@click.option("--workers", default=2, show_default=True, help="Local worker processes.")
+@click.option(
+    "--workers", default=0, help="Local worker processes (default: as many as replication)."
+)
+@click.option(
+    "--replication", default=3, show_default=True, help="Replicas per shard, verified by quorum."
+)
 @click.option("--shard-size", default=128, show_default=True)
-def demo(texts: int, workers: int, shard_size: int) -> None:
+def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
     """Run the whole grid on this machine: a coordinator, workers, an embedding job.
 
-    Embeds paragraphs of the standard library's docstrings, checks every vector
-    against a local reference (cosine >= 0.999), prints the throughput and stops
-    everything it started.
+    Each worker is a volunteer with its own account; every shard runs on `replication`
+    of them and a quorum decides its result. Embeds paragraphs of the standard library's
+    docstrings, checks every vector against a local reference (cosine >= 0.999), prints
+    the throughput and the credit each node earned, and stops everything it started.
     """
     from idlegrid.demo import run_demo
 
-    sys.exit(run_demo(texts=texts, workers=workers, shard_size=shard_size))
+    sys.exit(run_demo(texts=texts, workers=workers, replication=replication, shard_size=shard_size))
 
 
 if __name__ == "__main__":

@@ -14,14 +14,23 @@ from idlegrid.localgrid import LocalGrid
 COSINE_FLOOR = 0.999
 
 
-def run_demo(*, texts: int, workers: int, shard_size: int) -> int:
+def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> int:
     """Run the demo; return the process exit code (0 when every row checked out)."""
     console = Console()
     from idlegrid.corpus import stdlib_paragraphs
 
+    if workers < replication:
+        if workers:
+            console.print(
+                f"replication {replication} needs {replication} workers: starting that many"
+            )
+        workers = replication
     corpus = stdlib_paragraphs(texts)
     console.print(f"corpus: {len(corpus)} paragraphs of standard-library docstrings")
-    with tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp, LocalGrid(Path(tmp)) as grid:
+    with (
+        tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp,
+        LocalGrid(Path(tmp), replication=replication) as grid,
+    ):
         console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
         threads = 1 if workers > 1 else 0
         for i in range(workers):
@@ -41,6 +50,18 @@ def run_demo(*, texts: int, workers: int, shard_size: int) -> int:
             job.wait(progress=True)
             vectors = job.result()
             elapsed = time.perf_counter() - started
+            status = job.info()
+            console.print(
+                f"verified: {status['shards_total']} shards, each by a quorum of "
+                f"{replication} replicas on distinct volunteer accounts "
+                f"({status['tasks_completed']} tasks, effective replication "
+                f"{status['effective_replication']})"
+            )
+            for node in client.nodes():
+                console.print(
+                    f"  node {node['id']} {node['name']}: credit {node['credit_total']:.4f} "
+                    "(validated work only)"
+                )
         console.print(
             f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
             f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"

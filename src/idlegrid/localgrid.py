@@ -38,13 +38,26 @@ class LocalGrid:
         database_schema: str = "",
         redis: str = "",
         redis_prefix: str = "",
+        replication: int | None = None,
     ) -> None:
+        """`replication`: the coordinator's default replicas per shard (None: its own).
+
+        Every worker is a volunteer with an account of its own (replicas of a shard go to
+        distinct accounts), and all connect from this machine, so "distinct networks"
+        is off here.
+        """
         self.root = root
         self.data_dir = root / "coordinator"
         self.heartbeat_s = heartbeat_s
         self.node_timeout_s = node_timeout_s
         self.min_lease_s = min_lease_s
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(extra_env or {})}
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "IDLEGRID_DISTINCT_NETWORKS": "false",
+            **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
+            **(extra_env or {}),
+        }
         self.database, self.database_schema = database, database_schema
         self.redis, self.redis_prefix = redis, redis_prefix
         self.backend_args: list[str] = []
@@ -59,6 +72,7 @@ class LocalGrid:
         self.url = ""
         self.admin_token = ""
         self.node_token = ""
+        self._volunteer_tokens: dict[str, str] = {}
         self.coordinator: subprocess.Popen[str] | None = None
         # More coordinators sharing the database and Redis, by URL (production mode).
         self.others: dict[str, subprocess.Popen[str]] = {}
@@ -199,9 +213,14 @@ class LocalGrid:
         benchmark: bool = True,
         extra: tuple[str, ...] = (),
         servers: Sequence[str] = (),
+        account: str | None = None,
     ) -> subprocess.Popen[str]:
-        """Start a worker; `servers`: the coordinators it tries in turn (default: the first)."""
+        """Start a worker; `servers`: the coordinators it tries in turn (default: the first).
+
+        It runs for the volunteer account `account` (default: one named after the worker).
+        """
         server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
+        token = self.volunteer_token(account or f"volunteer-{name}")
         args = [
             sys.executable,
             "-m",
@@ -209,7 +228,7 @@ class LocalGrid:
             "worker",
             *server_args,
             "--token",
-            self.node_token,
+            token,
             "--state-dir",
             str(self.root / name),
             "--name",
@@ -234,6 +253,13 @@ class LocalGrid:
         )
         self.workers.append(proc)
         return proc
+
+    def volunteer_token(self, account: str) -> str:
+        """A node token of the volunteer account `account` (made on first use)."""
+        if account not in self._volunteer_tokens:
+            made = self.create_token(kind="node", account=account)
+            self._volunteer_tokens[account] = made["token"]
+        return self._volunteer_tokens[account]
 
     def wait_for_nodes(self, count: int, *, timeout: float = 120.0) -> None:
         """Block until `count` nodes are connected."""

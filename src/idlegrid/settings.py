@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from idlegrid.policy.trust import TrustSettings
+
 T = TypeVar("T")
 
 MIB = 1024 * 1024
@@ -39,13 +41,42 @@ class CoordinatorSettings:
     min_lease_s: float = 120.0
     lease_slack: float = 4.0
     monitor_interval_s: float = 1.0
-    # Attempts of one shard (all tasks ever created for it) before the shard fails.
-    max_attempts: int = 5
-    default_replication: int = 1
+    # Tasks of one shard (all ever created: BOINC's max_total_results) before it fails.
+    max_attempts: int = 10
+    # Replicas per shard unless a job says otherwise; a quorum of two must agree.
+    default_replication: int = 3
+    # Replicas of a shard go to distinct accounts and networks (IPv4 /24, IPv6 /48), not
+    # only distinct nodes. Off for a grid whose workers all run on one machine.
+    distinct_accounts: bool = True
+    distinct_networks: bool = True
+    network_prefix_v4: int = 24
+    network_prefix_v6: int = 48
+    # Trust (policy.trust.TrustSettings): see docs/verification.md for the figures.
+    prior_bad_fraction: float = 0.2
+    adaptive_after: int = 60
+    spot_check_rate: float = 0.1
+    min_credibility: float = 0.95
+    initial_daily_quota: int = 50
+    suspend_after_invalids: int = 3
+    # Sybil limits on new nodes.
+    max_nodes_per_account: int = 100
+    node_registrations_per_account_per_hour: int = 20
+    node_registrations_per_address_per_hour: int = 20
 
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'idlegrid.db'}"
+
+    @property
+    def trust(self) -> TrustSettings:
+        return TrustSettings(
+            prior_bad_fraction=self.prior_bad_fraction,
+            adaptive_after=self.adaptive_after,
+            spot_check_rate=self.spot_check_rate,
+            min_credibility=self.min_credibility,
+            initial_daily_quota=self.initial_daily_quota,
+            suspend_after_invalids=self.suspend_after_invalids,
+        )
 
     @property
     def blob_dir(self) -> Path:

@@ -68,7 +68,9 @@ _ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
         TaskState.EXPIRED: frozenset({TaskState.COMPLETED, TaskState.FAILED, TaskState.CANCELLED}),
         TaskState.COMPLETED: frozenset(),
         TaskState.FAILED: frozenset(),
-        TaskState.CANCELLED: frozenset(),
+        # A result that was on its way when its shard was decided is still stored (as
+        # late) and checked against the canonical one: it counts for the node's trust.
+        TaskState.CANCELLED: frozenset({TaskState.COMPLETED}),
     },
     NodeState: {
         NodeState.ONLINE: frozenset({NodeState.OFFLINE}),

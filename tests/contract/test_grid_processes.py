@@ -67,7 +67,13 @@ async def pair(
     if second_store is not store:
         await second_store.open()
     second_broker = await _second_broker(broker)
-    settings = CoordinatorSettings(data_dir=tmp_path, monitor_interval_s=3600.0)
+    settings = CoordinatorSettings(
+        data_dir=tmp_path,
+        monitor_interval_s=3600.0,
+        default_replication=1,
+        distinct_accounts=False,  # the pair's nodes share one account and address
+        distinct_networks=False,
+    )
     blobs = BlobStore(tmp_path / "blobs", max_bytes=1 << 20)
     grids = [
         Grid(settings=settings, store=s, broker=b, blobs=blobs)

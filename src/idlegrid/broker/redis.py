@@ -127,7 +127,8 @@ class RedisBroker:
         await self._seen_script(keys=[self._seen, self._owners], args=[node_id, repr(at), owner])
 
     async def presence(self) -> dict[int, float]:
-        seen = await self.client.hgetall(self._seen)
+        # redis-py types hgetall as sync-or-async (one client class for both).
+        seen: dict[Any, Any] = await self.client.hgetall(self._seen)  # type: ignore[misc]
         return {int(node_id): float(at) for node_id, at in seen.items()}
 
     async def forget_node(self, node_id: int) -> None:
@@ -140,7 +141,7 @@ class RedisBroker:
         await self._release(keys=[self._owners], args=[node_id, owner])
 
     async def connections(self) -> dict[int, str]:
-        owners = await self.client.hgetall(self._owners)
+        owners: dict[Any, Any] = await self.client.hgetall(self._owners)  # type: ignore[misc]
         return {int(node_id): str(owner) for node_id, owner in owners.items()}
 
     # -- messages -----------------------------------------------------------------------------

@@ -15,7 +15,16 @@ from idlegrid.blobs import BlobError, is_blob_hash
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid, JobInputError
 from idlegrid.kinds import InputError, UnknownKind, get_kind
-from idlegrid.store.base import AccountExists, JobRecord, NodeRecord, ShardRecord, TokenInfo
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.credit import CreditTotals, recent_average
+from idlegrid.store.base import (
+    AccountExists,
+    Credit,
+    JobRecord,
+    NodeRecord,
+    ShardRecord,
+    TokenInfo,
+)
 
 
 class ApiError(Exception):
@@ -70,7 +79,15 @@ class JobCreate(BaseModel):
         default_factory=dict, description="input name -> SHA-256 of an uploaded blob"
     )
     params: dict[str, Any] = Field(default_factory=dict, description="settings of the kind")
-    replication: int | None = Field(default=None, ge=1, le=16)
+    replication: int | None = Field(
+        default=None, ge=1, le=16, description="replicas per shard (default: the grid's, 3)"
+    )
+    max_total_results: int | None = Field(
+        default=None,
+        ge=1,
+        le=64,
+        description="tasks one shard may use before it fails (default: the grid's)",
+    )
     priority: int = Field(default=0, ge=-100, le=100)
 
 
@@ -97,6 +114,13 @@ class JobOut(BaseModel):
     progress: float
     shard_counts: dict[str, int]
     tasks_completed: int
+    max_total_results: int
+    effective_replication: float | None = Field(
+        description="tasks run per shard done (adaptive replication lowers it)"
+    )
+    waiting_for: list[str] = Field(
+        default_factory=list, description="what the job waits for that the fleet lacks"
+    )
     result: str | None
     result_size: int | None
     error: str | None
@@ -137,6 +161,9 @@ class NodeOut(BaseModel):
     worker_version: str
     uptime_s: float
     last_seen_at: float
+    credit_total: float
+    recent_average_credit: float
+    suspended: bool
 
 
 # -- jobs ----------------------------------------------------------------------------------
@@ -154,6 +181,7 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
             params=body.params,
             replication=body.replication,
             priority=body.priority,
+            max_total_results=body.max_total_results,
         )
     except UnknownKind as exc:
         raise ApiError(422, "unknown_kind", str(exc)) from None
@@ -231,6 +259,9 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         progress=done / job.shards_total if job.shards_total else 1.0,
         shard_counts=job.shard_counts,
         tasks_completed=job.tasks_run,
+        max_total_results=job.max_attempts,
+        effective_replication=round(job.tasks_run / done, 3) if done else None,
+        waiting_for=await grid.waiting_for(job) if with_shards else [],
         result=job.result_hash,
         result_size=job.result_size,
         error=job.error,
@@ -339,9 +370,27 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
 
 
 @router.get("/me", tags=["accounts"])
-async def me(token: Caller) -> dict[str, Any]:
-    """Who this token belongs to."""
-    return {"account": token.account_name, "kind": token.kind, "admin": token.is_admin}
+async def me(token: Caller, grid: GridDep) -> dict[str, Any]:
+    """Who this token belongs to, with the account's credit and standing."""
+    account = await grid.store.account_by_id(token.account_id)
+    assert account is not None  # a valid token's account exists
+    return {
+        "account": token.account_name,
+        "kind": token.kind,
+        "admin": token.is_admin,
+        **_credit_out(account.credit, grid.clock()),
+        "flagged": account.flagged_at is not None,
+        "flag_reason": account.flag_reason,
+    }
+
+
+def _credit_out(totals: Credit, now: float) -> dict[str, float]:
+    """Credit for validated work: all time, and the recent average per day (RAC)."""
+    decayed = CreditTotals(totals.total, totals.decayed, totals.updated_at)
+    return {
+        "credit_total": totals.total,
+        "recent_average_credit": recent_average(decayed, now=now),
+    }
 
 
 @router.get("/nodes", response_model=list[NodeOut], tags=["nodes"])
@@ -350,10 +399,36 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     nodes = await grid.store.list_nodes(None if token.is_admin else token.account_id)
     # Connected to this process or, with several coordinators, to another one.
     connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
-    return [_node_out(node, online=node.id in connected) for node in nodes]
+    now = grid.clock()
+    return [_node_out(node, online=node.id in connected, now=now) for node in nodes]
 
 
-def _node_out(node: NodeRecord, *, online: bool) -> NodeOut:
+@router.get("/nodes/{node_id}/trust", tags=["nodes"])
+async def node_trust(node_id: int, token: Researcher, grid: GridDep) -> list[dict[str, Any]]:
+    """A node's trust per kind and backend: streak, totals, quota, credibility."""
+    mine = await grid.store.list_nodes(None if token.is_admin else token.account_id)
+    if node_id not in {node.id for node in mine}:
+        raise ApiError(404, "not_found", f"no node {node_id}")
+    return [
+        {
+            "kind": row.kind,
+            "backend": row.backend,
+            "consecutive_valid": row.trust.consecutive_valid,
+            "valid": row.trust.valid_total,
+            "invalid": row.trust.invalid_total,
+            "errors": row.trust.error_total,
+            "error_rate": round(row.trust.error_rate, 4),
+            "daily_quota": row.trust.daily_quota,
+            "used_today": row.quota_used_today,
+            "suspended": row.trust.suspended,
+            "credibility": round(trust_policy.credibility(row.trust, grid.trust), 6),
+            "runs_alone": trust_policy.is_trusted(row.trust, grid.trust),
+        }
+        for row in await grid.store.node_trust(node_id)
+    ]
+
+
+def _node_out(node: NodeRecord, *, online: bool, now: float) -> NodeOut:
     return NodeOut(
         id=node.id,
         name=node.name,
@@ -366,6 +441,8 @@ def _node_out(node: NodeRecord, *, online: bool) -> NodeOut:
         worker_version=node.worker_version,
         uptime_s=node.connected_seconds,
         last_seen_at=node.last_seen_at,
+        suspended=node.suspended_at is not None,
+        **_credit_out(node.credit, now),
     )
 
 

@@ -34,7 +34,9 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = open_store(settings.database, schema=settings.database_schema)
+        store = open_store(
+            settings.database, schema=settings.database_schema, trust=settings.trust
+        )
         await store.open()
         await bootstrap_admin(store, settings)
         grid = Grid(

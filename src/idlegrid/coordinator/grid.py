@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import secrets
 import socket
 import time
@@ -29,17 +30,21 @@ from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
-from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
-from idlegrid.policy import scheduler, verifier
+from idlegrid.kinds import KindParams, Requirements, TaskKind, Verdict, get_kind
+from idlegrid.policy import scheduler, sybil, verifier
+from idlegrid.policy import trust as trust_policy
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
     Assignment,
+    Claimer,
     ClaimMiss,
+    Distinct,
     JobRecord,
     NewJob,
     NewShard,
     NodeTask,
     ReadyTask,
+    RegistrationLimits,
     ResultReceipt,
     Store,
 )
@@ -48,6 +53,8 @@ log = logging.getLogger(__name__)
 
 CANDIDATES_PER_CLAIM = 64
 CHANNEL = "grid"
+# A node whose quota is used up, or that is suspended, asks the store again after this.
+CLAIM_BACKOFF_S = 60.0
 
 
 class JobInputError(ValueError):
@@ -87,6 +94,17 @@ class Grid:
         self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.counters = Counters()
         self.presence_paused_until = 0.0  # monotonic; see peers.heard_from
+        self.trust = settings.trust
+        self.registration_limits = RegistrationLimits(
+            max_nodes_per_account=settings.max_nodes_per_account,
+            per_account_per_hour=settings.node_registrations_per_account_per_hour,
+            per_address_per_hour=settings.node_registrations_per_address_per_hour,
+        )
+        self.distinct = Distinct(
+            accounts=settings.distinct_accounts, networks=settings.distinct_networks
+        )
+        # Draws of adaptive replication; a test may seed it.
+        self.random = random.Random()
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -99,6 +117,7 @@ class Grid:
         params: Mapping[str, Any],
         replication: int | None,
         priority: int,
+        max_total_results: int | None = None,
     ) -> JobRecord:
         """Validate, split and store a job; its tasks enter the ready queue."""
         kind = get_kind(kind_name)
@@ -125,6 +144,10 @@ class Grid:
             for s, h in specs
         ]
         replication = replication or self.settings.default_replication
+        if max_total_results is not None and max_total_results < replication:
+            raise JobInputError(
+                f"max_total_results ({max_total_results}) is below replication ({replication})"
+            )
         record, ready = await self.store.create_job(
             NewJob(
                 account_id=account_id,
@@ -133,7 +156,7 @@ class Grid:
                 inputs=dict(inputs),
                 replication=replication,
                 min_quorum=1 if replication == 1 else 2,
-                max_attempts=max(self.settings.max_attempts, replication + 2),
+                max_attempts=max_total_results or max(self.settings.max_attempts, replication + 2),
                 priority=priority,
                 shards=shards,
             ),
@@ -168,6 +191,26 @@ class Grid:
             )
             self._plans[job_id] = plan
         return plan
+
+    async def waiting_for(self, job: JobRecord) -> list[str]:
+        """What a live job waits for that the fleet cannot give, in words; [] if nothing."""
+        if job.state.value not in ("queued", "running") or job.replication <= 1:
+            return []
+        connected = set(await self.broker.connections()) | {
+            s.node_id for s in self.hub.sessions()
+        }
+        able = [
+            (node.account_id, node.network)
+            for node in await self.store.list_nodes()
+            if node.id in connected and job.kind in node.kinds and node.suspended_at is None
+        ]
+        shortfall = sybil.replication_shortfall(
+            job.replication,
+            able,
+            distinct_accounts=self.settings.distinct_accounts,
+            distinct_networks=self.settings.distinct_networks,
+        )
+        return [shortfall] if shortfall else []
 
     async def cancel_job(self, job_id: int) -> None:
         held = await self.store.cancel_job(job_id, now=self.clock())
@@ -219,25 +262,56 @@ class Grid:
                     requirements=plan.requirements,
                 )
             )
+        if time.monotonic() < session.idle_until:
+            return None
+        claimer = Claimer(
+            node_id=session.node_id,
+            account_id=session.account_id,
+            network=session.network,
+            backend=session.backend,
+        )
         for candidate in scheduler.rank(session.view, candidates, now=now):
             entry = by_id[candidate.task_id]
             plan = self._plans[entry.job_id]
             claim = await self.store.claim_task(
                 entry.task_id,
-                session.node_id,
+                claimer,
+                kind=entry.kind,
                 now=now,
                 lease_deadline=now + self.lease_seconds(session, entry),
-                distinct_nodes=plan.replication > 1,
+                distinct=self.distinct if plan.replication > 1 else None,
             )
             if isinstance(claim, Assignment):
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
                 with unless_broker_away("discarding a claimed task"):
                     await self.broker.discard([entry.task_id])
+                    await self._maybe_alone(plan, claim)
                 return claim
             if claim is ClaimMiss.GONE:
                 await self.broker.discard([entry.task_id])
+            elif claim in (ClaimMiss.QUOTA, ClaimMiss.SUSPENDED):
+                log.info("node %s gets no tasks for now: %s", session.node_id, claim.value)
+                session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
+                return None
         return None
+
+    async def _maybe_alone(self, plan: JobPlan, claim: Assignment) -> None:
+        """Adaptive replication: a trusted node's first replica may run unreplicated.
+
+        BOINC's rule (policy.trust.may_run_alone), decided when the first replica of a
+        shard is handed out; a share of such shards keeps one replica for a spot check by
+        a second trusted node. The node is not told: it cannot cheat only when alone.
+        """
+        if plan.replication < 2 or not claim.first_replica:
+            return
+        if not trust_policy.may_run_alone(claim.trust, self.trust, draw=self.random.random()):
+            return
+        spot = trust_policy.needs_spot_check(self.trust, draw=self.random.random())
+        dropped = await self.store.run_alone(claim.shard_id, claim.task_id, spot_check=spot)
+        if dropped:
+            await self.broker.discard(dropped)
+            self.counters.alone["spot" if spot else "alone"] += 1
 
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
         """Estimated run time on this node with slack, never below the minimum lease."""
@@ -287,6 +361,8 @@ class Grid:
             session.forget_task(msg.task_id)
         if receipt.status == "accepted" and receipt.shard_id is not None:
             await self.verify_shard(receipt.shard_id)
+        elif receipt.status == "late" and not receipt.reason:
+            await self.judge_late()  # stored, after its shard was decided
         return receipt
 
     async def _check_output(self, session: NodeSession, msg: protocol.Result) -> str | None:
@@ -331,11 +407,20 @@ class Grid:
         plan = await self.plan(found.job.id)
         assert plan is not None
         outputs = [(r.task_id, self.blobs.read(r.output_hash)) for r in found.results]
+        credibility = {
+            r.task_id: trust_policy.credibility(r.trust, self.trust) for r in found.results
+        }
         decision = await asyncio.to_thread(
             verifier.decide,
             outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
-            min_quorum=plan.min_quorum,
+            min_quorum=found.shard.quorum,
+            credibility=credibility,
+            min_credibility=(
+                trust_policy.required_credibility_alone(self.trust)
+                if found.shard.mode == "alone"
+                else trust_policy.required_credibility(self.trust, plan.replication)
+            ),
         )
         outcome = await self.store.decide_shard(
             shard_id,
@@ -350,7 +435,34 @@ class Grid:
         if outcome.job_done:
             await self.assemble(found.job.id)
         elif not outcome.decided:
+            shard = found.shard
+            # The spot check disagreed (or the lone node lost its credibility): back to
+            # full replication; the quorum then says who was wrong.
+            if (
+                shard.mode in ("alone", "spot")
+                and len(found.results) >= shard.target
+                and await self.store.escalate(
+                    shard_id, target=plan.replication, quorum=plan.min_quorum
+                )
+            ):
+                self.counters.alone["escalated"] += 1
             await self.replenish()
+
+    async def judge_late(self, *, limit: int = 100) -> int:
+        """Check results that came after their shard was decided against its canonical
+        result: they count for or against their node's trust (and earn credit if valid)."""
+        late = await self.store.late_results(limit=limit)
+        for result in late:
+            plan = await self.plan(result.job_id)
+            agrees = False
+            if plan is not None and result.canonical_hash is not None:
+                canonical = self.blobs.read(result.canonical_hash)
+                output = self.blobs.read(result.output_hash)
+                verdict = await asyncio.to_thread(plan.kind.compare, canonical, output, plan.params)
+                agrees = verdict == Verdict.AGREE
+            await self.store.judge_late(result.task_id, agrees=agrees, now=self.clock())
+            self.counters.verified["late_valid" if agrees else "late_invalid"] += 1
+        return len(late)
 
     def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
         # The store marks results only for the decision that won (or an undecided one).

@@ -28,7 +28,14 @@ class NodeSession:
     kind_rates: dict[str, float]
     send_text: SendText
     close: Callable[[], Awaitable[None]]
+    # Where it connects from (replicas of a shard go to distinct networks) and the
+    # backend it computes on (trust is kept per kind and backend).
+    network: str = ""
+    backend: str = "cpu"
     live: set[int] = field(default_factory=set)
+    # No claims before this time (time.monotonic): its quota is used up or it is
+    # suspended, so asking the store again at every new task would be wasted work.
+    idle_until: float = 0.0
     requested: int = 0
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)

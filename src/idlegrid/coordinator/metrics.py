@@ -25,6 +25,8 @@ class Counters:
 
     results: Counter[str] = field(default_factory=Counter)
     verified: Counter[str] = field(default_factory=Counter)
+    # Adaptive replication: shards run alone, alone with a spot check, escalated back.
+    alone: Counter[str] = field(default_factory=Counter)
     lease_expiries: int = 0
 
 

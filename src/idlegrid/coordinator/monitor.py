@@ -60,6 +60,7 @@ async def finish_pending(grid: Grid) -> None:
         await grid.verify_shard(shard_id)
     for job_id in await grid.store.jobs_to_assemble():
         await grid.assemble(job_id)
+    await grid.judge_late()
     await grid.replenish()
 
 

@@ -20,6 +20,8 @@ from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.kinds import KINDS
 from idlegrid.policy.scheduler import NodeView
+from idlegrid.policy.sybil import network_of
+from idlegrid.store.base import RegistrationRefused
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +99,11 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
     now = grid.clock()
     kinds = sorted(set(hello.kinds) & set(KINDS))
     address = websocket.client.host if websocket.client else ""
+    network = network_of(
+        address,
+        v4_prefix=grid.settings.network_prefix_v4,
+        v6_prefix=grid.settings.network_prefix_v6,
+    )
     try:
         node = await grid.store.register_node(
             token.account_id,
@@ -108,9 +115,11 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
             kinds=kinds,
             slots=hello.slots,
             address=address,
+            network=network,
+            limits=grid.registration_limits,
             now=now,
         )
-    except PermissionError as exc:
+    except RegistrationRefused as exc:
         await _error(websocket, "unauthorized", str(exc))
         await websocket.close(code=CLOSE_UNAUTHORIZED)
         return None
@@ -129,6 +138,11 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         kind_rates=dict(hello.benchmark.kind_rates),
         send_text=websocket.send_text,
         close=websocket.close,
+        network=network,
+        # Trust is per backend: a node names its own only among those it has.
+        backend=(
+            hello.benchmark.backend if hello.benchmark.backend in hello.hardware.backends else "cpu"
+        ),
     )
     drop = await _reconcile(grid, session, set(hello.running))
     await peers.attach(grid, session)

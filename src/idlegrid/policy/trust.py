@@ -15,10 +15,17 @@ class TrustSettings:
     # Fraction of nodes assumed faulty or malicious before they prove otherwise
     # (Sarmenta's f); a new node's credibility is 1 - f.
     prior_bad_fraction: float = 0.2
-    # Consecutive valid results before a node may run a shard alone (BOINC's N).
-    adaptive_after: int = 10
+    # Consecutive checked valid results before a node may run a shard alone (BOINC's N).
+    # BOINC uses 10; against a node that cheats on 10% of its tasks that lets most of
+    # its wrong answers through (it reaches 10 in a row 35% of the time, then runs
+    # alone); 60 keeps them under 1% (docs/verification.md, benchmarks/adversarial.py).
+    adaptive_after: int = 60
     # Share of unreplicated results checked by a second, trusted node anyway.
     spot_check_rate: float = 0.1
+    # The credibility a quorum needs (Sarmenta 2002): 0.95 takes three new nodes that
+    # agree, or two that have each passed a check; two new colluders (0.94) are not
+    # enough. Jobs with less replication need at most what their replicas can give.
+    min_credibility: float = 0.95
     # Daily task quota: starts here, +1 per valid result, halves on an invalid one.
     initial_daily_quota: int = 50
     max_daily_quota: int = 10_000
@@ -80,6 +87,19 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
     )
 
 
+def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
+    """A result was accepted without a second opinion (run alone, or replication 1).
+
+    It earns quota like a valid result but does not lengthen the streak: only results
+    compared with another node's are checks the node could have failed (Sarmenta).
+    """
+    return dataclasses.replace(
+        trust,
+        valid_total=trust.valid_total + 1,
+        daily_quota=min(settings.max_daily_quota, trust.daily_quota + 1),
+    )
+
+
 def after_error(trust: Trust) -> Trust:
     """The node reported a failure or returned a structurally wrong output."""
     return dataclasses.replace(trust, consecutive_valid=0, error_total=trust.error_total + 1)
@@ -89,11 +109,35 @@ def credibility(trust: Trust, settings: TrustSettings) -> float:
     """Probability that this node's next result is right (Sarmenta 2002, spot-checking).
 
     A node that has passed k checks in a row is bad with probability at most f / (k + 1):
-    every valid result it returned was a check it could have failed.
+    every valid result it returned was a check it could have failed. Each invalid result
+    among its recent ones halves that: a node caught cheating counts for less than a
+    new one, so a caught colluder cannot reach a quorum again at once.
     """
     if trust.suspended:
         return 0.0
-    return 1.0 - settings.prior_bad_fraction / (trust.consecutive_valid + 1)
+    clean = 1.0 - settings.prior_bad_fraction / (trust.consecutive_valid + 1)
+    return clean * 0.5**trust.recent_invalid
+
+
+def is_trusted(trust: Trust, settings: TrustSettings) -> bool:
+    """May run shards alone, and spot-check others' (BOINC's "reliable host")."""
+    return not trust.suspended and trust.consecutive_valid >= settings.adaptive_after
+
+
+def required_credibility_alone(settings: TrustSettings) -> float:
+    """What a result run alone needs: what the node had when it was let run alone (with
+    the default N it is above `min_credibility`; a node caught since falls below)."""
+    trusted = 1.0 - settings.prior_bad_fraction / (settings.adaptive_after + 1)
+    return min(settings.min_credibility, trusted - 1e-9)
+
+
+def required_credibility(settings: TrustSettings, replication: int) -> float:
+    """The credibility a job's quorum needs: the setting, or less when `replication` new
+    nodes that all agree could not reach it (a researcher who asks for two replicas gets
+    two new nodes' worth of assurance, not a job that never finishes)."""
+    f = settings.prior_bad_fraction
+    all_agree = (1 - f) ** replication / ((1 - f) ** replication + f**replication)
+    return min(settings.min_credibility, all_agree - 1e-9)
 
 
 def may_run_alone(trust: Trust, settings: TrustSettings, *, draw: float) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from idlegrid.policy.trust import TrustSettings
 from idlegrid.store.base import Store
 from idlegrid.store.sql import SqlStore
 
@@ -15,9 +16,9 @@ def sql_url(url: str) -> str:
     return url
 
 
-def open_store(url: str, *, schema: str = "") -> Store:
+def open_store(url: str, *, schema: str = "", trust: TrustSettings | None = None) -> Store:
     """The store for a database URL (sqlite+aiosqlite:/// or postgresql+asyncpg://)."""
-    return SqlStore(sql_url(url), schema=schema)
+    return SqlStore(sql_url(url), schema=schema, trust=trust)
 
 
 __all__ = ["SqlStore", "Store", "open_store", "sql_url"]

@@ -12,11 +12,34 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
 
 
 class AccountExists(ValueError):
     """`create_account` with a name that is taken (perhaps a moment ago, by another process)."""
+
+
+class RegistrationRefused(PermissionError):
+    """A node may not register: its key is another account's, or a Sybil limit is hit."""
+
+
+@dataclass(frozen=True)
+class RegistrationLimits:
+    """Sybil limits on new nodes (a reconnecting node is not a new one)."""
+
+    max_nodes_per_account: int
+    per_account_per_hour: int
+    per_address_per_hour: int
+
+
+@dataclass(frozen=True)
+class Credit:
+    """Credit totals as stored: all-time, and decayed (policy.credit) as of `updated_at`."""
+
+    total: float = 0.0
+    decayed: float = 0.0
+    updated_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -33,6 +56,9 @@ class AccountRecord:
     id: int
     name: str
     is_admin: bool
+    flagged_at: float | None = None
+    flag_reason: str | None = None
+    credit: Credit = Credit()
 
 
 @dataclass(frozen=True)
@@ -50,6 +76,20 @@ class NodeRecord:
     created_at: float
     last_seen_at: float
     connected_seconds: float
+    network: str = ""
+    suspended_at: float | None = None
+    credit: Credit = Credit()
+
+
+@dataclass(frozen=True)
+class NodeTrust:
+    """A node's trust on one kind and backend, with its quota use today."""
+
+    node_id: int
+    kind: str
+    backend: str
+    trust: Trust
+    quota_used_today: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +152,10 @@ class ShardRecord:
     output_hash: str | None
     error: str | None
     live_tasks: int = 0
+    target: int = 1
+    quorum: int = 1
+    mode: str | None = None
+    cost_flops: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -129,6 +173,25 @@ class ReadyTask:
 
 
 @dataclass(frozen=True)
+class Claimer:
+    """Who asks for a task: what "distinct replicas" and quotas are checked against."""
+
+    node_id: int
+    account_id: int
+    network: str
+    backend: str
+
+
+@dataclass(frozen=True)
+class Distinct:
+    """Which replicas of one shard must differ: never two on one node; by account and by
+    network when set (off for a grid of one machine's workers)."""
+
+    accounts: bool = True
+    networks: bool = True
+
+
+@dataclass(frozen=True)
 class Assignment:
     task_id: int
     shard_id: int
@@ -139,11 +202,19 @@ class Assignment:
     input_hash: str
     input_size: int
     lease_deadline: float
+    # The claimer's trust on this kind and backend, and whether this is the first
+    # replica of its shard to be handed out (then it may run alone, see `run_alone`).
+    trust: Trust = Trust()
+    first_replica: bool = False
 
 
 class ClaimMiss(enum.Enum):
     GONE = "gone"  # no longer ready: claimed elsewhere, cancelled
-    CONFLICT = "conflict"  # still ready, but this node already ran a replica of its shard
+    # Still ready, but this node may not take it: it (or its account or network) already
+    # ran a replica of the shard, or it is a spot check and the node is not trusted.
+    CONFLICT = "conflict"
+    QUOTA = "quota"  # the node used its daily quota of this kind
+    SUSPENDED = "suspended"  # the node is suspended for invalid results
 
 
 @dataclass(frozen=True)
@@ -182,6 +253,18 @@ class ShardResult:
     output_hash: str
     output_size: int
     outcome: str | None
+    trust: Trust = Trust()
+
+
+@dataclass(frozen=True)
+class LateResult:
+    """A result that arrived after its shard was decided, with what to check it against."""
+
+    task_id: int
+    node_id: int
+    output_hash: str
+    canonical_hash: str | None
+    job_id: int
 
 
 @dataclass(frozen=True)
@@ -207,6 +290,7 @@ class Store(Protocol):
     # accounts and tokens
     async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord: ...
     async def get_account(self, name: str) -> AccountRecord | None: ...
+    async def account_by_id(self, account_id: int) -> AccountRecord | None: ...
     async def count_accounts(self) -> int: ...
     async def add_token(
         self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
@@ -227,7 +311,11 @@ class Store(Protocol):
         slots: int,
         address: str,
         now: float,
-    ) -> NodeRecord: ...
+        network: str = "",
+        limits: RegistrationLimits | None = None,
+    ) -> NodeRecord:
+        """Register or refresh a node; `RegistrationRefused` says why a new one may not."""
+        ...
     async def set_node_offline(self, node_id: int, *, now: float) -> None: ...
     async def touch_nodes(self, seen: dict[int, float]) -> None: ...
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
@@ -256,12 +344,31 @@ class Store(Protocol):
     async def claim_task(
         self,
         task_id: int,
-        node_id: int,
+        claimer: Claimer,
         *,
+        kind: str,
         lease_deadline: float,
         now: float,
-        distinct_nodes: bool,
-    ) -> Assignment | ClaimMiss: ...
+        distinct: Distinct | None,
+    ) -> Assignment | ClaimMiss:
+        """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
+        ...
+    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+        """Let the first replica of a shard run unreplicated (adaptive replication).
+
+        With `spot_check`, one other replica stays, for a trusted node only. Returns the
+        ready tasks cancelled (to drop from the queue); none if another replica was
+        handed out meanwhile (then the shard stays fully replicated).
+        """
+        ...
+    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
+        """Send a shard run alone back to full replication (a spot check disagreed)."""
+        ...
+    async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
+    async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
+        """Record whether a late result agreed with its shard's canonical one."""
+        ...
+    async def late_results(self, *, limit: int) -> list[LateResult]: ...
     async def accept_result(
         self,
         task_id: int,

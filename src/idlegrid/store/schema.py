@@ -19,9 +19,20 @@ from sqlalchemy import (
     Table,
     Text,
     UniqueConstraint,
+    false,
 )
 
 metadata = MetaData()
+
+
+def _credit_columns() -> list[Column]:  # type: ignore[type-arg]
+    """Credit totals (see policy.credit): all time, and decayed with a one-week half-life."""
+    return [
+        Column("credit_total", Double, nullable=False, default=0.0, server_default="0"),
+        Column("credit_decayed", Double, nullable=False, default=0.0, server_default="0"),
+        Column("credit_updated_at", Double, nullable=False, default=0.0, server_default="0"),
+    ]
+
 
 accounts = Table(
     "accounts",
@@ -30,6 +41,11 @@ accounts = Table(
     Column("name", String(100), nullable=False, unique=True),
     Column("is_admin", Boolean, nullable=False, default=False),
     Column("created_at", Double, nullable=False),
+    # Set when one of the account's nodes was suspended for invalid results: a flagged
+    # account registers no new nodes until an admin clears it.
+    Column("flagged_at", Double, nullable=True),
+    Column("flag_reason", Text, nullable=True),
+    *_credit_columns(),
 )
 
 tokens = Table(
@@ -59,9 +75,16 @@ nodes = Table(
     Column("kinds", JSON, nullable=False),
     Column("slots", Integer, nullable=False, default=1),
     Column("address", String(64), nullable=False, default=""),
+    # The address's network (IPv4 /24, IPv6 /48): replicas of a shard go to distinct ones.
+    Column("network", String(64), nullable=False, default="", server_default=""),
     Column("created_at", Double, nullable=False),
     Column("last_seen_at", Double, nullable=False),
     Column("connected_seconds", Double, nullable=False, default=0.0),
+    # Suspended for repeated invalid results: it gets no tasks.
+    Column("suspended_at", Double, nullable=True),
+    *_credit_columns(),
+    Index("ix_nodes_account_created", "account_id", "created_at"),
+    Index("ix_nodes_address_created", "address", "created_at"),
 )
 
 jobs = Table(
@@ -101,6 +124,14 @@ shards = Table(
     Column("item_count", Integer, nullable=False),
     Column("cost_flops", Double, nullable=False),
     Column("attempts", Integer, nullable=False, default=0),
+    # Replicas wanted now and agreeing results needed: the job's replication and quorum,
+    # lowered to 1 (or 2, spot-checked) when a trusted node runs the shard alone, and
+    # raised back when a spot check disagrees.
+    Column("target", Integer, nullable=False),
+    Column("quorum", Integer, nullable=False),
+    # "alone" (a trusted node runs it unreplicated), "spot" (alone, plus a spot check by
+    # a second trusted node), or null (full replication).
+    Column("mode", String(16), nullable=True),
     Column("canonical_task_id", Integer, nullable=True),
     Column("output_hash", String(64), nullable=True),
     Column("output_size", Integer, nullable=True),
@@ -128,7 +159,35 @@ tasks = Table(
     Column("output_size", Integer, nullable=True),
     Column("elapsed_s", Double, nullable=True),
     Column("failure_reason", Text, nullable=True),
+    # Who ran it, copied at claim time, so "one replica per account and network" is a
+    # check of the shard's own rows.
+    Column("account_id", Integer, nullable=True),
+    Column("network", String(64), nullable=True),
+    Column("backend", String(20), nullable=True),
+    # Only a trusted node may claim it (the spot check of a shard run alone).
+    Column("trusted_only", Boolean, nullable=False, default=False, server_default=false()),
+    Column("credit", Double, nullable=True),
     Index("ix_tasks_state_lease", "state", "lease_deadline"),
     Index("ix_tasks_shard", "shard_id"),
     Index("ix_tasks_node_state", "node_id", "state"),
+)
+
+# Trust per node, kind and backend (policy.trust.Trust as a row) and its daily quota.
+node_trust = Table(
+    "node_trust",
+    metadata,
+    Column("node_id", Integer, ForeignKey("nodes.id"), primary_key=True),
+    Column("kind", String(40), primary_key=True),
+    Column("backend", String(20), primary_key=True),
+    Column("consecutive_valid", Integer, nullable=False, default=0),
+    Column("valid_total", Integer, nullable=False, default=0),
+    Column("invalid_total", Integer, nullable=False, default=0),
+    Column("error_total", Integer, nullable=False, default=0),
+    Column("recent_invalid", Integer, nullable=False, default=0),
+    Column("daily_quota", Integer, nullable=False),
+    Column("suspended", Boolean, nullable=False, default=False),
+    # Tasks claimed on `quota_day` (days since the epoch, UTC).
+    Column("quota_day", Integer, nullable=False, default=0),
+    Column("quota_used", Integer, nullable=False, default=0),
+    Column("updated_at", Double, nullable=False),
 )

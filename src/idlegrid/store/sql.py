@@ -15,15 +15,30 @@ import asyncio
 import contextlib
 import functools
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from sqlalchemy import and_, case, event, exists, func, insert, select, text, update
+from sqlalchemy import (
+    and_,
+    case,
+    event,
+    exists,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import (
     LIVE_TASK_STATES,
     JobState,
@@ -33,17 +48,24 @@ from idlegrid.states import (
     check_transition,
     sources_of,
 )
+from idlegrid.store import ledger
 from idlegrid.store.base import (
     AccountExists,
     AccountRecord,
     Assignment,
+    Claimer,
     ClaimMiss,
     DecisionOutcome,
+    Distinct,
     JobRecord,
+    LateResult,
     NewJob,
     NodeRecord,
     NodeTask,
+    NodeTrust,
     ReadyTask,
+    RegistrationLimits,
+    RegistrationRefused,
     ResultReceipt,
     ShardForVerify,
     ShardRecord,
@@ -51,7 +73,7 @@ from idlegrid.store.base import (
     TaskInput,
     TokenInfo,
 )
-from idlegrid.store.schema import accounts, jobs, nodes, shards, tasks, tokens
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, tokens
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 _HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
@@ -94,9 +116,20 @@ def _retry_conflicts(
 class SqlStore:
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
-    def __init__(self, url: str, *, schema: str = "", echo: bool = False) -> None:
-        """`schema`: PostgreSQL schema to use (made on `open`); empty: the default."""
+    def __init__(
+        self,
+        url: str,
+        *,
+        schema: str = "",
+        echo: bool = False,
+        trust: TrustSettings | None = None,
+    ) -> None:
+        """`schema`: PostgreSQL schema to use (made on `open`); empty: the default.
+
+        `trust`: the policy the store applies to trust rows when it records verdicts.
+        """
         self.url = url
+        self.trust = trust or TrustSettings()
         self.schema = schema
         is_postgres = make_url(url).get_backend_name() == "postgresql"
         connect_args: dict[str, Any] = {}
@@ -159,7 +192,14 @@ class SqlStore:
     async def get_account(self, name: str) -> AccountRecord | None:
         async with self._read() as conn:
             row = (await conn.execute(select(accounts).where(accounts.c.name == name))).first()
-        return AccountRecord(id=row.id, name=row.name, is_admin=row.is_admin) if row else None
+        return _account(row) if row else None
+
+    async def account_by_id(self, account_id: int) -> AccountRecord | None:
+        async with self._read() as conn:
+            row = (
+                await conn.execute(select(accounts).where(accounts.c.id == account_id))
+            ).first()
+        return _account(row) if row else None
 
     async def count_accounts(self) -> int:
         async with self._read() as conn:
@@ -222,6 +262,8 @@ class SqlStore:
         slots: int,
         address: str,
         now: float,
+        network: str = "",
+        limits: RegistrationLimits | None = None,
     ) -> NodeRecord:
         values = dict(
             name=name,
@@ -231,11 +273,17 @@ class SqlStore:
             kinds=kinds,
             slots=slots,
             address=address,
+            network=network,
             last_seen_at=now,
             state=NodeState.ONLINE.value,
         )
         upsert = postgresql.insert if not self.is_sqlite else sqlite.insert
         async with self._tx() as conn:
+            known = (
+                await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))
+            ).first()
+            if known is None and limits is not None:
+                await self._check_new_node(conn, account_id, address, limits, now=now)
             # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
             inserted = await conn.execute(
                 upsert(nodes)
@@ -255,9 +303,53 @@ class SqlStore:
                     .values(**values)
                 )
                 if updated.rowcount != 1:
-                    raise PermissionError("this node key belongs to another account")
+                    raise RegistrationRefused("this node key belongs to another account")
             row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
         return _node(row)
+
+    @staticmethod
+    async def _check_new_node(
+        conn: AsyncConnection,
+        account_id: int,
+        address: str,
+        limits: RegistrationLimits,
+        *,
+        now: float,
+    ) -> None:
+        """Sybil limits on a new node (checked, not locked: two racing registrations
+        may both pass the last free place, which bounds the excess to the races)."""
+        flagged = (
+            await conn.execute(select(accounts.c.flag_reason).where(
+                accounts.c.id == account_id, accounts.c.flagged_at.is_not(None)
+            ))
+        ).first()
+        if flagged is not None:
+            raise RegistrationRefused(
+                f"this account is flagged ({flagged.flag_reason}); it cannot add nodes"
+            )
+
+        async def count(*where: Any) -> int:
+            query = select(func.count()).select_from(nodes).where(*where)
+            return int((await conn.execute(query)).scalar_one())
+
+        hour_ago = now - 3600.0
+        if await count(nodes.c.account_id == account_id) >= limits.max_nodes_per_account:
+            raise RegistrationRefused(
+                f"this account has {limits.max_nodes_per_account} nodes, the most allowed"
+            )
+        recent = await count(nodes.c.account_id == account_id, nodes.c.created_at > hour_ago)
+        if recent >= limits.per_account_per_hour:
+            raise RegistrationRefused(
+                f"this account registered {recent} nodes in the last hour "
+                f"(limit {limits.per_account_per_hour}); try again later"
+            )
+        if address:
+            recent = await count(nodes.c.address == address, nodes.c.created_at > hour_ago)
+            if recent >= limits.per_address_per_hour:
+                raise RegistrationRefused(
+                    f"{recent} nodes registered from {address} in the last hour "
+                    f"(limit {limits.per_address_per_hour}); try again later"
+                )
 
     async def set_node_offline(self, node_id: int, *, now: float) -> None:
         async with self._tx() as conn:
@@ -351,6 +443,8 @@ class SqlStore:
                         item_count=s.items,
                         cost_flops=s.cost_flops,
                         attempts=0,
+                        target=job.replication,
+                        quorum=job.min_quorum,
                     )
                     for s in job.shards
                 ],
@@ -478,20 +572,28 @@ class SqlStore:
     async def claim_task(
         self,
         task_id: int,
-        node_id: int,
+        claimer: Claimer,
         *,
+        kind: str,
         lease_deadline: float,
         now: float,
-        distinct_nodes: bool,
+        distinct: Distinct | None,
     ) -> Assignment | ClaimMiss:
-        where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
-        if distinct_nodes:
-            other = tasks.alias("other")
-            where.append(
-                ~exists().where(other.c.shard_id == tasks.c.shard_id, other.c.node_id == node_id)
-            )
+        node_id = claimer.node_id
         async with self._tx() as conn:
-            if distinct_nodes and not self.is_sqlite:
+            suspended = (
+                await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == node_id))
+            ).scalar_one_or_none()
+            if suspended is not None:
+                return ClaimMiss.SUSPENDED
+            standing = await ledger.load_trust(
+                conn, node_id, kind, claimer.backend, settings=self.trust, now=now
+            )
+            if standing.trust.suspended:
+                return ClaimMiss.SUSPENDED
+            if standing.quota_used_today >= standing.trust.daily_quota:
+                return ClaimMiss.QUOTA
+            if distinct is not None and not self.is_sqlite:
                 # The "no replica on this node yet" check reads other rows: lock the shard
                 # so two claims of its replicas for one node cannot both pass it.
                 shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
@@ -500,12 +602,19 @@ class SqlStore:
                     .where(shards.c.id == shard_of_task.scalar_subquery())
                     .with_for_update()
                 )
+            where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
+            where += _distinct_from(claimer, distinct)
+            if not trust_policy.is_trusted(standing.trust, self.trust):
+                where.append(tasks.c.trusted_only.is_(False))
             claimed = await conn.execute(
                 update(tasks)
                 .where(*where)
                 .values(
                     state=TaskState.ASSIGNED.value,
                     node_id=node_id,
+                    account_id=claimer.account_id,
+                    network=claimer.network,
+                    backend=claimer.backend,
                     assigned_at=now,
                     lease_deadline=lease_deadline,
                 )
@@ -516,6 +625,9 @@ class SqlStore:
                 ).scalar_one_or_none()
                 ready = state == TaskState.READY.value
                 return ClaimMiss.CONFLICT if ready else ClaimMiss.GONE
+            await ledger.use_quota(
+                conn, node_id, kind, claimer.backend, used=standing.quota_used_today, now=now
+            )
             row = (
                 await conn.execute(
                     select(
@@ -525,6 +637,7 @@ class SqlStore:
                         shards.c.idx,
                         shards.c.input_hash,
                         shards.c.input_size,
+                        shards.c.mode,
                         jobs.c.kind,
                         jobs.c.params,
                     )
@@ -533,6 +646,16 @@ class SqlStore:
                     .where(tasks.c.id == task_id)
                 )
             ).one()
+            other = tasks.alias("other")
+            others_out = (
+                await conn.execute(
+                    select(func.count()).where(
+                        other.c.shard_id == row.shard_id,
+                        other.c.id != task_id,
+                        other.c.node_id.is_not(None),
+                    )
+                )
+            ).scalar_one()
             await conn.execute(
                 update(jobs)
                 .where(jobs.c.id == row.job_id, jobs.c.state == JobState.QUEUED.value)
@@ -548,7 +671,106 @@ class SqlStore:
             input_hash=row.input_hash,
             input_size=row.input_size,
             lease_deadline=lease_deadline,
+            trust=standing.trust,
+            first_replica=others_out == 0 and row.mode is None,
         )
+
+    @_retry_conflicts
+    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+        async with self._tx() as conn:
+            other = tasks.alias("other")
+            changed = await conn.execute(
+                update(shards)
+                .where(
+                    shards.c.id == shard_id,
+                    shards.c.state == ShardState.OPEN.value,
+                    shards.c.mode.is_(None),
+                    ~exists().where(
+                        other.c.shard_id == shard_id,
+                        other.c.id != task_id,
+                        other.c.node_id.is_not(None),
+                    ),
+                )
+                .values(
+                    target=2 if spot_check else 1,
+                    quorum=2 if spot_check else 1,
+                    mode="spot" if spot_check else "alone",
+                )
+            )
+            if changed.rowcount != 1:
+                return []
+            ready = list(
+                (
+                    await conn.execute(
+                        select(tasks.c.id)
+                        .where(
+                            tasks.c.shard_id == shard_id,
+                            tasks.c.state == TaskState.READY.value,
+                        )
+                        .order_by(tasks.c.id)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            keep, drop = (ready[:1], ready[1:]) if spot_check else ([], ready)
+            if keep:
+                await conn.execute(
+                    update(tasks).where(tasks.c.id == keep[0]).values(trusted_only=True)
+                )
+            if drop:
+                await conn.execute(
+                    update(tasks)
+                    .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
+                    .values(state=TaskState.CANCELLED.value)
+                )
+                # Not attempts of the shard after all: its budget stays for real retries.
+                await conn.execute(
+                    update(shards)
+                    .where(shards.c.id == shard_id)
+                    .values(attempts=shards.c.attempts - len(drop))
+                )
+        return drop
+
+    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(shards)
+                .where(
+                    shards.c.id == shard_id,
+                    shards.c.state == ShardState.OPEN.value,
+                    shards.c.mode.in_(["alone", "spot"]),
+                )
+                .values(target=target, quorum=quorum, mode="escalated")
+            )
+            if changed.rowcount == 1:
+                # A spot check still waiting for a trusted node may go to anyone now.
+                await conn.execute(
+                    update(tasks)
+                    .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
+                    .values(trusted_only=False)
+                )
+            return changed.rowcount == 1
+
+    async def node_trust(self, node_id: int) -> list[NodeTrust]:
+        async with self._read() as conn:
+            rows = (
+                await conn.execute(
+                    select(node_trust)
+                    .where(node_trust.c.node_id == node_id)
+                    .order_by(node_trust.c.kind, node_trust.c.backend)
+                )
+            ).all()
+        return [
+            NodeTrust(
+                row.node_id,
+                row.kind,
+                row.backend,
+                ledger.trust_of(row),
+                row.quota_used if row.quota_day == ledger.day_of(time.time()) else 0,
+            )
+            for row in rows
+        ]
 
     async def accept_result(
         self,
@@ -618,6 +840,8 @@ class SqlStore:
                 .where(tasks.c.id == task_id, tasks.c.node_id == node_id, tasks.c.state.in_(_HELD))
                 .values(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
             )
+            if changed.rowcount == 1:
+                await self._verdicts(conn, [(task_id, "error")], now=now)
             return changed.rowcount == 1
 
     async def expire_overdue(self, *, now: float) -> list[NodeTask]:
@@ -644,6 +868,8 @@ class SqlStore:
                 .where(tasks.c.id.in_(ids), tasks.c.state == TaskState.ASSIGNED.value)
                 .values(state=TaskState.EXPIRED.value)
             )
+            # A missed deadline is an error of the node (BOINC counts it so too).
+            await self._verdicts(conn, [(task_id, "error") for task_id in ids], now=now)
         return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in rows]
 
     async def shards_to_verify(self, *, limit: int) -> list[int]:
@@ -667,6 +893,7 @@ class SqlStore:
             if row is None:
                 return None
             job = await self._job(conn, row.job_id, with_counts=False)
+            assert job is not None
             results = (
                 await conn.execute(
                     select(
@@ -675,6 +902,21 @@ class SqlStore:
                         tasks.c.output_hash,
                         tasks.c.output_size,
                         tasks.c.outcome,
+                        node_trust.c.consecutive_valid,
+                        node_trust.c.valid_total,
+                        node_trust.c.invalid_total,
+                        node_trust.c.error_total,
+                        node_trust.c.recent_invalid,
+                        node_trust.c.daily_quota,
+                        node_trust.c.suspended,
+                    )
+                    .outerjoin(
+                        node_trust,
+                        and_(
+                            node_trust.c.node_id == tasks.c.node_id,
+                            node_trust.c.kind == literal(job.kind),
+                            node_trust.c.backend == func.coalesce(tasks.c.backend, "cpu"),
+                        ),
                     )
                     .where(
                         tasks.c.shard_id == shard_id,
@@ -695,6 +937,11 @@ class SqlStore:
                     output_hash=r.output_hash,
                     output_size=r.output_size,
                     outcome=r.outcome,
+                    trust=(
+                        ledger.trust_of(r)
+                        if r.valid_total is not None
+                        else trust_policy.new_trust(self.trust)
+                    ),
                 )
                 for r in results
             ],
@@ -714,6 +961,7 @@ class SqlStore:
         async with self._tx() as conn:
             if canonical_task_id is None and fail_reason is None:
                 await self._mark(conn, invalid, "invalid")
+                await self._verdicts(conn, [(t, "invalid") for t in invalid], now=now)
                 return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
             target = ShardState.DONE if canonical_task_id is not None else ShardState.FAILED
             output = None
@@ -742,6 +990,10 @@ class SqlStore:
             # Only the decision that won marks results: a lost race leaves them to it.
             await self._mark(conn, valid, "valid")
             await self._mark(conn, invalid, "invalid")
+            # A result that agreed with another node's passed a check; a lone one did not.
+            checked: ledger.Verdict = "valid" if len(valid) > 1 else "unchecked"
+            verdicts = [(t, checked) for t in valid]
+            await self._verdicts(conn, verdicts + [(t, "invalid") for t in invalid], now=now)
             to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
         # Counted after the commit: when two processes decide a job's last two shards at
         # once, the later commit then sees both (inside the transactions neither would).
@@ -755,6 +1007,48 @@ class SqlStore:
                 )
             ).scalar_one()
         return DecisionOutcome(decided=True, to_cancel=to_cancel, job_done=open_left == 0)
+
+    async def _verdicts(
+        self, conn: AsyncConnection, verdicts: list[tuple[int, ledger.Verdict]], *, now: float
+    ) -> None:
+        await ledger.apply_verdicts(conn, verdicts, settings=self.trust, now=now)
+
+    async def late_results(self, *, limit: int) -> list[LateResult]:
+        query = (
+            select(
+                tasks.c.id,
+                tasks.c.node_id,
+                tasks.c.output_hash,
+                tasks.c.job_id,
+                shards.c.output_hash.label("canonical_hash"),
+            )
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(
+                tasks.c.outcome == "late",
+                tasks.c.state == TaskState.COMPLETED.value,
+                shards.c.state == ShardState.DONE.value,
+            )
+            .order_by(tasks.c.id)
+            .limit(limit)
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in rows
+        ]
+
+    @_retry_conflicts
+    async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(tasks)
+                .where(tasks.c.id == task_id, tasks.c.outcome == "late")
+                .values(outcome="valid" if agrees else "invalid")
+            )
+            if changed.rowcount == 1:
+                await self._verdicts(
+                    conn, [(task_id, "valid" if agrees else "invalid")], now=now
+                )
 
     @staticmethod
     async def _mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
@@ -787,10 +1081,10 @@ class SqlStore:
             .scalar_subquery()
         )
         pending = live + results
-        # An open shard with a quorum's worth of results and nothing live has results that
-        # disagree: it needs one more (BOINC raises such a workunit's target), or it would
-        # wait forever. With a quorum of one, any result decides, so this never applies.
-        no_quorum = (jobs.c.min_quorum > 1) & (results >= jobs.c.min_quorum) & (live == 0)
+        # An open shard with all the results it asked for and nothing live is undecided:
+        # they disagree, or agree without enough credibility. It needs one more (BOINC
+        # raises such a workunit's target), or it would wait forever.
+        no_quorum = (results >= shards.c.quorum) & (results >= shards.c.target) & (live == 0)
         query = (
             select(
                 shards.c.id,
@@ -800,7 +1094,7 @@ class SqlStore:
                 no_quorum.label("no_quorum"),
                 shards.c.item_count,
                 shards.c.cost_flops,
-                jobs.c.replication,
+                shards.c.target,
                 jobs.c.max_attempts,
                 jobs.c.kind,
                 jobs.c.priority,
@@ -809,7 +1103,7 @@ class SqlStore:
             .where(
                 shards.c.state == ShardState.OPEN.value,
                 jobs.c.state.in_(_states(JobState.QUEUED, JobState.RUNNING)),
-                (pending < jobs.c.replication) | no_quorum,
+                (pending < shards.c.target) | no_quorum,
             )
         )
         if job_id is not None:
@@ -820,7 +1114,7 @@ class SqlStore:
         new_tasks: list[dict[str, Any]] = []
         exhausted: list[Any] = []
         for row in rows:
-            short = max(row.replication - row.pending, 1 if row.no_quorum else 0)
+            short = max(row.target - row.pending, 1 if row.no_quorum else 0)
             wanted = min(short, row.max_attempts - row.attempts)
             if wanted <= 0:
                 if row.pending == 0 or row.no_quorum:
@@ -1000,6 +1294,31 @@ class SqlStore:
         )
 
 
+def _distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
+    """Conditions for "no other replica of this shard on this node, account or network".
+
+    A node never runs two replicas of a shard, even after one failed (it may fail the
+    same way). Accounts and networks count only replicas that ran or run: a replica that
+    failed or expired on one of them does not bar its other nodes.
+    """
+    if distinct is None:
+        return []
+    other = tasks.alias("other")
+    same = [other.c.node_id == claimer.node_id]
+    counted = other.c.state.in_(
+        _states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
+    )
+    if distinct.accounts:
+        same.append(counted & (other.c.account_id == claimer.account_id))
+    if distinct.networks and claimer.network:
+        same.append(counted & (other.c.network == claimer.network))
+    return [
+        ~exists().where(
+            other.c.shard_id == tasks.c.shard_id, other.c.id != tasks.c.id, or_(*same)
+        )
+    ]
+
+
 def _judge_result(
     row: Any | None, task_id: int, node_id: int, output_hash: str
 ) -> ResultReceipt | None:
@@ -1013,9 +1332,7 @@ def _judge_result(
         if row.output_hash == output_hash:
             return ResultReceipt("duplicate", shard_id=row.shard_id, job_id=row.job_id)
         return ResultReceipt("rejected", f"task {task_id} already reported another output")
-    if state == TaskState.CANCELLED:
-        return ResultReceipt("late", "the task was cancelled", row.shard_id, row.job_id)
-    if state not in (TaskState.ASSIGNED, TaskState.EXPIRED):
+    if state not in (TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.CANCELLED):
         return ResultReceipt("rejected", f"task {task_id} is {state.value}")
     return None
 
@@ -1039,6 +1356,20 @@ def _node(row: Any) -> NodeRecord:
         created_at=row.created_at,
         last_seen_at=row.last_seen_at,
         connected_seconds=row.connected_seconds,
+        network=row.network,
+        suspended_at=row.suspended_at,
+        credit=ledger.credit_of(row),
+    )
+
+
+def _account(row: Any) -> AccountRecord:
+    return AccountRecord(
+        id=row.id,
+        name=row.name,
+        is_admin=row.is_admin,
+        flagged_at=row.flagged_at,
+        flag_reason=row.flag_reason,
+        credit=ledger.credit_of(row),
     )
 
 
@@ -1054,6 +1385,10 @@ def _shard(row: Any, *, live: int = 0) -> ShardRecord:
         output_hash=row.output_hash,
         error=row.error,
         live_tasks=live,
+        target=row.target,
+        quorum=row.quorum,
+        mode=row.mode,
+        cost_flops=row.cost_flops,
     )
 
 

@@ -1,0 +1,239 @@
+"""Trust and credit rows: the store's side of the verifier's verdicts.
+
+The policy (policy.trust, policy.credit) is pure; these functions read the rows it needs
+inside the caller's transaction, apply it, and write the result back. They run in the
+same transaction as the decision they follow, so a verdict, the trust it changes and the
+credit it grants commit together or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.policy import credit as credit_policy
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.trust import Trust, TrustSettings
+from idlegrid.store.base import Credit, NodeTrust
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
+
+Verdict = Literal["valid", "unchecked", "invalid", "error"]
+DAY_S = 86_400.0
+
+
+def day_of(now: float) -> int:
+    """Days since the epoch (UTC): the daily quota's day."""
+    return int(now // DAY_S)
+
+
+async def load_trust(
+    conn: AsyncConnection,
+    node_id: int,
+    kind: str,
+    backend: str,
+    *,
+    settings: TrustSettings,
+    now: float,
+    for_update: bool = False,
+) -> NodeTrust:
+    """A node's trust on a kind and backend, made (new) on first use."""
+    where = (
+        node_trust.c.node_id == node_id,
+        node_trust.c.kind == kind,
+        node_trust.c.backend == backend,
+    )
+    query = select(node_trust).where(*where)
+    if for_update:
+        query = query.with_for_update()
+    row = (await conn.execute(query)).first()
+    if row is None:
+        # ON CONFLICT: several claims of one new node may make its row at once.
+        dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+        await conn.execute(
+            dialect.insert(node_trust)
+            .values(
+                node_id=node_id,
+                kind=kind,
+                backend=backend,
+                **_trust_values(trust_policy.new_trust(settings)),
+                quota_day=day_of(now),
+                quota_used=0,
+                updated_at=now,
+            )
+            .on_conflict_do_nothing()
+        )
+        row = (await conn.execute(query)).one()
+    used = row.quota_used if row.quota_day == day_of(now) else 0
+    return NodeTrust(node_id, kind, backend, trust_of(row), used)
+
+
+async def use_quota(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, used: int, now: float
+) -> None:
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == node_id,
+            node_trust.c.kind == kind,
+            node_trust.c.backend == backend,
+        )
+        .values(quota_day=day_of(now), quota_used=used + 1)
+    )
+
+
+async def apply_verdicts(
+    conn: AsyncConnection,
+    verdicts: Iterable[tuple[int, Verdict]],
+    *,
+    settings: TrustSettings,
+    now: float,
+) -> None:
+    """Update the trust of each task's node and grant credit for valid work.
+
+    Credit comes from the shard's cost estimate (made by the coordinator when it split
+    the job), never from anything the node said. A node whose trust becomes suspended
+    is suspended, and its account flagged.
+    """
+    verdict_of = dict(verdicts)
+    if not verdict_of:
+        return
+    rows = (
+        await conn.execute(
+            select(
+                tasks.c.id,
+                tasks.c.node_id,
+                tasks.c.backend,
+                tasks.c.credit,
+                nodes.c.account_id,
+                jobs.c.kind,
+                shards.c.cost_flops,
+            )
+            .join(nodes, nodes.c.id == tasks.c.node_id)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.id.in_(list(verdict_of)))
+            # One lock order for every transaction: by node (deadlocks are retried anyway).
+            .order_by(tasks.c.node_id, tasks.c.id)
+        )
+    ).all()
+    for row in rows:
+        verdict = verdict_of[row.id]
+        await _judge_node(conn, row, verdict, settings=settings, now=now)
+        if verdict in ("valid", "unchecked") and row.credit is None:
+            amount = credit_policy.credit_for(row.cost_flops)
+            await conn.execute(update(tasks).where(tasks.c.id == row.id).values(credit=amount))
+            await grant(conn, nodes, row.node_id, amount, now=now)
+            await grant(conn, accounts, row.account_id, amount, now=now)
+
+
+async def _judge_node(
+    conn: AsyncConnection, row: Any, verdict: Verdict, *, settings: TrustSettings, now: float
+) -> None:
+    current = await load_trust(
+        conn,
+        row.node_id,
+        row.kind,
+        row.backend or "cpu",
+        settings=settings,
+        now=now,
+        for_update=True,
+    )
+    before = current.trust
+    match verdict:
+        case "valid":
+            after = trust_policy.after_valid(before, settings)
+        case "unchecked":
+            after = trust_policy.after_unchecked(before, settings)
+        case "invalid":
+            after = trust_policy.after_invalid(before, settings)
+        case "error":
+            after = trust_policy.after_error(before)
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == row.node_id,
+            node_trust.c.kind == row.kind,
+            node_trust.c.backend == (row.backend or "cpu"),
+        )
+        .values(**_trust_values(after), updated_at=now)
+    )
+    if after.suspended and not before.suspended:
+        await suspend(conn, row.node_id, row.account_id, row.kind, now=now)
+
+
+async def suspend(
+    conn: AsyncConnection, node_id: int, account_id: int, kind: str, *, now: float
+) -> None:
+    """Stop giving a node tasks and flag its account (it registers no new nodes)."""
+    await conn.execute(
+        update(nodes)
+        .where(nodes.c.id == node_id, nodes.c.suspended_at.is_(None))
+        .values(suspended_at=now)
+    )
+    await conn.execute(
+        update(accounts)
+        .where(accounts.c.id == account_id, accounts.c.flagged_at.is_(None))
+        .values(
+            flagged_at=now,
+            flag_reason=f"node {node_id} was suspended for repeated invalid {kind} results",
+        )
+    )
+
+
+async def grant(
+    conn: AsyncConnection, table: Any, row_id: int, amount: float, *, now: float
+) -> None:
+    """Add credit to a node's or an account's totals (decayed sum: policy.credit)."""
+    row = (
+        await conn.execute(
+            select(table.c.credit_total, table.c.credit_decayed, table.c.credit_updated_at)
+            .where(table.c.id == row_id)
+            .with_for_update()
+        )
+    ).one()
+    totals = credit_policy.grant(
+        credit_policy.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at),
+        amount,
+        now=now,
+    )
+    await conn.execute(
+        update(table)
+        .where(table.c.id == row_id)
+        .values(
+            credit_total=totals.total,
+            credit_decayed=totals.decayed,
+            credit_updated_at=totals.updated_at,
+        )
+    )
+
+
+def credit_of(row: Any) -> Credit:
+    return Credit(row.credit_total, row.credit_decayed, row.credit_updated_at)
+
+
+def trust_of(row: Any) -> Trust:
+    return Trust(
+        consecutive_valid=row.consecutive_valid,
+        valid_total=row.valid_total,
+        invalid_total=row.invalid_total,
+        error_total=row.error_total,
+        recent_invalid=row.recent_invalid,
+        daily_quota=row.daily_quota,
+        suspended=row.suspended,
+    )
+
+
+def _trust_values(trust: Trust) -> dict[str, Any]:
+    return dict(
+        consecutive_valid=trust.consecutive_valid,
+        valid_total=trust.valid_total,
+        invalid_total=trust.invalid_total,
+        error_total=trust.error_total,
+        recent_invalid=trust.recent_invalid,
+        daily_quota=trust.daily_quota,
+        suspended=trust.suspended,
+    )
