@@ -42,10 +42,41 @@ class CoordinatorSettings:
     # Attempts of one shard (all tasks ever created for it) before the shard fails.
     max_attempts: int = 5
     default_replication: int = 1
+    # Scheduling (see docs/architecture.md, "Scheduling"): weights of the score's terms.
+    sched_priority_weight: float = 1.0
+    sched_age_weight: float = 1.0
+    sched_age_scale_s: float = 600.0
+    sched_fair_share_weight: float = 4.0
+    sched_speed_weight: float = 1.0
+    sched_speed_scale_s: float = 60.0
+    sched_locality_weight: float = 1.0
+    sched_reliability_weight: float = 0.5
+    sched_on_time_weight: float = 1.0
+    # Fair share: "account=share" entries (default share 1), and the half-life of the
+    # usage (FLOPs handed out) that the shares are compared against.
+    account_shares: tuple[str, ...] = ()
+    fair_share_half_life_s: float = 3600.0
+    # Speculative backup copies of a job's last shards: an idle node gets one when the
+    # shard's holder is expected to finish more than `backup_factor` x (and
+    # `backup_min_gain_s` seconds) later than the idle node would.
+    backups: bool = True
+    backup_factor: float = 2.0
+    backup_min_gain_s: float = 5.0
 
     @property
     def database(self) -> str:
         return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'idlegrid.db'}"
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Fair-share weight per account name, from `account_shares` ("alice=3")."""
+        out: dict[str, float] = {}
+        for entry in self.account_shares:
+            name, sep, value = entry.partition("=")
+            if not sep or not name.strip() or float(value) <= 0:
+                raise ValueError(f"account_shares entry {entry!r}: expected name=positive number")
+            out[name.strip()] = float(value)
+        return out
 
     @property
     def blob_dir(self) -> Path:
@@ -80,6 +111,9 @@ class WorkerSettings:
     benchmark: bool = True
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
+    # Simulates a slower machine (tests, benchmarks): tasks of the `sleep` kind take this
+    # many times longer and the benchmark figures sent to the coordinator are divided by it.
+    slowdown: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

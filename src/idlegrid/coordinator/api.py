@@ -104,6 +104,8 @@ class JobOut(BaseModel):
     started_at: float | None
     finished_at: float | None
     shards: list[ShardOut] | None = None
+    # Why the job cannot progress, when something stops it (e.g. no node can run it).
+    waiting_for: list[str] = Field(default_factory=list)
 
 
 class TokenCreate(BaseModel):
@@ -213,9 +215,11 @@ async def _own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
 
 async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     shard_list = None
+    waiting_for: list[str] = []
     if with_shards:
         progress = _task_progress(grid)
         shard_list = [_shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
+        waiting_for = await grid.matcher.waiting_for(job)
     done = job.shard_counts.get("done", 0)
     return JobOut(
         id=job.id,
@@ -238,6 +242,7 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         started_at=job.started_at,
         finished_at=job.finished_at,
         shards=shard_list,
+        waiting_for=waiting_for,
     )
 
 
@@ -277,14 +282,23 @@ async def put_blob(blob_hash: str, request: Request, _: Caller, grid: GridDep) -
 
 
 @router.get("/blobs/{blob_hash}", tags=["blobs"], response_class=Response)
-async def get_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
-    """Download a blob by its SHA-256."""
+async def get_blob(
+    blob_hash: str,
+    token: Caller,
+    grid: GridDep,
+    x_idlegrid_node: Annotated[int | None, Header()] = None,
+) -> Response:
+    """Download a blob by its SHA-256 (a worker names its node: the scheduler's locality)."""
     try:
         data = grid.blobs.read(blob_hash)
     except BlobError as exc:
         raise ApiError(
             exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
         ) from None
+    if token.kind == "node" and x_idlegrid_node is not None:
+        session = grid.hub.get(x_idlegrid_node)
+        if session is not None and session.account_id == token.account_id:
+            session.hold(blob_hash)
     return Response(data, media_type="application/octet-stream")
 
 

@@ -27,6 +27,7 @@ from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
+from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
@@ -63,6 +64,9 @@ class JobPlan:
     requirements: Requirements
     replication: int
     min_quorum: int
+    account_id: int = 0
+    # The job's input blobs (shared by all its shards): what locality looks for.
+    inputs: frozenset[str] = frozenset()
 
 
 class Grid:
@@ -87,6 +91,7 @@ class Grid:
         self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.counters = Counters()
         self.presence_paused_until = 0.0  # monotonic; see peers.heard_from
+        self.matcher = Matcher(self)
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -165,8 +170,11 @@ class Grid:
                 requirements=kind.requirements(params),
                 replication=job.replication,
                 min_quorum=job.min_quorum,
+                account_id=job.account_id,
+                inputs=frozenset(job.inputs.values()),
             )
             self._plans[job_id] = plan
+            await self.matcher.resolve_shares()
         return plan
 
     async def cancel_job(self, job_id: int) -> None:
@@ -189,6 +197,8 @@ class Grid:
         async with session.fill_lock:
             while session.wants > 0:
                 assignment = await self._claim_one(session)
+                if assignment is None and self.settings.backups:
+                    assignment = await self.matcher.claim_backup(session)
                 if assignment is None:
                     break
                 session.live.add(assignment.task_id)
@@ -201,7 +211,7 @@ class Grid:
 
     async def _claim_one(self, session: NodeSession) -> Assignment | None:
         now = self.clock()
-        entries = await self.broker.ready_candidates(limit=CANDIDATES_PER_CLAIM)
+        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
         by_id = {entry.task_id: entry for entry in entries}
         candidates = []
         for entry in entries:
@@ -209,17 +219,9 @@ class Grid:
             if plan is None:
                 await self.broker.discard([entry.task_id])
                 continue
-            candidates.append(
-                scheduler.Candidate(
-                    task_id=entry.task_id,
-                    job_id=entry.job_id,
-                    kind=entry.kind,
-                    priority=entry.priority,
-                    created_at=entry.created_at,
-                    requirements=plan.requirements,
-                )
-            )
-        for candidate in scheduler.rank(session.view, candidates, now=now):
+            candidates.append(self.matcher.candidate(entry, plan, now=now))
+        view = session.view_now(reliability=self.node_reliability(session))
+        for candidate in scheduler.rank(view, candidates, now=now, weights=self.matcher.weights):
             entry = by_id[candidate.task_id]
             plan = self._plans[entry.job_id]
             claim = await self.store.claim_task(
@@ -230,22 +232,36 @@ class Grid:
                 distinct_nodes=plan.replication > 1,
             )
             if isinstance(claim, Assignment):
+                self.matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
                 with unless_broker_away("discarding a claimed task"):
                     await self.broker.discard([entry.task_id])
                 return claim
             if claim is ClaimMiss.GONE:
+                self.matcher.forget_entry(entry.task_id)
                 await self.broker.discard([entry.task_id])
         return None
 
+    def node_reliability(self, session: NodeSession) -> float:
+        """How far the scheduler trusts this node's results, 0..1 (0.5: nothing known).
+
+        The hook for trust (issue 3): return the node's trust here, from the session or a
+        cache the trust policy keeps; the score's reliability term reads it.
+        """
+        return session.view.reliability
+
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
-        """Estimated run time on this node with slack, never below the minimum lease."""
-        rate = session.kind_rates.get(entry.kind)
-        if rate and rate > 0:
-            estimate = entry.items / rate
-        else:
-            estimate = entry.cost_flops / max(session.view.gflops, 1.0) / 1e9
+        """Estimated run time of this shard on this node with slack, at least the minimum."""
+        return self.lease_for(
+            session.view, entry.kind, items=entry.items, cost_flops=entry.cost_flops
+        )
+
+    def lease_for(
+        self, view: scheduler.NodeView, kind: str, *, items: int, cost_flops: float
+    ) -> float:
+        """Lease length for a shard of `items` / `cost_flops` (each shard its own) on a node."""
+        estimate = scheduler.expected_seconds(view, kind, items=items, cost_flops=cost_flops)
         return max(self.settings.min_lease_s, estimate * self.settings.lease_slack)
 
     async def fill_waiting(self) -> None:
@@ -285,6 +301,8 @@ class Grid:
         )
         if receipt.status != "rejected":
             session.forget_task(msg.task_id)
+        if receipt.status == "accepted":
+            session.tasks_returned += 1
         if receipt.status == "accepted" and receipt.shard_id is not None:
             await self.verify_shard(receipt.shard_id)
         return receipt
@@ -400,6 +418,7 @@ class Grid:
             session = self.hub.get(task.node_id)
             if session is not None:
                 session.forget_task(task.task_id)
+                session.tasks_expired += 1
         await self.replenish()
 
     async def _send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:

@@ -33,6 +33,7 @@ from idlegrid.states import (
     check_transition,
     sources_of,
 )
+from idlegrid.store import scheduling
 from idlegrid.store.base import (
     AccountExists,
     AccountRecord,
@@ -45,6 +46,7 @@ from idlegrid.store.base import (
     NodeTask,
     ReadyTask,
     ResultReceipt,
+    RunningTask,
     ShardForVerify,
     ShardRecord,
     ShardResult,
@@ -998,6 +1000,30 @@ class SqlStore:
             shard_counts=counts,
             tasks_run=tasks_run,
         )
+
+    # -- scheduling (issue 4; see store/scheduling.py) ------------------------------------
+
+    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
+        async with self._read() as conn:
+            return await scheduling.ready_heads(conn, per_job=per_job)
+
+    async def running_shards(self, *, limit: int) -> list[RunningTask]:
+        async with self._read() as conn:
+            return await scheduling.running_shards(conn, limit=limit)
+
+    @_retry_conflicts
+    async def add_backup_task(
+        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
+    ) -> Assignment | None:
+        async with self._tx() as conn:
+            return await scheduling.add_backup_task(
+                conn,
+                shard_id,
+                node_id,
+                lease_deadline=lease_deadline,
+                now=now,
+                lock=not self.is_sqlite,
+            )
 
 
 def _judge_result(
