@@ -60,9 +60,11 @@ async def ready_heads(conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]
 
 
 def _live_count(shard_id: Any) -> Any:
+    live = tasks.alias("live")
     return (
         select(func.count())
-        .where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
+        .where(live.c.shard_id == shard_id, live.c.state.in_(_LIVE))
+        .correlate_except(live)
         .scalar_subquery()
     )
 
@@ -131,7 +133,11 @@ async def add_backup_task(
     job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
     if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts:
         return None
-    live = (await conn.execute(select(_live_count(shard_id)))).scalar_one()
+    live = (
+        await conn.execute(
+            select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
+        )
+    ).scalar_one()
     on_node = (
         await conn.execute(
             select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
