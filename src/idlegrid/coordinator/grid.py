@@ -187,6 +187,7 @@ class Grid:
 
     async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
         if ready:
+            self.matcher.invalidate()
             await self.broker.push_ready(ready)
             self.work_available.set()
             await self.publish({"type": "work"})

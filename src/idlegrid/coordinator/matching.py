@@ -86,6 +86,10 @@ class Matcher:
         seen = {entry.task_id for entry in entries}
         return entries + [head for head in self._heads[1] if head.task_id not in seen]
 
+    def invalidate(self) -> None:
+        """New ready tasks: read the job heads again at the next claim."""
+        self._heads = (float("-inf"), [])
+
     def forget_entry(self, task_id: int) -> None:
         """A cached head was claimed or is gone."""
         at, heads = self._heads
