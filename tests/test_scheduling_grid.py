@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +95,17 @@ async def test_a_small_job_after_a_big_one_gets_tasks_before_the_big_one_is_done
 
 
 async def test_configured_shares_weigh_accounts(grid: Grid) -> None:
-    grid.matcher.share_of.clear()
+    # As IDLEGRID_ACCOUNT_SHARES=alice=3 sets it; bob has the default share of 1.
+    grid = Grid(settings=replace(grid.settings, account_shares=("alice=3",)), store=grid.store,
+                broker=grid.broker, blobs=grid.blobs)
     alice, bob = await _account(grid, "alice"), await _account(grid, "bob")
-    grid.matcher.share_of[alice] = 3.0  # as IDLEGRID_ACCOUNT_SHARES=alice=3 resolves
     node = await _node(grid, alice, "node-one")
-    jobs = {await _submit(grid, alice, tasks=40): "alice", await _submit(grid, bob, tasks=40): "bob"}
+    jobs = {await _submit(grid, alice, tasks=40): "alice"}
+    jobs[await _submit(grid, bob, tasks=40)] = "bob"
     owners = [jobs[m["job_id"]] for m in [await _take(grid, node) for _ in range(20)] if m]
     # Usage follows the shares 3:1 (each share's factor stays near 2^-1 as they balance).
     assert owners.count("alice") == 15 and owners.count("bob") == 5
+    assert grid.matcher.share_of == {alice: 3.0}
 
 
 async def test_a_node_without_a_gpu_never_receives_a_gpu_task(grid: Grid) -> None:
