@@ -309,8 +309,8 @@ class Store(Protocol):
     ) -> Assignment | None:
         """Give `node_id` one extra (speculative) task of an open shard, already claimed.
 
-        None when the shard is decided, already has a backup, is out of attempts
-        (`max_attempts`), or the node already holds or held a task of it.
+        None when the shard is decided, already has a backup or a ready task, is out of
+        attempts (`max_attempts`), or the node already holds or held a task of it.
         """
         ...
 

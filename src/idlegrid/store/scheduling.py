@@ -133,18 +133,22 @@ async def add_backup_task(
     job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
     if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts:
         return None
-    live = (
+    live, ready = (
         await conn.execute(
-            select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
+            select(
+                func.count(),
+                func.count().filter(tasks.c.state == TaskState.READY.value),
+            ).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
         )
-    ).scalar_one()
+    ).one()
     on_node = (
         await conn.execute(
             select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
         )
     ).scalar_one()
-    # One backup at most: a shard's live tasks never exceed its replication plus one.
-    if live > job.replication or on_node:
+    # One backup at most: a shard's live tasks never exceed its replication plus one. A
+    # shard with a task still waiting in the queue is not straggling.
+    if live > job.replication or ready or on_node:
         return None
     inserted = await conn.execute(
         insert(tasks).values(
