@@ -301,3 +301,19 @@ def test_holder_finish_at(ago: float, expected_s: float, progress: float | None,
                           left: float) -> None:
     finish = scheduler.holder_finish_at(NOW - ago, expected_s, now=NOW, progress=progress)
     assert math.isclose(finish - NOW, left)
+
+
+# -- settings --------------------------------------------------------------------------------
+
+
+def test_shares_and_weights_come_from_the_environment() -> None:
+    from idlegrid.coordinator.matching import weights_from
+    from idlegrid.settings import CoordinatorSettings
+
+    settings = CoordinatorSettings.from_env({
+        "IDLEGRID_ACCOUNT_SHARES": "alice=3, bob=0.5", "IDLEGRID_SCHED_LOCALITY_WEIGHT": "7",
+        "IDLEGRID_BACKUP_FACTOR": "3"})
+    assert settings.shares == {"alice": 3.0, "bob": 0.5}
+    assert weights_from(settings).locality == 7.0 and settings.backup_factor == 3.0
+    with pytest.raises(ValueError, match="name=positive number"):
+        _ = CoordinatorSettings(account_shares=("alice:3",)).shares

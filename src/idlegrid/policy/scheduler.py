@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from idlegrid.kinds.base import Requirements
 
 GPU_BACKENDS = frozenset({"cuda", "rocm", "mps"})
-# A node with no usable benchmark is assumed this fast (GFLOPS) for time estimates.
+# A node with no benchmark (0 GFLOPS) is assumed this fast for time estimates.
 FALLBACK_GFLOPS = 1.0
 
 
@@ -166,7 +166,8 @@ def expected_seconds(node: NodeView, kind: str, *, items: int, cost_flops: float
     rate = node.kind_rates.get(kind, 0.0)
     if rate > 0:
         return items / rate
-    return cost_flops / (max(node.gflops, FALLBACK_GFLOPS) * 1e9)
+    gflops = node.gflops if node.gflops > 0 else FALLBACK_GFLOPS
+    return cost_flops / (gflops * 1e9)
 
 
 def score_terms(
