@@ -212,3 +212,25 @@ def test_job_status_says_why_it_waits(api: Api) -> None:
     assert api.job(token, cpu_job["id"])["waiting_for"] == []
     listed = api.client.get("/v1/jobs", headers=bearer(token)).json()
     assert all(j["waiting_for"] == [] for j in listed)  # only the single-job view computes it
+
+
+def test_a_node_downloading_a_blob_holds_it_for_locality(api: Api) -> None:
+    weights = api.upload(b"model weights shared by every shard")
+    node_token = api.token(account="volunteer", kind="node")
+    other_token = api.token(account="someone-else", kind="node")
+    with api.client.websocket_connect("/v1/nodes/ws") as ws:
+        ws.send_text(json.dumps({
+            "type": "hello", "token": node_token, "node_key": "gamer-key", "name": "gamer",
+            "worker_version": "0.1.0", "hardware": {"memory_mb": 4096},
+            "benchmark": {"matmul_gflops": 10.0}, "slots": 1, "kinds": ["sleep"]}))
+        node_id = json.loads(ws.receive_text())["node_id"]
+        session = api.client.app.state.grid.hub.get(node_id)  # type: ignore[attr-defined]
+        # Another account's token cannot claim the node's cache.
+        api.client.get(f"/v1/blobs/{weights}",
+                       headers={**bearer(other_token), "X-Idlegrid-Node": str(node_id)})
+        assert weights not in session.held_blobs
+        response = api.client.get(f"/v1/blobs/{weights}",
+                                  headers={**bearer(node_token), "X-Idlegrid-Node": str(node_id)})
+        assert response.status_code == 200
+        assert weights in session.held_blobs
+        assert weights in session.view_now(reliability=0.5).held_blobs
