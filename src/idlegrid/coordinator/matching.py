@@ -64,6 +64,7 @@ class Matcher:
         self._unresolved = dict(grid.settings.shares)
         self._heads: tuple[float, list[ReadyTask]] = (float("-inf"), [])
         self._running: tuple[float, list[RunningTask]] = (float("-inf"), [])
+        self._usage_at: tuple[float, dict[int, float]] = (float("-inf"), {})
 
     # -- candidates --------------------------------------------------------------------
 
@@ -96,9 +97,9 @@ class Matcher:
         self._heads = (at, [head for head in heads if head.task_id != task_id])
 
     def candidate(self, entry: ReadyTask, plan: JobPlan, *, now: float) -> scheduler.Candidate:
-        fair = fairshare.factor(
-            self.usage.snapshot(now=now), self.share_of, plan.account_id
-        )
+        if self._usage_at[0] != now:  # one snapshot per claim, not per candidate
+            self._usage_at = (now, self.usage.snapshot(now=now))
+        fair = fairshare.factor(self._usage_at[1], self.share_of, plan.account_id)
         return scheduler.Candidate(
             task_id=entry.task_id,
             job_id=entry.job_id,
@@ -114,10 +115,18 @@ class Matcher:
             fair_share=fair,
         )
 
-    def claimed(self, session: NodeSession, assignment: Assignment, plan: JobPlan,
-                cost_flops: float, *, now: float) -> None:
+    def claimed(
+        self,
+        session: NodeSession,
+        assignment: Assignment,
+        plan: JobPlan,
+        cost_flops: float,
+        *,
+        now: float,
+    ) -> None:
         """Book a claim: the account's usage, and the blob the node will fetch."""
         self.usage.add(plan.account_id, cost_flops, now=now)
+        self._usage_at = (float("-inf"), {})
         session.hold(assignment.input_hash)
         self.forget_entry(assignment.task_id)
 
@@ -148,8 +157,12 @@ class Matcher:
         at, rows = self._running
         self._running = (at, [row for row in rows if row.shard_id != pick.shard_id])
         if assignment is not None:
-            log.info("shard %s: backup task %s on node %s (straggler)",
-                     pick.shard_id, assignment.task_id, session.node_id)
+            log.info(
+                "shard %s: backup task %s on node %s (straggler)",
+                pick.shard_id,
+                assignment.task_id,
+                session.node_id,
+            )
             self.grid.counters.backups += 1
         return assignment
 
