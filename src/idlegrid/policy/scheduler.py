@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from idlegrid.kinds.base import Requirements
 
 GPU_BACKENDS = frozenset({"cuda", "rocm", "mps"})
+NO_NEEDS = Requirements()
+TERMS = ("priority", "age", "fair_share", "speed", "locality", "reliability", "on_time")
 # A node with no benchmark (0 GFLOPS) is assumed this fast for time estimates.
 FALLBACK_GFLOPS = 1.0
 
@@ -109,6 +111,8 @@ def unmet_needs(node: NodeView, kind: str, needs: Requirements) -> list[str]:
     reasons = []
     if kind not in node.kinds:
         reasons.append(f"does not offer kind {kind}")
+    if needs == NO_NEEDS:  # most kinds: skip the checks on the claim path
+        return reasons
     if needs.backends and not (needs.backends & node.backends):
         reasons.append(f"has no backend of {_names(needs.backends)}")
     gpus = node.backends & GPU_BACKENDS & (needs.backends or GPU_BACKENDS)
@@ -174,6 +178,12 @@ def score_terms(
     node: NodeView, candidate: Candidate, *, now: float, weights: Weights
 ) -> dict[str, float]:
     """Each term of the score (module docstring), by name."""
+    return dict(zip(TERMS, _terms(node, candidate, now=now, weights=weights), strict=True))
+
+
+def _terms(
+    node: NodeView, candidate: Candidate, *, now: float, weights: Weights
+) -> tuple[float, ...]:
     age = max(0.0, now - candidate.created_at)
     expected = expected_seconds(
         node, candidate.kind, items=candidate.items, cost_flops=candidate.cost_flops
@@ -181,20 +191,20 @@ def score_terms(
     inputs = candidate.input_hashes
     held = len(inputs & node.held_blobs) / len(inputs) if inputs else 0.0
     length = max(1.0, expected / weights.speed_scale_s)
-    return {
-        "priority": weights.priority * candidate.priority,
-        "age": weights.age * age / (age + weights.age_scale_s),
-        "fair_share": weights.fair_share * candidate.fair_share,
-        "speed": weights.speed / (1.0 + expected / weights.speed_scale_s),
-        "locality": weights.locality * held,
-        "reliability": weights.reliability * node.reliability / max(1, candidate.replication),
-        "on_time": weights.on_time * node.on_time**length,
-    }
+    return (
+        weights.priority * candidate.priority,
+        weights.age * age / (age + weights.age_scale_s),
+        weights.fair_share * candidate.fair_share,
+        weights.speed / (1.0 + expected / weights.speed_scale_s),
+        weights.locality * held,
+        weights.reliability * node.reliability / max(1, candidate.replication),
+        weights.on_time * node.on_time**length,
+    )
 
 
 def score(node: NodeView, candidate: Candidate, *, now: float, weights: Weights) -> float:
     """Higher is better: the sum of `score_terms`."""
-    return sum(score_terms(node, candidate, now=now, weights=weights).values())
+    return sum(_terms(node, candidate, now=now, weights=weights))
 
 
 def rank(
