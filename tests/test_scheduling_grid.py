@@ -234,3 +234,16 @@ def test_a_node_downloading_a_blob_holds_it_for_locality(api: Api) -> None:
         assert response.status_code == 200
         assert weights in session.held_blobs
         assert weights in session.view_now(reliability=0.5).held_blobs
+
+
+async def test_running_shards_are_only_those_of_jobs_near_their_end(grid: Grid) -> None:
+    alice = await _account(grid, "alice")
+    first, second = await _node(grid, alice, "first"), await _node(grid, alice, "second")
+    job_id = await _submit(grid, alice, tasks=2, seconds=30.0)
+    await _take(grid, first)
+    assert await grid.store.running_shards(limit=10) == []  # a shard still waits: not the end
+    await _take(grid, second)
+    running = await grid.store.running_shards(limit=10)
+    assert sorted(r.node_id for r in running) == [first.node_id, second.node_id]
+    assert {r.job_id for r in running} == {job_id}
+    assert all(r.node_benchmark["matmul_gflops"] == 10.0 for r in running)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import exists, func, insert, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
@@ -93,7 +93,10 @@ async def running_shards(conn: AsyncConnection, *, limit: int) -> list[RunningTa
             jobs.c.state.in_(_OPEN_JOB),
             shards.c.attempts < jobs.c.max_attempts,
             _live_count(shards.c.id) <= jobs.c.replication,
-            ~exists().where(ready.c.job_id == jobs.c.id, ready.c.state == TaskState.READY.value),
+            # Uncorrelated: one pass over the ready tasks (a hashed subplan), not one per row.
+            tasks.c.job_id.not_in(
+                select(ready.c.job_id).where(ready.c.state == TaskState.READY.value)
+            ),
         )
         .order_by(tasks.c.assigned_at)
         .limit(limit)
