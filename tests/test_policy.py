@@ -139,9 +139,9 @@ ORDERS = [
      [2, 1, 3]),
     ("older-first", [_task(1, age_s=10), _task(2, age_s=100), _task(3, age_s=50)], [2, 3, 1]),
     ("ties-by-task-id", [_task(3), _task(1), _task(2)], [1, 2, 3]),
-    # A priority step outweighs a few minutes of waiting, not an age of hours.
+    # Age saturates below one priority step (so it cannot outweigh fair share either).
     ("priority-beats-minutes", [_task(1, age_s=300), _task(2, priority=1)], [2, 1]),
-    ("hours-beat-priority", [_task(1, age_s=3 * 3600), _task(2, priority=1)], [1, 2]),
+    ("priority-beats-hours", [_task(1, age_s=3 * 3600), _task(2, priority=1)], [2, 1]),
     ("future-created-counts-as-new", [_task(1, age_s=-100), _task(2, age_s=0)], [1, 2]),
     ("unrunnable-dropped", [_task(1, backends=("cuda",), priority=99), _task(2, kind="x"),
                             _task(3)], [3]),
@@ -156,7 +156,7 @@ def test_rank(candidates: list[Candidate], order: list[int]) -> None:
 
 def test_rank_follows_the_weights() -> None:
     old, urgent = _task(1, age_s=300), _task(2, priority=1)
-    age_heavy = Weights(priority=1.0, age=1.0)
+    age_heavy = Weights(priority=1.0, age=5.0)
     assert [c.task_id for c in scheduler.rank(CPU_ONLY, [old, urgent], now=NOW,
                                               weights=age_heavy)] == [1, 2]
 
@@ -168,7 +168,11 @@ def test_cpu_only_node_never_gets_a_cuda_task_from_a_mixed_queue() -> None:
     assert len(scheduler.rank(CUDA_NODE, queue, now=NOW)) == 40
 
 
-def test_score_is_priority_plus_age() -> None:
-    weights = Weights(priority=2.0, age=0.5)
+def test_score_sums_priority_and_saturating_age() -> None:
+    weights = Weights(priority=2.0, age=0.5, age_scale_s=10.0)
+    terms = scheduler.score_terms(CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW,
+                                  weights=weights)
+    assert terms["priority"] == pytest.approx(2.0 * 3)
+    assert terms["age"] == pytest.approx(0.5 * 10 / (10 + 10))
     assert scheduler.score(CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW,
-                           weights=weights) == pytest.approx(2.0 * 3 + 0.5 * 10)
+                           weights=weights) == pytest.approx(sum(terms.values()))

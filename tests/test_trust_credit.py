@@ -126,7 +126,7 @@ def test_required_credibility(replication: int, expected: float) -> None:
 
 
 def test_a_result_run_alone_needs_what_its_node_had_when_let_alone() -> None:
-    assert trust.required_credibility_alone(S) == S.min_credibility  # N = 60: 0.9967
+    assert trust.required_credibility_alone(S) == S.min_credibility  # N = 80: 0.9975
     short = trust.TrustSettings(adaptive_after=2)
     needed = trust.required_credibility_alone(short)
     assert needed < trust.credibility(_after(2), short) < S.min_credibility

@@ -139,7 +139,7 @@ def test_a_lying_node_is_outvoted_earns_no_credit_and_loses_trust(
     result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
     assert json.loads(result.content) == [json.loads(_digest(0))]
 
-    shard_credit = credit.credit_for(1e6)  # the sleep kind prices a shard at 1 MFLOP
+    shard_credit = credit.credit_for(1e6)  # sleep prices a 0-second shard at 1 MFLOP
     assert fleet.info("liar")["credit_total"] == 0.0
     for name in ("h1", "h2", "h3", "h4"):
         assert fleet.info(name)["credit_total"] == pytest.approx(shard_credit)

@@ -448,6 +448,8 @@ def job(job_id: int, watch: bool, cancel: bool, server: str, token: str) -> None
         _fail(exc)
     shards = info.pop("shards") or []
     click.echo(json.dumps(info, indent=2))
+    for reason in info.get("waiting_for") or []:
+        click.echo(f"waiting for: {reason}")
     click.echo(f"shards: {info['shard_counts']}")
     for shard in shards[:50]:
         click.echo(

@@ -40,6 +40,10 @@ class HardwareProfile(BaseModel):
     memory_mb: int = Field(default=0, ge=0)
     gpus: list[Gpu] = Field(default_factory=list, max_length=64)
     torch_version: str | None = Field(default=None, max_length=100)
+    # Free disk where the worker keeps its blobs; None: not reported (an older worker).
+    disk_free_mb: int | None = Field(default=None, ge=0)
+    # Execution providers of the node's ONNX Runtime; empty when it has none.
+    onnx_providers: list[str] = Field(default_factory=list, max_length=32)
 
     @property
     def backends(self) -> frozenset[str]:

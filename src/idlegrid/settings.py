@@ -53,7 +53,7 @@ class CoordinatorSettings:
     network_prefix_v6: int = 48
     # Trust (policy.trust.TrustSettings): see docs/verification.md for the figures.
     prior_bad_fraction: float = 0.2
-    adaptive_after: int = 60
+    adaptive_after: int = 80
     spot_check_rate: float = 0.1
     min_credibility: float = 0.95
     initial_daily_quota: int = 50
@@ -62,6 +62,26 @@ class CoordinatorSettings:
     max_nodes_per_account: int = 100
     node_registrations_per_account_per_hour: int = 20
     node_registrations_per_address_per_hour: int = 20
+    # Scheduling (see docs/architecture.md, "Scheduling"): weights of the score's terms.
+    sched_priority_weight: float = 1.0
+    sched_age_weight: float = 1.0
+    sched_age_scale_s: float = 600.0
+    sched_fair_share_weight: float = 4.0
+    sched_speed_weight: float = 1.0
+    sched_speed_scale_s: float = 60.0
+    sched_locality_weight: float = 1.0
+    sched_reliability_weight: float = 0.5
+    sched_on_time_weight: float = 1.0
+    # Fair share: "account=share" entries (default share 1), and the half-life of the
+    # usage (FLOPs handed out) that the shares are compared against.
+    account_shares: tuple[str, ...] = ()
+    fair_share_half_life_s: float = 3600.0
+    # Speculative backup copies of a job's last shards: an idle node gets one when the
+    # shard's holder is expected to finish more than `backup_factor` x (and
+    # `backup_min_gain_s` seconds) later than the idle node would.
+    backups: bool = True
+    backup_factor: float = 2.0
+    backup_min_gain_s: float = 5.0
 
     @property
     def database(self) -> str:
@@ -77,6 +97,17 @@ class CoordinatorSettings:
             initial_daily_quota=self.initial_daily_quota,
             suspend_after_invalids=self.suspend_after_invalids,
         )
+
+    @property
+    def shares(self) -> dict[str, float]:
+        """Fair-share weight per account name, from `account_shares` ("alice=3")."""
+        out: dict[str, float] = {}
+        for entry in self.account_shares:
+            name, sep, value = entry.partition("=")
+            if not sep or not name.strip() or float(value) <= 0:
+                raise ValueError(f"account_shares entry {entry!r}: expected name=positive number")
+            out[name.strip()] = float(value)
+        return out
 
     @property
     def blob_dir(self) -> Path:
@@ -111,6 +142,9 @@ class WorkerSettings:
     benchmark: bool = True
     backoff_base_s: float = 0.5
     backoff_max_s: float = 30.0
+    # Simulates a slower machine (tests, benchmarks): tasks of the `sleep` kind take this
+    # many times longer and the benchmark figures sent to the coordinator are divided by it.
+    slowdown: float = 1.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

@@ -119,7 +119,9 @@ class JobOut(BaseModel):
         description="tasks run per shard done (adaptive replication lowers it)"
     )
     waiting_for: list[str] = Field(
-        default_factory=list, description="what the job waits for that the fleet lacks"
+        default_factory=list,
+        description="why the job cannot progress: no node can run it, or too few to "
+        "hold its replicas (single-job view only)",
     )
     result: str | None
     result_size: int | None
@@ -241,9 +243,11 @@ async def _own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
 
 async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     shard_list = None
+    waiting_for: list[str] = []
     if with_shards:
         progress = _task_progress(grid)
         shard_list = [_shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
+        waiting_for = await grid.matcher.waiting_for(job) + await grid.waiting_for(job)
     done = job.shard_counts.get("done", 0)
     return JobOut(
         id=job.id,
@@ -261,7 +265,6 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         tasks_completed=job.tasks_run,
         max_total_results=job.max_attempts,
         effective_replication=round(job.tasks_run / done, 3) if done else None,
-        waiting_for=await grid.waiting_for(job) if with_shards else [],
         result=job.result_hash,
         result_size=job.result_size,
         error=job.error,
@@ -269,6 +272,7 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         started_at=job.started_at,
         finished_at=job.finished_at,
         shards=shard_list,
+        waiting_for=waiting_for,
     )
 
 
@@ -308,14 +312,23 @@ async def put_blob(blob_hash: str, request: Request, _: Caller, grid: GridDep) -
 
 
 @router.get("/blobs/{blob_hash}", tags=["blobs"], response_class=Response)
-async def get_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
-    """Download a blob by its SHA-256."""
+async def get_blob(
+    blob_hash: str,
+    token: Caller,
+    grid: GridDep,
+    x_idlegrid_node: Annotated[int | None, Header()] = None,
+) -> Response:
+    """Download a blob by its SHA-256 (a worker names its node: the scheduler's locality)."""
     try:
         data = grid.blobs.read(blob_hash)
     except BlobError as exc:
         raise ApiError(
             exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
         ) from None
+    if token.kind == "node" and x_idlegrid_node is not None:
+        session = grid.hub.get(x_idlegrid_node)
+        if session is not None and session.account_id == token.account_id:
+            session.hold(blob_hash)
     return Response(data, media_type="application/octet-stream")
 
 

@@ -28,6 +28,7 @@ from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
+from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.kinds import KindParams, Requirements, TaskKind, Verdict, get_kind
@@ -70,6 +71,9 @@ class JobPlan:
     requirements: Requirements
     replication: int
     min_quorum: int
+    account_id: int = 0
+    # The job's input blobs (shared by all its shards): what locality looks for.
+    inputs: frozenset[str] = frozenset()
 
 
 class Grid:
@@ -105,6 +109,7 @@ class Grid:
         )
         # Draws of adaptive replication; a test may seed it.
         self.random = random.Random()
+        self.matcher = Matcher(self)
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -188,8 +193,11 @@ class Grid:
                 requirements=kind.requirements(params),
                 replication=job.replication,
                 min_quorum=job.min_quorum,
+                account_id=job.account_id,
+                inputs=frozenset(job.inputs.values()),
             )
             self._plans[job_id] = plan
+            await self.matcher.resolve_shares()
         return plan
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
@@ -222,6 +230,7 @@ class Grid:
 
     async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
         if ready:
+            self.matcher.invalidate()
             await self.broker.push_ready(ready)
             self.work_available.set()
             await self.publish({"type": "work"})
@@ -232,6 +241,8 @@ class Grid:
         async with session.fill_lock:
             while session.wants > 0:
                 assignment = await self._claim_one(session)
+                if assignment is None and self.settings.backups:
+                    assignment = await self.matcher.claim_backup(session)
                 if assignment is None:
                     break
                 session.live.add(assignment.task_id)
@@ -243,8 +254,10 @@ class Grid:
         return given
 
     async def _claim_one(self, session: NodeSession) -> Assignment | None:
+        if time.monotonic() < session.idle_until:
+            return None  # its quota is used up, or it is suspended: ask again later
         now = self.clock()
-        entries = await self.broker.ready_candidates(limit=CANDIDATES_PER_CLAIM)
+        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
         by_id = {entry.task_id: entry for entry in entries}
         candidates = []
         for entry in entries:
@@ -252,25 +265,15 @@ class Grid:
             if plan is None:
                 await self.broker.discard([entry.task_id])
                 continue
-            candidates.append(
-                scheduler.Candidate(
-                    task_id=entry.task_id,
-                    job_id=entry.job_id,
-                    kind=entry.kind,
-                    priority=entry.priority,
-                    created_at=entry.created_at,
-                    requirements=plan.requirements,
-                )
-            )
-        if time.monotonic() < session.idle_until:
-            return None
+            candidates.append(self.matcher.candidate(entry, plan, now=now))
         claimer = Claimer(
             node_id=session.node_id,
             account_id=session.account_id,
             network=session.network,
             backend=session.backend,
         )
-        for candidate in scheduler.rank(session.view, candidates, now=now):
+        view = session.view_now(reliability=self.node_reliability(session))
+        for candidate in scheduler.rank(view, candidates, now=now, weights=self.matcher.weights):
             entry = by_id[candidate.task_id]
             plan = self._plans[entry.job_id]
             claim = await self.store.claim_task(
@@ -282,6 +285,8 @@ class Grid:
                 distinct=self.distinct if plan.replication > 1 else None,
             )
             if isinstance(claim, Assignment):
+                self.matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
+                session.reliability = trust_policy.credibility(claim.trust, self.trust)
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
                 with unless_broker_away("discarding a claimed task"):
@@ -289,6 +294,7 @@ class Grid:
                     await self._maybe_alone(plan, claim)
                 return claim
             if claim is ClaimMiss.GONE:
+                self.matcher.forget_entry(entry.task_id)
                 await self.broker.discard([entry.task_id])
             elif claim in (ClaimMiss.QUOTA, ClaimMiss.SUSPENDED):
                 log.info("node %s gets no tasks for now: %s", session.node_id, claim.value)
@@ -313,13 +319,25 @@ class Grid:
             await self.broker.discard(dropped)
             self.counters.alone["spot" if spot else "alone"] += 1
 
+    def node_reliability(self, session: NodeSession) -> float:
+        """How far the scheduler trusts this node's results, 0..1 (0.5: nothing known).
+
+        Its credibility (policy.trust) on the kind of its last claim, as of that claim;
+        unknown until its first claim.
+        """
+        return session.reliability if session.reliability is not None else 0.5
+
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
-        """Estimated run time on this node with slack, never below the minimum lease."""
-        rate = session.kind_rates.get(entry.kind)
-        if rate and rate > 0:
-            estimate = entry.items / rate
-        else:
-            estimate = entry.cost_flops / max(session.view.gflops, 1.0) / 1e9
+        """Estimated run time of this shard on this node with slack, at least the minimum."""
+        return self.lease_for(
+            session.view, entry.kind, items=entry.items, cost_flops=entry.cost_flops
+        )
+
+    def lease_for(
+        self, view: scheduler.NodeView, kind: str, *, items: int, cost_flops: float
+    ) -> float:
+        """Lease length for a shard of `items` / `cost_flops` (each shard its own) on a node."""
+        estimate = scheduler.expected_seconds(view, kind, items=items, cost_flops=cost_flops)
         return max(self.settings.min_lease_s, estimate * self.settings.lease_slack)
 
     async def fill_waiting(self) -> None:
@@ -359,6 +377,8 @@ class Grid:
         )
         if receipt.status != "rejected":
             session.forget_task(msg.task_id)
+        if receipt.status == "accepted":
+            session.tasks_returned += 1
         if receipt.status == "accepted" and receipt.shard_id is not None:
             await self.verify_shard(receipt.shard_id)
         elif receipt.status == "late" and not receipt.reason:
@@ -512,6 +532,7 @@ class Grid:
             session = self.hub.get(task.node_id)
             if session is not None:
                 session.forget_task(task.task_id)
+                session.tasks_expired += 1
         await self.replenish()
 
     async def _send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:

@@ -3,17 +3,42 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-from collections.abc import Awaitable, Callable
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
+from idlegrid import protocol
 from idlegrid.policy.scheduler import NodeView
 
 log = logging.getLogger(__name__)
 
 SendText = Callable[[str], Awaitable[None]]
+# Blob hashes remembered per node for locality (most recent first out when over).
+HELD_BLOBS_KEPT = 256
+
+
+def node_view(
+    node_id: int,
+    kinds: Iterable[str],
+    hardware: protocol.HardwareProfile,
+    benchmark: protocol.Benchmark,
+) -> NodeView:
+    """What the scheduler knows of a node, from what it said in its hello."""
+    return NodeView(
+        node_id=node_id,
+        kinds=frozenset(kinds),
+        backends=hardware.backends,
+        memory_mb=hardware.memory_mb,
+        gflops=benchmark.matmul_gflops,
+        accelerator_memory_mb=max((gpu.memory_mb for gpu in hardware.gpus), default=0),
+        disk_free_mb=hardware.disk_free_mb,
+        onnx_providers=frozenset(hardware.onnx_providers),
+        kind_rates=dict(benchmark.kind_rates),
+    )
 
 
 @dataclass
@@ -36,10 +61,17 @@ class NodeSession:
     # No claims before this time (time.monotonic): its quota is used up or it is
     # suspended, so asking the store again at every new task would be wasted work.
     idle_until: float = 0.0
+    # Its credibility (policy.trust) as of its last claim: the scheduler's reliability.
+    reliability: float | None = None
     requested: int = 0
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)
+    # Blobs the node fetched from this coordinator or was handed as task input.
+    held_blobs: OrderedDict[str, None] = field(default_factory=OrderedDict)
+    # Its tasks since it connected: results accepted, and leases that ran out.
+    tasks_returned: int = 0
+    tasks_expired: int = 0
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fill_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -47,6 +79,27 @@ class NodeSession:
     def wants(self) -> int:
         """Tasks to give now: what the node asked for, within its free slots."""
         return max(0, min(self.requested, self.slots - len(self.live)))
+
+    @property
+    def on_time(self) -> float:
+        """Chance the node returns a task in time: (returned + 1) / (all + 2), 0.5 at first."""
+        return (self.tasks_returned + 1) / (self.tasks_returned + self.tasks_expired + 2)
+
+    def hold(self, blob_hash: str) -> None:
+        """Remember that the node holds this blob (bounded: the oldest are forgotten)."""
+        self.held_blobs[blob_hash] = None
+        self.held_blobs.move_to_end(blob_hash)
+        while len(self.held_blobs) > HELD_BLOBS_KEPT:
+            self.held_blobs.popitem(last=False)
+
+    def view_now(self, *, reliability: float) -> NodeView:
+        """The node's view with what changes while it is connected."""
+        return dataclasses.replace(
+            self.view,
+            reliability=reliability,
+            on_time=self.on_time,
+            held_blobs=frozenset(self.held_blobs),
+        )
 
     def forget_task(self, task_id: int) -> None:
         self.live.discard(task_id)

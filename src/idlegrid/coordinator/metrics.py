@@ -28,6 +28,7 @@ class Counters:
     # Adaptive replication: shards run alone, alone with a spot check, escalated back.
     alone: Counter[str] = field(default_factory=Counter)
     lease_expiries: int = 0
+    backups: int = 0  # speculative backup tasks handed out
 
 
 class _Exposition:
@@ -73,4 +74,7 @@ async def render(grid: Grid) -> str:
     out.metric("idlegrid_lease_expiries_total", "counter",
                "Task leases this process expired (deadline passed, node silent or lost it).",
                {"": counters.lease_expiries})
+    out.metric("idlegrid_backup_tasks_total", "counter",
+               "Speculative backup copies of straggling shards this process handed out.",
+               {"": counters.backups})
     return out.text()

@@ -17,9 +17,8 @@ from idlegrid import protocol
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession
+from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.kinds import KINDS
-from idlegrid.policy.scheduler import NodeView
 from idlegrid.policy.sybil import network_of
 from idlegrid.store.base import RegistrationRefused
 
@@ -128,13 +127,7 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         account_id=node.account_id,
         name=node.name,
         slots=hello.slots,
-        view=NodeView(
-            node_id=node.id,
-            kinds=frozenset(kinds),
-            backends=hello.hardware.backends,
-            memory_mb=hello.hardware.memory_mb,
-            gflops=hello.benchmark.matmul_gflops,
-        ),
+        view=node_view(node.id, kinds, hello.hardware, hello.benchmark),
         kind_rates=dict(hello.benchmark.kind_rates),
         send_text=websocket.send_text,
         close=websocket.close,

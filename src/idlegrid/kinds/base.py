@@ -42,8 +42,17 @@ class Requirements:
     min_memory_mb: int = 0
     # Backends the kind can use ("cpu", "cuda", "rocm", "mps"); empty means any.
     backends: frozenset[str] = frozenset()
+    # Needs a GPU (of one of `backends` when those are given), with this much memory.
+    accelerator: bool = False
+    min_accelerator_memory_mb: int = 0
+    # Minimum benchmark: dense matmul GFLOPS, and items per second of this kind where
+    # the node measured it.
     min_gflops: float = 0.0
+    min_kind_rate: float = 0.0
+    # Free disk in the node's state directory (blob cache, model files).
     min_disk_mb: int = 0
+    # ONNX Runtime execution providers the kind can use; empty means any (or none needed).
+    onnx_providers: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,8 @@ class RunContext:
     threads: int = 1
     report_progress: Callable[[float], None] = field(default=lambda fraction: None)
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
+    # The worker's simulated slowdown (WorkerSettings.slowdown); only `sleep` honours it.
+    slowdown: float = 1.0
 
 
 class Cancelled(Exception):

@@ -13,6 +13,7 @@ from idlegrid.kinds.base import (
     Cancelled,
     InputError,
     KindParams,
+    Requirements,
     RunContext,
     ShardSpec,
     TaskKind,
@@ -23,6 +24,11 @@ from idlegrid.kinds.base import (
 class SleepParams(KindParams):
     tasks: int = Field(default=4, ge=1, le=1_000_000, description="number of shards")
     seconds: float = Field(default=0.0, ge=0.0, le=3600.0, description="sleep per shard")
+    backend: str = Field(
+        default="",
+        pattern=r"^(|cpu|cuda|rocm|mps)$",
+        description="only nodes with this backend may run it (tests of hardware filters)",
+    )
 
 
 class SleepKind(TaskKind):
@@ -40,14 +46,24 @@ class SleepKind(TaskKind):
                 index=i,
                 payload=json.dumps({"index": i, "seconds": params.seconds}).encode(),
                 items=1,
-                cost_flops=1e6,
+                # Nominal: a 1-GFLOPS node sleeps `seconds`; the lease and the scheduler's
+                # time estimates scale with the node's benchmark from this.
+                cost_flops=max(params.seconds, 0.001) * 1e9,
             )
             for i in range(params.tasks)
         ]
 
+    def requirements(self, params: KindParams) -> Requirements:
+        assert isinstance(params, SleepParams)
+        if not params.backend:
+            return Requirements()
+        return Requirements(
+            backends=frozenset({params.backend}), accelerator=params.backend != "cpu"
+        )
+
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
         spec = json.loads(payload)
-        deadline = time.monotonic() + float(spec["seconds"])
+        deadline = time.monotonic() + float(spec["seconds"]) * ctx.slowdown
         while (left := deadline - time.monotonic()) > 0:
             if ctx.is_cancelled():
                 raise Cancelled()

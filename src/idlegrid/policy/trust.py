@@ -18,8 +18,8 @@ class TrustSettings:
     # Consecutive checked valid results before a node may run a shard alone (BOINC's N).
     # BOINC uses 10; against a node that cheats on 10% of its tasks that lets most of
     # its wrong answers through (it reaches 10 in a row 35% of the time, then runs
-    # alone); 60 keeps them under 1% (docs/verification.md, benchmarks/adversarial.py).
-    adaptive_after: int = 60
+    # alone); 80 keeps them near 0.2% (docs/verification.md, benchmarks/adversarial.py).
+    adaptive_after: int = 80
     # Share of unreplicated results checked by a second, trusted node anyway.
     spot_check_rate: float = 0.1
     # The credibility a quorum needs (Sarmenta 2002): 0.95 takes three new nodes that

@@ -401,3 +401,38 @@ class Store(Protocol):
     async def replenish(
         self, *, now: float
     ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]: ...
+
+    # scheduling (issue 4): fair candidates, speculative backups
+    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
+        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
+        ...
+
+    async def running_shards(self, *, limit: int) -> list[RunningTask]:
+        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
+        ...
+
+    async def add_backup_task(
+        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
+    ) -> Assignment | None:
+        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
+
+        None when the shard is decided, already has a backup or a ready task, is out of
+        attempts (`max_attempts`), or the node already holds or held a task of it.
+        """
+        ...
+
+
+@dataclass(frozen=True)
+class RunningTask:
+    """A live task of a shard that might straggle (see `Store.running_shards`)."""
+
+    task_id: int
+    shard_id: int
+    job_id: int
+    node_id: int
+    kind: str
+    items: int
+    cost_flops: float
+    assigned_at: float
+    # The holder's benchmark as it sent it (protocol.Benchmark fields).
+    node_benchmark: dict[str, Any]

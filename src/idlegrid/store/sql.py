@@ -48,7 +48,7 @@ from idlegrid.states import (
     check_transition,
     sources_of,
 )
-from idlegrid.store import ledger
+from idlegrid.store import ledger, scheduling
 from idlegrid.store.base import (
     AccountExists,
     AccountRecord,
@@ -67,6 +67,7 @@ from idlegrid.store.base import (
     RegistrationLimits,
     RegistrationRefused,
     ResultReceipt,
+    RunningTask,
     ShardForVerify,
     ShardRecord,
     ShardResult,
@@ -1292,6 +1293,30 @@ class SqlStore:
             shard_counts=counts,
             tasks_run=tasks_run,
         )
+
+    # -- scheduling (issue 4; see store/scheduling.py) ------------------------------------
+
+    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
+        async with self._read() as conn:
+            return await scheduling.ready_heads(conn, per_job=per_job)
+
+    async def running_shards(self, *, limit: int) -> list[RunningTask]:
+        async with self._read() as conn:
+            return await scheduling.running_shards(conn, limit=limit)
+
+    @_retry_conflicts
+    async def add_backup_task(
+        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
+    ) -> Assignment | None:
+        async with self._tx() as conn:
+            return await scheduling.add_backup_task(
+                conn,
+                shard_id,
+                node_id,
+                lease_deadline=lease_deadline,
+                now=now,
+                lock=not self.is_sqlite,
+            )
 
 
 def _distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:

@@ -121,6 +121,16 @@ def embed_text_rate(device: str = "cpu") -> float | None:
     return shard.items / (time.perf_counter() - start)
 
 
+def slowed(result: Benchmark, factor: float) -> Benchmark:
+    """The figures of a machine `factor` times slower (WorkerSettings.slowdown)."""
+    return result.model_copy(
+        update={
+            "matmul_gflops": result.matmul_gflops / factor,
+            "kind_rates": {kind: rate / factor for kind, rate in result.kind_rates.items()},
+        }
+    )
+
+
 # -- cache -----------------------------------------------------------------------------
 
 
@@ -147,7 +157,8 @@ def load_or_run(
 def fingerprint(profile: HardwareProfile, kinds: Sequence[str], device: str) -> str:
     """A digest of everything a benchmark result depends on."""
     identity = {
-        "profile": profile.model_dump(mode="json"),
+        # Free disk changes every run and has no bearing on speed.
+        "profile": profile.model_dump(mode="json", exclude={"disk_free_mb"}),
         "kinds": sorted(set(kinds)),
         "device": device,
         "idlegrid": idlegrid_version(),

@@ -104,7 +104,7 @@ class Worker:
         """Probe hardware and run (or reuse) the benchmark before registering."""
         from idlegrid.worker import benchmark, hardware
 
-        self.hardware = await asyncio.to_thread(hardware.probe)
+        self.hardware = await asyncio.to_thread(hardware.probe, self.settings.state_dir)
         self.device = self.settings.device or hardware.best_device(self.hardware)
         self._set_threads()
         if self.settings.benchmark:
@@ -116,6 +116,8 @@ class Worker:
                 self.device,
                 self.settings.rebenchmark,
             )
+        if self.settings.slowdown != 1.0:
+            self.benchmark = benchmark.slowed(self.benchmark, self.settings.slowdown)
         log.info(
             "hardware: %s, %d cores, %d MB RAM, gpus %s; benchmark %s",
             self.hardware.cpu_model,
@@ -187,6 +189,8 @@ class Worker:
             connect(ws_url(server), max_size=2**24, open_timeout=10, ping_interval=20) as ws,
         ):
             welcome = await self._hello(ws)
+            # Blob downloads name the node, so the coordinator knows what it holds.
+            http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
             self._ws, self._http = ws, http
             log.info("connected to %s as node %s", server, welcome.node_id)
@@ -338,6 +342,7 @@ class Worker:
             threads=self.settings.threads or 1,
             report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
             is_cancelled=task.cancel.is_set,
+            slowdown=self.settings.slowdown,
         )
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, kind.run, data, params, ctx)

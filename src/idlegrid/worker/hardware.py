@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import platform
+import shutil
 from pathlib import Path
 from types import ModuleType
 from typing import Literal
@@ -23,8 +24,11 @@ _MAX_TEXT = 200  # the profile's string fields are capped at 200 characters
 _MB = 2**20
 
 
-def probe() -> HardwareProfile:
-    """Describe this machine. Never raises because of torch: without it, reports CPU only."""
+def probe(disk_path: Path | None = None) -> HardwareProfile:
+    """Describe this machine. Never raises because of torch: without it, reports CPU only.
+
+    `disk_path`: where the worker keeps its blobs, whose free space is reported.
+    """
     gpus, torch_version = _probe_torch()
     return HardwareProfile(
         os=platform.platform()[:_MAX_TEXT],
@@ -33,7 +37,29 @@ def probe() -> HardwareProfile:
         memory_mb=memory_mb(),
         gpus=gpus,
         torch_version=torch_version,
+        disk_free_mb=disk_free_mb(disk_path or Path.home()),
+        onnx_providers=onnx_providers(),
     )
+
+
+def disk_free_mb(path: Path) -> int | None:
+    """Free MiB on the file system holding `path` (or its nearest existing parent)."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            try:
+                return int(shutil.disk_usage(candidate).free // _MB)
+            except OSError:
+                return None
+    return None
+
+
+def onnx_providers() -> list[str]:
+    """Execution providers ONNX Runtime offers here; empty when it is absent or broken."""
+    try:
+        import onnxruntime
+    except Exception:  # absent or broken: either way this node runs no ONNX kind
+        return []
+    return [str(name)[:_MAX_TEXT] for name in onnxruntime.get_available_providers()][:32]
 
 
 def best_device(profile: HardwareProfile) -> str:

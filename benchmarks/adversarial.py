@@ -1,0 +1,355 @@
+"""Honest and malicious workers against the real coordinator and verifier.
+
+    .venv/bin/python benchmarks/adversarial.py [--shards 5000] [--nodes 40] [--scenarios ...]
+
+Each scenario starts a fresh grid (`idlegrid serve` on SQLite, the shipped verification
+defaults: three replicas on distinct accounts, quorum of two with credibility voting,
+adaptive replication, spot checks, quotas, suspension) and `--nodes` worker daemons in
+four processes. Every node is a real `Worker` (its own account and node token, real
+WebSocket and blob transfers) that runs the `vectors` kind (cheap float work with
+embed-text's shape and fuzzy comparison) and then, according to its strategy, reports
+the honest output or a lie:
+
+- honest; random (random unit vectors); zeros; perturbed (honest + noise 1e-3, beyond
+  the kind's tolerance); replay (its output for another shard); colluding (all colluders
+  return the same wrong answer: the honest one with its components rotated);
+  intermittent (random vectors on 10% of its tasks); stops (drops 5% of its tasks
+  without a word, so their leases run out).
+
+All nodes connect from 127.0.0.1, so "one replica per network" is off (on a real grid it
+is one more wall against colluders); everything else is as shipped.
+
+Afterwards the coordinator's database says which results were accepted (outcome valid:
+in the winning group, or a trusted node's result run alone) and which were rejected; each
+result is compared with the honest output by the kind's own `compare`. Per scenario it
+prints shards, wrong results accepted, honest results wrongly rejected, effective
+replication (tasks run per shard, overall and over the second half of the job, after the
+nodes earned trust) and throughput. The last line is
+`wrong_accepted_noncolluding: N wrong_accepted_colluding: P% wrong_accepted_intermittent: Q%
+honest_rejected: M replication_honest: R`, P and Q as shares of the wrong results those
+nodes returned, R the honest scenario's replication after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from idlegrid.blobs import BlobStore
+from idlegrid.kinds import Verdict, get_kind
+from idlegrid.kinds import vectors as vectors_kind
+from idlegrid.localgrid import LocalGrid
+
+SHARD_SIZE = 4
+PROCESSES = 4
+LIE_NOISE = 1e-3
+INTERMITTENT_RATE = 0.1
+STOP_RATE = 0.05
+CHEATS = ("random", "zeros", "perturbed", "replay")
+
+# name: (strategy per node share): the rest of the nodes are honest.
+SCENARIOS: dict[str, list[tuple[str, float]]] = {
+    "honest": [],
+    "cheating-20%": [(cheat, 0.05) for cheat in CHEATS],
+    "colluding-10%": [("colluding", 0.10)],
+    "intermittent-20%": [("intermittent", 0.20)],
+    "stops-10%": [("stops", 0.10)],
+}
+
+
+# -- the worker side ------------------------------------------------------------------------
+
+
+def lie(strategy: str, honest: np.ndarray, rng: random.Random, history: list[np.ndarray]) -> \
+        np.ndarray | None:
+    """The output a node with `strategy` reports instead of `honest` (None: the truth)."""
+    gen = np.random.default_rng(rng.getrandbits(32))
+    if strategy == "intermittent":
+        strategy = "random" if rng.random() < INTERMITTENT_RATE else "honest"
+    match strategy:
+        case "honest" | "stops":
+            return None
+        case "random":
+            out = gen.standard_normal(honest.shape)
+        case "zeros":
+            return np.zeros_like(honest)
+        case "perturbed":
+            out = honest + gen.normal(0.0, LIE_NOISE, honest.shape)
+        case "replay":
+            same = [h for h in history if h.shape == honest.shape and not np.array_equal(h, honest)]
+            out = rng.choice(same) if same else gen.standard_normal(honest.shape)
+        case "colluding":
+            out = np.roll(honest, 1, axis=1)
+        case _:
+            raise ValueError(strategy)
+    return (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
+
+
+def make_worker_class() -> type:
+    from idlegrid.worker.daemon import RunningTask, Worker
+
+    class Adversary(Worker):  # type: ignore[misc]
+        def __init__(self, settings: Any, strategy: str, seed: int) -> None:
+            super().__init__(settings)
+            self.strategy = strategy
+            self.rng = random.Random(seed)
+            self.history: list[np.ndarray] = []
+
+        async def _execute(self, task_id: int) -> None:
+            if self.strategy == "stops" and self.rng.random() < STOP_RATE:
+                # Gone quiet on this task: no result, no failure; its lease runs out.
+                await asyncio.sleep(30)
+                self.running.pop(task_id, None)
+                await self._send_ready()
+                return
+            await super()._execute(task_id)
+
+        async def _compute(self, task: RunningTask) -> bytes:
+            honest_bytes = await super()._compute(task)
+            honest = vectors_kind.parse(honest_bytes)
+            wrong = lie(self.strategy, honest, self.rng, self.history)
+            self.history = (self.history + [honest])[-20:]
+            return honest_bytes if wrong is None else vectors_kind.to_npy(wrong)
+
+    return Adversary
+
+
+async def serve_nodes(spec: dict[str, Any]) -> None:
+    from idlegrid.settings import WorkerSettings
+
+    adversary = make_worker_class()
+    workers = [
+        adversary(
+            WorkerSettings(
+                servers=(spec["server"],),
+                token=node["token"],
+                state_dir=Path(node["state_dir"]),
+                name=node["name"],
+                kinds=("vectors",),
+                benchmark=False,
+            ),
+            node["strategy"],
+            node["seed"],
+        )
+        for node in spec["nodes"]
+    ]
+    await asyncio.gather(*(w.run() for w in workers))
+
+
+# -- the coordinator's verdicts ---------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    shards: int = 0
+    seconds: float = 0.0
+    tasks: int = 0
+    tasks_late_half: int = 0
+    shards_late_half: int = 0
+    wrong_shards: int = 0  # canonical result wrong
+    returned_wrong: Counter[str] = field(default_factory=Counter)
+    accepted_wrong: Counter[str] = field(default_factory=Counter)
+    honest_rejected: int = 0
+    failed: str = ""
+
+    @property
+    def replication(self) -> float:
+        return self.tasks / self.shards if self.shards else float("nan")
+
+    @property
+    def replication_after_warmup(self) -> float:
+        return self.tasks_late_half / self.shards_late_half if self.shards_late_half else 0.0
+
+
+def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: float) -> Tally:
+    kind = get_kind("vectors")
+    params = kind.parse_params({"items": 1, "shard_size": SHARD_SIZE})
+    blobs = BlobStore(data_dir / "blobs", max_bytes=1 << 30)
+    db = sqlite3.connect(data_dir / "idlegrid.db")
+    shards = {
+        row[0]: row[1:]
+        for row in db.execute(
+            "SELECT id, idx, item_count, state, canonical_task_id FROM shards WHERE job_id = ?",
+            (job_id,),
+        )
+    }
+    out = Tally(shards=sum(1 for s in shards.values() if s[2] == "done"), seconds=seconds)
+    half = len(shards) // 2
+    honest_cache: dict[int, bytes] = {}
+    for task_id, shard_id, output_hash, outcome, name in db.execute(
+        "SELECT tasks.id, shard_id, output_hash, outcome, nodes.name FROM tasks "
+        "JOIN nodes ON nodes.id = tasks.node_id WHERE tasks.job_id = ? "
+        "AND tasks.state = 'completed'",
+        (job_id,),
+    ):
+        idx, count, _, canonical = shards[shard_id]
+        out.tasks += 1
+        if idx >= half:
+            out.tasks_late_half += 1
+        if idx not in honest_cache:
+            honest = vectors_kind.compute(idx * SHARD_SIZE, count, 0)
+            honest_cache[idx] = vectors_kind.to_npy(honest)
+        right = kind.compare(honest_cache[idx], blobs.read(output_hash), params) == Verdict.AGREE
+        strategy = strategies[name]
+        if not right:
+            out.returned_wrong[strategy] += 1
+            if outcome == "valid":
+                out.accepted_wrong[strategy] += 1
+            if canonical == task_id:
+                out.wrong_shards += 1
+        elif outcome == "invalid":
+            out.honest_rejected += 1
+    out.shards_late_half = sum(1 for s in shards.values() if s[0] >= half and s[2] == "done")
+    db.close()
+    return out
+
+
+# -- one scenario -----------------------------------------------------------------------------
+
+
+def strategies_for(scenario: str, nodes: int, rng: random.Random) -> list[str]:
+    mix: list[str] = []
+    for strategy, share in SCENARIOS[scenario]:
+        mix += [strategy] * max(1, round(share * nodes))
+    mix += ["honest"] * (nodes - len(mix))
+    rng.shuffle(mix)
+    return mix
+
+
+def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Path,
+                 timeout: float, adaptive_after: int | None = None) -> Tally:
+    rng = random.Random(seed)
+    plan = strategies_for(scenario, nodes, rng)
+    env = {
+        # Every node connects from 127.0.0.1: lift the per-address registration limit.
+        "IDLEGRID_NODE_REGISTRATIONS_PER_ADDRESS_PER_HOUR": str(10 * nodes),
+    }
+    if adaptive_after is not None:
+        env["IDLEGRID_ADAPTIVE_AFTER"] = str(adaptive_after)
+    with LocalGrid(root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=5.0,
+                   extra_env=env) as grid:
+        specs: list[dict[str, Any]] = [
+            {"server": grid.url, "nodes": []} for _ in range(PROCESSES)
+        ]
+        strategies: dict[str, str] = {}
+        for i, strategy in enumerate(plan):
+            name = f"{strategy}-{i:03d}"
+            strategies[name] = strategy
+            specs[i % PROCESSES]["nodes"].append({
+                "name": name,
+                "strategy": strategy,
+                "token": grid.volunteer_token(f"volunteer-{name}"),
+                "state_dir": str(root / "nodes" / name),
+                "seed": rng.getrandbits(32),
+            })
+        procs = [
+            subprocess.Popen(
+                [sys.executable, __file__, "--serve-nodes", json.dumps(spec)],
+                stdout=subprocess.DEVNULL,
+                stderr=open(root / f"nodes-{p}.log", "w"),  # noqa: SIM115
+                start_new_session=True,
+            )
+            for p, spec in enumerate(specs)
+        ]
+        try:
+            grid.wait_for_nodes(nodes, timeout=120)
+            with grid.client() as client:
+                started = time.perf_counter()
+                job = client.submit(
+                    "vectors", params={"items": shards * SHARD_SIZE, "shard_size": SHARD_SIZE}
+                )
+                failed = ""
+                try:
+                    job.wait(timeout=timeout)
+                except Exception as exc:  # noqa: BLE001 - reported, not hidden
+                    failed = f"{type(exc).__name__}: {exc}"
+                seconds = time.perf_counter() - started
+                job_id = job.id
+        finally:
+            for proc in procs:
+                proc.terminate()
+            for proc in procs:
+                proc.wait(timeout=30)
+        result = tally(grid.data_dir, job_id, strategies, seconds)
+        result.failed = failed
+        return result
+
+
+def report(scenario: str, t: Tally) -> None:
+    wrong = sum(t.returned_wrong.values())
+    accepted = sum(t.accepted_wrong.values())
+    print(
+        f"{scenario:<17} shards {t.shards:>5}  wrong returned {wrong:>5}  "
+        f"wrong accepted {accepted:>4} (shards {t.wrong_shards})  "
+        f"honest rejected {t.honest_rejected:>3}  replication {t.replication:.3f} "
+        f"(2nd half {t.replication_after_warmup:.3f})  "
+        f"{t.shards / t.seconds:.1f} shards/s" + (f"  FAILED: {t.failed}" if t.failed else ""),
+        flush=True,
+    )
+
+
+def pct(numerator: int, denominator: int) -> float:
+    return 100.0 * numerator / denominator if denominator else 0.0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=5000)
+    parser.add_argument("--nodes", type=int, default=40)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS))
+    parser.add_argument("--adaptive-after", type=int, default=None,
+                        help="the coordinator's streak before a node runs alone (default: its own)")
+    parser.add_argument("--serve-nodes", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve_nodes:
+        asyncio.run(serve_nodes(json.loads(args.serve_nodes)))
+        return
+    print(f"{args.nodes} nodes, {args.shards} shards of {SHARD_SIZE} vectors per scenario, "
+          f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}; "
+          f"{os.cpu_count()} CPUs", flush=True)
+    results: dict[str, Tally] = {}
+    for scenario in args.scenarios:
+        with tempfile.TemporaryDirectory(prefix="idlegrid-adversarial-") as tmp:
+            results[scenario] = run_scenario(
+                scenario, shards=args.shards, nodes=args.nodes, seed=args.seed,
+                root=Path(tmp), timeout=args.timeout, adaptive_after=args.adaptive_after,
+            )
+        report(scenario, results[scenario])
+    total = Counter[str]()
+    accepted = Counter[str]()
+    rejected = 0
+    for t in results.values():
+        total.update(t.returned_wrong)
+        accepted.update(t.accepted_wrong)
+        rejected += t.honest_rejected
+    noncolluding = sum(accepted[s] for s in CHEATS)
+    honest = results.get("honest")
+    print(
+        f"wrong_accepted_noncolluding: {noncolluding} "
+        f"wrong_accepted_colluding: {pct(accepted['colluding'], total['colluding']):.2f}% "
+        f"wrong_accepted_intermittent: "
+        f"{pct(accepted['intermittent'], total['intermittent']):.2f}% "
+        f"honest_rejected: {rejected} "
+        f"replication_honest: "
+        f"{honest.replication_after_warmup if honest else float('nan'):.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
