@@ -29,6 +29,7 @@ from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
+from idlegrid.coordinator.training import RoundDriver
 from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
 from idlegrid.policy import scheduler, verifier
 from idlegrid.settings import CoordinatorSettings
@@ -87,6 +88,7 @@ class Grid:
         self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self.counters = Counters()
         self.presence_paused_until = 0.0  # monotonic; see peers.heard_from
+        self.rounds = RoundDriver(self)  # training jobs: one round after another
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -139,6 +141,8 @@ class Grid:
             ),
             now=self.clock(),
         )
+        if self.rounds.drives(kind):
+            await self.rounds.start(record)
         await self.enqueue(ready)
         log.info(
             "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
@@ -347,7 +351,7 @@ class Grid:
         )
         await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
-        if outcome.job_done:
+        if outcome.job_done or (outcome.decided and self.rounds.drives(plan.kind)):
             await self.assemble(found.job.id)
         elif not outcome.decided:
             await self.replenish()
@@ -363,6 +367,9 @@ class Grid:
         """Build and store a finished job's result from its canonical outputs."""
         plan = await self.plan(job_id)
         assert plan is not None
+        if self.rounds.drives(plan.kind):  # its rounds decide when it is done
+            await self.rounds.progress(job_id)
+            return
         hashes = await self.store.canonical_outputs(job_id)
         inputs = [shard.input_hash for shard in await self.store.list_shards(job_id)]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)

@@ -64,6 +64,9 @@ class RunContext:
     threads: int = 1
     report_progress: Callable[[float], None] = field(default=lambda fraction: None)
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
+    # Another blob by SHA-256 through the node's blob cache (blocking; checked on arrival),
+    # for kinds whose payload names blobs it may need (a training checkpoint). None: none.
+    fetch: Callable[[str], bytes] | None = None
 
 
 class Cancelled(Exception):

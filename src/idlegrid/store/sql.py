@@ -51,6 +51,7 @@ from idlegrid.store.base import (
     TaskInput,
     TokenInfo,
 )
+from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import accounts, jobs, nodes, shards, tasks, tokens
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
@@ -91,7 +92,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore:
+class SqlStore(TrainingRoundsSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(self, url: str, *, schema: str = "", echo: bool = False) -> None:

@@ -109,6 +109,9 @@ class TaskResult:
     loss_last: float
     update: compression.Message | None = None  # compressed pseudo-gradient (train)
     sketch: np.ndarray | None = None  # count sketch of the uncompressed pseudo-gradient
+    # Bytes of blobs the task fetched beyond its payload (published updates, a keyframe):
+    # reported by the node for the round's traffic metrics.
+    fetched_bytes: int = 0
 
 
 # -- payload ----------------------------------------------------------------------------
@@ -322,6 +325,7 @@ def encode_result(result: TaskResult) -> bytes:
         "loss_mean": result.loss_mean,
         "loss_last": result.loss_last,
         "update": update_meta,
+        "fetched_bytes": result.fetched_bytes,
     }
     return pack(arrays, header)
 
@@ -347,6 +351,7 @@ def decode_result(blob: bytes) -> TaskResult:
             loss_last=float(header["loss_last"]),
             update=update,
             sketch=sketch,
+            fetched_bytes=max(0, int(header.get("fetched_bytes", 0))),
         )
     except ContainerError:
         raise
