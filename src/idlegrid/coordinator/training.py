@@ -95,9 +95,7 @@ class RoundDriver:
                                 keyframe_blob=checkpoint_hash)]  # fmt: skip
         first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
         now = self.grid.clock()
-        ready = await self.grid.store.start_training(
-            job.id, first, await self._put(specs), now=now
-        )
+        ready = await self.grid.store.start_training(job.id, first, await self._put(specs), now=now)
         await self.grid.enqueue(ready)
 
     async def progress(self, job_id: int) -> None:
@@ -127,8 +125,9 @@ class RoundDriver:
             "workers": training.params.workers,
             "bytes_up": sum(r.get("bytes_up") or 0 for r in rows),
             "bytes_down": sum(r.get("bytes_down") or 0 for r in rows),
-            "eval_loss": next((r["eval_loss"] for r in reversed(rows)
-                               if r.get("eval_loss") is not None), None),  # fmt: skip
+            "eval_loss": next(
+                (r["eval_loss"] for r in reversed(rows) if r.get("eval_loss") is not None), None
+            ),  # fmt: skip
             "rounds": rows,
         }
 

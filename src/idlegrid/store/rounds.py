@@ -131,9 +131,7 @@ class TrainingRoundsSql:
         async with self._tx() as conn:
             await _merge_metrics(conn, job_id, round_number, values)
 
-    async def extend_round(
-        self, job_id: int, round_number: int, *, deadline: float
-    ) -> None:
+    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None:
         async with self._tx() as conn:
             await conn.execute(
                 update(training_rounds)
@@ -154,9 +152,7 @@ class TrainingRoundsSql:
         async with self._read() as conn:
             return [(row.job_id, row.round) for row in (await conn.execute(query)).all()]
 
-    async def round_traffic(
-        self, job_id: int, shard_indexes: Sequence[int]
-    ) -> RoundTraffic:
+    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic:
         of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(shard_indexes)))
         assigned = (
             select(func.coalesce(func.sum(shards.c.input_size), 0))
