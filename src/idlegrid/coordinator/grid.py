@@ -141,9 +141,9 @@ class Grid:
             ),
             now=self.clock(),
         )
+        await self.enqueue(ready)
         if self.rounds.drives(kind):
             await self.rounds.start(record)
-        await self.enqueue(ready)
         log.info(
             "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
         )

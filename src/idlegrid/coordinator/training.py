@@ -150,7 +150,10 @@ class RoundDriver:
         current = records[-1]
         expired = timer and self.grid.clock() >= current.deadline
         if current.final:
-            evaluated = _done(shards, current.eval_shard) is not None
+            # Earlier rounds' evaluations still running are waited for (or the timer).
+            pending = [r.eval_shard for r in records if r.eval_shard is not None
+                       and _is_open(shards, r.eval_shard)]  # fmt: skip
+            evaluated = not pending
             if finish_decision(evaluated=evaluated, timer_expired=expired):
                 await self._finish(job_id, current, shards)
             return
