@@ -22,7 +22,7 @@ from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.hub import NodeSession
-from idlegrid.kinds import RunContext, diloco, get_kind
+from idlegrid.kinds import InputError, RunContext, diloco, get_kind
 from idlegrid.policy.scheduler import NodeView
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import JobRecord, ResultReceipt
@@ -267,6 +267,11 @@ async def test_the_timer_closes_a_round_with_what_arrived_and_waits_when_nothing
     assert records[-1].round == 1 and records[-1].state == "open"
     assert records[-1].deadline == harness.now[0] + 100
     assert await harness.grid.rounds.close_due() == 0  # idempotent
+
+
+async def test_the_asynchronous_mode_is_refused_with_a_reason(harness: Harness) -> None:
+    with pytest.raises(InputError, match="drops late updates"):
+        await harness.submit(asynchronous=True)
 
 
 async def test_metrics_are_only_for_training_jobs(harness: Harness) -> None:

@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from click.testing import CliRunner
 
+from idlegrid.cli import main
 from idlegrid.kinds import diloco
 from idlegrid.localgrid import LocalGrid
 
@@ -55,6 +57,10 @@ def test_training_through_workers_lowers_the_eval_loss(grid: LocalGrid) -> None:
     # Round 0 carries the weights in its payloads; later rounds only the int8 update.
     assert all(r["bytes_down"] < rounds[0]["bytes_down"] for r in rounds[1:-1])
     assert isinstance(result, bytes) and rounds[-1]["checkpoint"] == result_hash
+    shown = CliRunner().invoke(main, ["metrics", str(job.id), "--watch", "--server", grid.url,
+                                      "--token", grid.admin_token])  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    assert f"job {job.id} completed: 4/4 rounds" in shown.output
 
 
 def test_a_worker_killed_mid_round_does_not_stop_training(grid: LocalGrid) -> None:

@@ -474,11 +474,12 @@ def metrics(job_id: int, watch: bool, as_json: bool, server: str, token: str) ->
     from idlegrid.client import IdlegridError
 
     try:
-        handle = _client(server, token).job(job_id)
-        if watch:
-            with contextlib.suppress(IdlegridError):  # a failed job still has its metrics
-                handle.wait(progress=True)
-        found = handle.metrics()
+        with _client(server, token) as client:
+            handle = client.job(job_id)
+            if watch:
+                with contextlib.suppress(IdlegridError):  # a failed job still has its metrics
+                    handle.wait(progress=True)
+            found = handle.metrics()
     except IdlegridError as exc:
         _fail(exc)
     if as_json:
