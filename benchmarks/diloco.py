@@ -15,8 +15,8 @@ settings are those of `training/simulate.py` (its defaults, or the flags above):
   `idlegrid worker` processes over WebSockets). Bytes are the grid's own per-round
   metrics: every payload a node fetched, every update blob or keyframe a task fetched,
   every result uploaded, for training and evaluation tasks alike; per worker = total / K.
-  Round 0's payloads carry the initial fp32 weights; later ones the compressed update by
-  reference.
+  Round 0's payloads carry no weights (nodes draw them from the seed, as the sync run
+  does); later ones name the compressed update, which each node fetches once.
 
 It prints each run's final held-out loss and bytes per worker, then as its last line
 `bytes_ratio: X loss_gap: Y%` (sync bytes over DiLoCo bytes, means over seeds; DiLoCo loss
@@ -76,25 +76,30 @@ def run_grid(local: LocalGrid, setup: simulate.Setup, *, timeout: float) -> simu
 
 
 def _follow(job: Any, timeout: float) -> dict[str, Any]:
+    """Wait for the job; print its rounds (as `idlegrid metrics` has them) when it ends."""
     deadline = time.monotonic() + timeout
-    printed = 0
+    done = 0
     while True:
         metrics = job.metrics()
-        for row in metrics["rounds"][printed:]:
-            if row["state"] != "closed":
-                break
-            print(f"grid round {row['round']}: train {row['train_loss']} eval {row['eval_loss']} "
-                  f"{row['bytes_up']:,} B up {row['bytes_down']:,} B down "
-                  f"{row['round_time_s']:.1f} s {row['nodes']} nodes", flush=True)  # fmt: skip
-            printed += 1
+        if metrics["rounds_done"] > done:
+            done = metrics["rounds_done"]
+            print(f"grid job {job.id}: {done}/{metrics['rounds_total']} rounds", flush=True)
         if metrics["state"] in ("completed", "failed", "cancelled"):
-            return dict(job.metrics())
+            break
         if time.monotonic() > deadline:
             raise TimeoutError(f"job {job.id} still {metrics['state']} after {timeout} s")
         time.sleep(1.0)
+    for row in metrics["rounds"]:
+        train = "-" if row["train_loss"] is None else f"{row['train_loss']:.4f}"
+        print(f"grid round {row['round']}: train {train} eval {row['eval_loss']:.4f}, "
+              f"{row['bytes_up']:,} B up, {row['bytes_down']:,} B down, "
+              f"{row['round_time_s']:.1f} s, {row['nodes']} nodes", flush=True)  # fmt: skip
+    return dict(metrics)
 
 
-def plot(pairs: Sequence[tuple[int, simulate.Report, simulate.Report]], path: Path) -> None:
+def plot(
+    pairs: Sequence[tuple[int, simulate.Report, simulate.Report]], path: Path, title: str
+) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -108,7 +113,7 @@ def plot(pairs: Sequence[tuple[int, simulate.Report, simulate.Report]], path: Pa
                   label=f"DiLoCo through the grid, seed {seed}")  # fmt: skip
     axes.set_xlabel("inner steps per worker")
     axes.set_ylabel("held-out loss (nats/char)")
-    axes.set_title("character LM on the pydoc corpus, K workers")
+    axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +146,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{report.bytes_per_worker:,} B per worker (sent "
                       f"{report.bytes_sent:,}, received {report.bytes_received:,}), "
                       f"{report.seconds:.0f} s", flush=True)  # fmt: skip
-    plot(pairs, own.plot)
+    plot(pairs, own.plot, f"character LM on the pydoc corpus: K={args.workers} workers, "
+                          f"H={args.inner_steps}, {args.rounds} rounds")  # fmt: skip
     print(f"loss curves: {own.plot}")
     sync_bytes = np.mean([sync.bytes_per_worker for _, sync, _ in pairs])
     grid_bytes = np.mean([grid.bytes_per_worker for _, _, grid in pairs])

@@ -189,6 +189,12 @@ async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
     assert all(r["closed_by"] == "quorum" and r["nodes"] == 2 for r in rows[:3])
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in rows)
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.1
+    # Round 0's payloads carry no weights (nodes draw them from the seed); their keyframe
+    # fallback is the checkpoint the driver stored.
+    first = (await harness.grid.store.list_shards(job.id))[0]
+    payload = tasks.decode_task(harness.grid.blobs.read(first.input_hash))
+    assert payload.weights is None and payload.keyframe_blob == rows[0]["checkpoint"]
+    assert harness.grid.blobs.exists(rows[0]["checkpoint"])
     # The result is the final round's checkpoint: safetensors of the digested weights.
     result = harness.grid.blobs.read(done.result_hash or "")
     params = KIND.parse_params(MLP)

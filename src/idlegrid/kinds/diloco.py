@@ -118,12 +118,16 @@ class DilocoKind(TaskKind):
         train, _ = read_dataset(inputs["dataset"])
         state = rounds.initial_state(initial_weights(params))
         stream = stream_id(params, inputs["dataset"])
+        # Nodes draw round 0's weights from the seed as the coordinator did; the keyframe
+        # (stored by the round driver) is the fallback if their numpy draws differently.
+        keyframe = hashlib.sha256(checkpoint(params, state)).hexdigest()
         return [
             ShardSpec(
                 index=shard,
-                payload=tasks.encode_task(
-                    round_task(params, state, train, shard, stream=stream, inline=True)
-                ),
+                payload=tasks.encode_task(round_task(
+                    params, state, train, shard, stream=stream, keyframe_blob=keyframe,
+                    init_seed=params.seed,
+                )),  # fmt: skip
                 items=params.inner.steps,
                 cost_flops=train_flops(params),
             )
@@ -259,6 +263,7 @@ def round_task(
     inline: bool = False,
     chain: tuple[tasks.Link, ...] = (),
     keyframe_blob: str | None = None,
+    init_seed: int | None = None,
 ) -> tasks.TaskPayload:
     """The payload of one shard's task in the round `state` starts."""
     return tasks.TaskPayload(
@@ -272,6 +277,7 @@ def round_task(
         weights=state.weights if inline else None,
         keyframe_blob=keyframe_blob,
         chain=chain,
+        init_seed=init_seed,
     )
 
 
