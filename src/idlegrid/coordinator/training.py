@@ -190,6 +190,9 @@ class RoundDriver:
         )  # fmt: skip
         now = self.grid.clock()
         traffic = await self.grid.store.round_traffic(job_id, _indexes(current))
+        evaluation = await asyncio.to_thread(self._evaluation, _done(shards, current.eval_shard))
+        if evaluation is not None:  # finished already: its fetches count here
+            fetched += evaluation[1]
         metrics = {
             "train_loss": _finite(closed.train_loss),
             "updates": len(done),
