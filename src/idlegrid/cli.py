@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -459,6 +460,55 @@ def job(job_id: int, watch: bool, cancel: bool, server: str, token: str) -> None
         )
     if len(shards) > 50:
         click.echo(f"  ... {len(shards) - 50} more")
+
+
+@main.command()
+@click.argument("job_id", type=int)
+@click.option("--watch", is_flag=True, help="Follow training with progress bars until it ends.")
+@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
+@server_option
+@token_option
+def metrics(job_id: int, watch: bool, as_json: bool, server: str, token: str) -> None:
+    """Per-round metrics of a training job (losses, bytes up and down, time, nodes)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from idlegrid.client import IdlegridError
+
+    try:
+        with _client(server, token) as client:
+            handle = client.job(job_id)
+            if watch:
+                with contextlib.suppress(IdlegridError):  # a failed job still has its metrics
+                    handle.wait(progress=True)
+            found = handle.metrics()
+    except IdlegridError as exc:
+        _fail(exc)
+    if as_json:
+        click.echo(json.dumps(found, indent=2))
+        return
+    table = Table("round", "state", "train loss", "eval loss", "updates", "nodes",
+                  "bytes up", "bytes down", "seconds", "closed by")  # fmt: skip
+    for row in found["rounds"]:
+        table.add_row(
+            str(row["round"]) + (" (final)" if row["final"] else ""),
+            row["state"],
+            _number(row["train_loss"]),
+            _number(row["eval_loss"]),
+            "" if row["updates"] is None else str(row["updates"]),
+            str(row["nodes"]),
+            _number(row["bytes_up"], "{:,}"),
+            _number(row["bytes_down"], "{:,}"),
+            _number(row["round_time_s"], "{:.1f}"),
+            row["closed_by"] or "",
+        )
+    Console().print(table)
+    click.echo(f"job {job_id} {found['state']}: {found['rounds_done']}/{found['rounds_total']} "
+               f"rounds, {found['bytes_up']:,} B up, {found['bytes_down']:,} B down")  # fmt: skip
+
+
+def _number(value: float | None, form: str = "{:.4f}") -> str:
+    return "" if value is None else form.format(value)
 
 
 @main.command()

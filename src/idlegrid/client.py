@@ -26,6 +26,9 @@ from idlegrid.states import TERMINAL_JOB_STATES
 TERMINAL = frozenset(state.value for state in TERMINAL_JOB_STATES)
 
 
+TRAINING_KIND = "diloco-train"
+
+
 class IdlegridError(RuntimeError):
     """An error answered by the coordinator (status, code and its message)."""
 
@@ -189,7 +192,10 @@ class Job:
     ) -> dict[str, Any]:
         """Block until the job ends; raise JobFailed if it failed or was cancelled."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar = _ProgressBar(f"job {self.id}") if progress else None
+        bar: _ProgressBar | _TrainingBar | None = None
+        if progress:
+            training = (self._info or self.info())["kind"] == TRAINING_KIND
+            bar = _TrainingBar(self) if training else _ProgressBar(f"job {self.id}")
         try:
             while True:
                 info = self.info()
@@ -206,6 +212,10 @@ class Job:
         if info["state"] != "completed":
             raise JobFailed(0, info["state"], info.get("error") or f"job {self.id} {info['state']}")
         return info
+
+    def metrics(self) -> dict[str, Any]:
+        """A training job's per-round metrics: train and eval loss, bytes, time, nodes."""
+        return dict(self.client.request("GET", f"/v1/jobs/{self.id}/metrics").json())
 
     def result_bytes(self) -> bytes:
         return self.client.request("GET", f"/v1/jobs/{self.id}/result").content
@@ -246,6 +256,47 @@ class _ProgressBar:
             completed=info["shards_done"],
             description=f"{self.label} [{info['state']}]",
         )
+
+    def close(self) -> None:
+        self.progress.stop()
+
+
+class _TrainingBar:
+    """Rich progress of a training job: rounds done, and the open round's updates."""
+
+    def __init__(self, job: Job) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.job = job
+        self.progress = Progress(
+            "[progress.description]{task.description}",
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            transient=False,
+        )
+        self.progress.start()
+        self.rounds = self.progress.add_task(f"job {job.id} rounds", total=None)
+        self.round = self.progress.add_task("round 0 updates", total=None)
+
+    def update(self, info: dict[str, Any]) -> None:
+        metrics = self.job.metrics()
+        loss = metrics.get("eval_loss")
+        tail = "" if loss is None else f" eval loss {loss:.4f}"
+        self.progress.update(
+            self.rounds,
+            total=metrics["rounds_total"],
+            completed=metrics["rounds_done"],
+            description=f"job {self.job.id} rounds [{info['state']}]{tail}",
+        )
+        current = metrics["rounds"][-1] if metrics["rounds"] else None
+        if current is not None and current["state"] == "open" and not current["final"]:
+            self.progress.update(
+                self.round,
+                total=current["updates_needed"],
+                completed=current["updates"],
+                description=f"round {current['round']} updates",
+            )
 
     def close(self) -> None:
         self.progress.stop()

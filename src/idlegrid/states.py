@@ -40,6 +40,11 @@ class NodeState(enum.StrEnum):
     OFFLINE = "offline"
 
 
+class TrainingRoundState(enum.StrEnum):
+    OPEN = "open"  # its tasks train from the round's weights; updates are counted
+    CLOSED = "closed"  # aggregated (or, the last one, evaluated); late updates are dropped
+
+
 TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 LIVE_TASK_STATES = frozenset({TaskState.READY, TaskState.ASSIGNED})
 
@@ -75,6 +80,10 @@ _ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
     NodeState: {
         NodeState.ONLINE: frozenset({NodeState.OFFLINE}),
         NodeState.OFFLINE: frozenset({NodeState.ONLINE}),
+    },
+    TrainingRoundState: {
+        TrainingRoundState.OPEN: frozenset({TrainingRoundState.CLOSED}),
+        TrainingRoundState.CLOSED: frozenset(),
     },
 }
 

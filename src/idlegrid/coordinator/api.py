@@ -233,6 +233,15 @@ async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
     )
 
 
+@router.get("/jobs/{job_id}/metrics", tags=["jobs"])
+async def job_metrics(job_id: int, token: Researcher, grid: GridDep) -> dict[str, Any]:
+    """Per-round metrics of a training job: losses, bytes up and down, time, nodes."""
+    job = await _own_job(grid, token, job_id)
+    if not grid.rounds.drives(get_kind(job.kind)):
+        raise ApiError(409, "not_training", f"job {job_id} is {job.kind}, not a training job")
+    return await grid.rounds.metrics(job)
+
+
 async def _own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
     job = await grid.store.get_job(job_id)
     # Another researcher's job is indistinguishable from a missing one.

@@ -31,6 +31,7 @@ from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
+from idlegrid.coordinator.training import RoundDriver
 from idlegrid.kinds import KindParams, Requirements, TaskKind, Verdict, get_kind
 from idlegrid.policy import scheduler, sybil, verifier
 from idlegrid.policy import trust as trust_policy
@@ -110,6 +111,7 @@ class Grid:
         # Draws of adaptive replication; a test may seed it.
         self.random = random.Random()
         self.matcher = Matcher(self)
+        self.rounds = RoundDriver(self)  # training jobs: one round after another
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -148,7 +150,7 @@ class Grid:
             )
             for s, h in specs
         ]
-        replication = replication or self.settings.default_replication
+        replication = replication or kind.default_replication or self.settings.default_replication
         if max_total_results is not None and max_total_results < replication:
             raise JobInputError(
                 f"max_total_results ({max_total_results}) is below replication ({replication})"
@@ -168,6 +170,8 @@ class Grid:
             now=self.clock(),
         )
         await self.enqueue(ready)
+        if self.rounds.drives(kind):
+            await self.rounds.start(record)
         log.info(
             "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
         )
@@ -204,9 +208,7 @@ class Grid:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing."""
         if job.state.value not in ("queued", "running") or job.replication <= 1:
             return []
-        connected = set(await self.broker.connections()) | {
-            s.node_id for s in self.hub.sessions()
-        }
+        connected = set(await self.broker.connections()) | {s.node_id for s in self.hub.sessions()}
         able = [
             (node.account_id, node.network)
             for node in await self.store.list_nodes()
@@ -452,7 +454,7 @@ class Grid:
         )
         await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
-        if outcome.job_done:
+        if outcome.job_done or (outcome.decided and self.rounds.drives(plan.kind)):
             await self.assemble(found.job.id)
         elif not outcome.decided:
             shard = found.shard
@@ -495,6 +497,9 @@ class Grid:
         """Build and store a finished job's result from its canonical outputs."""
         plan = await self.plan(job_id)
         assert plan is not None
+        if self.rounds.drives(plan.kind):  # its rounds decide when it is done
+            await self.rounds.progress(job_id)
+            return
         hashes = await self.store.canonical_outputs(job_id)
         inputs = [shard.input_hash for shard in await self.store.list_shards(job_id)]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)

@@ -88,11 +88,17 @@ def offer_work(grid: Grid) -> None:
         grid.work_available.set()
 
 
+async def close_due_rounds(grid: Grid) -> int:
+    """Training rounds whose timer ran out close with the updates that arrived."""
+    return await grid.rounds.close_due()
+
+
 async def run_once(grid: Grid) -> None:
     await check_broker(grid)
     await expire_leases(grid)
     await mark_silent_nodes_offline(grid)
     await finish_pending(grid)
+    await close_due_rounds(grid)
     offer_work(grid)
 
 

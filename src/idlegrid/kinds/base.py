@@ -75,6 +75,9 @@ class RunContext:
     is_cancelled: Callable[[], bool] = field(default=lambda: False)
     # The worker's simulated slowdown (WorkerSettings.slowdown); only `sleep` honours it.
     slowdown: float = 1.0
+    # Another blob by SHA-256 through the node's blob cache (blocking; checked on arrival),
+    # for kinds whose payload names blobs it may need (a training checkpoint). None: none.
+    fetch: Callable[[str], bytes] | None = None
 
 
 class Cancelled(Exception):
@@ -89,6 +92,8 @@ class TaskKind(ABC):
     # Names of the job's input blobs this kind expects, e.g. ("texts",).
     input_names: ClassVar[tuple[str, ...]]
     result_media_type: ClassVar[str] = "application/octet-stream"
+    # Replicas per shard when a job does not say; None: the grid's default (3).
+    default_replication: ClassVar[int | None] = None
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""

@@ -8,9 +8,12 @@ character corpus built into idlegrid, so no data bytes travel (`corpus_dataset_b
 
 A shard is one worker's part of the training data; a task trains on it for H AdamW steps
 from the round's global weights (see `training.tasks` for the payload and result bytes).
-Without a round driver, `split` makes round 0 from the seed and `assemble` closes it: the
-job's result is round 1's weights as safetensors. The coordinator's round driver repeats
-rounds with `training.rounds.close_round` and publishes `training.tasks` payloads itself.
+`split` makes round 0's training shards from the seed; the coordinator's round driver
+(`coordinator/training.py`) closes each round with `training.rounds.close_round` and
+opens the next with `round_shards`: round t's shards have indexes t*(workers+1) + s, and
+index t*(workers+1) + workers is the evaluation of round t's weights on the held-out
+split (every `eval_every` rounds, and after the last). `assemble` alone (no driver)
+closes round 0: its result is round 1's weights as safetensors.
 
 torch is imported only inside `run` (through `training.inner`): the coordinator imports
 this module to split, compare and assemble without it.
@@ -18,6 +21,7 @@ this module to split, compare and assemble without it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -40,7 +44,13 @@ from idlegrid.training import corpus, models, rounds, tasks, verify, worker
 from idlegrid.training import data as datasets
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, method_of
-from idlegrid.training.flat import ContainerError, pack, unpack, weights_to_safetensors
+from idlegrid.training.flat import (
+    ContainerError,
+    pack,
+    unpack,
+    weights_from_safetensors,
+    weights_to_safetensors,
+)
 from idlegrid.training.inner import InnerSettings, use_threads
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.worker_state import WorkerState
@@ -94,6 +104,9 @@ class DilocoKind(TaskKind):
     """Train a built-in architecture with DiLoCo: H local steps a task, one update a round."""
 
     name = "diloco-train"
+    # Training updates are combined by a (robust) aggregation, and two replicas of one
+    # shard train the same steps twice: replication is the researcher's choice here.
+    default_replication = 1
     params_model = DilocoParams
     input_names = ("dataset",)
     result_media_type = "application/x-safetensors"
@@ -102,15 +115,22 @@ class DilocoKind(TaskKind):
         assert isinstance(params, DilocoParams)
         if "dataset" not in inputs:
             raise InputError("missing input 'dataset' (safetensors)")
+        if params.asynchronous:
+            raise InputError("asynchronous mode: the round driver drops late updates; "
+                             "set asynchronous=false")  # fmt: skip
         train, _ = read_dataset(inputs["dataset"])
         state = rounds.initial_state(initial_weights(params))
         stream = stream_id(params, inputs["dataset"])
+        # Nodes draw round 0's weights from the seed as the coordinator did; the keyframe
+        # (stored by the round driver) is the fallback if their numpy draws differently.
+        keyframe = hashlib.sha256(checkpoint(params, state)).hexdigest()
         return [
             ShardSpec(
                 index=shard,
-                payload=tasks.encode_task(
-                    round_task(params, state, train, shard, stream=stream, inline=True)
-                ),
+                payload=tasks.encode_task(round_task(
+                    params, state, train, shard, stream=stream, keyframe_blob=keyframe,
+                    init_seed=params.seed,
+                )),  # fmt: skip
                 items=params.inner.steps,
                 cost_flops=train_flops(params),
             )
@@ -130,16 +150,23 @@ class DilocoKind(TaskKind):
         except ContainerError as exc:
             raise InputError(f"task payload: {exc}") from None
         use_threads(ctx.threads)
-        # No `fetch` yet: RunContext cannot reach the blob cache, so payloads carry their
-        # weights (inline, or a chain of inline updates from weights this node holds).
+        fetched: list[int] = []
+
+        def fetch(blob_hash: str) -> bytes:
+            assert ctx.fetch is not None
+            blob = ctx.fetch(blob_hash)
+            fetched.append(len(blob))
+            return blob
+
         try:
             result = worker.run_task(
                 task, params.train_spec(), WORKER_STATE,
                 device=ctx.device, on_step=_progress(ctx, params.inner.steps),
+                fetch=None if ctx.fetch is None else fetch,
             )  # fmt: skip
         except (ContainerError, tasks.MissingWeights, ValueError) as exc:
             raise InputError(f"task: {exc}") from None
-        return tasks.encode_result(result)
+        return tasks.encode_result(dataclasses.replace(result, fetched_bytes=sum(fetched)))
 
     def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
         assert isinstance(params, DilocoParams)
@@ -239,6 +266,7 @@ def round_task(
     inline: bool = False,
     chain: tuple[tasks.Link, ...] = (),
     keyframe_blob: str | None = None,
+    init_seed: int | None = None,
 ) -> tasks.TaskPayload:
     """The payload of one shard's task in the round `state` starts."""
     return tasks.TaskPayload(
@@ -252,6 +280,101 @@ def round_task(
         weights=state.weights if inline else None,
         keyframe_blob=keyframe_blob,
         chain=chain,
+        init_seed=init_seed,
+    )
+
+
+def round_shards(
+    params: DilocoParams,
+    state: rounds.RoundState,
+    data: tuple[tasks.DataRef, tasks.DataRef],
+    *,
+    stream: str,
+    chain: tuple[tasks.Link, ...],
+    keyframe_blob: str,
+    final: bool,
+) -> list[ShardSpec]:
+    """The shards of the round `state` starts: training (unless final) and evaluation.
+
+    Payloads carry the published updates by reference (`chain`) and the checkpoint of
+    the round's weights (`keyframe_blob`), never the weights themselves: a node holding
+    an earlier round's weights fetches the small updates, a node holding none the
+    checkpoint.
+    """
+    train, held_out = data
+    first = state.round * (params.workers + 1)
+    specs = []
+    if not final:
+        specs = [
+            ShardSpec(
+                index=first + shard,
+                payload=tasks.encode_task(round_task(
+                    params, state, train, shard, stream=stream, chain=chain,
+                    keyframe_blob=keyframe_blob,
+                )),
+                items=params.inner.steps,
+                cost_flops=train_flops(params),
+            )  # fmt: skip
+            for shard in range(params.workers)
+        ]
+    if final or state.round % params.eval_every == 0:
+        specs.append(eval_shard(params, state, held_out, stream=stream, chain=chain,
+                                keyframe_blob=keyframe_blob))  # fmt: skip
+    return specs
+
+
+def eval_shard(
+    params: DilocoParams,
+    state: rounds.RoundState,
+    held_out: tasks.DataRef,
+    *,
+    stream: str,
+    chain: tuple[tasks.Link, ...] = (),
+    keyframe_blob: str | None = None,
+) -> ShardSpec:
+    """The shard that measures the held-out loss of the round's weights."""
+    payload = tasks.TaskPayload(
+        mode="eval",
+        stream=stream,
+        round=state.round,
+        shard=params.workers,
+        seed=rounds.task_seed(params.seed, state.round, params.workers),
+        target=tasks.WeightsRef(state.round, state.digest),
+        data=held_out,
+        keyframe_blob=keyframe_blob,
+        chain=chain,
+    )
+    count = models.parameter_count(params.architecture, params.model_settings())
+    per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
+    flops = 2.0 * count * per_example * params.inner.batch_size * params.eval_batches
+    return ShardSpec(
+        index=state.round * (params.workers + 1) + params.workers,
+        payload=tasks.encode_task(payload),
+        items=params.eval_batches,
+        cost_flops=flops,
+    )
+
+
+MOMENTUM_FORMAT = "idlegrid/diloco-momentum"
+
+
+def momentum_blob(state: rounds.RoundState) -> bytes:
+    """The outer optimizer's state of a round (momentum, download residual): safetensors."""
+    arrays = {"momentum": np.asarray(state.momentum, dtype=np.float32)}
+    if state.download_residual is not None:
+        arrays["download_residual"] = np.asarray(state.download_residual, dtype=np.float32)
+    return pack(arrays, {"format": MOMENTUM_FORMAT, "round": state.round})
+
+
+def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) -> rounds.RoundState:
+    """A round's state back from its checkpoint and momentum blobs."""
+    spec = models.flat_spec(params.architecture, params.model_settings())
+    weights = weights_from_safetensors(checkpoint_blob, spec).astype(np.float32)
+    arrays, header = unpack(momentum)
+    if header.get("format") != MOMENTUM_FORMAT:
+        raise ContainerError(f"not a {MOMENTUM_FORMAT} container")
+    return rounds.RoundState(
+        int(header["round"]), weights, arrays["momentum"], arrays.get("download_residual")
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from idlegrid.policy.trust import Trust
-from idlegrid.states import JobState, NodeState, ShardState, TaskState
+from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 
 
 class AccountExists(ValueError):
@@ -281,7 +281,99 @@ class DecisionOutcome:
     job_done: bool
 
 
-class Store(Protocol):
+@dataclass(frozen=True)
+class NewRound:
+    """A training round about to be opened (its blobs already in the blob store)."""
+
+    round: int
+    final: bool
+    weights_digest: str
+    checkpoint_hash: str
+    momentum_hash: str
+    update_hash: str | None
+    first_shard: int
+    train_shards: int
+    eval_shard: int | None
+    deadline: float
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    job_id: int
+    round: int
+    state: TrainingRoundState
+    final: bool
+    weights_digest: str
+    checkpoint_hash: str
+    momentum_hash: str
+    update_hash: str | None
+    first_shard: int
+    train_shards: int
+    eval_shard: int | None
+    opened_at: float
+    deadline: float
+    closed_at: float | None
+    metrics: dict[str, Any]
+
+    def holds(self, shard_index: int) -> bool:
+        """Whether a shard of the job belongs to this round (training or evaluation)."""
+        training = self.first_shard <= shard_index < self.first_shard + self.train_shards
+        return training or shard_index == self.eval_shard
+
+
+@dataclass(frozen=True)
+class RoundTraffic:
+    """What crossed the network for a round's tasks, as the coordinator saw it."""
+
+    payload_bytes: int  # task payloads fetched by the nodes they were assigned to
+    output_bytes: int  # result blobs uploaded
+    nodes: tuple[int, ...]  # nodes that returned a result
+
+
+@dataclass(frozen=True)
+class RoundAdvance:
+    won: bool  # False: the round was closed already (another pass or process did it)
+    ready: list[ReadyTask]
+    to_cancel: list[NodeTask]
+
+
+class TrainingRoundStore(Protocol):
+    """The training rounds of `diloco-train` jobs (see coordinator/training.py)."""
+
+    async def start_training(
+        self, job_id: int, first: NewRound, extra_shards: Sequence[NewShard], *, now: float
+    ) -> list[ReadyTask]: ...
+    async def training_rounds(self, job_id: int) -> list[RoundRecord]: ...
+    async def advance_round(
+        self,
+        job_id: int,
+        closing: int,
+        *,
+        metrics: dict[str, Any],
+        cancel_shards: Sequence[int],
+        next_round: NewRound,
+        shards: Sequence[NewShard],
+        now: float,
+    ) -> RoundAdvance: ...
+    async def finish_training(
+        self,
+        job_id: int,
+        final: int,
+        *,
+        metrics: dict[str, Any],
+        result_hash: str,
+        result_size: int,
+        now: float,
+    ) -> tuple[bool, list[NodeTask]]: ...
+    async def update_round_metrics(
+        self, job_id: int, round_number: int, values: dict[str, Any]
+    ) -> None: ...
+    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None: ...
+    async def due_rounds(self, *, now: float) -> list[tuple[int, int]]: ...
+    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic: ...
+
+
+class Store(TrainingRoundStore, Protocol):
     """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
 
     async def open(self) -> None: ...

@@ -191,3 +191,30 @@ node_trust = Table(
     Column("quota_used", Integer, nullable=False, default=0),
     Column("updated_at", Double, nullable=False),
 )
+
+# One row per round of a training job (`diloco-train`), written by the round driver.
+# Round t's shards are the job's shards with idx in [first_shard, first_shard +
+# train_shards), plus `eval_shard` (an evaluation of round t's weights) when it has one.
+training_rounds = Table(
+    "training_rounds",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("job_id", Integer, ForeignKey("jobs.id"), nullable=False),
+    Column("round", Integer, nullable=False),
+    Column("state", String(16), nullable=False),
+    Column("final", Boolean, nullable=False, default=False),  # evaluation of the result only
+    Column("weights_digest", String(64), nullable=False),
+    Column("checkpoint_hash", String(64), nullable=False),  # safetensors of the weights
+    Column("momentum_hash", String(64), nullable=False),  # outer momentum (and residual)
+    # The published (compressed) update that turned the previous round's weights into these.
+    Column("update_hash", String(64), nullable=True),
+    Column("first_shard", Integer, nullable=False),
+    Column("train_shards", Integer, nullable=False),
+    Column("eval_shard", Integer, nullable=True),
+    Column("opened_at", Double, nullable=False),
+    Column("deadline", Double, nullable=False),
+    Column("closed_at", Double, nullable=True),
+    Column("metrics", JSON, nullable=False),
+    UniqueConstraint("job_id", "round", name="uq_training_rounds_job_round"),
+    Index("ix_training_rounds_due", "state", "deadline"),
+)

@@ -74,6 +74,7 @@ from idlegrid.store.base import (
     TaskInput,
     TokenInfo,
 )
+from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, tokens
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
@@ -114,7 +115,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore:
+class SqlStore(TrainingRoundsSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(

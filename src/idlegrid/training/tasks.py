@@ -1,7 +1,11 @@
 """The bytes of a training task and of its result: safetensors containers, no pickle.
 
 A task payload says which weights to start from and how to get them, which data to train
-on, with which seed, and in which round. Weights come in one of three ways, cheapest first:
+on, with which seed, and in which round. Weights come in one of four ways, cheapest first:
+
+0. an initialization seed (round 0): the worker draws the architecture's initial weights
+   from it (numpy, as the coordinator did) and checks their digest; a mismatch (another
+   numpy on the node) falls back to the keyframe.
 
 1. a chain: the published updates of the last rounds (inline, or as references to their
    blobs), each with the digest of the weights it applies to. A worker holding any weights
@@ -95,6 +99,7 @@ class TaskPayload:
     weights: np.ndarray | None = None  # the target weights inline
     keyframe_blob: str | None = None  # SHA-256 of the checkpoint of the target weights
     chain: tuple[Link, ...] = field(default=())
+    init_seed: int | None = None  # the target weights are the initialization from this seed
 
 
 @dataclass(frozen=True)
@@ -109,6 +114,9 @@ class TaskResult:
     loss_last: float
     update: compression.Message | None = None  # compressed pseudo-gradient (train)
     sketch: np.ndarray | None = None  # count sketch of the uncompressed pseudo-gradient
+    # Bytes of blobs the task fetched beyond its payload (published updates, a keyframe):
+    # reported by the node for the round's traffic metrics.
+    fetched_bytes: int = 0
 
 
 # -- payload ----------------------------------------------------------------------------
@@ -140,6 +148,7 @@ def encode_task(task: TaskPayload) -> bytes:
         "target": {"round": task.target.round, "digest": task.target.digest},
         "keyframe_blob": task.keyframe_blob,
         "chain": links,
+        "init_seed": task.init_seed,
     }
     if isinstance(task.data, CorpusSlice):
         header["data"] = {"source": "corpus", "sha256": corpus.TEXT_SHA256,
@@ -173,6 +182,7 @@ def decode_task(blob: bytes) -> TaskPayload:
             if header.get("keyframe_blob") is None
             else str(header["keyframe_blob"]),
             chain=chain,
+            init_seed=None if header.get("init_seed") is None else int(header["init_seed"]),
         )
     except ContainerError:
         raise
@@ -241,15 +251,21 @@ def resolve_weights(
     cached: Callable[[str], np.ndarray | None],
     fetch: Callable[[str], bytes] | None = None,
     read_checkpoint: Callable[[bytes], np.ndarray] | None = None,
+    initialize: Callable[[int], np.ndarray] | None = None,
 ) -> np.ndarray:
     """The task's starting weights, rebuilt bit for bit and checked against their digest.
 
     `cached(digest)` returns weights the worker holds; `fetch(blob_hash)` reaches update
-    blobs and the keyframe (parsed by `read_checkpoint`). MissingWeights if no way works.
+    blobs and the keyframe (parsed by `read_checkpoint`); `initialize(seed)` draws the
+    initial weights. MissingWeights if no way works.
     """
     if task.weights is not None:
         return _checked(task.weights, task.target, "inline weights")
     start, weights = _latest_cached(task, cached)
+    if weights is None and task.init_seed is not None and initialize is not None:
+        drawn = initialize(task.init_seed)
+        if digest(drawn) == task.target.digest:
+            return drawn
     if weights is None:
         return _checked(_keyframe(task, fetch, read_checkpoint), task.target, "keyframe")
     for link in task.chain[start:]:
@@ -322,6 +338,7 @@ def encode_result(result: TaskResult) -> bytes:
         "loss_mean": result.loss_mean,
         "loss_last": result.loss_last,
         "update": update_meta,
+        "fetched_bytes": result.fetched_bytes,
     }
     return pack(arrays, header)
 
@@ -347,6 +364,7 @@ def decode_result(blob: bytes) -> TaskResult:
             loss_last=float(header["loss_last"]),
             update=update,
             sketch=sketch,
+            fetched_bytes=max(0, int(header.get("fetched_bytes", 0))),
         )
     except ContainerError:
         raise

@@ -46,7 +46,10 @@ def run_task(
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.
     """
-    weights = tasks.resolve_weights(task, state.weights, fetch, _checkpoint_reader(spec))
+    weights = tasks.resolve_weights(
+        task, state.weights, fetch, _checkpoint_reader(spec),
+        lambda seed: models.init_weights(spec.architecture, spec.config, seed),
+    )  # fmt: skip
     state.remember_weights(task.target.digest, weights)
     data = tasks.load_data(task.data)
     if task.mode == "eval":

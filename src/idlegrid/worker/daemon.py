@@ -337,15 +337,21 @@ class Worker:
         data = await self._with_connection(lambda http: self.cache.get(http, assign.input.hash))
         kind = get_kind(assign.kind)
         params = kind.parse_params(assign.params)
+        loop = asyncio.get_running_loop()
         ctx = RunContext(
             device=self.device,
             threads=self.settings.threads or 1,
             report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
             is_cancelled=task.cancel.is_set,
             slowdown=self.settings.slowdown,
+            fetch=lambda blob_hash: self._fetch_from_thread(blob_hash, loop),
         )
-        loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, kind.run, data, params, ctx)
+
+    def _fetch_from_thread(self, blob_hash: str, loop: asyncio.AbstractEventLoop) -> bytes:
+        """A blob through the cache, for a kind's `run` in the task thread pool."""
+        fetching = self._with_connection(lambda http: self.cache.get(http, blob_hash))
+        return asyncio.run_coroutine_threadsafe(fetching, loop).result()
 
     async def _upload(self, digest: str, output: bytes) -> None:
         async def put(http: httpx.AsyncClient) -> None:

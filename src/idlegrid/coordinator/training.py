@@ -1,0 +1,413 @@
+"""The round driver: a `diloco-train` job as a sequence of rounds through the grid.
+
+Round t is a row in the store (weights digest, checkpoint and momentum blobs, the update
+that produced it) plus its shards: one training task per worker-shard and, every
+`eval_every` rounds, one evaluation task of round t's weights on the held-out split. When
+`min_updates` training shards have a canonical update (verified like any shard, with the
+job's replication), or the round's timer ran out with at least one, the driver closes the
+round with `training.rounds.close_round` (numpy; the coordinator never imports torch),
+checkpoints the new weights and momentum as safetensors blobs, cancels the round's
+unfinished tasks (their late updates are dropped: this driver is synchronous), and opens
+round t+1, whose payloads carry the compressed update by reference and the checkpoint
+as a keyframe. After the last round one evaluation task measures the final weights; the
+job's result is their checkpoint.
+
+Eval loss comes from evaluation tasks on the nodes (a forward pass over the fixed
+held-out batches), not from the coordinator, which has no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from idlegrid.kinds import ShardSpec, TaskKind
+from idlegrid.kinds.diloco import (
+    DilocoKind,
+    DilocoParams,
+    checkpoint,
+    eval_shard,
+    initial_weights,
+    momentum_blob,
+    read_dataset,
+    read_state,
+    round_shards,
+    stream_id,
+)
+from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
+from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
+from idlegrid.training import rounds, tasks
+from idlegrid.training.compression import decode, encode_message
+from idlegrid.training.schedule import Close, close_decision, finish_decision
+
+if TYPE_CHECKING:
+    from idlegrid.coordinator.grid import Grid
+
+log = logging.getLogger(__name__)
+
+# Published updates a payload names: a node that missed this many rounds gets the keyframe.
+CHAIN_LENGTH = 2
+
+
+@dataclass(frozen=True)
+class Training:
+    """What the driver needs of one training job, read once per process."""
+
+    params: DilocoParams
+    data: tuple[tasks.DataRef, tasks.DataRef]
+    stream: str
+
+    @property
+    def stride(self) -> int:
+        return self.params.workers + 1
+
+    @property
+    def min_updates(self) -> int:
+        return self.params.min_updates or self.params.workers
+
+
+class RoundDriver:
+    def __init__(self, grid: Grid) -> None:
+        self.grid = grid
+        self._jobs: dict[int, Training] = {}
+        self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    @staticmethod
+    def drives(kind: TaskKind) -> bool:
+        return isinstance(kind, DilocoKind)
+
+    # -- entry points ------------------------------------------------------------------------
+
+    async def start(self, job: JobRecord) -> None:
+        """Open round 0 of a job just created (its training shards came from `split`)."""
+        training = await self._training(job.id)
+        state = rounds.initial_state(initial_weights(training.params))
+        checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
+        specs = []
+        if training.params.eval_every and training.params.rounds:
+            specs = [eval_shard(training.params, state, training.data[1], stream=training.stream,
+                                keyframe_blob=checkpoint_hash)]  # fmt: skip
+        first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
+        now = self.grid.clock()
+        ready = await self.grid.store.start_training(job.id, first, await self._put(specs), now=now)
+        await self.grid.enqueue(ready)
+
+    async def progress(self, job_id: int) -> None:
+        """A shard of the job was decided: record evaluations, close the round if due."""
+        async with self._locks[job_id]:
+            await self._step(job_id, timer=False)
+
+    async def close_due(self) -> int:
+        """Monitor pass: close (or extend) every open round whose timer ran out."""
+        due = await self.grid.store.due_rounds(now=self.grid.clock())
+        for job_id, _ in due:
+            async with self._locks[job_id]:
+                await self._step(job_id, timer=True)
+        return len(due)
+
+    async def metrics(self, job: JobRecord) -> dict[str, Any]:
+        """Per-round metrics of a training job (the body of GET /v1/jobs/{id}/metrics)."""
+        training = await self._training(job.id)
+        records = await self.grid.store.training_rounds(job.id)
+        shards = {s.index: s for s in await self.grid.store.list_shards(job.id)}
+        rows = [_round_out(r, shards, training) for r in records]
+        return {
+            "job_id": job.id,
+            "state": job.state.value,
+            "rounds_total": training.params.rounds,
+            "rounds_done": sum(1 for r in records if r.state == "closed" and not r.final),
+            "workers": training.params.workers,
+            "bytes_up": sum(r.get("bytes_up") or 0 for r in rows),
+            "bytes_down": sum(r.get("bytes_down") or 0 for r in rows),
+            "eval_loss": next(
+                (r["eval_loss"] for r in reversed(rows) if r.get("eval_loss") is not None), None
+            ),  # fmt: skip
+            "rounds": rows,
+        }
+
+    def forget(self, job_id: int) -> None:
+        self._jobs.pop(job_id, None)
+        self._locks.pop(job_id, None)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    async def _step(self, job_id: int, *, timer: bool) -> None:
+        job = await self.grid.store.get_job(job_id)
+        if job is None or job.state in TERMINAL_JOB_STATES:
+            return
+        training = await self._training(job_id)
+        records = await self.grid.store.training_rounds(job_id)
+        shards = {s.index: s for s in await self.grid.store.list_shards(job_id)}
+        await self._record_evaluations(job_id, records, shards)
+        if not records or records[-1].state != TrainingRoundState.OPEN:
+            return
+        current = records[-1]
+        expired = timer and self.grid.clock() >= current.deadline
+        if current.final:
+            # Earlier rounds' evaluations still running are waited for (or the timer).
+            pending = [r.eval_shard for r in records if r.eval_shard is not None
+                       and _is_open(shards, r.eval_shard)]  # fmt: skip
+            evaluated = not pending
+            if finish_decision(evaluated=evaluated, timer_expired=expired):
+                await self._finish(job_id, current, shards)
+            return
+        done = [s for i in _train_indexes(current) if (s := _done(shards, i)) is not None]
+        decision = close_decision(
+            updates=len(done), min_updates=training.min_updates, timer_expired=expired
+        )
+        if decision == Close.EXTEND:
+            log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
+            deadline = self.grid.clock() + training.params.round_timeout_s
+            await self.grid.store.extend_round(job_id, current.round, deadline=deadline)
+        elif decision != Close.WAIT:
+            await self._close(job_id, training, records, shards, done, decision)
+
+    async def _close(
+        self,
+        job_id: int,
+        training: Training,
+        records: Sequence[RoundRecord],
+        shards: dict[int, ShardRecord],
+        done: Sequence[ShardRecord],
+        why: Close,
+    ) -> None:
+        current = records[-1]
+        closed, fetched = await asyncio.to_thread(self._aggregate, training, current, done)
+        next_state = closed.state
+        final = next_state.round >= training.params.rounds
+        checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, next_state)
+        update_hash = await asyncio.to_thread(self.grid.blobs.put, encode_message(closed.message))
+        chain = _chain(records, update_hash)
+        specs = await asyncio.to_thread(
+            round_shards, training.params, next_state, training.data, stream=training.stream,
+            chain=chain, keyframe_blob=checkpoint_hash, final=final,
+        )  # fmt: skip
+        now = self.grid.clock()
+        traffic = await self.grid.store.round_traffic(job_id, _indexes(current))
+        evaluation = await asyncio.to_thread(self._evaluation, _done(shards, current.eval_shard))
+        if evaluation is not None:  # finished already: its fetches count here
+            fetched += evaluation[1]
+        metrics = {
+            "train_loss": _finite(closed.train_loss),
+            "updates": len(done),
+            "closed_by": why.value,
+            "bytes_up": traffic.output_bytes,
+            "bytes_down": traffic.payload_bytes + fetched,
+            "nodes": list(traffic.nodes),
+            "round_time_s": now - current.opened_at,
+            "max_suspicion": max(closed.suspicion, default=0.0),
+        }
+        open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
+        advance = await self.grid.store.advance_round(
+            job_id, current.round, metrics=metrics, cancel_shards=open_left,
+            next_round=self._new_round(training, next_state, checkpoint_hash, momentum_hash,
+                                       update_hash, final=final),
+            shards=await self._put(specs), now=now,
+        )  # fmt: skip
+        if not advance.won:
+            return
+        log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
+                 job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
+        await self.grid._send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
+        await self.grid.enqueue(advance.ready)
+
+    async def _finish(
+        self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
+    ) -> None:
+        now = self.grid.clock()
+        traffic = await self.grid.store.round_traffic(job_id, _indexes(final))
+        evaluation = await asyncio.to_thread(self._evaluation, _done(shards, final.eval_shard))
+        metrics = {
+            "bytes_up": traffic.output_bytes,
+            "bytes_down": traffic.payload_bytes + (evaluation[1] if evaluation else 0),
+            "nodes": list(traffic.nodes),
+            "round_time_s": now - final.opened_at,
+            "eval_loss": evaluation[0] if evaluation else None,
+        }
+        size = self.grid.blobs.size(final.checkpoint_hash)
+        completed, to_cancel = await self.grid.store.finish_training(
+            job_id, final.round, metrics=metrics, result_hash=final.checkpoint_hash,
+            result_size=size, now=now,
+        )  # fmt: skip
+        await self.grid._send_cancels(to_cancel, reason=f"job {job_id} finished training")
+        if completed:
+            log.info("job %s trained %s rounds; eval loss %s", job_id, final.round,
+                     metrics["eval_loss"])  # fmt: skip
+            await self.grid._job_ended(job_id)
+        self.forget(job_id)
+
+    async def _record_evaluations(
+        self, job_id: int, records: Sequence[RoundRecord], shards: dict[int, ShardRecord]
+    ) -> None:
+        """Store the held-out loss of every round whose evaluation came in (even late)."""
+        for record in records:
+            shard = _done(shards, record.eval_shard)
+            if record.final or shard is None or "eval_loss" in record.metrics:
+                continue
+            evaluation = await asyncio.to_thread(self._evaluation, shard)
+            if evaluation is not None:
+                values: dict[str, Any] = {"eval_loss": evaluation[0]}
+                if record.state == TrainingRoundState.CLOSED:
+                    # Arrived after the round's traffic was counted: add its own.
+                    values["bytes_down"] = (record.metrics.get("bytes_down", 0)
+                                            + evaluation[1] + evaluation[2])  # fmt: skip
+                    values["bytes_up"] = record.metrics.get("bytes_up", 0) + evaluation[3]
+                await self.grid.store.update_round_metrics(job_id, record.round, values)
+
+    # -- blocking helpers (run in a thread) --------------------------------------------------
+
+    def _aggregate(
+        self, training: Training, current: RoundRecord, done: Sequence[ShardRecord]
+    ) -> tuple[rounds.ClosedRound, int]:
+        params = training.params
+        state = read_state(
+            params,
+            self.grid.blobs.read(current.checkpoint_hash),
+            self.grid.blobs.read(current.momentum_hash),
+        )
+        updates, fetched = [], 0
+        for shard in done:
+            assert shard.output_hash is not None
+            result = tasks.decode_result(self.grid.blobs.read(shard.output_hash))
+            assert result.update is not None  # check_output accepted it
+            updates.append(rounds.Update(decode(result.update), result.round, result.loss_mean))
+            fetched += result.fetched_bytes
+        closed = rounds.close_round(
+            state, updates, rule=params.aggregation, outer=params.outer, download=params.download
+        )
+        return closed, fetched
+
+    def _save(self, training: Training, state: rounds.RoundState) -> tuple[str, str]:
+        weights = checkpoint(training.params, state)
+        return self.grid.blobs.put(weights), self.grid.blobs.put(momentum_blob(state))
+
+    def _evaluation(self, shard: ShardRecord | None) -> tuple[float, int, int, int] | None:
+        """(held-out loss, bytes fetched, payload bytes, result bytes) of an eval shard."""
+        if shard is None or shard.output_hash is None:
+            return None
+        output = self.grid.blobs.read(shard.output_hash)
+        result = tasks.decode_result(output)
+        payload = self.grid.blobs.size(shard.input_hash)
+        return result.loss_mean, result.fetched_bytes, payload, len(output)
+
+    async def _put(self, specs: Sequence[ShardSpec]) -> list[NewShard]:
+        def put() -> list[NewShard]:
+            return [
+                NewShard(
+                    index=spec.index,
+                    input_hash=self.grid.blobs.put(spec.payload),
+                    input_size=len(spec.payload),
+                    items=spec.items,
+                    cost_flops=spec.cost_flops,
+                )
+                for spec in specs
+            ]
+
+        return await asyncio.to_thread(put)
+
+    def _new_round(
+        self,
+        training: Training,
+        state: rounds.RoundState,
+        checkpoint_hash: str,
+        momentum_hash: str,
+        update_hash: str | None,
+        *,
+        final: bool = False,
+    ) -> NewRound:
+        params = training.params
+        with_eval = final or state.round % params.eval_every == 0
+        return NewRound(
+            round=state.round,
+            final=final,
+            weights_digest=state.digest,
+            checkpoint_hash=checkpoint_hash,
+            momentum_hash=momentum_hash,
+            update_hash=update_hash,
+            first_shard=state.round * training.stride,
+            train_shards=0 if final else params.workers,
+            eval_shard=state.round * training.stride + params.workers if with_eval else None,
+            deadline=self.grid.clock() + params.round_timeout_s,
+        )
+
+    async def _training(self, job_id: int) -> Training:
+        found = self._jobs.get(job_id)
+        if found is None:
+            plan = await self.grid.plan(job_id)
+            job = await self.grid.store.get_job(job_id)
+            assert plan is not None and job is not None
+            assert isinstance(plan.params, DilocoParams)
+            dataset = await asyncio.to_thread(self.grid.blobs.read, job.inputs["dataset"])
+            found = Training(plan.params, read_dataset(dataset), stream_id(plan.params, dataset))
+            self._jobs[job_id] = found
+        return found
+
+
+# -- pure helpers ----------------------------------------------------------------------------
+
+
+def _train_indexes(record: RoundRecord) -> range:
+    return range(record.first_shard, record.first_shard + record.train_shards)
+
+
+def _indexes(record: RoundRecord) -> list[int]:
+    extra = [] if record.eval_shard is None else [record.eval_shard]
+    return [*_train_indexes(record), *extra]
+
+
+def _done(shards: dict[int, ShardRecord], index: int | None) -> ShardRecord | None:
+    shard = None if index is None else shards.get(index)
+    return shard if shard is not None and shard.state == ShardState.DONE else None
+
+
+def _is_open(shards: dict[int, ShardRecord], index: int) -> bool:
+    shard = shards.get(index)
+    return shard is not None and shard.state == ShardState.OPEN
+
+
+def _chain(records: Sequence[RoundRecord], update_hash: str) -> tuple[tasks.Link, ...]:
+    """The last CHAIN_LENGTH published updates, oldest first, ending at the new weights."""
+    links = [
+        tasks.Link(tasks.WeightsRef(before.round, before.weights_digest), blob=after.update_hash)
+        for before, after in zip(records, records[1:], strict=False)
+        if after.update_hash is not None
+    ]
+    current = records[-1]
+    links.append(tasks.Link(tasks.WeightsRef(current.round, current.weights_digest),
+                            blob=update_hash))  # fmt: skip
+    return tuple(links[-CHAIN_LENGTH:])
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if np.isfinite(value) else None
+
+
+def _round_out(
+    record: RoundRecord, shards: dict[int, ShardRecord], training: Training
+) -> dict[str, Any]:
+    metrics = record.metrics
+    row: dict[str, Any] = {
+        "round": record.round,
+        "state": record.state.value,
+        "final": record.final,
+        "train_loss": metrics.get("train_loss"),
+        "eval_loss": metrics.get("eval_loss"),
+        "updates": metrics.get("updates"),
+        "bytes_up": metrics.get("bytes_up"),
+        "bytes_down": metrics.get("bytes_down"),
+        "round_time_s": metrics.get("round_time_s"),
+        "nodes": len(metrics.get("nodes", [])),
+        "closed_by": metrics.get("closed_by"),
+        "weights_digest": record.weights_digest,
+        "checkpoint": record.checkpoint_hash,
+    }
+    if record.state == TrainingRoundState.OPEN:
+        row["updates"] = sum(1 for i in _train_indexes(record) if _done(shards, i) is not None)
+        row["updates_needed"] = 0 if record.final else training.min_updates
+    return row

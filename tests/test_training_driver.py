@@ -1,0 +1,316 @@
+"""The round driver through the grid in one process: real store, dispatch, kind and blobs.
+
+Nodes here are `NodeSession`s whose sent messages are captured; each runs the
+`diloco-train` kind's `run` on what it was assigned with its own worker cache, the way
+a worker daemon does, and hands the result to `Grid.accept_result`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import Api, assert_error, bearer
+
+from idlegrid import protocol
+from idlegrid.blobs import BlobStore
+from idlegrid.broker.memory import MemoryBroker
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.hub import NodeSession
+from idlegrid.kinds import InputError, RunContext, diloco, get_kind
+from idlegrid.policy.scheduler import NodeView
+from idlegrid.settings import CoordinatorSettings
+from idlegrid.store.base import JobRecord, ResultReceipt
+from idlegrid.store.sql import SqlStore
+from idlegrid.training import models, tasks
+from idlegrid.training.data import ExampleData
+from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
+from idlegrid.training.schedule import Close, close_decision, finish_decision
+from idlegrid.training.worker_state import WorkerState
+
+KIND = get_kind("diloco-train")
+T0 = 1_000_000.0
+MLP: dict[str, Any] = {
+    "architecture": "mlp",
+    "model": {"inputs": 8, "hidden": [16], "classes": 3},
+    "inner": {"steps": 10, "batch_size": 16, "lr": 0.01},
+    "workers": 2,
+    "rounds": 3,
+    "eval_batches": 4,
+    "round_timeout_s": 100.0,
+}
+
+
+@pytest.mark.parametrize(
+    ("updates", "min_updates", "expired", "decision"),
+    [
+        (0, 2, False, Close.WAIT),
+        (1, 2, False, Close.WAIT),
+        (2, 2, False, Close.QUORUM),
+        (3, 2, True, Close.QUORUM),
+        (1, 2, True, Close.TIMER),
+        (0, 2, True, Close.EXTEND),
+    ],
+)
+def test_close_decision(updates: int, min_updates: int, expired: bool, decision: Close) -> None:
+    assert close_decision(updates=updates, min_updates=min_updates, timer_expired=expired) == (
+        decision
+    )
+
+
+@pytest.mark.parametrize(
+    ("evaluated", "expired", "finish"),
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_finish_decision(evaluated: bool, expired: bool, finish: bool) -> None:
+    assert finish_decision(evaluated=evaluated, timer_expired=expired) is finish
+
+
+def _dataset() -> bytes:
+    """A learnable 3-class problem: the label is the argmax of a fixed linear map."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((800, 8)).astype(np.float32)
+    y = np.argmax(x @ rng.standard_normal((8, 3)), axis=1).astype(np.int64)
+    return diloco.dataset_blob(ExampleData(x[:640], y[:640]), ExampleData(x[640:], y[640:]))
+
+
+@dataclass
+class Node:
+    session: NodeSession
+    cache: WorkerState = field(default_factory=WorkerState)
+    sent: list[dict[str, Any]] = field(default_factory=list)
+
+    def assigned(self) -> list[dict[str, Any]]:
+        return [m for m in self.sent if m["type"] == "assign"]
+
+    def cancelled(self) -> set[int]:
+        return {m["task_id"] for m in self.sent if m["type"] == "cancel"}
+
+
+@dataclass
+class Harness:
+    grid: Grid
+    now: list[float]
+    account_id: int
+    done: set[int] = field(default_factory=set)
+
+    async def node(self, key: str) -> Node:
+        record = await self.grid.store.register_node(
+            self.account_id, key, name=key, worker_version="test", hardware={}, benchmark={},
+            kinds=["diloco-train"], slots=1, address="10.0.0.1", now=self.now[0],
+        )  # fmt: skip
+        node = Node(session=None)  # type: ignore[arg-type]
+
+        async def send_text(text: str) -> None:
+            node.sent.append(json.loads(text))
+
+        async def close() -> None:
+            return None
+
+        view = NodeView(record.id, frozenset({"diloco-train"}), frozenset({"cpu"}), 8192, 10.0)
+        node.session = NodeSession(record.id, self.account_id, key, 1, view, {}, send_text, close)
+        self.grid.hub.add(node.session)
+        return node
+
+    async def submit(self, **changes: Any) -> JobRecord:
+        dataset = self.grid.blobs.put(_dataset())
+        return await self.grid.submit_job(
+            account_id=self.account_id, kind_name="diloco-train", inputs={"dataset": dataset},
+            params={**MLP, **changes}, replication=None, priority=0,
+        )  # fmt: skip
+
+    async def take(self, node: Node) -> dict[str, Any] | None:
+        """Ask for one task, as a node's `ready` does; its assign message, if any."""
+        before = len(node.assigned())
+        node.session.requested = 1
+        await self.grid.fill(node.session)
+        assigned = node.assigned()
+        return assigned[-1] if len(assigned) > before else None
+
+    def compute(self, node: Node, assign: dict[str, Any], monkeypatch: Any) -> bytes:
+        """Run the kind on the node's cache, fetching blobs from the coordinator."""
+        monkeypatch.setattr(diloco, "WORKER_STATE", node.cache)
+        params = KIND.parse_params(assign["params"])
+        payload = self.grid.blobs.read(assign["input"]["hash"])
+        return KIND.run(payload, params, RunContext(fetch=self.grid.blobs.read))
+
+    async def deliver(self, node: Node, assign: dict[str, Any], output: bytes) -> ResultReceipt:
+        output_hash = self.grid.blobs.put(output)
+        message = protocol.Result(task_id=assign["task_id"], output=output_hash,
+                                  output_size=len(output), elapsed_s=0.1)  # fmt: skip
+        return await self.grid.accept_result(node.session, message)
+
+    async def work(self, node: Node, monkeypatch: Any) -> ResultReceipt | None:
+        assign = await self.take(node)
+        if assign is None:
+            return None
+        return await self.deliver(node, assign, self.compute(node, assign, monkeypatch))
+
+    async def metrics(self, job_id: int) -> dict[str, Any]:
+        job = await self.grid.store.get_job(job_id)
+        assert job is not None
+        return await self.grid.rounds.metrics(job)
+
+
+@pytest.fixture
+async def harness(store: SqlStore, tmp_path: Path) -> Iterator[Harness]:  # type: ignore[misc]
+    now = [T0]
+    grid = Grid(
+        settings=CoordinatorSettings(data_dir=tmp_path / "coordinator"),
+        store=store,
+        broker=MemoryBroker(),
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
+        clock=lambda: now[0],
+    )
+    account = await store.create_account("alice", is_admin=False, now=T0)
+    yield Harness(grid, now, account.id)
+
+
+async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit()
+    nodes = [await harness.node("a"), await harness.node("b")]
+    for _ in range(40):
+        if not any([await harness.work(node, monkeypatch) for node in nodes]):
+            break
+    done = await harness.grid.store.get_job(job.id)
+    assert done is not None and done.state == "completed", done
+    found = await harness.metrics(job.id)
+    rows = found["rounds"]
+    assert [r["round"] for r in rows] == [0, 1, 2, 3] and rows[-1]["final"]
+    assert found["rounds_done"] == 3 and all(r["state"] == "closed" for r in rows)
+    assert [r["updates"] for r in rows[:3]] == [2, 2, 2]
+    assert all(r["closed_by"] == "quorum" and r["nodes"] == 2 for r in rows[:3])
+    assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in rows)
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.1
+    # Round 0's payloads carry no weights (nodes draw them from the seed); their keyframe
+    # fallback is the checkpoint the driver stored.
+    first = (await harness.grid.store.list_shards(job.id))[0]
+    payload = tasks.decode_task(harness.grid.blobs.read(first.input_hash))
+    assert payload.weights is None and payload.keyframe_blob == rows[0]["checkpoint"]
+    assert harness.grid.blobs.exists(rows[0]["checkpoint"])
+    # The result is the final round's checkpoint: safetensors of the digested weights.
+    result = harness.grid.blobs.read(done.result_hash or "")
+    params = KIND.parse_params(MLP)
+    assert isinstance(params, diloco.DilocoParams)
+    spec = models.flat_spec("mlp", params.model_settings())
+    assert digest(weights_from_safetensors(result, spec)) == rows[-1]["weights_digest"]
+    assert '"round":3' in read_metadata(result)["idlegrid"]
+
+
+async def test_later_rounds_send_the_update_not_the_weights_and_a_new_node_gets_a_keyframe(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(eval_every=100)
+    a, b = await harness.node("a"), await harness.node("b")
+    for _ in range(3):  # node a does both shards of round 0 and round 0's evaluation
+        await harness.work(a, monkeypatch)
+    assign = await harness.take(a)
+    assert assign is not None
+    payload = tasks.decode_task(harness.grid.blobs.read(assign["input"]["hash"]))
+    assert payload.round == 1 and payload.weights is None and len(payload.chain) == 1
+    assert payload.keyframe_blob is not None and payload.chain[0].blob is not None
+    held = tasks.decode_result(harness.compute(a, assign, monkeypatch))
+    update_size = harness.grid.blobs.size(payload.chain[0].blob)
+    assert held.fetched_bytes == update_size  # it held round 0's weights: the update only
+    joiner = await harness.take(b)
+    assert joiner is not None
+    fresh = tasks.decode_result(harness.compute(b, joiner, monkeypatch))
+    keyframe = harness.grid.blobs.size(payload.keyframe_blob)
+    assert fresh.fetched_bytes == keyframe > 2 * update_size  # full weights, once
+    assert fresh.weights_digest == held.weights_digest
+    rounds = await harness.grid.store.training_rounds(job.id)
+    assert rounds[-1].round == 1
+
+
+async def test_a_round_closes_on_quorum_and_a_late_update_is_dropped(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(workers=3, min_updates=2, eval_every=100)
+    a, b, c = [await harness.node(key) for key in "abc"]
+    slow = await harness.take(c)
+    assert slow is not None
+    if slow["shard_index"] == 3:  # the round's evaluation came first (the cheaper task)
+        await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
+        slow = await harness.take(c)
+        assert slow is not None and slow["shard_index"] < 3
+    assert (await harness.work(a, monkeypatch) or ResultReceipt("rejected")).status == "accepted"
+    assert (await harness.work(b, monkeypatch) or ResultReceipt("rejected")).status == "accepted"
+    found = await harness.metrics(job.id)
+    assert found["rounds"][0]["state"] == "closed" and found["rounds"][0]["updates"] == 2
+    assert found["rounds"][0]["closed_by"] == "quorum"
+    assert found["rounds"][1]["state"] == "open"
+    assert slow["task_id"] in c.cancelled()  # told to stop
+    late = await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
+    assert late.status == "late"  # stored, never aggregated: its shard closed with the round
+    shards = {s.index: s for s in await harness.grid.store.list_shards(job.id)}
+    assert shards[slow["shard_index"]].state == "cancelled"
+    again = await harness.metrics(job.id)
+    assert again["rounds"][0]["updates"] == 2 and len(again["rounds"]) == 2
+    assert again["rounds"][1]["weights_digest"] == found["rounds"][1]["weights_digest"]
+
+
+async def test_the_timer_closes_a_round_with_what_arrived_and_waits_when_nothing_did(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(eval_every=100)
+    a, vanished = await harness.node("a"), await harness.node("b")
+    assert await harness.take(vanished) is not None  # and never answers
+    harness.now[0] += 50
+    assert await harness.grid.rounds.close_due() == 0  # not due yet
+    await harness.work(a, monkeypatch)
+    harness.now[0] += 51
+    assert await harness.grid.rounds.close_due() == 1
+    first = (await harness.metrics(job.id))["rounds"][0]
+    assert first["state"] == "closed" and first["closed_by"] == "timer" and first["updates"] == 1
+    assert first["nodes"] == 1
+    # Round 1: nothing arrives before its timer; it stays open with a later deadline.
+    harness.now[0] += 101
+    assert await harness.grid.rounds.close_due() == 1
+    records = await harness.grid.store.training_rounds(job.id)
+    assert records[-1].round == 1 and records[-1].state == "open"
+    assert records[-1].deadline == harness.now[0] + 100
+    assert await harness.grid.rounds.close_due() == 0  # idempotent
+
+
+async def test_the_asynchronous_mode_is_refused_with_a_reason(harness: Harness) -> None:
+    with pytest.raises(InputError, match="drops late updates"):
+        await harness.submit(asynchronous=True)
+
+
+async def test_metrics_are_only_for_training_jobs(harness: Harness) -> None:
+    job = await harness.submit()
+    found = await harness.metrics(job.id)
+    assert found["rounds_total"] == 3 and found["rounds_done"] == 0
+    assert found["rounds"][0]["state"] == "open"
+    assert found["rounds"][0]["updates"] == 0 and found["rounds"][0]["updates_needed"] == 2
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> CoordinatorSettings:
+    """The API's settings, with room for a small model's payloads and checkpoints."""
+    return CoordinatorSettings(data_dir=tmp_path / "coordinator", monitor_interval_s=3600.0)
+
+
+def test_the_metrics_endpoint(api: Api) -> None:
+    alice, bob = api.token(account="alice"), api.token(account="bob")
+    dataset = api.upload(diloco.corpus_dataset_blob(), alice)
+    tiny_lm = {"model": {"width": 16, "layers": 1, "heads": 2, "context": 32}, "rounds": 3,
+               "workers": 2, "inner": {"steps": 4, "batch_size": 4, "seq_len": 32}}  # fmt: skip
+    job = api.submit(alice, kind="diloco-train", inputs={"dataset": dataset}, params=tiny_lm)
+    response = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=bearer(alice))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["rounds_total"] == 3 and body["workers"] == 2 and body["state"] == "queued"
+    assert [r["round"] for r in body["rounds"]] == [0]
+    other = api.client.get(f"/v1/jobs/{job['id']}/metrics", headers=bearer(bob))
+    assert_error(other, 404, "not_found")
+    sleep = api.submit(alice, kind="sleep", params={"tasks": 1})
+    not_training = api.client.get(f"/v1/jobs/{sleep['id']}/metrics", headers=bearer(alice))
+    assert_error(not_training, 409, "not_training")
