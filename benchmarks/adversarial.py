@@ -240,7 +240,7 @@ def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Pat
     }
     if adaptive_after is not None:
         env["IDLEGRID_ADAPTIVE_AFTER"] = str(adaptive_after)
-    with LocalGrid(root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=5.0,
+    with LocalGrid(root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=30.0,
                    extra_env=env) as grid:
         specs: list[dict[str, Any]] = [
             {"server": grid.url, "nodes": []} for _ in range(PROCESSES)

@@ -46,6 +46,8 @@ def grid(
         redis=redis_url,
         redis_prefix=redis_prefix,
         replication=1,
+        # Exactly one task per shard is what these tests count: no speculative copies.
+        extra_env={"IDLEGRID_BACKUPS": "false"},
     ) as local:
         second = local.add_coordinator()
         # Half the workers prefer the first coordinator, half the second; each fails over.

@@ -150,3 +150,19 @@ async def test_a_suspended_node_claims_nothing(store: SqlStore) -> None:
     assert account is not None and account.flagged_at == T0 + 2
     with pytest.raises(RegistrationRefused, match="flagged"):
         await _register(store, alice, "node-key-2")
+
+
+async def test_raise_target_adds_one_replica_once_per_verdict(store: SqlStore) -> None:
+    alice = await _account(store)
+    node = await _register(store, alice, "node-key-1", limits=None)
+    _, [ready] = await store.create_job(_job(alice), now=T0)
+    claim = await _claim(store, ready.task_id, node)
+    assert isinstance(claim, Assignment)
+    await store.accept_result(claim.task_id, node.id, output_hash=_hash("x"), output_size=1,
+                              elapsed_s=1.0, now=T0 + 1)
+    # A quorum-1 shard's result waiting for its verdict never makes replenish add tasks.
+    assert (await store.replenish(now=T0 + 2))[0] == []
+    assert await store.raise_target(claim.shard_id, results_seen=1)
+    assert not await store.raise_target(claim.shard_id, results_seen=1)  # raced: once
+    [more], _, _ = await store.replenish(now=T0 + 3)
+    assert more.shard_id == claim.shard_id

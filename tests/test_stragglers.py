@@ -29,7 +29,7 @@ SECONDS = 0.5  # the shard's sleep on a normal node; SLOWDOWN x longer on the sl
 @pytest.fixture
 def grid(tmp_path: Path) -> Iterator[LocalGrid]:
     with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=60.0, min_lease_s=120.0,
-                   extra_env={"IDLEGRID_BACKUP_MIN_GAIN_S": "1"}) as local:
+                   extra_env={"IDLEGRID_BACKUP_MIN_GAIN_S": "1"}, replication=1) as local:
         yield local
 
 

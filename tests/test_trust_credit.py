@@ -59,10 +59,11 @@ def test_old_invalids_are_forgiven_slowly() -> None:
     assert record.recent_invalid == 0
 
 
-def test_errors_reset_the_streak_and_count_in_error_rate() -> None:
+def test_errors_count_in_the_error_rate_but_are_not_lies() -> None:
     record = trust.after_error(_after(3))
-    assert record.consecutive_valid == 0
+    assert record.consecutive_valid == 3  # a crash or a missed deadline is no failed check
     assert math.isclose(record.error_rate, 1 / 4)
+    assert record.daily_quota == _after(3).daily_quota
 
 
 @pytest.mark.parametrize(

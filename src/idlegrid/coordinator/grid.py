@@ -468,6 +468,10 @@ class Grid:
                 )
             ):
                 self.counters.alone["escalated"] += 1
+            elif shard.quorum == 1 and len(found.results) >= shard.target:
+                # A lone result without the credibility to stand (its node was caught or
+                # suspended meanwhile): one more replica, as BOINC raises a target.
+                await self.store.raise_target(shard_id, results_seen=len(found.results))
             await self.replenish()
 
     async def judge_late(self, *, limit: int = 100) -> int:

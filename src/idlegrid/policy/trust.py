@@ -101,8 +101,10 @@ def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
 
 
 def after_error(trust: Trust) -> Trust:
-    """The node reported a failure or returned a structurally wrong output."""
-    return dataclasses.replace(trust, consecutive_valid=0, error_total=trust.error_total + 1)
+    """The node reported a failure, returned a structurally wrong output, or missed its
+    deadline. That is unreliability, counted in the error rate (which the scheduler
+    weighs), not a lie: the streak of checks passed stays."""
+    return dataclasses.replace(trust, error_total=trust.error_total + 1)
 
 
 def credibility(trust: Trust, settings: TrustSettings) -> float:

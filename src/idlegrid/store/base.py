@@ -456,6 +456,9 @@ class Store(TrainingRoundStore, Protocol):
     async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
         """Send a shard run alone back to full replication (a spot check disagreed)."""
         ...
+    async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
+        """One more replica for a shard whose `results_seen` results did not decide it."""
+        ...
     async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
         """Record whether a late result agreed with its shard's canonical one."""

@@ -754,6 +754,19 @@ class SqlStore(TrainingRoundsSql):
                 )
             return changed.rowcount == 1
 
+    async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
+        async with self._tx() as conn:
+            changed = await conn.execute(
+                update(shards)
+                .where(
+                    shards.c.id == shard_id,
+                    shards.c.state == ShardState.OPEN.value,
+                    shards.c.target <= results_seen,
+                )
+                .values(target=shards.c.target + 1)
+            )
+            return changed.rowcount == 1
+
     async def node_trust(self, node_id: int) -> list[NodeTrust]:
         async with self._read() as conn:
             rows = (
@@ -1086,7 +1099,14 @@ class SqlStore(TrainingRoundsSql):
         # An open shard with all the results it asked for and nothing live is undecided:
         # they disagree, or agree without enough credibility. It needs one more (BOINC
         # raises such a workunit's target), or it would wait forever.
-        no_quorum = (results >= shards.c.quorum) & (results >= shards.c.target) & (live == 0)
+        # (Quorum 1: any result is verified at once, so this would race the verifier;
+        # the grid raises such a shard's target itself when its result is not enough.)
+        no_quorum = (
+            (shards.c.quorum > 1)
+            & (results >= shards.c.quorum)
+            & (results >= shards.c.target)
+            & (live == 0)
+        )
         query = (
             select(
                 shards.c.id,
