@@ -381,14 +381,26 @@ def test_heartbeat_progress_shows_in_the_job(api: Api, connect: Any, researcher:
     node = connect()
     node.join()
     assign = node.take()
-    node.send(type="heartbeat", load=0.5,
+    node.send(type="heartbeat", load=0.5, seq=7, sent_at=1234.5,
               running=[{"task_id": assign["task_id"], "progress": 0.5},
                        {"task_id": 999, "progress": 0.9}])  # not its task: ignored
-    node.sync()
+    node.expect("heartbeat_ack", seq=7, sent_at=1234.5)
     shards = _job(api, researcher, job["id"])["shards"]
     progress = {s["index"]: s["progress"] for s in shards}
     assert progress == {assign["shard_index"]: 0.5, 1 - assign["shard_index"]: 0.0}
     assert _job(api, researcher, job["id"])["progress"] == 0.0  # no shard is done yet
+
+
+def test_every_heartbeat_is_acknowledged_with_its_seq(connect: Any) -> None:
+    node = connect()
+    node.join()
+    for seq in (1, 2, 3):
+        node.send(type="heartbeat", seq=seq, sent_at=100.0 + seq)
+    for seq in (1, 2, 3):
+        node.expect("heartbeat_ack", seq=seq, sent_at=100.0 + seq)
+    node.send(type="heartbeat")  # an older worker's heartbeat: acknowledged with zeros
+    node.expect("heartbeat_ack", seq=0, sent_at=0.0)
+    node.sync()
 
 
 def test_cancelled_job_tells_the_node(api: Api, connect: Any, researcher: str) -> None:

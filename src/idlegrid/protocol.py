@@ -80,9 +80,15 @@ class Hello(_Message):
 
 
 class Heartbeat(_Message):
+    """Every heartbeat interval; the coordinator answers with a `heartbeat_ack`."""
+
     type: Literal["heartbeat"] = "heartbeat"
     load: float = Field(default=0.0, ge=0.0)
     running: list[TaskProgress] = Field(default_factory=list, max_length=1024)
+    # Echoed in the ack, so the node can time the round trip: a counter and the node's
+    # own clock (monotonic seconds; the coordinator never interprets it).
+    seq: int = Field(default=0, ge=0)
+    sent_at: float = 0.0
 
 
 class Ready(_Message):
@@ -146,6 +152,14 @@ class ResultAck(_Message):
     status: Literal["accepted", "late", "duplicate"]
 
 
+class HeartbeatAck(_Message):
+    """Answer to `heartbeat`, echoing its `seq` and `sent_at` (round-trip time)."""
+
+    type: Literal["heartbeat_ack"] = "heartbeat_ack"
+    seq: int
+    sent_at: float
+
+
 class Cancel(_Message):
     type: Literal["cancel"] = "cancel"
     task_id: int
@@ -171,7 +185,7 @@ class Error(_Message):
 
 NodeMessage = Annotated[Hello | Heartbeat | Ready | Result | Failure, Field(discriminator="type")]
 ServerMessage = Annotated[
-    Welcome | Assign | ResultAck | Cancel | Error, Field(discriminator="type")
+    Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error, Field(discriminator="type")
 ]
 
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
@@ -216,7 +230,9 @@ def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result
         raise ProtocolError("malformed", _describe(exc)) from None
 
 
-def parse_server_message(frame: str | bytes) -> Welcome | Assign | ResultAck | Cancel | Error:
+def parse_server_message(
+    frame: str | bytes,
+) -> Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error:
     """Parse one frame from the coordinator (worker side)."""
     try:
         return _server_adapter.validate_json(frame)

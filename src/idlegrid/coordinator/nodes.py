@@ -187,12 +187,13 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
 
 async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
     match msg:
-        case protocol.Heartbeat(running=running):
+        case protocol.Heartbeat(running=running, seq=seq, sent_at=sent_at):
             session.progress = {
                 session.shard_of[p.task_id]: p.progress
                 for p in running
                 if p.task_id in session.shard_of
             }
+            await session.send(protocol.HeartbeatAck(seq=seq, sent_at=sent_at))
         case protocol.Ready(free_slots=free):
             session.requested = free
             await grid.fill(session)

@@ -97,6 +97,9 @@ class Worker:
         self.benchmark = protocol.Benchmark()
         self.device = settings.device or "cpu"
         self.completed = 0
+        self._heartbeat_seq = 0
+        # Round trip of the latest acknowledged heartbeat, in seconds (None: none yet).
+        self.heartbeat_rtt_s: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -239,7 +242,15 @@ class Worker:
                 for t, r in self.running.items()
             ]
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-            await self._send(protocol.Heartbeat(load=load, running=running))
+            self._heartbeat_seq += 1
+            await self._send(
+                protocol.Heartbeat(
+                    load=load,
+                    running=running,
+                    seq=self._heartbeat_seq,
+                    sent_at=time.monotonic(),
+                )
+            )
 
     async def _send(self, message: protocol.BaseModel) -> bool:
         ws = self._ws
@@ -270,6 +281,9 @@ class Worker:
                 await self._send_ready()
             case protocol.ResultAck(task_id=task_id):
                 self.outbox.pop(task_id, None)
+            case protocol.HeartbeatAck(sent_at=sent_at):
+                self.heartbeat_rtt_s = max(0.0, time.monotonic() - sent_at)
+                log.debug("heartbeat round trip %.1f ms", self.heartbeat_rtt_s * 1000)
             case protocol.Error(task_id=task_id, message=message) if task_id is not None:
                 log.warning("coordinator refused task %s: %s", task_id, message)
                 self.outbox.pop(task_id, None)
