@@ -26,6 +26,7 @@ from idlegrid.protocol import (
     Ready,
     Result,
     ResultAck,
+    Results,
     TaskProgress,
     Welcome,
     parse_node_message,
@@ -66,6 +67,8 @@ NODE_MESSAGES: list[BaseModel] = [
     Ready(free_slots=0),
     Result(task_id=7, output=HASH, output_size=123, elapsed_s=1.5, metrics={"items_per_s": 9.0}),
     Failure(task_id=7, reason="out of memory", retryable=False),
+    Results(results=[Result(task_id=7, output=HASH, output_size=1, elapsed_s=0.5),
+                     Result(task_id=8, output=HASH, output_size=1, elapsed_s=0.25)]),
 ]
 
 SERVER_MESSAGES: list[BaseModel] = [
@@ -98,7 +101,7 @@ def test_server_messages_round_trip(message: BaseModel) -> None:
 def test_every_message_type_is_covered() -> None:
     node_types = {type(m).__name__ for m in NODE_MESSAGES}
     server_types = {type(m).__name__ for m in SERVER_MESSAGES}
-    assert node_types == {"Hello", "Heartbeat", "Ready", "Result", "Failure"}
+    assert node_types == {"Hello", "Heartbeat", "Ready", "Result", "Results", "Failure"}
     assert server_types == {"Welcome", "Assign", "ResultAck", "HeartbeatAck", "Cancel", "Error"}
     assert {m.type for m in NODE_MESSAGES} == protocol.NODE_TYPES  # type: ignore[attr-defined]
 
@@ -188,6 +191,12 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
                            "output_size": 1, "elapsed_s": 0}),
     ("result-negative-size", {"type": "result", "task_id": 1, "output": HASH,
                               "output_size": -1, "elapsed_s": 0}),
+    ("results-empty", {"type": "results", "results": []}),
+    ("results-too-many", {"type": "results", "results": [
+        {"type": "result", "task_id": i, "output": HASH, "output_size": 1, "elapsed_s": 0}
+        for i in range(1, 258)]}),
+    ("results-bad-inner", {"type": "results", "results": [
+        {"type": "result", "task_id": 0, "output": HASH, "output_size": 1, "elapsed_s": 0}]}),
     ("failure-long-reason", {"type": "failure", "task_id": 1, "reason": "x" * 2001}),
     ("hello-missing-token", {k: v for k, v in _hello().items() if k != "token"}),
     ("hello-empty-token", _hello(token="")),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -172,7 +173,25 @@ def serve(
         f"admin token: {settings.admin_token_file} (read it with: cat {settings.admin_token_file})"
     )
     sys.stdout.flush()
-    server.run(sockets=[sock])
+    _run_profiled(lambda: server.run(sockets=[sock]), os.environ.get("IDLEGRID_PROFILE", ""))
+
+
+def _run_profiled(run: Any, path: str) -> None:
+    """Run; with IDLEGRID_PROFILE=FILE, under cProfile, its stats written to FILE at exit."""
+    if not path:
+        run()
+        return
+    import cProfile
+
+    # uvicorn re-raises SIGTERM once shut down: exit through `finally` instead of dying.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
 
 
 @main.command()

@@ -15,6 +15,7 @@ PROTOCOL_VERSION = 1
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 BlobHash = Annotated[str, Field(pattern=SHA256_PATTERN)]
 TaskId = Annotated[int, Field(ge=1)]
+MAX_BATCH = 256  # results in one `results` message
 
 
 class _Message(BaseModel):
@@ -107,6 +108,16 @@ class Result(_Message):
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
 
 
+class Results(_Message):
+    """Several results at once (tasks that finished together): one commit for all of them.
+
+    Each is answered as if sent alone (`result_ack` or `error`), after they are all stored.
+    """
+
+    type: Literal["results"] = "results"
+    results: list[Result] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 class Failure(_Message):
     type: Literal["failure"] = "failure"
     task_id: TaskId
@@ -183,14 +194,16 @@ class Error(_Message):
     task_id: int | None = None
 
 
-NodeMessage = Annotated[Hello | Heartbeat | Ready | Result | Failure, Field(discriminator="type")]
+NodeMessage = Annotated[
+    Hello | Heartbeat | Ready | Result | Results | Failure, Field(discriminator="type")
+]
 ServerMessage = Annotated[
     Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error, Field(discriminator="type")
 ]
 
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
-NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "failure"})
+NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "results", "failure"})
 
 
 class ProtocolError(ValueError):
@@ -202,7 +215,9 @@ class ProtocolError(ValueError):
         self.message = message
 
 
-def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result | Failure:
+def parse_node_message(
+    frame: str | bytes,
+) -> Hello | Heartbeat | Ready | Result | Results | Failure:
     """Parse one frame from a node, or raise ProtocolError with a readable reason."""
     import json
 

@@ -185,19 +185,24 @@ class Grid:
 
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
-        given = 0
         async with session.fill_lock:
-            while session.wants > 0:
-                assignment = await self._claim_one(session)
-                if assignment is None:
-                    break
+            wanted = session.wants
+            claimed: list[Assignment] = []
+            # The node's whole request in one transaction: one commit, not one per task.
+            async with self.store.batch():
+                while len(claimed) < wanted:
+                    assignment = await self._claim_one(session)
+                    if assignment is None:
+                        break
+                    claimed.append(assignment)
+            for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
-                given += 1
+            for assignment in claimed:
                 if not await session.send(_assign_message(assignment)):
                     break  # the lease runs out and the monitor requeues the task
-        return given
+        return len(claimed)
 
     async def _claim_one(self, session: NodeSession) -> Assignment | None:
         now = self.clock()
@@ -250,9 +255,13 @@ class Grid:
 
     async def fill_waiting(self) -> None:
         """Offer queued work to every connected node that asked for some."""
+        # A fleet of idle nodes all want work: don't visit each one for an empty queue.
+        if await self.broker.ready_count() == 0:
+            return
         for session in self.hub.sessions():
-            if session.wants > 0:
-                await self.fill(session)
+            got_none = session.wants > 0 and not await self.fill(session)
+            if got_none and await self.broker.ready_count() == 0:
+                return
 
     # -- results -------------------------------------------------------------------------
 
@@ -261,6 +270,16 @@ class Grid:
         receipt = await self._take_result(session, msg)
         self.counters.results[receipt.status] += 1
         return receipt
+
+    async def accept_results(
+        self, session: NodeSession, msgs: Sequence[protocol.Result]
+    ) -> list[ResultReceipt]:
+        """Take several results of a node in one transaction (all or nothing).
+
+        The receipts are for after the commit: acknowledge none of them before this returns.
+        """
+        async with self.store.batch():
+            return [await self.accept_result(session, msg) for msg in msgs]
 
     async def _take_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         problem = await self._check_output(session, msg)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -203,6 +204,9 @@ class Store(Protocol):
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
+    def batch(self) -> AbstractAsyncContextManager[None]:
+        """The calls made inside share one transaction (committed once, all or nothing)."""
+        ...
 
     # accounts and tokens
     async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord: ...

@@ -16,9 +16,23 @@ import contextlib
 import functools
 import re
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from sqlalchemy import and_, case, event, exists, func, insert, select, text, update
+from sqlalchemy import (
+    Float,
+    and_,
+    bindparam,
+    case,
+    event,
+    exists,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -62,6 +76,17 @@ _RETRIES = 4
 # Any fixed number: the key of the advisory lock that serializes migrations.
 _MIGRATION_LOCK = 0x1D1E
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+
+
+@dataclass
+class _Batch:
+    """The running `SqlStore.batch`: its transaction, opened by the first call inside."""
+
+    stack: contextlib.AsyncExitStack
+    conn: AsyncConnection | None = None
+
+
+_BATCH: ContextVar[_Batch | None] = ContextVar("idlegrid_store_batch", default=None)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -131,7 +156,35 @@ class SqlStore:
         await self.engine.dispose()
 
     @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        """Run the store calls made inside in one transaction, committed once at the end.
+
+        On SQLite every commit waits for an fsync, one at a time behind the write lock: a
+        batch of claims or results pays it once. All or nothing: if anything inside
+        raises, every write of the batch is rolled back. The transaction (and the write
+        lock) starts with the first call inside; reads after it see the batch's writes.
+        On PostgreSQL, whose commits run side by side, calls keep their own transactions.
+        """
+        if self._write_lock is None or _BATCH.get() is not None:
+            yield
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            token = _BATCH.set(_Batch(stack))
+            try:
+                yield
+            finally:
+                _BATCH.reset(token)
+
+    @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[AsyncConnection]:
+        batch = _BATCH.get()
+        if batch is not None:
+            if batch.conn is None:
+                assert self._write_lock is not None
+                await batch.stack.enter_async_context(self._write_lock)
+                batch.conn = await batch.stack.enter_async_context(self.engine.begin())
+            yield batch.conn
+            return
         if self._write_lock is None:
             async with self.engine.begin() as conn:
                 yield conn
@@ -141,6 +194,10 @@ class SqlStore:
 
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
+        batch = _BATCH.get()
+        if batch is not None and batch.conn is not None:
+            yield batch.conn
+            return
         async with self.engine.connect() as conn:
             yield conn
 
@@ -271,21 +328,20 @@ class SqlStore:
         """Record last-seen times and add the time since the previous touch to uptime."""
         if not seen:
             return
+        # One statement executed for many rows: a fleet's presence in one round trip.
+        at = bindparam("at", type_=Float)
+        touch = (
+            update(nodes)
+            .where(nodes.c.id == bindparam("node"), nodes.c.last_seen_at < at)
+            .values(
+                # Gaps longer than a minute were time away, not uptime.
+                connected_seconds=nodes.c.connected_seconds
+                + case((at - nodes.c.last_seen_at > 60.0, 0.0), else_=at - nodes.c.last_seen_at),
+                last_seen_at=at,
+            )
+        )
         async with self._tx() as conn:
-            for node_id, at in seen.items():
-                await conn.execute(
-                    update(nodes)
-                    .where(nodes.c.id == node_id, nodes.c.last_seen_at < at)
-                    .values(
-                        # Gaps longer than a minute were time away, not uptime.
-                        connected_seconds=nodes.c.connected_seconds
-                        + case(
-                            (at - nodes.c.last_seen_at > 60.0, 0.0),
-                            else_=at - nodes.c.last_seen_at,
-                        ),
-                        last_seen_at=at,
-                    )
-                )
+            await conn.execute(touch, [{"node": node, "at": t} for node, t in seen.items()])
 
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]:
         query = select(nodes).order_by(nodes.c.id)

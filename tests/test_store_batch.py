@@ -1,0 +1,68 @@
+"""`SqlStore.batch`: many calls, one transaction (SQLite); a pass-through on PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+from test_store import T0, _account, _claim, _job, _node, _result, _task_row
+
+from idlegrid.states import TaskState
+from idlegrid.store.sql import SqlStore
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_claims_and_results_in_a_batch_are_all_stored(store: SqlStore) -> None:
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    async with store.batch():
+        for entry in ready:
+            await _claim(store, entry.task_id, node)
+        # Reads inside the batch see its writes.
+        assert {t.task_id for t in await store.node_tasks(node.id)} == {e.task_id for e in ready}
+    async with store.batch():
+        receipts = [await _result(store, entry.task_id, node) for entry in ready]
+    assert [r.status for r in receipts] == ["accepted"] * 3
+    for entry in ready:
+        assert (await _task_row(store, entry.task_id)).state == TaskState.COMPLETED.value
+
+
+async def test_a_failed_batch_stores_nothing_on_sqlite(store: SqlStore) -> None:
+    if not store.is_sqlite:
+        pytest.skip("on PostgreSQL a batch is a pass-through: each call commits itself")
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=2), now=T0)
+    with pytest.raises(Boom):
+        async with store.batch():
+            await _claim(store, ready[0].task_id, node)
+            await _claim(store, ready[1].task_id, node)
+            raise Boom()
+    for entry in ready:
+        assert (await _task_row(store, entry.task_id)).state == TaskState.READY.value
+    # The write lock was released: the store takes writes again.
+    await _claim(store, ready[0].task_id, node)
+
+
+async def test_a_batch_with_only_reads_takes_no_write_lock(store: SqlStore) -> None:
+    account = await _account(store)
+    async with store.batch():
+        assert await store.get_account(account.name) == account
+        if store._write_lock is not None:
+            assert not store._write_lock.locked()
+
+
+async def test_nested_batches_share_the_outer_transaction(store: SqlStore) -> None:
+    if not store.is_sqlite:
+        pytest.skip("on PostgreSQL a batch is a pass-through")
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=1), now=T0)
+    with pytest.raises(Boom):
+        async with store.batch():
+            async with store.batch():
+                await _claim(store, ready[0].task_id, node)
+            raise Boom()  # the inner batch did not commit on its own
+    assert (await _task_row(store, ready[0].task_id)).state == TaskState.READY.value
