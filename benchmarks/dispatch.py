@@ -34,6 +34,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from idlegrid.localgrid import LocalGrid
 
 WARMUP_TASKS = 200
@@ -45,13 +47,32 @@ STARTED_SUFFIX = ":bench-started"
 
 def grid_round(grid: LocalGrid, kind: str, tasks: int) -> float:
     """Seconds from submitting `tasks` no-op tasks to the job's completion."""
+    processes = {
+        "coordinator": [grid.coordinator.pid] if grid.coordinator else [],
+        "workers": [worker.pid for worker in grid.workers],
+    }
+    before = {group: _cpu_seconds(pids) for group, pids in processes.items()}
     with grid.client() as client:
         started = time.time()
         job = client.submit(kind, params={"tasks": tasks}, replication=1)
-        info = job.wait(timeout=3600, poll_s=0.2)
+        # The finish time is the coordinator's own: polling slowly costs no precision.
+        info = job.wait(timeout=3600, poll_s=1.0)
     if info["state"] != "completed":
         raise SystemExit(f"grid job ended {info['state']}: {info.get('error')}")
+    spent = {group: _cpu_seconds(pids) - before[group] for group, pids in processes.items()}
+    print(
+        "  grid CPU s: " + ", ".join(f"{group} {seconds:.1f}" for group, seconds in spent.items()),
+        flush=True,
+    )
     return float(info["finished_at"]) - started
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
 
 
 # -- arq -------------------------------------------------------------------------------------
@@ -156,6 +177,11 @@ def main() -> None:
     parser.add_argument("--kind", default="noop", choices=["noop", "sleep"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--coordinator-env", action="append", default=[], metavar="IDLEGRID_X=Y",
+        help="a setting for the coordinator (repeatable), e.g. IDLEGRID_PROFILE=FILE",
+    )
+    parser.add_argument("--skip-arq", action="store_true", help="time the grid only")
     parser.add_argument("--arq-worker", metavar="QUEUE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.arq_worker:
@@ -170,7 +196,12 @@ def main() -> None:
     grid_rates, arq_rates = [], []
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-dispatch-") as tmp,
-        LocalGrid(Path(tmp), heartbeat_s=15.0, node_timeout_s=45.0) as grid,
+        LocalGrid(
+            Path(tmp),
+            heartbeat_s=15.0,
+            node_timeout_s=45.0,
+            extra_env=dict(item.split("=", 1) for item in args.coordinator_env),
+        ) as grid,
     ):
         for i in range(args.workers):
             grid.start_worker(f"worker-{i}", kinds=args.kind, slots=args.slots, benchmark=False)
@@ -178,6 +209,9 @@ def main() -> None:
         grid_round(grid, args.kind, WARMUP_TASKS)
         for round_no in range(1, args.rounds + 1):
             grid_s = grid_round(grid, args.kind, args.tasks)
+            if args.skip_arq:
+                print(f"grid {args.tasks / grid_s:.1f} tasks/s", flush=True)
+                continue
             arq_s = asyncio.run(arq_round(args.redis, args.tasks))
             grid_rates.append(args.tasks / grid_s)
             arq_rates.append(args.tasks / arq_s)
@@ -186,6 +220,8 @@ def main() -> None:
                 f"arq {arq_rates[-1]:.1f} jobs/s ({arq_s:.2f} s)",
                 flush=True,
             )
+    if args.skip_arq:
+        return
     grid_rate, arq_rate = statistics.median(grid_rates), statistics.median(arq_rates)
     print(f"grid: {grid_rate:.1f} tasks/s (median of {args.rounds}, replication 1)")
     print(f"arq:  {arq_rate:.1f} jobs/s (median of {args.rounds})")

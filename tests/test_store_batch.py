@@ -66,3 +66,23 @@ async def test_nested_batches_share_the_outer_transaction(store: SqlStore) -> No
                 await _claim(store, ready[0].task_id, node)
             raise Boom()  # the inner batch did not commit on its own
     assert (await _task_row(store, ready[0].task_id)).state == TaskState.READY.value
+
+
+async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) -> None:
+    account = await _account(store)
+    node, other = await _node(store, account), await _node(store, account, "node-key-2")
+    job, ready = await store.create_job(_job(account, shards=3), now=T0)
+    taken = await _claim(store, ready[1].task_id, other)
+    deadlines = {entry.task_id: T0 + 50 + i for i, entry in enumerate(ready)}
+    claimed = await store.claim_tasks(deadlines, node.id, now=T0)
+    assert [a.task_id for a in claimed] == [ready[0].task_id, ready[2].task_id]
+    assert [a.shard_index for a in claimed] == [0, 2]
+    for assignment in claimed:
+        assert assignment.lease_deadline == deadlines[assignment.task_id]
+        row = await _task_row(store, assignment.task_id)
+        assert row.state == TaskState.ASSIGNED.value and row.node_id == node.id
+        assert row.lease_deadline == deadlines[assignment.task_id]
+    assert (await _task_row(store, taken.task_id)).node_id == other.id  # not taken over
+    assert (await store.get_job(job.id)).state == "running"  # type: ignore[union-attr]
+    assert await store.claim_tasks(deadlines, node.id, now=T0) == []  # none left
+    assert await store.claim_tasks({}, node.id, now=T0) == []

@@ -13,6 +13,7 @@ in the shared queue, a job that ended) goes out on the broker's `grid` channel (
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
@@ -21,7 +22,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
@@ -47,6 +48,8 @@ from idlegrid.store.base import (
 log = logging.getLogger(__name__)
 
 CANDIDATES_PER_CLAIM = 64
+INLINE_BYTES = 64 * 1024  # see _compute
+T = TypeVar("T")
 CHANNEL = "grid"
 
 
@@ -190,6 +193,7 @@ class Grid:
             claimed: list[Assignment] = []
             # The node's whole request in one transaction: one commit, not one per task.
             async with self.store.batch():
+                claimed += await self._claim_many(session, wanted)
                 while len(claimed) < wanted:
                     assignment = await self._claim_one(session)
                     if assignment is None:
@@ -203,6 +207,44 @@ class Grid:
                 if not await session.send(_assign_message(assignment)):
                     break  # the lease runs out and the monitor requeues the task
         return len(claimed)
+
+    async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
+        """Claim up to `wanted` of the best replication-1 tasks for the node at once.
+
+        One statement for them all; tasks of replicated jobs, whose claims must check the
+        one-replica-per-node rule, are left to `_claim_one`.
+        """
+        if wanted < 2:
+            return []
+        now = self.clock()
+        entries = await self.broker.ready_candidates(limit=CANDIDATES_PER_CLAIM)
+        by_id = {entry.task_id: entry for entry in entries}
+        candidates = []
+        for entry in entries:
+            plan = await self.plan(entry.job_id)
+            if plan is not None and plan.replication == 1:
+                candidates.append(
+                    scheduler.Candidate(
+                        task_id=entry.task_id,
+                        job_id=entry.job_id,
+                        kind=entry.kind,
+                        priority=entry.priority,
+                        created_at=entry.created_at,
+                        requirements=plan.requirements,
+                    )
+                )
+        picked = [c.task_id for c in scheduler.rank(session.view, candidates, now=now)][:wanted]
+        if not picked:
+            return []
+        claimed = await self.store.claim_tasks(
+            {t: now + self.lease_seconds(session, by_id[t]) for t in picked},
+            session.node_id,
+            now=now,
+        )
+        # Claimed, or no longer ready (claimed elsewhere, cancelled): out of the queue.
+        with unless_broker_away("discarding claimed tasks"):
+            await self.broker.discard(picked)
+        return claimed
 
     async def _claim_one(self, session: NodeSession) -> Assignment | None:
         now = self.clock()
@@ -321,13 +363,10 @@ class Grid:
         plan = await self.plan(assignment.job_id)
         if plan is None:
             return None
+        payload, output = self.blobs.read(assignment.input_hash), self.blobs.read(msg.output)
         try:
-            await asyncio.to_thread(
-                plan.kind.check_output,
-                self.blobs.read(assignment.input_hash),
-                self.blobs.read(msg.output),
-                plan.params,
-            )
+            size = len(payload) + len(output)
+            await _compute(plan.kind.check_output, payload, output, plan.params, size=size)
         except ValueError as exc:
             return str(exc)
         return None
@@ -350,11 +389,11 @@ class Grid:
         plan = await self.plan(found.job.id)
         assert plan is not None
         outputs = [(r.task_id, self.blobs.read(r.output_hash)) for r in found.results]
-        decision = await asyncio.to_thread(
-            verifier.decide,
+        decision = await _compute(
+            functools.partial(verifier.decide, min_quorum=plan.min_quorum),
             outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
-            min_quorum=plan.min_quorum,
+            size=sum(len(output) for _, output in outputs),
         )
         outcome = await self.store.decide_shard(
             shard_id,
@@ -461,6 +500,14 @@ class Grid:
 
     def forget_plan(self, job_id: int) -> None:
         self._plans.pop(job_id, None)
+
+
+async def _compute(function: Callable[..., T], *args: Any, size: int) -> T:
+    """`function(*args)` in a thread, or on the loop when its data is small enough that the
+    thread hop would cost more than the call (no-op and sleep outputs, tiny shards)."""
+    if size <= INLINE_BYTES:
+        return function(*args)
+    return await asyncio.to_thread(function, *args)
 
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:

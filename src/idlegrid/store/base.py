@@ -257,6 +257,15 @@ class Store(Protocol):
 
     # tasks
     async def ready_tasks(self, *, limit: int) -> list[ReadyTask]: ...
+    async def claim_tasks(
+        self, lease_deadlines: dict[int, float], node_id: int, *, now: float
+    ) -> list[Assignment]:
+        """Claim those of these tasks still ready for one node, in one statement.
+
+        No one-replica-per-node rule: for tasks of replication-1 jobs only.
+        """
+        ...
+
     async def claim_task(
         self,
         task_id: int,

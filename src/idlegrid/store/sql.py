@@ -606,6 +606,76 @@ class SqlStore:
             lease_deadline=lease_deadline,
         )
 
+    @_retry_conflicts
+    async def claim_tasks(
+        self, lease_deadlines: dict[int, float], node_id: int, *, now: float
+    ) -> list[Assignment]:
+        if not lease_deadlines:
+            return []
+        async with self._tx() as conn:
+            claimed = (
+                (
+                    await conn.execute(
+                        update(tasks)
+                        .where(
+                            tasks.c.id.in_(sorted(lease_deadlines)),
+                            tasks.c.state == TaskState.READY.value,
+                        )
+                        .values(
+                            state=TaskState.ASSIGNED.value,
+                            node_id=node_id,
+                            assigned_at=now,
+                            lease_deadline=case(lease_deadlines, value=tasks.c.id),
+                        )
+                        .returning(tasks.c.id)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if not claimed:
+                return []
+            rows = (
+                await conn.execute(
+                    select(
+                        tasks.c.id,
+                        tasks.c.shard_id,
+                        tasks.c.job_id,
+                        shards.c.idx,
+                        shards.c.input_hash,
+                        shards.c.input_size,
+                        jobs.c.kind,
+                        jobs.c.params,
+                    )
+                    .join(shards, shards.c.id == tasks.c.shard_id)
+                    .join(jobs, jobs.c.id == tasks.c.job_id)
+                    .where(tasks.c.id.in_(claimed))
+                    .order_by(tasks.c.id)
+                )
+            ).all()
+            await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id.in_({row.job_id for row in rows}),
+                    jobs.c.state == JobState.QUEUED.value,
+                )
+                .values(state=JobState.RUNNING.value, started_at=now)
+            )
+        return [
+            Assignment(
+                task_id=row.id,
+                shard_id=row.shard_id,
+                job_id=row.job_id,
+                shard_index=row.idx,
+                kind=row.kind,
+                params=row.params,
+                input_hash=row.input_hash,
+                input_size=row.input_size,
+                lease_deadline=lease_deadlines[row.id],
+            )
+            for row in rows
+        ]
+
     async def accept_result(
         self,
         task_id: int,
