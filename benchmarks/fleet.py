@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import random
@@ -199,6 +200,10 @@ async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> s
         f"({fleet.failed} failed); settling {args.settle:.0f} s",
         flush=True,
     )
+    # Ten thousand connections are many long-lived objects: keep the cyclic GC's full
+    # passes over them from stalling this simulator (a real node is one process each).
+    gc.collect()
+    gc.freeze()
     await asyncio.sleep(args.settle)
     # This process's own stalls count in the round trips it measures: watch them.
     lags: list[float] = []
