@@ -44,7 +44,7 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
 from idlegrid.localgrid import LocalGrid
-from idlegrid.worker.daemon import ws_url
+from idlegrid.worker.daemon import WS_OPTIONS, ws_url
 
 JITTER = 0.05  # each heartbeat period is interval x (1 +- JITTER)
 
@@ -95,8 +95,8 @@ class Fleet:
 async def run_node(fleet: Fleet, url: str, hello: str, admitted: asyncio.Event) -> None:
     """One simulated worker, until the fleet stops."""
     try:
-        # The worker's own connection settings (daemon.Worker._session).
-        async with connect(url, max_size=2**24, open_timeout=60, ping_interval=20) as ws:
+        # The worker's own connection settings, with more patience to open.
+        async with connect(url, **{**WS_OPTIONS, "open_timeout": 60}) as ws:
             await ws.send(hello)
             welcome = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 60))
             if not isinstance(welcome, protocol.Welcome):

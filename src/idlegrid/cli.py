@@ -165,6 +165,8 @@ def serve(
         lifespan="on",
         access_log=log_level == "debug",
         ws_max_size=16 * 1024 * 1024,
+        # Node messages are small JSON: deflate would cost CPU and a zlib context per node.
+        ws_per_message_deflate=False,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)

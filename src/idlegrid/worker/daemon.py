@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import websockets
@@ -35,6 +36,14 @@ from idlegrid.worker.cache import BlobCache
 log = logging.getLogger(__name__)
 
 UPLOADED_MEMORY = 10_000  # output digests remembered per connection
+# Control messages are small JSON: per-message deflate would cost CPU on both ends and a
+# zlib context per connection (tens of KiB each, times every node at the coordinator).
+WS_OPTIONS: dict[str, Any] = {
+    "max_size": 2**24,
+    "open_timeout": 10,
+    "ping_interval": 20,
+    "compression": None,
+}
 # How long a finished task waits for others finishing with it, to report them together.
 REPORT_LINGER_S = 0.002
 
@@ -195,7 +204,7 @@ class Worker:
         headers = {"Authorization": f"Bearer {self.settings.token}"}
         async with (
             httpx.AsyncClient(base_url=server.rstrip("/"), headers=headers, timeout=120) as http,
-            connect(ws_url(server), max_size=2**24, open_timeout=10, ping_interval=20) as ws,
+            connect(ws_url(server), **WS_OPTIONS) as ws,
         ):
             welcome = await self._hello(ws)
             self._welcomed = True
