@@ -167,6 +167,9 @@ def serve(
         ws_max_size=16 * 1024 * 1024,
         # Node messages are small JSON: deflate would cost CPU and a zlib context per node.
         ws_per_message_deflate=False,
+        # Nodes send heartbeats (acknowledged) and silent ones are closed after the node
+        # timeout: WebSocket pings from this side would double the frames of an idle fleet.
+        ws_ping_interval=None,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
