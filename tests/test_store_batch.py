@@ -86,3 +86,18 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
     assert (await store.get_job(job.id)).state == "running"  # type: ignore[union-attr]
     assert await store.claim_tasks(deadlines, node.id, now=T0) == []  # none left
     assert await store.claim_tasks({}, node.id, now=T0) == []
+
+
+async def test_touch_nodes_writes_every_node_across_chunks(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idlegrid.store import sql
+
+    monkeypatch.setattr(sql, "_TOUCH_CHUNK", 2)
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(5)]
+    await store.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
+    listed = {node.id: node for node in await store.list_nodes()}
+    for i, node in enumerate(nodes):
+        assert listed[node.id].last_seen_at == T0 + 10 + i
+        assert listed[node.id].connected_seconds == pytest.approx(10 + i)

@@ -76,6 +76,7 @@ _RETRIES = 4
 # Any fixed number: the key of the advisory lock that serializes migrations.
 _MIGRATION_LOCK = 0x1D1E
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_TOUCH_CHUNK = 500  # nodes per presence statement
 
 
 @dataclass
@@ -340,8 +341,11 @@ class SqlStore:
                 last_seen_at=at,
             )
         )
+        rows = [{"node": node, "at": t} for node, t in seen.items()]
         async with self._tx() as conn:
-            await conn.execute(touch, [{"node": node, "at": t} for node, t in seen.items()])
+            # In chunks: binding a whole fleet's rows at once would hold the event loop.
+            for start in range(0, len(rows), _TOUCH_CHUNK):
+                await conn.execute(touch, rows[start : start + _TOUCH_CHUNK])
 
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]:
         query = select(nodes).order_by(nodes.c.id)
