@@ -296,6 +296,41 @@ def test_ready_gives_no_more_than_free_slots(api: Api, connect: Any, researcher:
     node.sync()
 
 
+def test_results_batch_is_acknowledged_result_by_result(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    job = api.submit(researcher, kind="sleep", params={"tasks": 3})
+    node = connect()
+    node.join(slots=3)
+    node.ready(free_slots=3)
+    assigns = [node.expect("assign") for _ in range(3)]
+    batch = []
+    for assign in assigns:
+        output = _digest(assign["shard_index"])
+        batch.append({"type": "result", "task_id": assign["task_id"],
+                      "output": node.upload(output), "output_size": len(output),
+                      "elapsed_s": 0.01})
+    # One result in the batch is for a task the node never held: it alone is rejected.
+    stray = _digest(0)
+    batch.append({"type": "result", "task_id": 987654, "output": node.upload(stray),
+                  "output_size": len(stray), "elapsed_s": 0.01})
+    node.send(type="results", results=batch)
+    for assign in assigns:
+        node.expect("result_ack", task_id=assign["task_id"], status="accepted")
+    assert "unknown task" in node.expect_error("rejected", task_id=987654)
+    done = _job(api, researcher, job["id"])
+    assert done["state"] == "completed" and done["tasks_completed"] == 3
+    node.send(type="results", results=batch[:1])  # sent again: a duplicate, as alone
+    node.expect("result_ack", task_id=assigns[0]["task_id"], status="duplicate")
+
+
+def test_empty_results_batch_is_malformed(connect: Any) -> None:
+    node = connect()
+    node.join()
+    node.send(type="results", results=[])
+    node.expect_error("malformed")
+
+
 def test_result_for_a_task_the_node_does_not_hold_is_rejected(
     api: Api, connect: Any, researcher: str
 ) -> None:
@@ -381,14 +416,26 @@ def test_heartbeat_progress_shows_in_the_job(api: Api, connect: Any, researcher:
     node = connect()
     node.join()
     assign = node.take()
-    node.send(type="heartbeat", load=0.5,
+    node.send(type="heartbeat", load=0.5, seq=7, sent_at=1234.5,
               running=[{"task_id": assign["task_id"], "progress": 0.5},
                        {"task_id": 999, "progress": 0.9}])  # not its task: ignored
-    node.sync()
+    node.expect("heartbeat_ack", seq=7, sent_at=1234.5)
     shards = _job(api, researcher, job["id"])["shards"]
     progress = {s["index"]: s["progress"] for s in shards}
     assert progress == {assign["shard_index"]: 0.5, 1 - assign["shard_index"]: 0.0}
     assert _job(api, researcher, job["id"])["progress"] == 0.0  # no shard is done yet
+
+
+def test_every_heartbeat_is_acknowledged_with_its_seq(connect: Any) -> None:
+    node = connect()
+    node.join()
+    for seq in (1, 2, 3):
+        node.send(type="heartbeat", seq=seq, sent_at=100.0 + seq)
+    for seq in (1, 2, 3):
+        node.expect("heartbeat_ack", seq=seq, sent_at=100.0 + seq)
+    node.send(type="heartbeat")  # an older worker's heartbeat: acknowledged with zeros
+    node.expect("heartbeat_ack", seq=0, sent_at=0.0)
+    node.sync()
 
 
 def test_cancelled_job_tells_the_node(api: Api, connect: Any, researcher: str) -> None:

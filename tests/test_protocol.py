@@ -20,11 +20,13 @@ from idlegrid.protocol import (
     Gpu,
     HardwareProfile,
     Heartbeat,
+    HeartbeatAck,
     Hello,
     ProtocolError,
     Ready,
     Result,
     ResultAck,
+    Results,
     TaskProgress,
     Welcome,
     parse_node_message,
@@ -60,10 +62,13 @@ NODE_MESSAGES: list[BaseModel] = [
           benchmark=Benchmark(), slots=1, kinds=[]),
     Heartbeat(load=0.5, running=[TaskProgress(task_id=3, progress=0.25)]),
     Heartbeat(),
+    Heartbeat(seq=12, sent_at=8123.25),
     Ready(free_slots=2),
     Ready(free_slots=0),
     Result(task_id=7, output=HASH, output_size=123, elapsed_s=1.5, metrics={"items_per_s": 9.0}),
     Failure(task_id=7, reason="out of memory", retryable=False),
+    Results(results=[Result(task_id=7, output=HASH, output_size=1, elapsed_s=0.5),
+                     Result(task_id=8, output=HASH, output_size=1, elapsed_s=0.25)]),
 ]
 
 SERVER_MESSAGES: list[BaseModel] = [
@@ -73,6 +78,7 @@ SERVER_MESSAGES: list[BaseModel] = [
     ResultAck(task_id=1, status="accepted"),
     ResultAck(task_id=1, status="late"),
     ResultAck(task_id=1, status="duplicate"),
+    HeartbeatAck(seq=12, sent_at=8123.25),
     Cancel(task_id=1, reason="job cancelled"),
     Error(code="rejected", message="not yours", task_id=3),
     Error(code="malformed", message="bad"),
@@ -95,9 +101,21 @@ def test_server_messages_round_trip(message: BaseModel) -> None:
 def test_every_message_type_is_covered() -> None:
     node_types = {type(m).__name__ for m in NODE_MESSAGES}
     server_types = {type(m).__name__ for m in SERVER_MESSAGES}
-    assert node_types == {"Hello", "Heartbeat", "Ready", "Result", "Failure"}
-    assert server_types == {"Welcome", "Assign", "ResultAck", "Cancel", "Error"}
+    assert node_types == {"Hello", "Heartbeat", "Ready", "Result", "Results", "Failure"}
+    assert server_types == {"Welcome", "Assign", "ResultAck", "HeartbeatAck", "Cancel", "Error"}
     assert {m.type for m in NODE_MESSAGES} == protocol.NODE_TYPES  # type: ignore[attr-defined]
+
+
+def test_a_heartbeat_without_seq_is_still_valid() -> None:
+    # Workers from before heartbeat_ack send neither field; their heartbeats still count.
+    assert parse_node_message('{"type": "heartbeat", "load": 1.0}') == Heartbeat(load=1.0)
+
+
+def test_heartbeat_ack_needs_what_it_echoes() -> None:
+    with pytest.raises(ProtocolError):
+        parse_server_message('{"type": "heartbeat_ack", "seq": 1}')
+    with pytest.raises(ProtocolError):
+        parse_server_message('{"type": "heartbeat_ack", "v": 2, "seq": 1, "sent_at": 0}')
 
 
 def test_version_defaults_to_current() -> None:
@@ -163,6 +181,8 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("heartbeat-nan-load", {"type": "heartbeat", "load": float("nan")}),
     ("heartbeat-progress>1", {"type": "heartbeat",
                               "running": [{"task_id": 1, "progress": 1.5}]}),
+    ("heartbeat-negative-seq", {"type": "heartbeat", "seq": -1}),
+    ("heartbeat-string-sent-at", {"type": "heartbeat", "sent_at": "noon"}),
     ("result-task-0", {"type": "result", "task_id": 0, "output": HASH, "output_size": 1,
                        "elapsed_s": 0}),
     ("result-bad-hash", {"type": "result", "task_id": 1, "output": "AB" * 32,
@@ -171,6 +191,12 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
                            "output_size": 1, "elapsed_s": 0}),
     ("result-negative-size", {"type": "result", "task_id": 1, "output": HASH,
                               "output_size": -1, "elapsed_s": 0}),
+    ("results-empty", {"type": "results", "results": []}),
+    ("results-too-many", {"type": "results", "results": [
+        {"type": "result", "task_id": i, "output": HASH, "output_size": 1, "elapsed_s": 0}
+        for i in range(1, 258)]}),
+    ("results-bad-inner", {"type": "results", "results": [
+        {"type": "result", "task_id": 0, "output": HASH, "output_size": 1, "elapsed_s": 0}]}),
     ("failure-long-reason", {"type": "failure", "task_id": 1, "reason": "x" * 2001}),
     ("hello-missing-token", {k: v for k, v in _hello().items() if k != "token"}),
     ("hello-empty-token", _hello(token="")),

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -165,6 +166,11 @@ def serve(
         lifespan="on",
         access_log=log_level == "debug",
         ws_max_size=16 * 1024 * 1024,
+        # Node messages are small JSON: deflate would cost CPU and a zlib context per node.
+        ws_per_message_deflate=False,
+        # Nodes send heartbeats (acknowledged) and silent ones are closed after the node
+        # timeout: WebSocket pings from this side would double the frames of an idle fleet.
+        ws_ping_interval=None,
         timeout_graceful_shutdown=5,
     )
     server = uvicorn.Server(config)
@@ -173,7 +179,29 @@ def serve(
         f"admin token: {settings.admin_token_file} (read it with: cat {settings.admin_token_file})"
     )
     sys.stdout.flush()
-    server.run(sockets=[sock])
+    _run_profiled(lambda: server.run(sockets=[sock]), os.environ.get("IDLEGRID_PROFILE", ""))
+
+
+def _run_profiled(run: Any, path: str) -> None:
+    """Run; with IDLEGRID_PROFILE=FILE, under cProfile, its stats written to FILE at exit."""
+    if not path:
+        run()
+        return
+    import cProfile
+
+    # uvicorn re-raises SIGTERM once shut down: exit through `finally` instead of dying.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    import time
+
+    # CPU time of the event loop's thread: on a busy machine, wall time would charge other
+    # processes' turns to whatever function was running.
+    profiler = cProfile.Profile(time.thread_time)
+    profiler.enable()
+    try:
+        run()
+    finally:
+        profiler.disable()
+        profiler.dump_stats(path)
 
 
 @main.command()

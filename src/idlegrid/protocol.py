@@ -15,6 +15,7 @@ PROTOCOL_VERSION = 1
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 BlobHash = Annotated[str, Field(pattern=SHA256_PATTERN)]
 TaskId = Annotated[int, Field(ge=1)]
+MAX_BATCH = 256  # results in one `results` message
 
 
 class _Message(BaseModel):
@@ -84,9 +85,15 @@ class Hello(_Message):
 
 
 class Heartbeat(_Message):
+    """Every heartbeat interval; the coordinator answers with a `heartbeat_ack`."""
+
     type: Literal["heartbeat"] = "heartbeat"
     load: float = Field(default=0.0, ge=0.0)
     running: list[TaskProgress] = Field(default_factory=list, max_length=1024)
+    # Echoed in the ack, so the node can time the round trip: a counter and the node's
+    # own clock (monotonic seconds; the coordinator never interprets it).
+    seq: int = Field(default=0, ge=0)
+    sent_at: float = 0.0
 
 
 class Ready(_Message):
@@ -103,6 +110,16 @@ class Result(_Message):
     output_size: int = Field(ge=0)
     elapsed_s: float = Field(ge=0.0)
     metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+
+
+class Results(_Message):
+    """Several results at once (tasks that finished together): one commit for all of them.
+
+    Each is answered as if sent alone (`result_ack` or `error`), after they are all stored.
+    """
+
+    type: Literal["results"] = "results"
+    results: list[Result] = Field(min_length=1, max_length=MAX_BATCH)
 
 
 class Failure(_Message):
@@ -150,6 +167,14 @@ class ResultAck(_Message):
     status: Literal["accepted", "late", "duplicate"]
 
 
+class HeartbeatAck(_Message):
+    """Answer to `heartbeat`, echoing its `seq` and `sent_at` (round-trip time)."""
+
+    type: Literal["heartbeat_ack"] = "heartbeat_ack"
+    seq: int
+    sent_at: float
+
+
 class Cancel(_Message):
     type: Literal["cancel"] = "cancel"
     task_id: int
@@ -173,14 +198,16 @@ class Error(_Message):
     task_id: int | None = None
 
 
-NodeMessage = Annotated[Hello | Heartbeat | Ready | Result | Failure, Field(discriminator="type")]
+NodeMessage = Annotated[
+    Hello | Heartbeat | Ready | Result | Results | Failure, Field(discriminator="type")
+]
 ServerMessage = Annotated[
-    Welcome | Assign | ResultAck | Cancel | Error, Field(discriminator="type")
+    Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error, Field(discriminator="type")
 ]
 
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
-NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "failure"})
+NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "results", "failure"})
 
 
 class ProtocolError(ValueError):
@@ -192,7 +219,9 @@ class ProtocolError(ValueError):
         self.message = message
 
 
-def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result | Failure:
+def parse_node_message(
+    frame: str | bytes,
+) -> Hello | Heartbeat | Ready | Result | Results | Failure:
     """Parse one frame from a node, or raise ProtocolError with a readable reason."""
     import json
 
@@ -220,7 +249,9 @@ def parse_node_message(frame: str | bytes) -> Hello | Heartbeat | Ready | Result
         raise ProtocolError("malformed", _describe(exc)) from None
 
 
-def parse_server_message(frame: str | bytes) -> Welcome | Assign | ResultAck | Cancel | Error:
+def parse_server_message(
+    frame: str | bytes,
+) -> Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error:
     """Parse one frame from the coordinator (worker side)."""
     try:
         return _server_adapter.validate_json(frame)

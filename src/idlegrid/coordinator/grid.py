@@ -13,6 +13,7 @@ in the shared queue, a job that ended) goes out on the broker's `grid` channel (
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -22,7 +23,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
@@ -54,9 +55,13 @@ from idlegrid.store.base import (
 log = logging.getLogger(__name__)
 
 CANDIDATES_PER_CLAIM = 64
+INLINE_BYTES = 64 * 1024  # see _compute
+T = TypeVar("T")
 CHANNEL = "grid"
 # A node whose quota is used up, or that is suspended, asks the store again after this.
 CLAIM_BACKOFF_S = 60.0
+# With nothing queued, this many idle nodes (the fastest) are offered backup copies.
+BACKUP_OFFERS_PER_PASS = 4
 
 
 class JobInputError(ValueError):
@@ -239,21 +244,80 @@ class Grid:
 
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
-        given = 0
         async with session.fill_lock:
-            while session.wants > 0:
-                assignment = await self._claim_one(session)
-                if assignment is None and self.settings.backups:
-                    assignment = await self.matcher.claim_backup(session)
-                if assignment is None:
-                    break
+            wanted = session.wants
+            claimed: list[Assignment] = []
+            # The node's whole request in one transaction: one commit, not one per task.
+            async with self.store.batch():
+                claimed += await self._claim_many(session, wanted)
+                while len(claimed) < wanted:
+                    assignment = await self._claim_one(session)
+                    if assignment is None and self.settings.backups:
+                        assignment = await self.matcher.claim_backup(session)
+                    if assignment is None:
+                        break
+                    claimed.append(assignment)
+            for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
-                given += 1
+            for assignment in claimed:
                 if not await session.send(_assign_message(assignment)):
                     break  # the lease runs out and the monitor requeues the task
-        return given
+        return len(claimed)
+
+    async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
+        """Claim up to `wanted` of the best replication-1 tasks for the node at once.
+
+        One statement for them all, of one kind (the daily quota is per kind); tasks of
+        replicated jobs, whose claims check the distinct-replica rules and may run alone,
+        are left to `_claim_one`.
+        """
+        if wanted < 2 or time.monotonic() < session.idle_until:
+            return []
+        now = self.clock()
+        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
+        by_id = {entry.task_id: entry for entry in entries}
+        candidates = []
+        for entry in entries:
+            plan = await self.plan(entry.job_id)
+            if plan is not None and plan.replication == 1:
+                candidates.append(self.matcher.candidate(entry, plan, now=now))
+        view = session.view_now(reliability=self.node_reliability(session))
+        ranked = scheduler.rank(view, candidates, now=now, weights=self.matcher.weights)
+        if not ranked:
+            return []
+        kind = ranked[0].kind
+        picked = [c.task_id for c in ranked if c.kind == kind][:wanted]
+        claimed = await self.store.claim_tasks(
+            {t: now + self.lease_seconds(session, by_id[t]) for t in picked},
+            self._claimer(session),
+            kind=kind,
+            now=now,
+        )
+        if isinstance(claimed, ClaimMiss):
+            log.info("node %s gets no tasks for now: %s", session.node_id, claimed.value)
+            session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
+            return []
+        for claim in claimed:
+            entry = by_id[claim.task_id]
+            self.matcher.claimed(
+                session, claim, self._plans[entry.job_id], entry.cost_flops, now=now
+            )
+            session.reliability = trust_policy.credibility(claim.trust, self.trust)
+        # Claimed: out of the queue (entries no longer ready are dropped by later claims).
+        with unless_broker_away("discarding claimed tasks"):
+            await self.broker.discard([claim.task_id for claim in claimed])
+        return claimed
+
+    @staticmethod
+    def _claimer(session: NodeSession) -> Claimer:
+        return Claimer(
+            node_id=session.node_id,
+            account_id=session.account_id,
+            network=session.network,
+            backend=session.backend,
+        )
 
     async def _claim_one(self, session: NodeSession) -> Assignment | None:
         if time.monotonic() < session.idle_until:
@@ -268,12 +332,7 @@ class Grid:
                 await self.broker.discard([entry.task_id])
                 continue
             candidates.append(self.matcher.candidate(entry, plan, now=now))
-        claimer = Claimer(
-            node_id=session.node_id,
-            account_id=session.account_id,
-            network=session.network,
-            backend=session.backend,
-        )
+        claimer = self._claimer(session)
         view = session.view_now(reliability=self.node_reliability(session))
         for candidate in scheduler.rank(view, candidates, now=now, weights=self.matcher.weights):
             entry = by_id[candidate.task_id]
@@ -344,9 +403,21 @@ class Grid:
 
     async def fill_waiting(self) -> None:
         """Offer queued work to every connected node that asked for some."""
+        # A fleet of idle nodes all want work: don't visit each one for an empty queue;
+        # only the fastest few of them, which may take a backup copy of a straggler.
+        if await self.broker.ready_count() == 0:
+            if self.settings.backups:
+                idle = sorted(
+                    (s for s in self.hub.sessions() if s.wants > 0),
+                    key=lambda s: -s.view.gflops,
+                )
+                for session in idle[:BACKUP_OFFERS_PER_PASS]:
+                    await self.fill(session)
+            return
         for session in self.hub.sessions():
-            if session.wants > 0:
-                await self.fill(session)
+            got_none = session.wants > 0 and not await self.fill(session)
+            if got_none and await self.broker.ready_count() == 0:
+                return
 
     # -- results -------------------------------------------------------------------------
 
@@ -355,6 +426,16 @@ class Grid:
         receipt = await self._take_result(session, msg)
         self.counters.results[receipt.status] += 1
         return receipt
+
+    async def accept_results(
+        self, session: NodeSession, msgs: Sequence[protocol.Result]
+    ) -> list[ResultReceipt]:
+        """Take several results of a node in one transaction (all or nothing).
+
+        The receipts are for after the commit: acknowledge none of them before this returns.
+        """
+        async with self.store.batch():
+            return [await self.accept_result(session, msg) for msg in msgs]
 
     async def _take_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         problem = await self._check_output(session, msg)
@@ -400,13 +481,10 @@ class Grid:
         plan = await self.plan(assignment.job_id)
         if plan is None:
             return None
+        payload, output = self.blobs.read(assignment.input_hash), self.blobs.read(msg.output)
         try:
-            await asyncio.to_thread(
-                plan.kind.check_output,
-                self.blobs.read(assignment.input_hash),
-                self.blobs.read(msg.output),
-                plan.params,
-            )
+            size = len(payload) + len(output)
+            await _compute(plan.kind.check_output, payload, output, plan.params, size=size)
         except ValueError as exc:
             return str(exc)
         return None
@@ -432,17 +510,20 @@ class Grid:
         credibility = {
             r.task_id: trust_policy.credibility(r.trust, self.trust) for r in found.results
         }
-        decision = await asyncio.to_thread(
-            verifier.decide,
+        decision = await _compute(
+            functools.partial(
+                verifier.decide,
+                min_quorum=found.shard.quorum,
+                credibility=credibility,
+                min_credibility=(
+                    trust_policy.required_credibility_alone(self.trust)
+                    if found.shard.mode == "alone"
+                    else trust_policy.required_credibility(self.trust, plan.replication)
+                ),
+            ),
             outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
-            min_quorum=found.shard.quorum,
-            credibility=credibility,
-            min_credibility=(
-                trust_policy.required_credibility_alone(self.trust)
-                if found.shard.mode == "alone"
-                else trust_policy.required_credibility(self.trust, plan.replication)
-            ),
+            size=sum(len(output) for _, output in outputs),
         )
         outcome = await self.store.decide_shard(
             shard_id,
@@ -584,6 +665,14 @@ class Grid:
 
     def forget_plan(self, job_id: int) -> None:
         self._plans.pop(job_id, None)
+
+
+async def _compute(function: Callable[..., T], *args: Any, size: int) -> T:
+    """`function(*args)` in a thread, or on the loop when its data is small enough that the
+    thread hop would cost more than the call (no-op and sleep outputs, tiny shards)."""
+    if size <= INLINE_BYTES:
+        return function(*args)
+    return await asyncio.to_thread(function, *args)
 
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:

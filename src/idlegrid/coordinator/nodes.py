@@ -20,7 +20,7 @@ from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.kinds import KINDS
 from idlegrid.policy.sybil import network_of
-from idlegrid.store.base import RegistrationRefused
+from idlegrid.store.base import RegistrationRefused, ResultReceipt
 
 log = logging.getLogger(__name__)
 
@@ -194,29 +194,20 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
 
 async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
     match msg:
-        case protocol.Heartbeat(running=running):
+        case protocol.Heartbeat(running=running, seq=seq, sent_at=sent_at):
             session.progress = {
                 session.shard_of[p.task_id]: p.progress
                 for p in running
                 if p.task_id in session.shard_of
             }
+            await session.send(protocol.HeartbeatAck(seq=seq, sent_at=sent_at))
         case protocol.Ready(free_slots=free):
             session.requested = free
             await grid.fill(session)
         case protocol.Result():
-            receipt = await grid.accept_result(session, msg)
-            if receipt.status == "rejected":
-                log.warning(
-                    "node %s: result for task %s rejected: %s",
-                    session.node_id,
-                    msg.task_id,
-                    receipt.reason,
-                )
-                await session.send(
-                    protocol.Error(code="rejected", message=receipt.reason, task_id=msg.task_id)
-                )
-            else:
-                await session.send(protocol.ResultAck(task_id=msg.task_id, status=receipt.status))
+            await _answer_result(session, msg, await grid.accept_result(session, msg))
+        case protocol.Results(results=results):
+            await _take_results(grid, session, results)
         case protocol.Failure():
             await grid.record_failure(session, msg)
         case protocol.Hello():
@@ -225,3 +216,40 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
                     code="out_of_order", message="hello was already received on this connection"
                 )
             )
+
+
+async def _take_results(grid: Grid, session: NodeSession, results: list[protocol.Result]) -> None:
+    """A batch in one transaction; if that fails, each result on its own."""
+    try:
+        receipts = await grid.accept_results(session, results)
+    except Exception:
+        log.exception("node %s: a batch of %d results failed", session.node_id, len(results))
+        for msg in results:
+            try:
+                await _answer_result(session, msg, await grid.accept_result(session, msg))
+            except Exception:
+                log.exception("node %s: result for task %s failed", session.node_id, msg.task_id)
+                await session.send(
+                    protocol.Error(
+                        code="internal",
+                        message="the coordinator could not handle this result",
+                        task_id=msg.task_id,
+                    )
+                )
+        return
+    for msg, receipt in zip(results, receipts, strict=True):
+        await _answer_result(session, msg, receipt)
+
+
+async def _answer_result(
+    session: NodeSession, msg: protocol.Result, receipt: ResultReceipt
+) -> None:
+    if receipt.status == "rejected":
+        log.warning(
+            "node %s: result for task %s rejected: %s", session.node_id, msg.task_id, receipt.reason
+        )
+        await session.send(
+            protocol.Error(code="rejected", message=receipt.reason, task_id=msg.task_id)
+        )
+    else:
+        await session.send(protocol.ResultAck(task_id=msg.task_id, status=receipt.status))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -378,6 +379,9 @@ class Store(TrainingRoundStore, Protocol):
 
     async def open(self) -> None: ...
     async def close(self) -> None: ...
+    def batch(self) -> AbstractAsyncContextManager[None]:
+        """The calls made inside share one transaction (committed once, all or nothing)."""
+        ...
 
     # accounts and tokens
     async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord: ...
@@ -433,6 +437,16 @@ class Store(TrainingRoundStore, Protocol):
 
     # tasks
     async def ready_tasks(self, *, limit: int) -> list[ReadyTask]: ...
+    async def claim_tasks(
+        self, lease_deadlines: dict[int, float], claimer: Claimer, *, kind: str, now: float
+    ) -> list[Assignment] | ClaimMiss:
+        """Claim those of these tasks (of one kind) still ready for one node, at once.
+
+        No distinct-replica rules: for tasks of replication-1 jobs only. The node's daily
+        quota of the kind caps how many; a suspended node gets none.
+        """
+        ...
+
     async def claim_task(
         self,
         task_id: int,

@@ -72,7 +72,14 @@ async def load_trust(
 
 
 async def use_quota(
-    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, used: int, now: float
+    conn: AsyncConnection,
+    node_id: int,
+    kind: str,
+    backend: str,
+    *,
+    used: int,
+    now: float,
+    count: int = 1,
 ) -> None:
     await conn.execute(
         update(node_trust)
@@ -81,7 +88,7 @@ async def use_quota(
             node_trust.c.kind == kind,
             node_trust.c.backend == backend,
         )
-        .values(quota_day=day_of(now), quota_used=used + 1)
+        .values(quota_day=day_of(now), quota_used=used + count)
     )
 
 

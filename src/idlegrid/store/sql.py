@@ -17,10 +17,14 @@ import functools
 import re
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy import (
+    Float,
     and_,
+    bindparam,
     case,
     event,
     exists,
@@ -86,6 +90,18 @@ _RETRIES = 4
 # Any fixed number: the key of the advisory lock that serializes migrations.
 _MIGRATION_LOCK = 0x1D1E
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
+_TOUCH_CHUNK = 500  # nodes per presence statement
+
+
+@dataclass
+class _Batch:
+    """The running `SqlStore.batch`: its transaction, opened by the first call inside."""
+
+    stack: contextlib.AsyncExitStack
+    conn: AsyncConnection | None = None
+
+
+_BATCH: ContextVar[_Batch | None] = ContextVar("idlegrid_store_batch", default=None)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -166,7 +182,35 @@ class SqlStore(TrainingRoundsSql):
         await self.engine.dispose()
 
     @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        """Run the store calls made inside in one transaction, committed once at the end.
+
+        On SQLite every commit waits for an fsync, one at a time behind the write lock: a
+        batch of claims or results pays it once. All or nothing: if anything inside
+        raises, every write of the batch is rolled back. The transaction (and the write
+        lock) starts with the first call inside; reads after it see the batch's writes.
+        On PostgreSQL, whose commits run side by side, calls keep their own transactions.
+        """
+        if self._write_lock is None or _BATCH.get() is not None:
+            yield
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            token = _BATCH.set(_Batch(stack))
+            try:
+                yield
+            finally:
+                _BATCH.reset(token)
+
+    @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[AsyncConnection]:
+        batch = _BATCH.get()
+        if batch is not None:
+            if batch.conn is None:
+                assert self._write_lock is not None
+                await batch.stack.enter_async_context(self._write_lock)
+                batch.conn = await batch.stack.enter_async_context(self.engine.begin())
+            yield batch.conn
+            return
         if self._write_lock is None:
             async with self.engine.begin() as conn:
                 yield conn
@@ -176,6 +220,10 @@ class SqlStore(TrainingRoundsSql):
 
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
+        batch = _BATCH.get()
+        if batch is not None and batch.conn is not None:
+            yield batch.conn
+            return
         async with self.engine.connect() as conn:
             yield conn
 
@@ -365,21 +413,23 @@ class SqlStore(TrainingRoundsSql):
         """Record last-seen times and add the time since the previous touch to uptime."""
         if not seen:
             return
+        # One statement executed for many rows: a fleet's presence in one round trip.
+        at = bindparam("at", type_=Float)
+        touch = (
+            update(nodes)
+            .where(nodes.c.id == bindparam("node"), nodes.c.last_seen_at < at)
+            .values(
+                # Gaps longer than a minute were time away, not uptime.
+                connected_seconds=nodes.c.connected_seconds
+                + case((at - nodes.c.last_seen_at > 60.0, 0.0), else_=at - nodes.c.last_seen_at),
+                last_seen_at=at,
+            )
+        )
+        rows = [{"node": node, "at": t} for node, t in seen.items()]
         async with self._tx() as conn:
-            for node_id, at in seen.items():
-                await conn.execute(
-                    update(nodes)
-                    .where(nodes.c.id == node_id, nodes.c.last_seen_at < at)
-                    .values(
-                        # Gaps longer than a minute were time away, not uptime.
-                        connected_seconds=nodes.c.connected_seconds
-                        + case(
-                            (at - nodes.c.last_seen_at > 60.0, 0.0),
-                            else_=at - nodes.c.last_seen_at,
-                        ),
-                        last_seen_at=at,
-                    )
-                )
+            # In chunks: binding a whole fleet's rows at once would hold the event loop.
+            for start in range(0, len(rows), _TOUCH_CHUNK):
+                await conn.execute(touch, rows[start : start + _TOUCH_CHUNK])
 
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]:
         query = select(nodes).order_by(nodes.c.id)
@@ -783,6 +833,104 @@ class SqlStore(TrainingRoundsSql):
                 row.backend,
                 ledger.trust_of(row),
                 row.quota_used if row.quota_day == ledger.day_of(time.time()) else 0,
+            )
+            for row in rows
+        ]
+
+    @_retry_conflicts
+    async def claim_tasks(
+        self, lease_deadlines: dict[int, float], claimer: Claimer, *, kind: str, now: float
+    ) -> list[Assignment] | ClaimMiss:
+        if not lease_deadlines:
+            return []
+        node_id = claimer.node_id
+        async with self._tx() as conn:
+            suspended = (
+                await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == node_id))
+            ).scalar_one_or_none()
+            standing = await ledger.load_trust(
+                conn, node_id, kind, claimer.backend, settings=self.trust, now=now
+            )
+            if suspended is not None or standing.trust.suspended:
+                return ClaimMiss.SUSPENDED
+            room = standing.trust.daily_quota - standing.quota_used_today
+            if room <= 0:
+                return ClaimMiss.QUOTA
+            wanted = sorted(lease_deadlines)[:room]
+            claimed = (
+                (
+                    await conn.execute(
+                        update(tasks)
+                        .where(
+                            tasks.c.id.in_(wanted),
+                            tasks.c.state == TaskState.READY.value,
+                        )
+                        .values(
+                            state=TaskState.ASSIGNED.value,
+                            node_id=node_id,
+                            account_id=claimer.account_id,
+                            network=claimer.network,
+                            backend=claimer.backend,
+                            assigned_at=now,
+                            lease_deadline=case(
+                                {t: lease_deadlines[t] for t in wanted}, value=tasks.c.id
+                            ),
+                        )
+                        .returning(tasks.c.id)
+                    )
+                )
+                .scalars()
+                .all()
+            )
+            if not claimed:
+                return []
+            await ledger.use_quota(
+                conn,
+                node_id,
+                kind,
+                claimer.backend,
+                used=standing.quota_used_today,
+                count=len(claimed),
+                now=now,
+            )
+            rows = (
+                await conn.execute(
+                    select(
+                        tasks.c.id,
+                        tasks.c.shard_id,
+                        tasks.c.job_id,
+                        shards.c.idx,
+                        shards.c.input_hash,
+                        shards.c.input_size,
+                        jobs.c.kind,
+                        jobs.c.params,
+                    )
+                    .join(shards, shards.c.id == tasks.c.shard_id)
+                    .join(jobs, jobs.c.id == tasks.c.job_id)
+                    .where(tasks.c.id.in_(claimed))
+                    .order_by(tasks.c.id)
+                )
+            ).all()
+            await conn.execute(
+                update(jobs)
+                .where(
+                    jobs.c.id.in_({row.job_id for row in rows}),
+                    jobs.c.state == JobState.QUEUED.value,
+                )
+                .values(state=JobState.RUNNING.value, started_at=now)
+            )
+        return [
+            Assignment(
+                task_id=row.id,
+                shard_id=row.shard_id,
+                job_id=row.job_id,
+                shard_index=row.idx,
+                kind=row.kind,
+                params=row.params,
+                input_hash=row.input_hash,
+                input_size=row.input_size,
+                lease_deadline=lease_deadlines[row.id],
+                trust=standing.trust,
             )
             for row in rows
         ]

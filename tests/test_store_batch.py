@@ -1,0 +1,114 @@
+"""`SqlStore.batch`: many calls, one transaction (SQLite); a pass-through on PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
+
+from idlegrid.policy.trust import TrustSettings
+from idlegrid.states import TaskState
+from idlegrid.store.base import ClaimMiss
+from idlegrid.store.sql import SqlStore
+
+
+class Boom(Exception):
+    pass
+
+
+async def test_claims_and_results_in_a_batch_are_all_stored(store: SqlStore) -> None:
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    async with store.batch():
+        for entry in ready:
+            await _claim(store, entry.task_id, node)
+        # Reads inside the batch see its writes.
+        assert {t.task_id for t in await store.node_tasks(node.id)} == {e.task_id for e in ready}
+    async with store.batch():
+        receipts = [await _result(store, entry.task_id, node) for entry in ready]
+    assert [r.status for r in receipts] == ["accepted"] * 3
+    for entry in ready:
+        assert (await _task_row(store, entry.task_id)).state == TaskState.COMPLETED.value
+
+
+async def test_a_failed_batch_stores_nothing_on_sqlite(store: SqlStore) -> None:
+    if not store.is_sqlite:
+        pytest.skip("on PostgreSQL a batch is a pass-through: each call commits itself")
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=2), now=T0)
+    with pytest.raises(Boom):
+        async with store.batch():
+            await _claim(store, ready[0].task_id, node)
+            await _claim(store, ready[1].task_id, node)
+            raise Boom()
+    for entry in ready:
+        assert (await _task_row(store, entry.task_id)).state == TaskState.READY.value
+    # The write lock was released: the store takes writes again.
+    await _claim(store, ready[0].task_id, node)
+
+
+async def test_a_batch_with_only_reads_takes_no_write_lock(store: SqlStore) -> None:
+    account = await _account(store)
+    async with store.batch():
+        assert await store.get_account(account.name) == account
+        if store._write_lock is not None:
+            assert not store._write_lock.locked()
+
+
+async def test_nested_batches_share_the_outer_transaction(store: SqlStore) -> None:
+    if not store.is_sqlite:
+        pytest.skip("on PostgreSQL a batch is a pass-through")
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=1), now=T0)
+    with pytest.raises(Boom):
+        async with store.batch():
+            async with store.batch():
+                await _claim(store, ready[0].task_id, node)
+            raise Boom()  # the inner batch did not commit on its own
+    assert (await _task_row(store, ready[0].task_id)).state == TaskState.READY.value
+
+
+async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) -> None:
+    store.trust = TrustSettings(initial_daily_quota=3)
+    account = await _account(store)
+    node, other = await _node(store, account), await _node(store, account, "node-key-2")
+    job, ready = await store.create_job(_job(account, shards=3), now=T0)
+    taken = await _claim(store, ready[1].task_id, other)
+    deadlines = {entry.task_id: T0 + 50 + i for i, entry in enumerate(ready)}
+    claimed = await store.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0)
+    assert not isinstance(claimed, ClaimMiss)
+    assert [a.task_id for a in claimed] == [ready[0].task_id, ready[2].task_id]
+    assert [a.shard_index for a in claimed] == [0, 2]
+    for assignment in claimed:
+        assert assignment.lease_deadline == deadlines[assignment.task_id]
+        row = await _task_row(store, assignment.task_id)
+        assert row.state == TaskState.ASSIGNED.value and row.node_id == node.id
+        assert row.lease_deadline == deadlines[assignment.task_id]
+    assert (await _task_row(store, taken.task_id)).node_id == other.id  # not taken over
+    assert (await store.get_job(job.id)).state == "running"  # type: ignore[union-attr]
+    assert await store.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0) == []
+    assert await store.claim_tasks({}, _claimer(node), kind="sleep", now=T0) == []
+    # The daily quota (3 here) caps a batch, as it caps single claims.
+    _, more = await store.create_job(_job(account, shards=3), now=T0)
+    rest = await store.claim_tasks({e.task_id: T0 + 50 for e in more}, _claimer(node),
+                                   kind="sleep", now=T0)
+    assert not isinstance(rest, ClaimMiss) and len(rest) == 1  # 2 of its 3 used above
+    assert await store.claim_tasks({more[1].task_id: T0 + 50}, _claimer(node), kind="sleep",
+                                   now=T0) is ClaimMiss.QUOTA
+
+
+async def test_touch_nodes_writes_every_node_across_chunks(
+    store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idlegrid.store import sql
+
+    monkeypatch.setattr(sql, "_TOUCH_CHUNK", 2)
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(5)]
+    await store.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
+    listed = {node.id: node for node in await store.list_nodes()}
+    for i, node in enumerate(nodes):
+        assert listed[node.id].last_seen_at == T0 + 10 + i
+        assert listed[node.id].connected_seconds == pytest.approx(10 + i)
