@@ -315,6 +315,8 @@ def main() -> None:
     parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS))
     parser.add_argument("--adaptive-after", type=int, default=None,
                         help="the coordinator's streak before a node runs alone (default: its own)")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="keep each scenario's grid (database, logs) under this directory")
     parser.add_argument("--serve-nodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_nodes:
@@ -326,9 +328,10 @@ def main() -> None:
     results: dict[str, Tally] = {}
     for scenario in args.scenarios:
         with tempfile.TemporaryDirectory(prefix="idlegrid-adversarial-") as tmp:
+            root = args.keep / scenario if args.keep else Path(tmp)
             results[scenario] = run_scenario(
                 scenario, shards=args.shards, nodes=args.nodes, seed=args.seed,
-                root=Path(tmp), timeout=args.timeout, adaptive_after=args.adaptive_after,
+                root=root, timeout=args.timeout, adaptive_after=args.adaptive_after,
             )
         report(scenario, results[scenario])
     total = Counter[str]()

@@ -135,7 +135,9 @@ async def add_backup_task(
     if shard is None or shard.state != ShardState.OPEN.value:
         return None
     job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
-    if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts:
+    # Replicated shards are not backed up: their replicas race to a quorum already, and a
+    # backup would spend the shard's max_total_results budget that a dispute needs.
+    if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts or job.replication > 1:
         return None
     live, ready = (
         await conn.execute(

@@ -1187,7 +1187,8 @@ class SqlStore(TrainingRoundsSql):
             )
             .join(shards, shards.c.id == tasks.c.shard_id)
             .where(
-                tasks.c.outcome == "late",
+                # Late, or taken while open by a verification that lost the race to decide.
+                tasks.c.outcome.is_(None) | (tasks.c.outcome == "late"),
                 tasks.c.state == TaskState.COMPLETED.value,
                 shards.c.state == ShardState.DONE.value,
             )
@@ -1205,7 +1206,11 @@ class SqlStore(TrainingRoundsSql):
         async with self._tx() as conn:
             changed = await conn.execute(
                 update(tasks)
-                .where(tasks.c.id == task_id, tasks.c.outcome == "late")
+                .where(
+                    tasks.c.id == task_id,
+                    tasks.c.outcome.is_(None) | (tasks.c.outcome == "late"),
+                    tasks.c.state == TaskState.COMPLETED.value,
+                )
                 .values(outcome="valid" if agrees else "invalid")
             )
             if changed.rowcount == 1:
