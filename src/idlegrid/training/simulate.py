@@ -31,7 +31,7 @@ from idlegrid.training import corpus, models, rounds, tasks
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode
 from idlegrid.training.data import TokenData
-from idlegrid.training.inner import InnerSettings
+from idlegrid.training.inner import InnerSettings, for_round, run_lr
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.worker import TrainSpec, run_task
 from idlegrid.training.worker_state import WorkerState
@@ -53,14 +53,17 @@ class Setup:
     aggregation: Aggregation = field(default_factory=Aggregation)
     seed: int = 0
     eval_batches: int = 16
+    sync_lr: float | None = None  # the baseline's peak lr if tuned apart; None: inner.lr
 
     @property
     def steps(self) -> int:
         """Inner steps per worker over the whole run (both runs take this many)."""
         return self.rounds * self.inner.steps
 
-    def spec(self) -> TrainSpec:
-        return TrainSpec(ARCHITECTURE, self.model, self.inner, self.upload, self.eval_batches)
+    def spec(self, round_number: int = 0) -> TrainSpec:
+        """What a task of `round_number` runs with: its place in the run's lr schedule."""
+        inner = for_round(self.inner, round_number)
+        return TrainSpec(ARCHITECTURE, self.model, inner, self.upload, self.eval_batches)
 
 
 @dataclass
@@ -110,7 +113,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
         for shard, node in enumerate(nodes):
             payload = tasks.encode_task(_task(setup, state, train, shard, chain))
             received[shard] += len(payload)
-            result = run_task(tasks.decode_task(payload), setup.spec(), node)
+            result = run_task(tasks.decode_task(payload), setup.spec(state.round), node)
             output = tasks.encode_result(result)
             sent[shard] += len(output)
             updates.append(_update(output))
@@ -177,6 +180,8 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
     from idlegrid.training import inner
 
     settings = setup.inner
+    if setup.sync_lr is not None:
+        settings = settings.model_copy(update={"lr": setup.sync_lr})
     optimizer = torch.optim.AdamW(
         module.parameters(), lr=settings.lr, betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
@@ -191,7 +196,7 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
         ]
         inputs, targets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
         for group in optimizer.param_groups:
-            group["lr"] = settings.lr * min(1.0, (step + 1) / (settings.warmup_steps + 1))
+            group["lr"] = run_lr(settings, step)  # the run's schedule, no per-task warmup
         loss = inner.batch_loss(module, "language-model", inputs, targets, "cpu")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -219,8 +224,11 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--inner-steps", type=int, default=50, help="H")
+    parser.add_argument("--rounds", type=int, default=10, help="ignored with --total-steps")
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[50],
+                        help="H; several values need --total-steps")  # fmt: skip
+    parser.add_argument("--total-steps", type=int, default=None,
+                        help="inner steps per worker of the run; rounds = this / H")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of both runs")
@@ -232,22 +240,45 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--outer-lr", type=float, default=0.7)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--warmup", type=int, default=0, help="inner lr warmup steps a task")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--run-warmup", type=int, default=0, help="lr warmup steps of the run")
+    parser.add_argument("--schedule", default="constant", choices=["constant", "cosine"],
+                        help="cosine: decay over the run's inner steps (both runs)")  # fmt: skip
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
+    parser.add_argument("--sync-lr", type=float, default=None, help="baseline lr (default --lr)")
+    parser.add_argument("--error-feedback", action="store_true",
+                        help="int8/int4 upload keeps its rounding error on the worker")  # fmt: skip
+    parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="averaged")
+    parser.add_argument("--runs", default="both", choices=["both", "sync", "diloco"],
+                        help="one run alone (tuning); the ratio line needs both")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.total_steps is None:
+        if len(args.inner_steps) > 1:
+            parser.error("several --inner-steps need --total-steps (the same run length)")
+        args.total_steps = args.rounds * args.inner_steps[0]
+    for h in args.inner_steps:
+        if args.total_steps % h:
+            parser.error(f"--total-steps {args.total_steps} is not a multiple of H={h}")
+    return args
 
 
-def setup_from(args: argparse.Namespace, seed: int) -> Setup:
+def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = None) -> Setup:
+    """The setup the command line describes, for one seed and one H (default: the first)."""
+    steps = args.inner_steps[0] if inner_steps is None else inner_steps
     inner = InnerSettings(
-        steps=args.inner_steps,
+        steps=steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         lr=args.lr,
         warmup_steps=args.warmup,
+        run_warmup_steps=args.run_warmup,
+        decay_steps=args.total_steps if args.schedule == "cosine" else None,
+        min_lr_ratio=args.min_lr_ratio,
     )
     return Setup(
         workers=args.workers,
-        rounds=args.rounds,
+        rounds=args.total_steps // steps,
         model=models.LMConfig(
             vocab=len(corpus.vocabulary()),
             context=args.seq_len,
@@ -256,32 +287,72 @@ def setup_from(args: argparse.Namespace, seed: int) -> Setup:
         ),  # fmt: skip
         inner=inner,
         outer=OuterSettings(lr=args.outer_lr, momentum=args.outer_momentum),
-        upload=Compression(method=args.upload, topk_fraction=args.topk_fraction),
-        download=Compression(method=args.download, topk_fraction=args.topk_fraction),
+        upload=Compression(
+            method=args.upload,
+            topk_fraction=args.topk_fraction,
+            chunk_size=args.chunk_size,
+            error_feedback=args.error_feedback,
+        ),  # fmt: skip
+        download=Compression(
+            method=args.download, topk_fraction=args.topk_fraction, chunk_size=args.chunk_size
+        ),
         seed=seed,
+        sync_lr=args.sync_lr,
     )
 
 
+def _print_report(seed: int, report: Report, label: str = "") -> None:
+    print(f"seed {seed} {report.name}{label}: eval loss {report.final_loss:.4f}, "
+          f"sent {report.bytes_sent:,} B, received {report.bytes_received:,} B "
+          f"per worker, {report.seconds:.0f} s")  # fmt: skip
+
+
+def ratio_line(sync: Sequence[Report], diloco: Sequence[Report]) -> tuple[float, float]:
+    """bytes_ratio (sync bytes over DiLoCo bytes) and loss_gap (%), each averaged over seeds."""
+    sync_bytes = np.mean([r.bytes_per_worker for r in sync])
+    diloco_bytes = np.mean([r.bytes_per_worker for r in diloco])
+    sync_loss = np.mean([r.final_loss for r in sync])
+    diloco_loss = np.mean([r.final_loss for r in diloco])
+    return float(sync_bytes / diloco_bytes), float(100 * (diloco_loss / sync_loss - 1))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run both trainings for every seed; print losses, bytes and the ratio line last."""
+    """Both trainings for every seed (DiLoCo for every H); a table, the ratio line last.
+
+    The synchronous run does not depend on H (the same steps, batches and schedule), so it
+    runs once per seed; with several H it is evaluated every min(H) steps.
+    """
     from idlegrid.training.inner import use_threads
 
     args = parse_args(argv)
     use_threads(args.threads)
-    pairs = []
+    syncs: list[Report] = []
+    dilocos: dict[int, list[Report]] = {h: [] for h in args.inner_steps}
     for seed in args.seeds:
-        setup = setup_from(args, seed)
-        pairs.append((run_sync(setup), run_diloco(setup)))
-        for report in pairs[-1]:
-            print(f"seed {seed} {report.name}: eval loss {report.final_loss:.4f}, "
-                  f"sent {report.bytes_sent:,} B, received {report.bytes_received:,} B "
-                  f"per worker, {report.seconds:.0f} s")  # fmt: skip
-    sync_bytes = np.mean([sync.bytes_per_worker for sync, _ in pairs])
-    diloco_bytes = np.mean([diloco.bytes_per_worker for _, diloco in pairs])
-    sync_loss = np.mean([sync.final_loss for sync, _ in pairs])
-    diloco_loss = np.mean([diloco.final_loss for _, diloco in pairs])
-    print(f"bytes_ratio: {sync_bytes / diloco_bytes:.1f} "
-          f"loss_gap: {100 * (diloco_loss / sync_loss - 1):.2f}%")  # fmt: skip
+        if args.runs in ("both", "sync"):
+            syncs.append(run_sync(setup_from(args, seed, min(args.inner_steps))))
+            _print_report(seed, syncs[-1])
+        if args.runs in ("both", "diloco"):
+            for h in args.inner_steps:
+                dilocos[h].append(run_diloco(setup_from(args, seed, h)))
+                _print_report(seed, dilocos[h][-1], f" H={h}")
+    if args.runs != "both":
+        return 0
+    seeds = " ".join(str(seed) for seed in args.seeds)
+    print(f"steps {args.total_steps}, seeds {seeds}, losses averaged over seeds:")
+    print("| H | rounds | sync loss | DiLoCo loss | bytes/worker sync | bytes/worker DiLoCo "
+          "| bytes_ratio | loss_gap |")  # fmt: skip
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for h in args.inner_steps:
+        ratio, gap = ratio_line(syncs, dilocos[h])
+        print(f"| {h} | {args.total_steps // h} "
+              f"| {np.mean([r.final_loss for r in syncs]):.4f} "
+              f"| {np.mean([r.final_loss for r in dilocos[h]]):.4f} "
+              f"| {np.mean([r.bytes_per_worker for r in syncs]):,.0f} "
+              f"| {np.mean([r.bytes_per_worker for r in dilocos[h]]):,.0f} "
+              f"| {ratio:.1f} | {gap:.2f}% |")  # fmt: skip
+    ratio, gap = ratio_line(syncs, dilocos[args.inner_steps[-1]])
+    print(f"bytes_ratio: {ratio:.1f} loss_gap: {gap:.2f}%")
     return 0
 
 
