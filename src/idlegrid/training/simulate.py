@@ -251,7 +251,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="averaged")
     parser.add_argument("--runs", default="both", choices=["both", "sync", "diloco"],
                         help="one run alone (tuning); the ratio line needs both")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads a run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process each")
     args = parser.parse_args(argv)
     if args.total_steps is None:
         if len(args.inner_steps) > 1:
@@ -316,6 +317,32 @@ def ratio_line(sync: Sequence[Report], diloco: Sequence[Report]) -> tuple[float,
     return float(sync_bytes / diloco_bytes), float(100 * (diloco_loss / sync_loss - 1))
 
 
+Work = tuple[str, int, int]  # (run, seed, H)
+
+
+def _run_one(args: argparse.Namespace, item: Work) -> Report:
+    from idlegrid.training.inner import use_threads
+
+    use_threads(args.threads)
+    name, seed, h = item
+    run = run_sync if name == "sync" else run_diloco
+    label = f"seed {seed} {name}" + (f" H={h}" if name == "diloco" else "")
+    return run(setup_from(args, seed, h), lambda line: print(f"{label}: {line}", flush=True))
+
+
+def _run_all(args: argparse.Namespace, work: list[Work]) -> list[Report]:
+    """Every run, in `--jobs` processes at once (each with `--threads` torch threads)."""
+    if args.jobs <= 1:
+        return [_run_one(args, item) for item in work]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        return list(pool.map(partial(_run_one, args), work))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Both trainings for every seed (DiLoCo for every H); a table, the ratio line last.
 
@@ -326,18 +353,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     use_threads(args.threads)
-    syncs: list[Report] = []
-    dilocos: dict[int, list[Report]] = {h: [] for h in args.inner_steps}
-    for seed in args.seeds:
-        if args.runs in ("both", "sync"):
-            syncs.append(run_sync(setup_from(args, seed, min(args.inner_steps))))
-            _print_report(seed, syncs[-1])
-        if args.runs in ("both", "diloco"):
-            for h in args.inner_steps:
-                dilocos[h].append(run_diloco(setup_from(args, seed, h)))
-                _print_report(seed, dilocos[h][-1], f" H={h}")
+    work = [("sync", seed, min(args.inner_steps)) for seed in args.seeds]
+    work += [("diloco", seed, h) for seed in args.seeds for h in args.inner_steps]
+    work = [item for item in work if args.runs in ("both", item[0])]
+    reports = dict(zip(work, _run_all(args, work), strict=True))
+    for (name, seed, h), report in reports.items():
+        _print_report(seed, report, f" H={h}" if name == "diloco" else "")
     if args.runs != "both":
         return 0
+    syncs = [reports[("sync", seed, min(args.inner_steps))] for seed in args.seeds]
+    dilocos = {h: [reports[("diloco", seed, h)] for seed in args.seeds] for h in args.inner_steps}
     seeds = " ".join(str(seed) for seed in args.seeds)
     print(f"steps {args.total_steps}, seeds {seeds}, losses averaged over seeds:")
     print("| H | rounds | sync loss | DiLoCo loss | bytes/worker sync | bytes/worker DiLoCo "
