@@ -59,3 +59,38 @@ def test_the_command_line_prints_the_ratio_last(capsys: pytest.CaptureFixture[st
     assert simulate.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("bytes_ratio: ") and " loss_gap: " in last
+
+
+def test_a_task_of_round_r_starts_at_run_step_r_times_h() -> None:
+    assert [TINY.spec(r).inner.first_step for r in range(3)] == [0, 6, 12]
+    assert TINY.spec(2).inner.steps == TINY.inner.steps
+
+
+def test_several_h_share_one_run_length() -> None:
+    args = simulate.parse_args(
+        ["--total-steps", "400", "--inner-steps", "25", "100", "--schedule", "cosine"]
+    )
+    setups = [simulate.setup_from(args, 0, h) for h in args.inner_steps]
+    assert [(s.rounds, s.inner.steps, s.steps) for s in setups] == [(16, 25, 400), (4, 100, 400)]
+    assert all(s.inner.decay_steps == 400 for s in setups)
+    assert simulate.setup_from(simulate.parse_args([]), 0).inner.decay_steps is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--inner-steps", "25", "50"], ["--total-steps", "100", "--inner-steps", "30"]],
+)
+def test_run_lengths_that_do_not_fit_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        simulate.parse_args(argv)
+
+
+def test_the_ratio_line_averages_bytes_and_losses_over_seeds() -> None:
+    def report(loss: float, sent: int) -> simulate.Report:
+        return simulate.Report("run", [(0, 5.0), (10, loss)], sent, sent)
+
+    ratio, gap = simulate.ratio_line(
+        [report(2.0, 1000), report(1.0, 3000)], [report(1.8, 10), report(1.5, 30)]
+    )
+    assert ratio == pytest.approx(100.0)
+    assert gap == pytest.approx(10.0)  # 1.65 over 1.5
