@@ -37,6 +37,22 @@ def test_diloco_lowers_the_held_out_loss_and_counts_its_bytes() -> None:
     assert 3 * size < report.bytes_sent < 3 * (1.05 * size + RESULT_OVERHEAD)
 
 
+def test_a_seeded_start_saves_round_0_weights_and_changes_nothing_else() -> None:
+    short = dataclasses.replace(TINY, rounds=2)
+    inline = simulate.run_diloco(short, progress=lambda line: None)
+    seeded = simulate.run_diloco(
+        dataclasses.replace(short, seeded_start=True), progress=lambda line: None
+    )
+    size = models.parameter_count("transformer-lm", TINY.model)
+    assert 4 * size <= inline.initial_weights == seeded.initial_weights < 4 * size + 200
+    # Means over workers, rounded down: equal to within a byte.
+    assert abs(seeded.bytes_received - (inline.bytes_received - inline.initial_weights)) <= 1
+    assert seeded.bytes_sent == inline.bytes_sent and seeded.curve == inline.curve
+    for report in (inline, seeded):
+        assert abs(report.bytes_with_initial_weights(True) - inline.bytes_per_worker) <= 1
+        assert abs(report.bytes_with_initial_weights(False) - seeded.bytes_per_worker) <= 1
+
+
 def test_sync_counts_a_ring_all_reduce_every_step() -> None:
     report = simulate.run_sync(TINY, progress=lambda line: None)
     size = models.parameter_count("transformer-lm", TINY.model)
@@ -73,7 +89,8 @@ def test_several_h_share_one_run_length() -> None:
     setups = [simulate.setup_from(args, 0, h) for h in args.inner_steps]
     assert [(s.rounds, s.inner.steps, s.steps) for s in setups] == [(16, 25, 400), (4, 100, 400)]
     assert all(s.inner.decay_steps == 400 for s in setups)
-    assert simulate.setup_from(simulate.parse_args([]), 0).inner.decay_steps is None
+    constant = simulate.parse_args(["--schedule", "constant"])
+    assert simulate.setup_from(constant, 0).inner.decay_steps is None
 
 
 @pytest.mark.parametrize(
