@@ -10,6 +10,7 @@ import pytest
 from idlegrid.training import models, simulate, verify
 from idlegrid.training.compression import Compression
 from idlegrid.training.inner import InnerSettings
+from idlegrid.training.outer import OuterSettings
 
 pytest.importorskip("torch")
 
@@ -18,7 +19,11 @@ TINY = simulate.Setup(
     rounds=3,
     model=models.LMConfig(vocab=103, context=16, width=16, layers=1, heads=2),
     inner=InnerSettings(steps=6, batch_size=4, seq_len=16, lr=3e-3),
+    outer=OuterSettings(lr=0.7, momentum=0.9),
+    upload=Compression(method="int8"),
+    download=Compression(method="int8"),
     eval_batches=2,
+    sync_lr=None,
 )
 
 
@@ -75,6 +80,13 @@ def test_the_command_line_prints_the_ratio_last(capsys: pytest.CaptureFixture[st
     assert simulate.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("bytes_ratio: ") and " loss_gap: " in last
+
+
+def test_the_default_setup_is_the_tuned_one() -> None:
+    args = simulate.parse_args([])
+    assert simulate.setup_from(args, 0) == simulate.Setup(
+        model=models.LMConfig(vocab=103, context=64, width=64, layers=2, heads=4)
+    )
 
 
 def test_a_task_of_round_r_starts_at_run_step_r_times_h() -> None:
