@@ -132,6 +132,24 @@ def test_stateless_quantization_returns_no_residual() -> None:
 
 
 @pytest.mark.parametrize(
+    ("method", "error_feedback", "stateful"),
+    [("none", False, False), ("none", True, False), ("int8", False, False),
+     ("int8", True, True), ("int4", True, True), ("topk", False, True)],
+)  # fmt: skip
+def test_which_settings_keep_a_residual(method: str, error_feedback: bool, stateful: bool) -> None:
+    settings = c.Compression(method=method, error_feedback=error_feedback)  # type: ignore[arg-type]
+    assert settings.stateful is stateful
+
+
+def test_quantization_with_error_feedback_starts_its_residual_at_zero() -> None:
+    settings = c.Compression(method="int4", error_feedback=True)
+    delta = _vector(1000)
+    message, residual = c.compress(delta, settings)  # a worker's first task: no residual yet
+    assert residual is not None
+    np.testing.assert_array_equal(c.decode(message) + residual, delta)
+
+
+@pytest.mark.parametrize(
     ("meta", "arrays", "match"),
     [
         ({"method": "int8", "length": 4, "chunk_size": 8},

@@ -15,6 +15,49 @@ LM = models.LMConfig(vocab=103, context=32, width=16, layers=1, heads=2)
 SETTINGS = inner.InnerSettings(steps=8, batch_size=4, seq_len=32, lr=3e-3)
 
 
+COSINE = inner.InnerSettings(steps=10, lr=1.0, run_warmup_steps=4, decay_steps=24, min_lr_ratio=0.1)
+
+
+@pytest.mark.parametrize(
+    ("settings", "run_step", "lr"),
+    [
+        (inner.InnerSettings(lr=0.5), 0, 0.5),  # the default: constant
+        (inner.InnerSettings(lr=0.5), 10_000, 0.5),
+        (COSINE, 0, 0.2),  # warmup: (step + 1) / (warmup + 1)
+        (COSINE, 3, 0.8),
+        (COSINE, 4, 1.0),  # the peak, where decay starts
+        (COSINE, 14, 0.55),  # halfway: floor + (1 - floor) / 2
+        (COSINE, 24, 0.1),  # decay_steps: the floor
+        (COSINE, 100, 0.1),  # and it stays there
+        (COSINE.model_copy(update={"min_lr_ratio": 0.0}), 24, 0.0),
+    ],
+)
+def test_run_lr_warms_up_then_decays_by_cosine(
+    settings: inner.InnerSettings, run_step: int, lr: float
+) -> None:
+    assert inner.run_lr(settings, run_step) == pytest.approx(lr, abs=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("round_number", "step", "task_warmup", "lr"),
+    [
+        (0, 0, 0, 0.2),  # round 0 starts in the run's warmup
+        (1, 0, 0, inner.run_lr(COSINE, 10)),  # round 1 starts at run step 10
+        (1, 4, 0, 0.55),  # run step 14
+        (1, 0, 1, inner.run_lr(COSINE, 10) / 2),  # the task's own warmup on top
+        (1, 1, 1, inner.run_lr(COSINE, 11)),
+        (2, 9, 0, inner.run_lr(COSINE, 29)),
+    ],
+)
+def test_a_task_follows_the_run_schedule_from_its_round(
+    round_number: int, step: int, task_warmup: int, lr: float
+) -> None:
+    task_settings = COSINE.model_copy(update={"warmup_steps": task_warmup})
+    settings = inner.for_round(task_settings, round_number)
+    assert settings.first_step == round_number * COSINE.steps
+    assert inner.task_lr(settings, step) == pytest.approx(lr, abs=1e-12)
+
+
 def _lm_data() -> TokenData:
     return TokenData(corpus.train_tokens()[:20_000])
 

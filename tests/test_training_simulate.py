@@ -10,6 +10,7 @@ import pytest
 from idlegrid.training import models, simulate, verify
 from idlegrid.training.compression import Compression
 from idlegrid.training.inner import InnerSettings
+from idlegrid.training.outer import OuterSettings
 
 pytest.importorskip("torch")
 
@@ -18,7 +19,11 @@ TINY = simulate.Setup(
     rounds=3,
     model=models.LMConfig(vocab=103, context=16, width=16, layers=1, heads=2),
     inner=InnerSettings(steps=6, batch_size=4, seq_len=16, lr=3e-3),
+    outer=OuterSettings(lr=0.7, momentum=0.9),
+    upload=Compression(method="int8"),
+    download=Compression(method="int8"),
     eval_batches=2,
+    sync_lr=None,
 )
 
 
@@ -35,6 +40,22 @@ def test_diloco_lowers_the_held_out_loss_and_counts_its_bytes() -> None:
     # Round 0 downloads fp32 weights; rounds 1 and 2 only an int8 update each.
     assert 4 * size + 2 * size < report.bytes_received < 4 * size + 2 * 1.05 * size + 6000
     assert 3 * size < report.bytes_sent < 3 * (1.05 * size + RESULT_OVERHEAD)
+
+
+def test_a_seeded_start_saves_round_0_weights_and_changes_nothing_else() -> None:
+    short = dataclasses.replace(TINY, rounds=2)
+    inline = simulate.run_diloco(short, progress=lambda line: None)
+    seeded = simulate.run_diloco(
+        dataclasses.replace(short, seeded_start=True), progress=lambda line: None
+    )
+    size = models.parameter_count("transformer-lm", TINY.model)
+    assert 4 * size <= inline.initial_weights == seeded.initial_weights < 4 * size + 200
+    # Means over workers, rounded down: equal to within a byte.
+    assert abs(seeded.bytes_received - (inline.bytes_received - inline.initial_weights)) <= 1
+    assert seeded.bytes_sent == inline.bytes_sent and seeded.curve == inline.curve
+    for report in (inline, seeded):
+        assert abs(report.bytes_with_initial_weights(True) - inline.bytes_per_worker) <= 1
+        assert abs(report.bytes_with_initial_weights(False) - seeded.bytes_per_worker) <= 1
 
 
 def test_sync_counts_a_ring_all_reduce_every_step() -> None:
@@ -59,3 +80,46 @@ def test_the_command_line_prints_the_ratio_last(capsys: pytest.CaptureFixture[st
     assert simulate.main(argv) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("bytes_ratio: ") and " loss_gap: " in last
+
+
+def test_the_default_setup_is_the_tuned_one() -> None:
+    args = simulate.parse_args([])
+    assert simulate.setup_from(args, 0) == simulate.Setup(
+        model=models.LMConfig(vocab=103, context=64, width=64, layers=2, heads=4)
+    )
+
+
+def test_a_task_of_round_r_starts_at_run_step_r_times_h() -> None:
+    assert [TINY.spec(r).inner.first_step for r in range(3)] == [0, 6, 12]
+    assert TINY.spec(2).inner.steps == TINY.inner.steps
+
+
+def test_several_h_share_one_run_length() -> None:
+    args = simulate.parse_args(
+        ["--total-steps", "400", "--inner-steps", "25", "100", "--schedule", "cosine"]
+    )
+    setups = [simulate.setup_from(args, 0, h) for h in args.inner_steps]
+    assert [(s.rounds, s.inner.steps, s.steps) for s in setups] == [(16, 25, 400), (4, 100, 400)]
+    assert all(s.inner.decay_steps == 400 for s in setups)
+    constant = simulate.parse_args(["--schedule", "constant"])
+    assert simulate.setup_from(constant, 0).inner.decay_steps is None
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--inner-steps", "25", "50"], ["--total-steps", "100", "--inner-steps", "30"]],
+)
+def test_run_lengths_that_do_not_fit_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        simulate.parse_args(argv)
+
+
+def test_the_ratio_line_averages_bytes_and_losses_over_seeds() -> None:
+    def report(loss: float, sent: int) -> simulate.Report:
+        return simulate.Report("run", [(0, 5.0), (10, loss)], sent, sent)
+
+    ratio, gap = simulate.ratio_line(
+        [report(2.0, 1000), report(1.0, 3000)], [report(1.8, 10), report(1.5, 30)]
+    )
+    assert ratio == pytest.approx(100.0)
+    assert gap == pytest.approx(10.0)  # 1.65 over 1.5

@@ -38,11 +38,14 @@ class Compression(BaseModel):
     topk_fraction: float = Field(
         default=0.01, gt=0.0, le=1.0, description="share of values top-k sends"
     )
+    error_feedback: bool = Field(
+        default=False, description="int8/int4: carry the rounding error into the next message"
+    )
 
     @property
     def stateful(self) -> bool:
         """Whether the sender keeps a residual (error feedback) between messages."""
-        return self.method == "topk"
+        return self.method == "topk" or (self.error_feedback and self.method != "none")
 
 
 @dataclass(frozen=True)
@@ -170,10 +173,13 @@ def compress(
     """Compress `delta` as `settings` say, with error feedback through `residual`.
 
     Returns the message and the residual to keep for the next call. With a residual,
-    quantization feeds back its rounding error too; without one (None) it is stateless.
-    top-k always keeps a residual.
+    quantization feeds back its rounding error too; without one (None) it is stateless,
+    unless the settings are `stateful` (top-k, or error feedback asked for): then a
+    missing residual starts at zero.
     """
     values = np.asarray(delta, dtype=np.float32)
+    if residual is None and settings.stateful and settings.method != "topk":
+        residual = np.zeros_like(values)
     if settings.method == "topk":
         return topk_compress(values, residual, topk_count(values.size, settings.topk_fraction))
     accumulator = values if residual is None else values + residual

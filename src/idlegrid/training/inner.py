@@ -39,6 +39,42 @@ class InnerSettings(BaseModel):
     warmup_steps: int = Field(
         default=0, ge=0, description="linear lr warmup at the start of every task"
     )
+    # The run's schedule (shared with a synchronous baseline): linear warmup over the run's
+    # first `run_warmup_steps`, then cosine decay to `min_lr_ratio * lr` at `decay_steps`.
+    run_warmup_steps: int = Field(default=0, ge=0, description="linear lr warmup of the run")
+    decay_steps: int | None = Field(
+        default=None, ge=1, description="cosine decay over the run's inner steps; None: none"
+    )
+    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0, description="lr at decay end")
+    first_step: int = Field(
+        default=0, ge=0, description="the run's inner step this task starts at (see for_round)"
+    )
+
+
+def run_lr(settings: InnerSettings, run_step: int) -> float:
+    """The lr of the run's inner step `run_step` (0-based): warmup, then cosine decay.
+
+    A worker's steps over the whole run are counted, not a task's: round r's task covers
+    run steps r * steps .. (r + 1) * steps - 1. A synchronous baseline uses the same table.
+    """
+    warm = min(1.0, (run_step + 1) / (settings.run_warmup_steps + 1))
+    if settings.decay_steps is None:
+        return settings.lr * warm
+    span = max(1, settings.decay_steps - settings.run_warmup_steps)
+    progress = min(1.0, max(0.0, (run_step - settings.run_warmup_steps) / span))
+    floor = settings.min_lr_ratio
+    return settings.lr * warm * (floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def task_lr(settings: InnerSettings, step: int) -> float:
+    """The lr of a task's inner step `step`: the run's lr there, times the task's warmup."""
+    warm = min(1.0, (step + 1) / (settings.warmup_steps + 1))
+    return run_lr(settings, settings.first_step + step) * warm
+
+
+def for_round(settings: InnerSettings, round_number: int) -> InnerSettings:
+    """The settings of a task of round `round_number`: its place in the run's schedule."""
+    return settings.model_copy(update={"first_step": round_number * settings.steps})
 
 
 @dataclass(frozen=True)
@@ -85,7 +121,7 @@ def train_inner(
     losses = []
     for step, (inputs, targets) in enumerate(stream):
         for group in optimizer.param_groups:
-            group["lr"] = settings.lr * min(1.0, (step + 1) / (settings.warmup_steps + 1))
+            group["lr"] = task_lr(settings, step)
         loss = batch_loss(module, task, inputs, targets, device)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -13,13 +13,21 @@ one contiguous shard of the training text, for the same number of inner steps pe
   fp32 gradient bytes per worker per step; that is what is counted (a lower bound: a
   worker also receives about as much as it sends).
 
-Run: ``python -m idlegrid.training.simulate --workers 4 --inner-steps 50 --rounds 10``.
+Both follow one inner lr schedule over the run's steps (`inner.run_lr`: linear warmup,
+then cosine decay); a DiLoCo task of round r picks it up at run step r * H
+(`inner.for_round`). Each run may have its own peak lr (`--lr` for DiLoCo's inner AdamW,
+`--sync-lr` for the baseline), so each is tuned, not one handicapped by the other's.
+
+Run: ``python -m idlegrid.training.simulate --total-steps 1000 --inner-steps 50 100``
+(several H share one synchronous run a seed; ``--seeds 0 1`` averages seeds, ``--jobs 3``
+runs three trainings at once). docs/benchmarks.md has the figures and their commands.
 Data is on every machine (the corpus ships with idlegrid), so neither run counts it.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +39,8 @@ from idlegrid.training import corpus, models, rounds, tasks
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode
 from idlegrid.training.data import TokenData
-from idlegrid.training.inner import InnerSettings
+from idlegrid.training.flat import digest
+from idlegrid.training.inner import InnerSettings, for_round, run_lr
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.worker import TrainSpec, run_task
 from idlegrid.training.worker_state import WorkerState
@@ -43,24 +52,39 @@ ARCHITECTURE = "transformer-lm"
 class Setup:
     """One comparison: model, workers, rounds, and DiLoCo's settings."""
 
+    # The defaults are the settings tuned in docs/benchmarks.md ("DiLoCo simulation"):
+    # 20 rounds of H = 50, inner AdamW peak lr 3e-3 with 5% warmup and cosine decay over
+    # the run, outer Nesterov lr 1.0, int4 both ways with error feedback; baseline lr 2e-2.
     workers: int = 4
-    rounds: int = 10
+    rounds: int = 20
     model: models.LMConfig = field(default_factory=models.LMConfig)
-    inner: InnerSettings = field(default_factory=lambda: InnerSettings(steps=50))
-    outer: OuterSettings = field(default_factory=OuterSettings)
-    upload: Compression = field(default_factory=Compression)
-    download: Compression = field(default_factory=Compression)
+    inner: InnerSettings = field(
+        default_factory=lambda: InnerSettings(
+            steps=50, lr=3e-3, run_warmup_steps=50, decay_steps=1000
+        )
+    )
+    outer: OuterSettings = field(default_factory=lambda: OuterSettings(lr=1.0))
+    upload: Compression = field(
+        default_factory=lambda: Compression(method="int4", error_feedback=True)
+    )
+    download: Compression = field(default_factory=lambda: Compression(method="int4"))
     aggregation: Aggregation = field(default_factory=Aggregation)
     seed: int = 0
     eval_batches: int = 16
+    sync_lr: float | None = 2e-2  # the baseline's peak lr, tuned apart; None: inner.lr
+    # Nodes build round 0's weights from the seed (as the baseline's workers would) and
+    # round 0's payload leaves them out; otherwise it carries them inline (fp32).
+    seeded_start: bool = False
 
     @property
     def steps(self) -> int:
         """Inner steps per worker over the whole run (both runs take this many)."""
         return self.rounds * self.inner.steps
 
-    def spec(self) -> TrainSpec:
-        return TrainSpec(ARCHITECTURE, self.model, self.inner, self.upload, self.eval_batches)
+    def spec(self, round_number: int = 0) -> TrainSpec:
+        """What a task of `round_number` runs with: its place in the run's lr schedule."""
+        inner = for_round(self.inner, round_number)
+        return TrainSpec(ARCHITECTURE, self.model, inner, self.upload, self.eval_batches)
 
 
 @dataclass
@@ -72,6 +96,10 @@ class Report:
     bytes_sent: int  # per worker
     bytes_received: int  # per worker
     seconds: float = 0.0
+    # Bytes inline weights add to round 0's payload (per worker): in bytes_received unless
+    # the nodes started from the seed.
+    initial_weights: int = 0
+    seeded: bool = False
 
     @property
     def final_loss(self) -> float:
@@ -80,6 +108,11 @@ class Report:
     @property
     def bytes_per_worker(self) -> int:
         return self.bytes_sent + self.bytes_received
+
+    def bytes_with_initial_weights(self, inline: bool) -> int:
+        """Traffic per worker if round 0 carries the weights (inline) or not (seeded)."""
+        counted = 0 if self.seeded else self.initial_weights
+        return self.bytes_per_worker - counted + (self.initial_weights if inline else 0)
 
 
 Progress = Callable[[str], None]
@@ -105,12 +138,21 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
     sent, received = np.zeros(setup.workers, np.int64), np.zeros(setup.workers, np.int64)
     curve = [(0, evaluate(setup, state.weights))]
     chain: tuple[tasks.Link, ...] = ()
+    initial = np.zeros(setup.workers, np.int64)
     for round_number in range(setup.rounds):
         updates = []
         for shard, node in enumerate(nodes):
-            payload = tasks.encode_task(_task(setup, state, train, shard, chain))
+            task = _task(setup, state, train, shard, chain)
+            payload = tasks.encode_task(task)
+            if task.weights is not None:
+                lean = tasks.encode_task(dataclasses.replace(task, weights=None))
+                initial[shard] = len(payload) - len(lean)
+                if setup.seeded_start:
+                    seeded = models.init_weights(ARCHITECTURE, setup.model, setup.seed)
+                    node.remember_weights(digest(seeded), seeded)
+                    payload = lean
             received[shard] += len(payload)
-            result = run_task(tasks.decode_task(payload), setup.spec(), node)
+            result = run_task(tasks.decode_task(payload), setup.spec(state.round), node)
             output = tasks.encode_result(result)
             sent[shard] += len(output)
             updates.append(_update(output))
@@ -123,7 +165,10 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
         progress(f"diloco round {round_number + 1}/{setup.rounds}: "
                  f"train {closed.train_loss:.4f} eval {curve[-1][1]:.4f}")  # fmt: skip
     elapsed = time.perf_counter() - started
-    return Report("diloco", curve, int(sent.mean()), int(received.mean()), elapsed)
+    return Report(
+        "diloco", curve, int(sent.mean()), int(received.mean()), elapsed, int(initial.mean()),
+        seeded=setup.seeded_start,
+    )  # fmt: skip
 
 
 def _task(
@@ -177,6 +222,8 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
     from idlegrid.training import inner
 
     settings = setup.inner
+    if setup.sync_lr is not None:
+        settings = settings.model_copy(update={"lr": setup.sync_lr})
     optimizer = torch.optim.AdamW(
         module.parameters(), lr=settings.lr, betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
@@ -191,7 +238,7 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
         ]
         inputs, targets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
         for group in optimizer.param_groups:
-            group["lr"] = settings.lr * min(1.0, (step + 1) / (settings.warmup_steps + 1))
+            group["lr"] = run_lr(settings, step)  # the run's schedule, no per-task warmup
         loss = inner.batch_loss(module, "language-model", inputs, targets, "cpu")
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -219,35 +266,72 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=10)
-    parser.add_argument("--inner-steps", type=int, default=50, help="H")
+    parser.add_argument("--rounds", type=int, default=20, help="ignored with --total-steps")
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[50],
+                        help="H; several values need --total-steps")  # fmt: skip
+    parser.add_argument("--total-steps", type=int, default=None,
+                        help="inner steps per worker of the run; rounds = this / H")  # fmt: skip
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW lr of both runs")
+    parser.add_argument("--lr", type=float, default=3e-3, help="DiLoCo's inner AdamW peak lr")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--upload", default="int8", choices=["none", "int8", "int4", "topk"])
-    parser.add_argument("--download", default="int8", choices=["none", "int8", "int4", "topk"])
+    parser.add_argument("--upload", default="int4", choices=["none", "int8", "int4", "topk"])
+    parser.add_argument("--download", default="int4", choices=["none", "int8", "int4", "topk"])
     parser.add_argument("--topk-fraction", type=float, default=0.01)
-    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--warmup", type=int, default=0, help="inner lr warmup steps a task")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--run-warmup",
+        type=int,
+        default=None,
+        help="lr warmup steps of the run (default: 5%% of its steps)",
+    )
+    parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine"],
+                        help="cosine: decay over the run's inner steps (both runs)")  # fmt: skip
+    parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
+    parser.add_argument("--sync-lr", type=float, default=2e-2, help="the baseline's peak lr")
+    parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True,
+                        help="int8/int4 upload keeps its rounding error on the worker")  # fmt: skip
+    parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
+    parser.add_argument(
+        "--seeded-start",
+        action="store_true",
+        help="nodes build round 0's weights from the seed, not the payload",
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="averaged")
+    parser.add_argument("--runs", default="both", choices=["both", "sync", "diloco"],
+                        help="one run alone (tuning); the ratio line needs both")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads a run")
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process each")
+    args = parser.parse_args(argv)
+    if args.total_steps is None:
+        if len(args.inner_steps) > 1:
+            parser.error("several --inner-steps need --total-steps (the same run length)")
+        args.total_steps = args.rounds * args.inner_steps[0]
+    for h in args.inner_steps:
+        if args.total_steps % h:
+            parser.error(f"--total-steps {args.total_steps} is not a multiple of H={h}")
+    return args
 
 
-def setup_from(args: argparse.Namespace, seed: int) -> Setup:
+def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = None) -> Setup:
+    """The setup the command line describes, for one seed and one H (default: the first)."""
+    steps = args.inner_steps[0] if inner_steps is None else inner_steps
     inner = InnerSettings(
-        steps=args.inner_steps,
+        steps=steps,
         batch_size=args.batch_size,
         seq_len=args.seq_len,
         lr=args.lr,
         warmup_steps=args.warmup,
+        run_warmup_steps=args.total_steps // 20 if args.run_warmup is None else args.run_warmup,
+        decay_steps=args.total_steps if args.schedule == "cosine" else None,
+        min_lr_ratio=args.min_lr_ratio,
     )
     return Setup(
         workers=args.workers,
-        rounds=args.rounds,
+        rounds=args.total_steps // steps,
         model=models.LMConfig(
             vocab=len(corpus.vocabulary()),
             context=args.seq_len,
@@ -256,32 +340,111 @@ def setup_from(args: argparse.Namespace, seed: int) -> Setup:
         ),  # fmt: skip
         inner=inner,
         outer=OuterSettings(lr=args.outer_lr, momentum=args.outer_momentum),
-        upload=Compression(method=args.upload, topk_fraction=args.topk_fraction),
-        download=Compression(method=args.download, topk_fraction=args.topk_fraction),
+        upload=Compression(
+            method=args.upload,
+            topk_fraction=args.topk_fraction,
+            chunk_size=args.chunk_size,
+            error_feedback=args.error_feedback,
+        ),  # fmt: skip
+        download=Compression(
+            method=args.download, topk_fraction=args.topk_fraction, chunk_size=args.chunk_size
+        ),
         seed=seed,
+        sync_lr=args.sync_lr,
+        seeded_start=args.seeded_start,
     )
 
 
+def _print_report(seed: int, report: Report, label: str = "") -> None:
+    print(f"seed {seed} {report.name}{label}: eval loss {report.final_loss:.4f}, "
+          f"sent {report.bytes_sent:,} B, received {report.bytes_received:,} B "
+          f"per worker, {report.seconds:.0f} s")  # fmt: skip
+
+
+def ratio_line(
+    sync: Sequence[Report], diloco: Sequence[Report], *, inline: bool | None = None
+) -> tuple[float, float]:
+    """bytes_ratio (sync bytes over DiLoCo bytes) and loss_gap (%), each averaged over seeds.
+
+    `inline` counts DiLoCo's round 0 with (True) or without (False) its weights inline;
+    None counts it as it ran.
+    """
+    sync_bytes = np.mean([r.bytes_per_worker for r in sync])
+    diloco_bytes = np.mean([
+        r.bytes_per_worker if inline is None else r.bytes_with_initial_weights(inline)
+        for r in diloco
+    ])  # fmt: skip
+    sync_loss = np.mean([r.final_loss for r in sync])
+    diloco_loss = np.mean([r.final_loss for r in diloco])
+    return float(sync_bytes / diloco_bytes), float(100 * (diloco_loss / sync_loss - 1))
+
+
+Work = tuple[str, int, int]  # (run, seed, H)
+
+
+def _run_one(args: argparse.Namespace, item: Work) -> Report:
+    from idlegrid.training.inner import use_threads
+
+    use_threads(args.threads)
+    name, seed, h = item
+    run = run_sync if name == "sync" else run_diloco
+    label = f"seed {seed} {name}" + (f" H={h}" if name == "diloco" else "")
+    return run(setup_from(args, seed, h), lambda line: print(f"{label}: {line}", flush=True))
+
+
+def _run_all(args: argparse.Namespace, work: list[Work]) -> list[Report]:
+    """Every run, in `--jobs` processes at once (each with `--threads` torch threads)."""
+    if args.jobs <= 1:
+        return [_run_one(args, item) for item in work]
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from functools import partial
+
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        return list(pool.map(partial(_run_one, args), work))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run both trainings for every seed; print losses, bytes and the ratio line last."""
+    """Both trainings for every seed (DiLoCo for every H); a table, the ratio line last.
+
+    The synchronous run does not depend on H (the same steps, batches and schedule), so it
+    runs once per seed; with several H it is evaluated every min(H) steps.
+    """
     from idlegrid.training.inner import use_threads
 
     args = parse_args(argv)
     use_threads(args.threads)
-    pairs = []
-    for seed in args.seeds:
-        setup = setup_from(args, seed)
-        pairs.append((run_sync(setup), run_diloco(setup)))
-        for report in pairs[-1]:
-            print(f"seed {seed} {report.name}: eval loss {report.final_loss:.4f}, "
-                  f"sent {report.bytes_sent:,} B, received {report.bytes_received:,} B "
-                  f"per worker, {report.seconds:.0f} s")  # fmt: skip
-    sync_bytes = np.mean([sync.bytes_per_worker for sync, _ in pairs])
-    diloco_bytes = np.mean([diloco.bytes_per_worker for _, diloco in pairs])
-    sync_loss = np.mean([sync.final_loss for sync, _ in pairs])
-    diloco_loss = np.mean([diloco.final_loss for _, diloco in pairs])
-    print(f"bytes_ratio: {sync_bytes / diloco_bytes:.1f} "
-          f"loss_gap: {100 * (diloco_loss / sync_loss - 1):.2f}%")  # fmt: skip
+    work = [("sync", seed, min(args.inner_steps)) for seed in args.seeds]
+    work += [("diloco", seed, h) for seed in args.seeds for h in args.inner_steps]
+    work = [item for item in work if args.runs in ("both", item[0])]
+    reports = dict(zip(work, _run_all(args, work), strict=True))
+    for (name, seed, h), report in reports.items():
+        _print_report(seed, report, f" H={h}" if name == "diloco" else "")
+    if args.runs != "both":
+        return 0
+    syncs = [reports[("sync", seed, min(args.inner_steps))] for seed in args.seeds]
+    dilocos = {h: [reports[("diloco", seed, h)] for seed in args.seeds] for h in args.inner_steps}
+    seeds = " ".join(str(seed) for seed in args.seeds)
+    print(f"steps {args.total_steps}, seeds {seeds}, losses averaged over seeds:")
+    print(
+        "| H | rounds | sync loss | DiLoCo loss | loss_gap | bytes/worker sync "
+        "| bytes/worker DiLoCo | bytes_ratio, seeded start | bytes_ratio, round-0 weights inline |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for h in args.inner_steps:
+        ratio, gap = ratio_line(syncs, dilocos[h], inline=False)
+        inline_ratio, _ = ratio_line(syncs, dilocos[h], inline=True)
+        print(
+            f"| {h} | {args.total_steps // h} "
+            f"| {np.mean([r.final_loss for r in syncs]):.4f} "
+            f"| {np.mean([r.final_loss for r in dilocos[h]]):.4f} | {gap:.2f}% "
+            f"| {np.mean([r.bytes_per_worker for r in syncs]):,.0f} "
+            f"| {np.mean([r.bytes_with_initial_weights(False) for r in dilocos[h]]):,.0f} "
+            f"| {ratio:.1f} | {inline_ratio:.1f} |"
+        )
+    ratio, gap = ratio_line(syncs, dilocos[args.inner_steps[-1]])
+    print(f"bytes_ratio: {ratio:.1f} loss_gap: {gap:.2f}%")
     return 0
 
 

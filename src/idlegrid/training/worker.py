@@ -56,8 +56,9 @@ def run_task(
         return _evaluate(task, spec, weights, data, device)
     from idlegrid.training import inner
 
+    # The task's place in the run's lr schedule (warmup and decay over all rounds).
     trained = inner.train_inner(
-        spec.architecture, spec.config, weights, data, spec.inner,
+        spec.architecture, spec.config, weights, data, inner.for_round(spec.inner, task.round),
         seed=task.seed, device=device, on_step=on_step,
     )  # fmt: skip
     residual = state.residual(task.stream) if spec.upload.stateful else None
