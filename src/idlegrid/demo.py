@@ -52,8 +52,8 @@ def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> 
             elapsed = time.perf_counter() - started
             status = job.info()
             console.print(
-                f"verified: {status['shards_total']} shards, each by a quorum of "
-                f"{replication} replicas on distinct volunteer accounts "
+                f"verified: {status['shards_total']} shards, each run by up to {replication} "
+                "volunteers on distinct accounts and decided by a credibility-weighted quorum "
                 f"({status['tasks_completed']} tasks, effective replication "
                 f"{status['effective_replication']})"
             )
