@@ -256,14 +256,15 @@ def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Pat
                 "state_dir": str(root / "nodes" / name),
                 "seed": rng.getrandbits(32),
             })
+        logs = [open(root / f"nodes-{p}.log", "w") for p in range(PROCESSES)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
                 [sys.executable, __file__, "--serve-nodes", json.dumps(spec)],
                 stdout=subprocess.DEVNULL,
-                stderr=open(root / f"nodes-{p}.log", "w"),  # noqa: SIM115
+                stderr=log,
                 start_new_session=True,
             )
-            for p, spec in enumerate(specs)
+            for spec, log in zip(specs, logs, strict=True)
         ]
         try:
             grid.wait_for_nodes(nodes, timeout=120)
@@ -284,6 +285,8 @@ def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Pat
                 proc.terminate()
             for proc in procs:
                 proc.wait(timeout=30)
+            for log in logs:
+                log.close()
         result = tally(grid.data_dir, job_id, strategies, seconds)
         result.failed = failed
         return result
