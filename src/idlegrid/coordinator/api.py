@@ -19,7 +19,6 @@ from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average
 from idlegrid.store.base import (
     AccountExists,
-    Credit,
     JobRecord,
     NodeRecord,
     ShardRecord,
@@ -256,7 +255,7 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     if with_shards:
         progress = _task_progress(grid)
         shard_list = [_shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
-        waiting_for = await grid.matcher.waiting_for(job) + await grid.waiting_for(job)
+        waiting_for = await grid.waiting_for(job)
     done = job.shard_counts.get("done", 0)
     return JobOut(
         id=job.id,
@@ -406,12 +405,11 @@ async def me(token: Caller, grid: GridDep) -> dict[str, Any]:
     }
 
 
-def _credit_out(totals: Credit, now: float) -> dict[str, float]:
+def _credit_out(totals: CreditTotals, now: float) -> dict[str, float]:
     """Credit for validated work: all time, and the recent average per day (RAC)."""
-    decayed = CreditTotals(totals.total, totals.decayed, totals.updated_at)
     return {
         "credit_total": totals.total,
-        "recent_average_credit": recent_average(decayed, now=now),
+        "recent_average_credit": recent_average(totals, now=now),
     }
 
 

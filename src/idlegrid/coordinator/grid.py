@@ -210,13 +210,18 @@ class Grid:
         return plan
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
-        """What a live job waits for that the fleet cannot give, in words; [] if nothing."""
-        if job.state.value not in ("queued", "running") or job.replication <= 1:
+        """What a live job waits for that the fleet cannot give, in words; [] if nothing:
+        no registered node can run it, or too few connected ones to hold its replicas."""
+        if job.state.value not in ("queued", "running"):
             return []
+        nodes = await self.store.list_nodes()
+        reasons = await self.matcher.waiting_for(job, nodes=nodes)
+        if job.replication <= 1:
+            return reasons
         connected = set(await self.broker.connections()) | {s.node_id for s in self.hub.sessions()}
         able = [
             (node.account_id, node.network)
-            for node in await self.store.list_nodes()
+            for node in nodes
             if node.id in connected and job.kind in node.kinds and node.suspended_at is None
         ]
         shortfall = sybil.replication_shortfall(
@@ -225,7 +230,7 @@ class Grid:
             distinct_accounts=self.settings.distinct_accounts,
             distinct_networks=self.settings.distinct_networks,
         )
-        return [shortfall] if shortfall else []
+        return reasons + ([shortfall] if shortfall else [])
 
     async def cancel_job(self, job_id: int) -> None:
         held = await self.store.cancel_job(job_id, now=self.clock())
@@ -276,15 +281,8 @@ class Grid:
         if wanted < 2 or time.monotonic() < session.idle_until:
             return []
         now = self.clock()
-        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
-        by_id = {entry.task_id: entry for entry in entries}
-        candidates = []
-        for entry in entries:
-            plan = await self.plan(entry.job_id)
-            if plan is not None and plan.replication == 1:
-                candidates.append(self.matcher.candidate(entry, plan, now=now))
-        view = session.view_now(reliability=self.node_reliability(session))
-        ranked = scheduler.rank(view, candidates, now=now, weights=self.matcher.weights)
+        by_id, ranked = await self._ranked(session, now=now)
+        ranked = [c for c in ranked if self._plans[c.job_id].replication == 1]
         if not ranked:
             return []
         kind = ranked[0].kind
@@ -296,19 +294,44 @@ class Grid:
             now=now,
         )
         if isinstance(claimed, ClaimMiss):
-            log.info("node %s gets no tasks for now: %s", session.node_id, claimed.value)
-            session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
+            self._back_off(session, claimed)
             return []
         for claim in claimed:
-            entry = by_id[claim.task_id]
-            self.matcher.claimed(
-                session, claim, self._plans[entry.job_id], entry.cost_flops, now=now
-            )
-            session.reliability = trust_policy.credibility(claim.trust, self.trust)
+            self._note_claim(session, claim, by_id[claim.task_id], now=now)
         # Claimed: out of the queue (entries no longer ready are dropped by later claims).
         with unless_broker_away("discarding claimed tasks"):
             await self.broker.discard([claim.task_id for claim in claimed])
         return claimed
+
+    async def _ranked(
+        self, session: NodeSession, *, now: float
+    ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate]]:
+        """The queue's candidates this node can run, best first, and the entries by id.
+
+        Entries of jobs that ended leave the queue on the way.
+        """
+        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
+        candidates = []
+        for entry in entries:
+            plan = await self.plan(entry.job_id)
+            if plan is None:
+                await self.broker.discard([entry.task_id])
+                continue
+            candidates.append(self.matcher.candidate(entry, plan, now=now))
+        view = session.view_now(reliability=self.node_reliability(session))
+        ranked = scheduler.rank(view, candidates, now=now, weights=self.matcher.weights)
+        return {entry.task_id: entry for entry in entries}, ranked
+
+    def _note_claim(
+        self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float
+    ) -> None:
+        self.matcher.claimed(session, claim, self._plans[entry.job_id], entry.cost_flops, now=now)
+        session.reliability = trust_policy.credibility(claim.trust, self.trust)
+
+    @staticmethod
+    def _back_off(session: NodeSession, miss: ClaimMiss) -> None:
+        log.info("node %s gets no tasks for now: %s", session.node_id, miss.value)
+        session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
 
     @staticmethod
     def _claimer(session: NodeSession) -> Claimer:
@@ -323,18 +346,9 @@ class Grid:
         if time.monotonic() < session.idle_until:
             return None  # its quota is used up, or it is suspended: ask again later
         now = self.clock()
-        entries = await self.matcher.entries(CANDIDATES_PER_CLAIM)
-        by_id = {entry.task_id: entry for entry in entries}
-        candidates = []
-        for entry in entries:
-            plan = await self.plan(entry.job_id)
-            if plan is None:
-                await self.broker.discard([entry.task_id])
-                continue
-            candidates.append(self.matcher.candidate(entry, plan, now=now))
+        by_id, ranked = await self._ranked(session, now=now)
         claimer = self._claimer(session)
-        view = session.view_now(reliability=self.node_reliability(session))
-        for candidate in scheduler.rank(view, candidates, now=now, weights=self.matcher.weights):
+        for candidate in ranked:
             entry = by_id[candidate.task_id]
             plan = self._plans[entry.job_id]
             claim = await self.store.claim_task(
@@ -346,8 +360,7 @@ class Grid:
                 distinct=self.distinct if plan.replication > 1 else None,
             )
             if isinstance(claim, Assignment):
-                self.matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
-                session.reliability = trust_policy.credibility(claim.trust, self.trust)
+                self._note_claim(session, claim, entry, now=now)
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
                 with unless_broker_away("discarding a claimed task"):
@@ -358,8 +371,7 @@ class Grid:
                 self.matcher.forget_entry(entry.task_id)
                 await self.broker.discard([entry.task_id])
             elif claim in (ClaimMiss.QUOTA, ClaimMiss.SUSPENDED):
-                log.info("node %s gets no tasks for now: %s", session.node_id, claim.value)
-                session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
+                self._back_off(session, claim)
                 return None
         return None
 

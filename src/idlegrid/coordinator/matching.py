@@ -16,7 +16,7 @@ from idlegrid import protocol
 from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.policy import fairshare, scheduler
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.base import Assignment, JobRecord, ReadyTask, RunningTask
+from idlegrid.store.base import Assignment, JobRecord, NodeRecord, ReadyTask, RunningTask
 
 if TYPE_CHECKING:
     from idlegrid.coordinator.grid import Grid, JobPlan
@@ -197,15 +197,20 @@ class Matcher:
 
     # -- job status ----------------------------------------------------------------------
 
-    async def waiting_for(self, job: JobRecord) -> list[str]:
-        """Why an unfinished job cannot progress (empty when nothing stops it)."""
+    async def waiting_for(
+        self, job: JobRecord, *, nodes: Sequence[NodeRecord] | None = None
+    ) -> list[str]:
+        """Why an unfinished job cannot progress (empty when nothing stops it).
+
+        `nodes`: the registered nodes, when the caller has read them already.
+        """
         if job.state.value not in ("queued", "running"):
             return []
         plan = await self.grid.plan(job.id)
         if plan is None:
             return []
         views = []
-        for node in await self.grid.store.list_nodes():
+        for node in nodes if nodes is not None else await self.grid.store.list_nodes():
             try:
                 hardware = protocol.HardwareProfile.model_validate(node.hardware)
                 bench = protocol.Benchmark.model_validate(node.benchmark)

@@ -13,6 +13,7 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 
@@ -35,15 +36,6 @@ class RegistrationLimits:
 
 
 @dataclass(frozen=True)
-class Credit:
-    """Credit totals as stored: all-time, and decayed (policy.credit) as of `updated_at`."""
-
-    total: float = 0.0
-    decayed: float = 0.0
-    updated_at: float = 0.0
-
-
-@dataclass(frozen=True)
 class TokenInfo:
     token_id: int
     account_id: int
@@ -59,7 +51,7 @@ class AccountRecord:
     is_admin: bool
     flagged_at: float | None = None
     flag_reason: str | None = None
-    credit: Credit = Credit()
+    credit: CreditTotals = CreditTotals()
 
 
 @dataclass(frozen=True)
@@ -79,7 +71,7 @@ class NodeRecord:
     connected_seconds: float
     network: str = ""
     suspended_at: float | None = None
-    credit: Credit = Credit()
+    credit: CreditTotals = CreditTotals()
 
 
 @dataclass(frozen=True)

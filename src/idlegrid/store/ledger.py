@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.trust import Trust, TrustSettings
-from idlegrid.store.base import Credit, NodeTrust
+from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
 
 Verdict = Literal["valid", "unchecked", "invalid", "error"]
@@ -67,8 +67,12 @@ async def load_trust(
             .on_conflict_do_nothing()
         )
         row = (await conn.execute(query)).one()
-    used = row.quota_used if row.quota_day == day_of(now) else 0
-    return NodeTrust(node_id, kind, backend, trust_of(row), used)
+    return NodeTrust(node_id, kind, backend, trust_of(row), used_today(row, now))
+
+
+def used_today(row: Any, now: float) -> int:
+    """Tasks a node_trust row's node claimed today (its count is yesterday's otherwise)."""
+    return int(row.quota_used) if row.quota_day == day_of(now) else 0
 
 
 async def use_quota(
@@ -202,11 +206,7 @@ async def grant(
             .with_for_update()
         )
     ).one()
-    totals = credit_policy.grant(
-        credit_policy.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at),
-        amount,
-        now=now,
-    )
+    totals = credit_policy.grant(credit_of(row), amount, now=now)
     await conn.execute(
         update(table)
         .where(table.c.id == row_id)
@@ -218,8 +218,8 @@ async def grant(
     )
 
 
-def credit_of(row: Any) -> Credit:
-    return Credit(row.credit_total, row.credit_decayed, row.credit_updated_at)
+def credit_of(row: Any) -> credit_policy.CreditTotals:
+    return credit_policy.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at)
 
 
 def trust_of(row: Any) -> Trust:

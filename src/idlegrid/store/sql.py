@@ -42,7 +42,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.trust import TrustSettings
+from idlegrid.policy.trust import Trust, TrustSettings
 from idlegrid.states import (
     LIVE_TASK_STATES,
     JobState,
@@ -631,20 +631,10 @@ class SqlStore(TrainingRoundsSql):
         now: float,
         distinct: Distinct | None,
     ) -> Assignment | ClaimMiss:
-        node_id = claimer.node_id
         async with self._tx() as conn:
-            suspended = (
-                await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == node_id))
-            ).scalar_one_or_none()
-            if suspended is not None:
-                return ClaimMiss.SUSPENDED
-            standing = await ledger.load_trust(
-                conn, node_id, kind, claimer.backend, settings=self.trust, now=now
-            )
-            if standing.trust.suspended:
-                return ClaimMiss.SUSPENDED
-            if standing.quota_used_today >= standing.trust.daily_quota:
-                return ClaimMiss.QUOTA
+            standing = await self._standing(conn, claimer, kind, now=now)
+            if isinstance(standing, ClaimMiss):
+                return standing
             if distinct is not None and not self.is_sqlite:
                 # The "no replica on this node yet" check reads other rows: lock the shard
                 # so two claims of its replicas for one node cannot both pass it.
@@ -661,15 +651,7 @@ class SqlStore(TrainingRoundsSql):
             claimed = await conn.execute(
                 update(tasks)
                 .where(*where)
-                .values(
-                    state=TaskState.ASSIGNED.value,
-                    node_id=node_id,
-                    account_id=claimer.account_id,
-                    network=claimer.network,
-                    backend=claimer.backend,
-                    assigned_at=now,
-                    lease_deadline=lease_deadline,
-                )
+                .values(**_held_by(claimer, now), lease_deadline=lease_deadline)
             )
             if claimed.rowcount != 1:
                 state = (
@@ -678,26 +660,10 @@ class SqlStore(TrainingRoundsSql):
                 ready = state == TaskState.READY.value
                 return ClaimMiss.CONFLICT if ready else ClaimMiss.GONE
             await ledger.use_quota(
-                conn, node_id, kind, claimer.backend, used=standing.quota_used_today, now=now
-            )
-            row = (
-                await conn.execute(
-                    select(
-                        tasks.c.id,
-                        tasks.c.shard_id,
-                        tasks.c.job_id,
-                        shards.c.idx,
-                        shards.c.input_hash,
-                        shards.c.input_size,
-                        shards.c.mode,
-                        jobs.c.kind,
-                        jobs.c.params,
-                    )
-                    .join(shards, shards.c.id == tasks.c.shard_id)
-                    .join(jobs, jobs.c.id == tasks.c.job_id)
-                    .where(tasks.c.id == task_id)
-                )
-            ).one()
+                conn, claimer.node_id, kind, claimer.backend,
+                used=standing.quota_used_today, now=now,
+            )  # fmt: skip
+            [row] = await _assigned(conn, [task_id], now=now)
             other = tasks.alias("other")
             others_out = (
                 await conn.execute(
@@ -708,24 +674,27 @@ class SqlStore(TrainingRoundsSql):
                     )
                 )
             ).scalar_one()
-            await conn.execute(
-                update(jobs)
-                .where(jobs.c.id == row.job_id, jobs.c.state == JobState.QUEUED.value)
-                .values(state=JobState.RUNNING.value, started_at=now)
-            )
-        return Assignment(
-            task_id=row.id,
-            shard_id=row.shard_id,
-            job_id=row.job_id,
-            shard_index=row.idx,
-            kind=row.kind,
-            params=row.params,
-            input_hash=row.input_hash,
-            input_size=row.input_size,
-            lease_deadline=lease_deadline,
-            trust=standing.trust,
-            first_replica=others_out == 0 and row.mode is None,
+        return _assignment(
+            row, lease_deadline, standing.trust, first_replica=others_out == 0 and row.mode is None
         )
+
+    async def _standing(
+        self, conn: AsyncConnection, claimer: Claimer, kind: str, *, now: float
+    ) -> NodeTrust | ClaimMiss:
+        """The claimer's trust on `kind`, or why it may claim nothing now."""
+        suspended = (
+            await conn.execute(
+                select(nodes.c.suspended_at).where(nodes.c.id == claimer.node_id)
+            )
+        ).scalar_one_or_none()
+        standing = await ledger.load_trust(
+            conn, claimer.node_id, kind, claimer.backend, settings=self.trust, now=now
+        )
+        if suspended is not None or standing.trust.suspended:
+            return ClaimMiss.SUSPENDED
+        if standing.quota_used_today >= standing.trust.daily_quota:
+            return ClaimMiss.QUOTA
+        return standing
 
     @_retry_conflicts
     async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
@@ -832,7 +801,7 @@ class SqlStore(TrainingRoundsSql):
                 row.kind,
                 row.backend,
                 ledger.trust_of(row),
-                row.quota_used if row.quota_day == ledger.day_of(time.time()) else 0,
+                ledger.used_today(row, time.time()),
             )
             for row in rows
         ]
@@ -843,19 +812,11 @@ class SqlStore(TrainingRoundsSql):
     ) -> list[Assignment] | ClaimMiss:
         if not lease_deadlines:
             return []
-        node_id = claimer.node_id
         async with self._tx() as conn:
-            suspended = (
-                await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == node_id))
-            ).scalar_one_or_none()
-            standing = await ledger.load_trust(
-                conn, node_id, kind, claimer.backend, settings=self.trust, now=now
-            )
-            if suspended is not None or standing.trust.suspended:
-                return ClaimMiss.SUSPENDED
+            standing = await self._standing(conn, claimer, kind, now=now)
+            if isinstance(standing, ClaimMiss):
+                return standing
             room = standing.trust.daily_quota - standing.quota_used_today
-            if room <= 0:
-                return ClaimMiss.QUOTA
             wanted = sorted(lease_deadlines)[:room]
             claimed = (
                 (
@@ -866,12 +827,7 @@ class SqlStore(TrainingRoundsSql):
                             tasks.c.state == TaskState.READY.value,
                         )
                         .values(
-                            state=TaskState.ASSIGNED.value,
-                            node_id=node_id,
-                            account_id=claimer.account_id,
-                            network=claimer.network,
-                            backend=claimer.backend,
-                            assigned_at=now,
+                            **_held_by(claimer, now),
                             lease_deadline=case(
                                 {t: lease_deadlines[t] for t in wanted}, value=tasks.c.id
                             ),
@@ -886,54 +842,15 @@ class SqlStore(TrainingRoundsSql):
                 return []
             await ledger.use_quota(
                 conn,
-                node_id,
+                claimer.node_id,
                 kind,
                 claimer.backend,
                 used=standing.quota_used_today,
                 count=len(claimed),
                 now=now,
             )
-            rows = (
-                await conn.execute(
-                    select(
-                        tasks.c.id,
-                        tasks.c.shard_id,
-                        tasks.c.job_id,
-                        shards.c.idx,
-                        shards.c.input_hash,
-                        shards.c.input_size,
-                        jobs.c.kind,
-                        jobs.c.params,
-                    )
-                    .join(shards, shards.c.id == tasks.c.shard_id)
-                    .join(jobs, jobs.c.id == tasks.c.job_id)
-                    .where(tasks.c.id.in_(claimed))
-                    .order_by(tasks.c.id)
-                )
-            ).all()
-            await conn.execute(
-                update(jobs)
-                .where(
-                    jobs.c.id.in_({row.job_id for row in rows}),
-                    jobs.c.state == JobState.QUEUED.value,
-                )
-                .values(state=JobState.RUNNING.value, started_at=now)
-            )
-        return [
-            Assignment(
-                task_id=row.id,
-                shard_id=row.shard_id,
-                job_id=row.job_id,
-                shard_index=row.idx,
-                kind=row.kind,
-                params=row.params,
-                input_hash=row.input_hash,
-                input_size=row.input_size,
-                lease_deadline=lease_deadlines[row.id],
-                trust=standing.trust,
-            )
-            for row in rows
-        ]
+            rows = await _assigned(conn, claimed, now=now)
+        return [_assignment(row, lease_deadlines[row.id], standing.trust) for row in rows]
 
     async def accept_result(
         self,
@@ -1491,6 +1408,68 @@ class SqlStore(TrainingRoundsSql):
                 now=now,
                 lock=not self.is_sqlite,
             )
+
+
+def _held_by(claimer: Claimer, now: float) -> dict[str, Any]:
+    """The values of a task claimed by `claimer` (its lease deadline aside)."""
+    return dict(
+        state=TaskState.ASSIGNED.value,
+        node_id=claimer.node_id,
+        account_id=claimer.account_id,
+        network=claimer.network,
+        backend=claimer.backend,
+        assigned_at=now,
+    )
+
+
+async def _assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> list[Any]:
+    """What the nodes need to hear of tasks just claimed; their jobs start running."""
+    rows = (
+        await conn.execute(
+            select(
+                tasks.c.id,
+                tasks.c.shard_id,
+                tasks.c.job_id,
+                shards.c.idx,
+                shards.c.input_hash,
+                shards.c.input_size,
+                shards.c.mode,
+                jobs.c.kind,
+                jobs.c.params,
+            )
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id.in_(list(task_ids)))
+            .order_by(tasks.c.id)
+        )
+    ).all()
+    await conn.execute(
+        update(jobs)
+        .where(
+            jobs.c.id.in_({row.job_id for row in rows}),
+            jobs.c.state == JobState.QUEUED.value,
+        )
+        .values(state=JobState.RUNNING.value, started_at=now)
+    )
+    return list(rows)
+
+
+def _assignment(
+    row: Any, lease_deadline: float, trust: Trust, *, first_replica: bool = False
+) -> Assignment:
+    return Assignment(
+        task_id=row.id,
+        shard_id=row.shard_id,
+        job_id=row.job_id,
+        shard_index=row.idx,
+        kind=row.kind,
+        params=row.params,
+        input_hash=row.input_hash,
+        input_size=row.input_size,
+        lease_deadline=lease_deadline,
+        trust=trust,
+        first_replica=first_replica,
+    )
 
 
 def _distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
