@@ -275,7 +275,15 @@ def main() -> None:
     limit = raise_open_files_limit()
     if limit < args.nodes + 1000:
         raise SystemExit(f"open-files limit {limit} is too low for {args.nodes} nodes")
-    extra_env = dict(item.split("=", 1) for item in args.coordinator_env)
+    # The whole fleet is one account on one address (loopback): lift the Sybil limits
+    # for it, as an operator does for a known large contributor. `--coordinator-env`
+    # can set them back.
+    extra_env = {
+        "IDLEGRID_MAX_NODES_PER_ACCOUNT": str(args.nodes),
+        "IDLEGRID_NODE_REGISTRATIONS_PER_ACCOUNT_PER_HOUR": str(args.nodes),
+        "IDLEGRID_NODE_REGISTRATIONS_PER_ADDRESS_PER_HOUR": str(args.nodes),
+    }
+    extra_env.update(item.split("=", 1) for item in args.coordinator_env)
     print(f"open-files limit {limit}; {args.nodes} nodes, heartbeat every {args.interval} s")
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-fleet-") as tmp,

@@ -161,7 +161,7 @@ def serve(
     sock.bind((host, port))
     bound = sock.getsockname()[1]
     config = uvicorn.Config(
-        create_app(settings),
+        create_app(settings, owns_process=True),
         log_level=log_level,
         lifespan="on",
         access_log=log_level == "debug",

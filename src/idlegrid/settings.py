@@ -82,6 +82,10 @@ class CoordinatorSettings:
     backups: bool = True
     backup_factor: float = 2.0
     backup_min_gain_s: float = 5.0
+    # The garbage collector (coordinator/heap.py), applied by `idlegrid serve` to its own
+    # process: survivors frozen every gc_freeze_s, a full pass every gc_full_s; 0: off.
+    gc_freeze_s: float = 30.0
+    gc_full_s: float = 3600.0
 
     @property
     def database(self) -> str:

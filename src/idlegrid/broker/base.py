@@ -61,9 +61,7 @@ class Broker(Protocol):
     async def publish(self, channel: str, payload: Mapping[str, Any]) -> None:
         """Send a JSON-able message to every subscriber of `channel`, in every process."""
 
-    def subscribe(
-        self, channel: str
-    ) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+    def subscribe(self, channel: str) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
         """Subscribed once entered: the messages published on `channel` from then on."""
         ...
 

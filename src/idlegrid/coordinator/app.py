@@ -28,15 +28,17 @@ from idlegrid.store.base import AccountExists
 log = logging.getLogger(__name__)
 
 
-def create_app(settings: CoordinatorSettings) -> FastAPI:
-    """The coordinator for `settings`; state opens in the lifespan, not at import."""
+def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> FastAPI:
+    """The coordinator for `settings`; state opens in the lifespan, not at import.
+
+    `owns_process`: the app is the process's only tenant (`idlegrid serve`), so it may
+    tune process-wide state: the garbage collector (`settings.gc_freeze_s`).
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
-        store = open_store(
-            settings.database, schema=settings.database_schema, trust=settings.trust
-        )
+        store = open_store(settings.database, schema=settings.database_schema, trust=settings.trust)
         await store.open()
         await bootstrap_admin(store, settings)
         grid = Grid(
@@ -45,7 +47,7 @@ def create_app(settings: CoordinatorSettings) -> FastAPI:
             broker=open_broker(settings.redis_url, prefix=settings.redis_prefix),
             blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes),
         )
-        monitor = Monitor(grid)
+        monitor = Monitor(grid, tune_gc=owns_process)
         await monitor.start()
         app.state.grid = grid
         try:

@@ -44,12 +44,16 @@ from idlegrid.store.base import (
     Distinct,
     JobRecord,
     NewJob,
+    NewResult,
     NewShard,
     NodeTask,
     ReadyTask,
     RegistrationLimits,
     ResultReceipt,
+    ShardDecision,
+    ShardForVerify,
     Store,
+    TaskInput,
 )
 
 log = logging.getLogger(__name__)
@@ -435,9 +439,7 @@ class Grid:
 
     async def accept_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         """Take a node's result: check it, record it once, verify its shard."""
-        receipt = await self._take_result(session, msg)
-        self.counters.results[receipt.status] += 1
-        return receipt
+        return (await self._take_results(session, [msg]))[0]
 
     async def accept_results(
         self, session: NodeSession, msgs: Sequence[protocol.Result]
@@ -447,49 +449,71 @@ class Grid:
         The receipts are for after the commit: acknowledge none of them before this returns.
         """
         async with self.store.batch():
-            return [await self.accept_result(session, msg) for msg in msgs]
+            return await self._take_results(session, msgs)
 
-    async def _take_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
-        problem = await self._check_output(session, msg)
-        if problem is not None:
-            failed = await self.store.record_failure(
-                msg.task_id,
-                session.node_id,
-                reason=f"invalid output: {problem}",
-                now=self.clock(),
-            )
-            if failed:
+    async def _take_results(
+        self, session: NodeSession, msgs: Sequence[protocol.Result]
+    ) -> list[ResultReceipt]:
+        """Check, record and verify results in a few statements however many there are:
+        one read of their inputs, one write of the results, one verification pass over
+        the shards they complete."""
+        inputs = await self.store.task_inputs([m.task_id for m in msgs], session.node_id)
+        receipts: dict[int, ResultReceipt] = {}  # index in msgs -> receipt
+        good: list[int] = []
+        failed = False
+        for index, msg in enumerate(msgs):
+            problem = await self._check_output(session, msg, inputs.get(msg.task_id))
+            if problem is None:
+                good.append(index)
+                continue
+            if await self.store.record_failure(
+                msg.task_id, session.node_id, reason=f"invalid output: {problem}", now=self.clock()
+            ):
                 session.forget_task(msg.task_id)
-                await self.replenish()
-            return ResultReceipt("rejected", problem)
-        receipt = await self.store.accept_result(
-            msg.task_id,
+                failed = True
+            receipts[index] = ResultReceipt("rejected", problem)
+        stored = await self.store.accept_results(
             session.node_id,
-            output_hash=msg.output,
-            output_size=msg.output_size,
-            elapsed_s=msg.elapsed_s,
+            [
+                NewResult(msgs[i].task_id, msgs[i].output, msgs[i].output_size, msgs[i].elapsed_s)
+                for i in good
+            ],
             now=self.clock(),
         )
-        if receipt.status != "rejected":
-            session.forget_task(msg.task_id)
-        if receipt.status == "accepted":
-            session.tasks_returned += 1
-        if receipt.status == "accepted" and receipt.shard_id is not None:
-            await self.verify_shard(receipt.shard_id)
-        elif receipt.status == "late" and not receipt.reason:
-            await self.judge_late()  # stored, after its shard was decided
-        return receipt
+        to_verify: list[int] = []
+        late = False
+        for index, receipt in zip(good, stored, strict=True):
+            receipts[index] = receipt
+            if receipt.status != "rejected":
+                session.forget_task(msgs[index].task_id)
+            if receipt.status == "accepted":
+                session.tasks_returned += 1
+                if receipt.shard_id is not None:
+                    to_verify.append(receipt.shard_id)
+            elif receipt.status == "late" and not receipt.reason:
+                late = True  # stored, after its shard was decided
+        if to_verify:
+            await self.verify_shards(to_verify)
+        if late:
+            await self.judge_late()
+        if failed:
+            await self.replenish()
+        ordered = [receipts[index] for index in range(len(msgs))]
+        for receipt in ordered:
+            self.counters.results[receipt.status] += 1
+        return ordered
 
-    async def _check_output(self, session: NodeSession, msg: protocol.Result) -> str | None:
+    async def _check_output(
+        self, session: NodeSession, msg: protocol.Result, assignment: TaskInput | None
+    ) -> str | None:
         try:
             size = self.blobs.size(msg.output)
         except (FileNotFoundError, BlobError):
             return f"output blob {msg.output} was not uploaded"
         if size != msg.output_size:
             return f"output blob has {size} bytes, not {msg.output_size}"
-        assignment = await self.store.task_input(msg.task_id, session.node_id)
         if assignment is None:
-            return None  # not this node's task: accept_result rejects it with the reason
+            return None  # not this node's task: accept_results rejects it with the reason
         plan = await self.plan(assignment.job_id)
         if plan is None:
             return None
@@ -513,16 +537,54 @@ class Grid:
 
     async def verify_shard(self, shard_id: int) -> None:
         """Run the verifier over a shard's results and store its decision."""
-        found = await self.store.shard_for_verify(shard_id)
-        if found is None or not found.results:
-            return
-        plan = await self.plan(found.job.id)
-        assert plan is not None
+        await self.verify_shards([shard_id])
+
+    async def verify_shards(self, shard_ids: Sequence[int]) -> None:
+        """Verify several shards: one read of their results, one write of the decisions."""
+        found = await self.store.shards_for_verify(shard_ids)
+        decided: list[tuple[ShardForVerify, JobPlan, verifier.Decision]] = []
+        for shard_id in dict.fromkeys(shard_ids):
+            item = found.get(shard_id)
+            if item is None or not item.results:
+                continue
+            plan = await self.plan(item.job.id)
+            assert plan is not None
+            decided.append((item, plan, await self._decide(item, plan)))
+        outcomes = await self.store.decide_shards(
+            [
+                ShardDecision(
+                    item.shard.id,
+                    decision.canonical,
+                    decision.valid,
+                    decision.invalid,
+                    decision.fail_reason,
+                )
+                for item, _, decision in decided
+            ],
+            now=self.clock(),
+        )
+        to_assemble: dict[int, None] = {}
+        short = False
+        for (item, plan, decision), outcome in zip(decided, outcomes, strict=True):
+            shard_id = item.shard.id
+            await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+            self._count_verdicts(outcome.decided, decision)
+            if outcome.job_done or (outcome.decided and self.rounds.drives(plan.kind)):
+                to_assemble[item.job.id] = None
+            elif not outcome.decided:
+                await self._undecided(item, plan)
+                short = True
+        for job_id in to_assemble:
+            await self.assemble(job_id)
+        if short:
+            await self.replenish()
+
+    async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
         outputs = [(r.task_id, self.blobs.read(r.output_hash)) for r in found.results]
         credibility = {
             r.task_id: trust_policy.credibility(r.trust, self.trust) for r in found.results
         }
-        decision = await _compute(
+        return await _compute(
             functools.partial(
                 verifier.decide,
                 min_quorum=found.shard.quorum,
@@ -537,35 +599,22 @@ class Grid:
             lambda a, b: plan.kind.compare(a, b, plan.params),
             size=sum(len(output) for _, output in outputs),
         )
-        outcome = await self.store.decide_shard(
-            shard_id,
-            canonical_task_id=decision.canonical,
-            valid=decision.valid,
-            invalid=decision.invalid,
-            fail_reason=decision.fail_reason,
-            now=self.clock(),
-        )
-        await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
-        self._count_verdicts(outcome.decided, decision)
-        if outcome.job_done or (outcome.decided and self.rounds.drives(plan.kind)):
-            await self.assemble(found.job.id)
-        elif not outcome.decided:
-            shard = found.shard
-            # The spot check disagreed (or the lone node lost its credibility): back to
-            # full replication; the quorum then says who was wrong.
-            if (
-                shard.mode in ("alone", "spot")
-                and len(found.results) >= shard.target
-                and await self.store.escalate(
-                    shard_id, target=plan.replication, quorum=plan.min_quorum
-                )
-            ):
-                self.counters.alone["escalated"] += 1
-            elif shard.quorum == 1 and len(found.results) >= shard.target:
-                # A lone result without the credibility to stand (its node was caught or
-                # suspended meanwhile): one more replica, as BOINC raises a target.
-                await self.store.raise_target(shard_id, results_seen=len(found.results))
-            await self.replenish()
+
+    async def _undecided(self, found: ShardForVerify, plan: JobPlan) -> None:
+        """A shard its results did not decide: escalate it or raise its target."""
+        shard = found.shard
+        # The spot check disagreed (or the lone node lost its credibility): back to full
+        # replication; the quorum then says who was wrong.
+        if (
+            shard.mode in ("alone", "spot")
+            and len(found.results) >= shard.target
+            and await self.store.escalate(shard.id, target=plan.replication, quorum=plan.min_quorum)
+        ):
+            self.counters.alone["escalated"] += 1
+        elif shard.quorum == 1 and len(found.results) >= shard.target:
+            # A lone result without the credibility to stand (its node was caught or
+            # suspended meanwhile): one more replica, as BOINC raises a target.
+            await self.store.raise_target(shard.id, results_seen=len(found.results))
 
     async def judge_late(self, *, limit: int = 100) -> int:
         """Check results that came after their shard was decided against its canonical

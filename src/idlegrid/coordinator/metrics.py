@@ -53,28 +53,59 @@ async def render(grid: Grid) -> str:
     """The metrics page of this process."""
     tasks, jobs = await grid.store.state_counts()
     out = _Exposition()
-    out.metric("idlegrid_connected_nodes", "gauge",
-               "Nodes connected to this coordinator process.", {"": len(grid.hub)})
-    out.metric("idlegrid_grid_connected_nodes", "gauge",
-               "Nodes connected to any coordinator process of the grid.",
-               {"": len(await grid.broker.connections())})
-    out.metric("idlegrid_ready_queue_depth", "gauge",
-               "Tasks in the broker's ready queue.", {"": await grid.broker.ready_count()})
-    out.metric("idlegrid_tasks", "gauge", "Tasks in the store by state.",
-               _by("state", tasks, tuple(s.value for s in TaskState)))
-    out.metric("idlegrid_jobs", "gauge", "Jobs in the store by state.",
-               _by("state", jobs, tuple(s.value for s in JobState)))
+    out.metric(
+        "idlegrid_connected_nodes",
+        "gauge",
+        "Nodes connected to this coordinator process.",
+        {"": len(grid.hub)},
+    )
+    out.metric(
+        "idlegrid_grid_connected_nodes",
+        "gauge",
+        "Nodes connected to any coordinator process of the grid.",
+        {"": len(await grid.broker.connections())},
+    )
+    out.metric(
+        "idlegrid_ready_queue_depth",
+        "gauge",
+        "Tasks in the broker's ready queue.",
+        {"": await grid.broker.ready_count()},
+    )
+    out.metric(
+        "idlegrid_tasks",
+        "gauge",
+        "Tasks in the store by state.",
+        _by("state", tasks, tuple(s.value for s in TaskState)),
+    )
+    out.metric(
+        "idlegrid_jobs",
+        "gauge",
+        "Jobs in the store by state.",
+        _by("state", jobs, tuple(s.value for s in JobState)),
+    )
     counters = grid.counters
-    out.metric("idlegrid_results_total", "counter",
-               "Results received by this process, by receipt (rejected: not counted).",
-               _by("status", counters.results, RECEIPTS))
-    out.metric("idlegrid_results_verified_total", "counter",
-               "Results the verifier of this process marked valid or invalid.",
-               _by("outcome", counters.verified, ("valid", "invalid")))
-    out.metric("idlegrid_lease_expiries_total", "counter",
-               "Task leases this process expired (deadline passed, node silent or lost it).",
-               {"": counters.lease_expiries})
-    out.metric("idlegrid_backup_tasks_total", "counter",
-               "Speculative backup copies of straggling shards this process handed out.",
-               {"": counters.backups})
+    out.metric(
+        "idlegrid_results_total",
+        "counter",
+        "Results received by this process, by receipt (rejected: not counted).",
+        _by("status", counters.results, RECEIPTS),
+    )
+    out.metric(
+        "idlegrid_results_verified_total",
+        "counter",
+        "Results the verifier of this process marked valid or invalid.",
+        _by("outcome", counters.verified, ("valid", "invalid")),
+    )
+    out.metric(
+        "idlegrid_lease_expiries_total",
+        "counter",
+        "Task leases this process expired (deadline passed, node silent or lost it).",
+        {"": counters.lease_expiries},
+    )
+    out.metric(
+        "idlegrid_backup_tasks_total",
+        "counter",
+        "Speculative backup copies of straggling shards this process handed out.",
+        {"": counters.backups},
+    )
     return out.text()

@@ -12,6 +12,7 @@ import logging
 
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.grid import CHANNEL, Grid
+from idlegrid.coordinator.heap import HeapKeeper
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +106,9 @@ async def run_once(grid: Grid) -> None:
 class Monitor:
     """Owns the coordinator's background loops; started and stopped by the app lifespan."""
 
-    def __init__(self, grid: Grid) -> None:
+    def __init__(self, grid: Grid, *, tune_gc: bool = False) -> None:
         self.grid = grid
+        self.tune_gc = tune_gc
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
@@ -121,6 +123,13 @@ class Monitor:
             asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S), name="sync"),
             asyncio.create_task(self._listen(), name="listen"),
         ]
+        settings = self.grid.settings
+        if self.tune_gc and settings.gc_freeze_s > 0:
+            keeper = HeapKeeper(
+                freeze_every_s=settings.gc_freeze_s,
+                full_every_s=max(settings.gc_full_s, settings.gc_freeze_s),
+            )
+            self._tasks.append(asyncio.create_task(keeper.run(self._stopping), name="heap"))
 
     async def _startup(self) -> None:
         """Rebuild in-memory state from the store after a (re)start."""

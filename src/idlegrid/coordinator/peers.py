@@ -82,9 +82,9 @@ async def on_message(grid: Grid, message: dict[str, Any]) -> None:
         case "connected":
             stale = grid.hub.get(int(message["node_id"]))
             # The broker has the last word: the node may have come back here since.
-            if stale is not None and grid.process_id != (
-                await grid.broker.connections()
-            ).get(stale.node_id):
+            if stale is not None and grid.process_id != (await grid.broker.connections()).get(
+                stale.node_id
+            ):
                 log.info("node %s moved to another coordinator", stale.node_id)
                 grid.hub.remove(stale)
                 await stale.close()

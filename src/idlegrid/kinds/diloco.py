@@ -127,10 +127,17 @@ class DilocoKind(TaskKind):
         return [
             ShardSpec(
                 index=shard,
-                payload=tasks.encode_task(round_task(
-                    params, state, train, shard, stream=stream, keyframe_blob=keyframe,
-                    init_seed=params.seed,
-                )),  # fmt: skip
+                payload=tasks.encode_task(
+                    round_task(
+                        params,
+                        state,
+                        train,
+                        shard,
+                        stream=stream,
+                        keyframe_blob=keyframe,
+                        init_seed=params.seed,
+                    )
+                ),  # fmt: skip
                 items=params.inner.steps,
                 cost_flops=train_flops(params),
             )
@@ -308,10 +315,17 @@ def round_shards(
         specs = [
             ShardSpec(
                 index=first + shard,
-                payload=tasks.encode_task(round_task(
-                    params, state, train, shard, stream=stream, chain=chain,
-                    keyframe_blob=keyframe_blob,
-                )),
+                payload=tasks.encode_task(
+                    round_task(
+                        params,
+                        state,
+                        train,
+                        shard,
+                        stream=stream,
+                        chain=chain,
+                        keyframe_blob=keyframe_blob,
+                    )
+                ),
                 items=params.inner.steps,
                 cost_flops=train_flops(params),
             )  # fmt: skip

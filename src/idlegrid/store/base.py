@@ -231,6 +231,16 @@ class ResultReceipt:
 
 
 @dataclass(frozen=True)
+class NewResult:
+    """A node's report that it finished a task, as `Store.accept_results` takes it."""
+
+    task_id: int
+    output_hash: str
+    output_size: int
+    elapsed_s: float
+
+
+@dataclass(frozen=True)
 class TaskInput:
     job_id: int
     shard_id: int
@@ -265,6 +275,17 @@ class ShardForVerify:
     shard: ShardRecord
     job: JobRecord
     results: list[ShardResult]
+
+
+@dataclass(frozen=True)
+class ShardDecision:
+    """What the verifier decided for a shard (`Store.decide_shards` records it)."""
+
+    shard_id: int
+    canonical_task_id: int | None
+    valid: Sequence[int]
+    invalid: Sequence[int]
+    fail_reason: str | None
 
 
 @dataclass(frozen=True)
@@ -404,6 +425,7 @@ class Store(TrainingRoundStore, Protocol):
     ) -> NodeRecord:
         """Register or refresh a node; `RegistrationRefused` says why a new one may not."""
         ...
+
     async def set_node_offline(self, node_id: int, *, now: float) -> None: ...
     async def touch_nodes(self, seen: dict[int, float]) -> None: ...
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
@@ -451,6 +473,7 @@ class Store(TrainingRoundStore, Protocol):
     ) -> Assignment | ClaimMiss:
         """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
         ...
+
     async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
         """Let the first replica of a shard run unreplicated (adaptive replication).
 
@@ -459,16 +482,20 @@ class Store(TrainingRoundStore, Protocol):
         handed out meanwhile (then the shard stays fully replicated).
         """
         ...
+
     async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
         """Send a shard run alone back to full replication (a spot check disagreed)."""
         ...
+
     async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
         """One more replica for a shard whose `results_seen` results did not decide it."""
         ...
+
     async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
         """Record whether a late result agreed with its shard's canonical one."""
         ...
+
     async def late_results(self, *, limit: int) -> list[LateResult]: ...
     async def accept_result(
         self,
@@ -480,7 +507,17 @@ class Store(TrainingRoundStore, Protocol):
         elapsed_s: float,
         now: float,
     ) -> ResultReceipt: ...
+    async def accept_results(
+        self, node_id: int, results: Sequence[NewResult], *, now: float
+    ) -> list[ResultReceipt]:
+        """Record several results of one node in one transaction; a receipt for each."""
+        ...
+
     async def task_input(self, task_id: int, node_id: int) -> TaskInput | None: ...
+    async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
+        """The inputs of those of `task_ids` that `node_id` holds or held."""
+        ...
+
     async def record_failure(
         self, task_id: int, node_id: int, *, reason: str, now: float
     ) -> bool: ...
@@ -489,6 +526,16 @@ class Store(TrainingRoundStore, Protocol):
     async def expire_node_tasks(self, node_id: int, *, now: float) -> list[NodeTask]: ...
     async def shards_to_verify(self, *, limit: int) -> list[int]: ...
     async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None: ...
+    async def shards_for_verify(self, shard_ids: Sequence[int]) -> dict[int, ShardForVerify]:
+        """`shard_for_verify` of several shards in one read; unknown ids are left out."""
+        ...
+
+    async def decide_shards(
+        self, decisions: Sequence[ShardDecision], *, now: float
+    ) -> list[DecisionOutcome]:
+        """`decide_shard` of several shards in one transaction; outcomes in their order."""
+        ...
+
     async def decide_shard(
         self,
         shard_id: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Literal
 
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -131,49 +131,82 @@ async def apply_verdicts(
             .order_by(tasks.c.node_id, tasks.c.id)
         )
     ).all()
+    # One trust read and write per node, kind and backend, however many verdicts it
+    # got (a batch of results from one node is the common case); the policy still steps
+    # through them one by one, in task order.
+    groups: dict[tuple[int, str, str], list[Any]] = {}
     for row in rows:
-        verdict = verdict_of[row.id]
-        await _judge_node(conn, row, verdict, settings=settings, now=now)
-        if verdict in ("valid", "unchecked") and row.credit is None:
-            amount = credit_policy.credit_for(row.cost_flops)
-            await conn.execute(update(tasks).where(tasks.c.id == row.id).values(credit=amount))
-            await grant(conn, nodes, row.node_id, amount, now=now)
-            await grant(conn, accounts, row.account_id, amount, now=now)
+        groups.setdefault((row.node_id, row.kind, row.backend or "cpu"), []).append(row)
+    for (node_id, kind, backend), group in groups.items():
+        await _judge_node(
+            conn,
+            node_id,
+            kind,
+            backend,
+            group[0].account_id,
+            [verdict_of[row.id] for row in group],
+            settings=settings,
+            now=now,
+        )
+    # Credit: one task update for all, one grant per node and per account.
+    earned = [
+        (row, credit_policy.credit_for(row.cost_flops))
+        for row in rows
+        if verdict_of[row.id] in ("valid", "unchecked") and row.credit is None
+    ]
+    if not earned:
+        return
+    await conn.execute(
+        update(tasks).where(tasks.c.id == bindparam("task")).values(credit=bindparam("amount")),
+        [{"task": row.id, "amount": amount} for row, amount in earned],
+    )
+    per_node: dict[int, float] = {}
+    per_account: dict[int, float] = {}
+    for row, amount in earned:
+        per_node[row.node_id] = per_node.get(row.node_id, 0.0) + amount
+        per_account[row.account_id] = per_account.get(row.account_id, 0.0) + amount
+    for node_id, amount in per_node.items():
+        await grant(conn, nodes, node_id, amount, now=now)
+    for account_id, amount in per_account.items():
+        await grant(conn, accounts, account_id, amount, now=now)
 
 
 async def _judge_node(
-    conn: AsyncConnection, row: Any, verdict: Verdict, *, settings: TrustSettings, now: float
+    conn: AsyncConnection,
+    node_id: int,
+    kind: str,
+    backend: str,
+    account_id: int,
+    verdicts: list[Verdict],
+    *,
+    settings: TrustSettings,
+    now: float,
 ) -> None:
     current = await load_trust(
-        conn,
-        row.node_id,
-        row.kind,
-        row.backend or "cpu",
-        settings=settings,
-        now=now,
-        for_update=True,
+        conn, node_id, kind, backend, settings=settings, now=now, for_update=True
     )
-    before = current.trust
-    match verdict:
-        case "valid":
-            after = trust_policy.after_valid(before, settings)
-        case "unchecked":
-            after = trust_policy.after_unchecked(before, settings)
-        case "invalid":
-            after = trust_policy.after_invalid(before, settings)
-        case "error":
-            after = trust_policy.after_error(before)
+    before = after = current.trust
+    for verdict in verdicts:
+        match verdict:
+            case "valid":
+                after = trust_policy.after_valid(after, settings)
+            case "unchecked":
+                after = trust_policy.after_unchecked(after, settings)
+            case "invalid":
+                after = trust_policy.after_invalid(after, settings)
+            case "error":
+                after = trust_policy.after_error(after)
     await conn.execute(
         update(node_trust)
         .where(
-            node_trust.c.node_id == row.node_id,
-            node_trust.c.kind == row.kind,
-            node_trust.c.backend == (row.backend or "cpu"),
+            node_trust.c.node_id == node_id,
+            node_trust.c.kind == kind,
+            node_trust.c.backend == backend,
         )
         .values(**_trust_values(after), updated_at=now)
     )
-    if after.suspended and not before.suspended:
-        await suspend(conn, row.node_id, row.account_id, row.kind, now=now)
+    if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
+        await suspend(conn, node_id, account_id, kind, now=now)
 
 
 async def suspend(

@@ -225,9 +225,7 @@ async def _add_shards(conn: AsyncConnection, job_id: int, new: Sequence[NewShard
     if not new:
         return
     job = (
-        await conn.execute(
-            select(jobs.c.replication, jobs.c.min_quorum).where(jobs.c.id == job_id)
-        )
+        await conn.execute(select(jobs.c.replication, jobs.c.min_quorum).where(jobs.c.id == job_id))
     ).one()
     await conn.execute(
         insert(shards),

@@ -30,7 +30,6 @@ from sqlalchemy import (
     exists,
     func,
     insert,
-    literal,
     or_,
     select,
     text,
@@ -64,6 +63,7 @@ from idlegrid.store.base import (
     JobRecord,
     LateResult,
     NewJob,
+    NewResult,
     NodeRecord,
     NodeTask,
     NodeTrust,
@@ -72,6 +72,7 @@ from idlegrid.store.base import (
     RegistrationRefused,
     ResultReceipt,
     RunningTask,
+    ShardDecision,
     ShardForVerify,
     ShardRecord,
     ShardResult,
@@ -246,9 +247,7 @@ class SqlStore(TrainingRoundsSql):
 
     async def account_by_id(self, account_id: int) -> AccountRecord | None:
         async with self._read() as conn:
-            row = (
-                await conn.execute(select(accounts).where(accounts.c.id == account_id))
-            ).first()
+            row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).first()
         return _account(row) if row else None
 
     async def count_accounts(self) -> int:
@@ -369,9 +368,11 @@ class SqlStore(TrainingRoundsSql):
         """Sybil limits on a new node (checked, not locked: two racing registrations
         may both pass the last free place, which bounds the excess to the races)."""
         flagged = (
-            await conn.execute(select(accounts.c.flag_reason).where(
-                accounts.c.id == account_id, accounts.c.flagged_at.is_not(None)
-            ))
+            await conn.execute(
+                select(accounts.c.flag_reason).where(
+                    accounts.c.id == account_id, accounts.c.flagged_at.is_not(None)
+                )
+            )
         ).first()
         if flagged is not None:
             raise RegistrationRefused(
@@ -683,9 +684,7 @@ class SqlStore(TrainingRoundsSql):
     ) -> NodeTrust | ClaimMiss:
         """The claimer's trust on `kind`, or why it may claim nothing now."""
         suspended = (
-            await conn.execute(
-                select(nodes.c.suspended_at).where(nodes.c.id == claimer.node_id)
-            )
+            await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == claimer.node_id))
         ).scalar_one_or_none()
         standing = await ledger.load_trust(
             conn, claimer.node_id, kind, claimer.backend, settings=self.trust, now=now
@@ -862,44 +861,88 @@ class SqlStore(TrainingRoundsSql):
         elapsed_s: float,
         now: float,
     ) -> ResultReceipt:
-        async with self._tx() as conn:
-            row = (
-                await conn.execute(
-                    select(
-                        tasks.c.node_id,
-                        tasks.c.state,
-                        tasks.c.output_hash,
-                        tasks.c.shard_id,
-                        tasks.c.job_id,
-                        shards.c.state.label("shard_state"),
-                    )
-                    .join(shards, shards.c.id == tasks.c.shard_id)
-                    .where(tasks.c.id == task_id)
-                )
-            ).first()
-            receipt = _judge_result(row, task_id, node_id, output_hash)
-            if receipt is not None:
-                return receipt
-            assert row is not None
-            shard_open = row.shard_state == ShardState.OPEN.value
-            check_transition(TaskState(row.state), TaskState.COMPLETED)
-            changed = await conn.execute(
-                update(tasks)
-                .where(tasks.c.id == task_id, tasks.c.state == row.state)
-                .values(
-                    state=TaskState.COMPLETED.value,
-                    output_hash=output_hash,
-                    output_size=output_size,
-                    elapsed_s=elapsed_s,
-                    finished_at=now,
-                    outcome=None if shard_open else "late",
-                )
+        result = NewResult(task_id, output_hash, output_size, elapsed_s)
+        return (await self.accept_results(node_id, [result], now=now))[0]
+
+    async def accept_results(
+        self, node_id: int, results: Sequence[NewResult], *, now: float
+    ) -> list[ResultReceipt]:
+        if not results:
+            return []
+        # One read and one write for the batch. The rows are locked on PostgreSQL (in id
+        # order, so two batches cannot deadlock); SQLite holds its write lock meanwhile.
+        query = (
+            select(
+                tasks.c.id,
+                tasks.c.node_id,
+                tasks.c.state,
+                tasks.c.output_hash,
+                tasks.c.shard_id,
+                tasks.c.job_id,
+                shards.c.state.label("shard_state"),
             )
-            if changed.rowcount != 1:
-                return ResultReceipt("rejected", f"task {task_id} changed state meanwhile")
-        return ResultReceipt(
-            "accepted" if shard_open else "late", shard_id=row.shard_id, job_id=row.job_id
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
+            .order_by(tasks.c.id)
         )
+        if not self.is_sqlite:
+            query = query.with_for_update(of=tasks)
+        async with self._tx() as conn:
+            rows = {row.id: row for row in (await conn.execute(query)).all()}
+            receipts: list[ResultReceipt] = []
+            changes: list[dict[str, Any]] = []
+            taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
+            for result in results:
+                if result.task_id in taken:  # the same task twice in one batch
+                    same = taken[result.task_id] == result.output_hash
+                    receipts.append(
+                        ResultReceipt("duplicate")
+                        if same
+                        else ResultReceipt(
+                            "rejected", f"task {result.task_id} already reported another output"
+                        )
+                    )
+                    continue
+                row = rows.get(result.task_id)
+                receipt = _judge_result(row, result.task_id, node_id, result.output_hash)
+                if receipt is not None:
+                    receipts.append(receipt)
+                    continue
+                assert row is not None
+                shard_open = row.shard_state == ShardState.OPEN.value
+                check_transition(TaskState(row.state), TaskState.COMPLETED)
+                taken[result.task_id] = result.output_hash
+                changes.append(
+                    {
+                        "b_task": result.task_id,
+                        "b_output_hash": result.output_hash,
+                        "b_output_size": result.output_size,
+                        "b_elapsed_s": result.elapsed_s,
+                        "b_outcome": None if shard_open else "late",
+                    }
+                )
+                receipts.append(
+                    ResultReceipt(
+                        "accepted" if shard_open else "late",
+                        shard_id=row.shard_id,
+                        job_id=row.job_id,
+                    )
+                )
+            if changes:
+                await conn.execute(
+                    update(tasks)
+                    .where(tasks.c.id == bindparam("b_task"))
+                    .values(
+                        state=TaskState.COMPLETED.value,
+                        output_hash=bindparam("b_output_hash"),
+                        output_size=bindparam("b_output_size"),
+                        elapsed_s=bindparam("b_elapsed_s"),
+                        finished_at=now,
+                        outcome=bindparam("b_outcome"),
+                    ),
+                    changes,
+                )
+        return receipts
 
     async def task_input(self, task_id: int, node_id: int) -> TaskInput | None:
         query = (
@@ -912,6 +955,21 @@ class SqlStore(TrainingRoundsSql):
         if row is None:
             return None
         return TaskInput(job_id=row.job_id, shard_id=row.shard_id, input_hash=row.input_hash)
+
+    async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
+        if not task_ids:
+            return {}
+        query = (
+            select(tasks.c.id, tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.id.in_(list(set(task_ids))), tasks.c.node_id == node_id)
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return {
+            r.id: TaskInput(job_id=r.job_id, shard_id=r.shard_id, input_hash=r.input_hash)
+            for r in rows
+        }
 
     async def record_failure(self, task_id: int, node_id: int, *, reason: str, now: float) -> bool:
         async with self._tx() as conn:
@@ -968,16 +1026,26 @@ class SqlStore(TrainingRoundsSql):
             return list((await conn.execute(query)).scalars().all())
 
     async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None:
+        return (await self.shards_for_verify([shard_id])).get(shard_id)
+
+    async def shards_for_verify(self, shard_ids: Sequence[int]) -> dict[int, ShardForVerify]:
+        ids = sorted(set(shard_ids))
+        if not ids:
+            return {}
         async with self._read() as conn:
-            row = (await conn.execute(select(shards).where(shards.c.id == shard_id))).first()
-            if row is None:
-                return None
-            job = await self._job(conn, row.job_id, with_counts=False)
-            assert job is not None
+            shard_rows = (await conn.execute(select(shards).where(shards.c.id.in_(ids)))).all()
+            if not shard_rows:
+                return {}
+            job_of: dict[int, JobRecord] = {}
+            for job_id in sorted({row.job_id for row in shard_rows}):
+                job = await self._job(conn, job_id, with_counts=False)
+                assert job is not None
+                job_of[job_id] = job
             results = (
                 await conn.execute(
                     select(
                         tasks.c.id,
+                        tasks.c.shard_id,
                         tasks.c.node_id,
                         tasks.c.output_hash,
                         tasks.c.output_size,
@@ -990,27 +1058,26 @@ class SqlStore(TrainingRoundsSql):
                         node_trust.c.daily_quota,
                         node_trust.c.suspended,
                     )
+                    .join(jobs, jobs.c.id == tasks.c.job_id)
                     .outerjoin(
                         node_trust,
                         and_(
                             node_trust.c.node_id == tasks.c.node_id,
-                            node_trust.c.kind == literal(job.kind),
+                            node_trust.c.kind == jobs.c.kind,
                             node_trust.c.backend == func.coalesce(tasks.c.backend, "cpu"),
                         ),
                     )
                     .where(
-                        tasks.c.shard_id == shard_id,
+                        tasks.c.shard_id.in_(ids),
                         tasks.c.state == TaskState.COMPLETED.value,
                         (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"),
                     )
-                    .order_by(tasks.c.finished_at, tasks.c.id)
+                    .order_by(tasks.c.shard_id, tasks.c.finished_at, tasks.c.id)
                 )
             ).all()
-        assert job is not None
-        return ShardForVerify(
-            shard=_shard(row),
-            job=job,
-            results=[
+        by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
+        for r in results:
+            by_shard[r.shard_id].append(
                 ShardResult(
                     task_id=r.id,
                     node_id=r.node_id,
@@ -1023,11 +1090,14 @@ class SqlStore(TrainingRoundsSql):
                         else trust_policy.new_trust(self.trust)
                     ),
                 )
-                for r in results
-            ],
-        )
+            )
+        return {
+            row.id: ShardForVerify(
+                shard=_shard(row), job=job_of[row.job_id], results=by_shard[row.id]
+            )
+            for row in shard_rows
+        }
 
-    @_retry_conflicts
     async def decide_shard(
         self,
         shard_id: int,
@@ -1038,55 +1108,127 @@ class SqlStore(TrainingRoundsSql):
         fail_reason: str | None,
         now: float,
     ) -> DecisionOutcome:
+        decision = ShardDecision(shard_id, canonical_task_id, valid, invalid, fail_reason)
+        return (await self.decide_shards([decision], now=now))[0]
+
+    @_retry_conflicts
+    async def decide_shards(
+        self, decisions: Sequence[ShardDecision], *, now: float
+    ) -> list[DecisionOutcome]:
+        if not decisions:
+            return []
+        final = [
+            d for d in decisions if d.canonical_task_id is not None or d.fail_reason is not None
+        ]
+        won: set[int] = set()
+        job_of: dict[int, int] = {}
+        to_cancel: dict[int, list[NodeTask]] = {}
         async with self._tx() as conn:
-            if canonical_task_id is None and fail_reason is None:
-                await self._mark(conn, invalid, "invalid")
-                await self._verdicts(conn, [(t, "invalid") for t in invalid], now=now)
-                return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
-            target = ShardState.DONE if canonical_task_id is not None else ShardState.FAILED
-            output = None
-            if canonical_task_id is not None:
-                output = (
-                    await conn.execute(
-                        select(tasks.c.output_hash, tasks.c.output_size).where(
-                            tasks.c.id == canonical_task_id
-                        )
+            # Undecided shards: only their invalid results are marked.
+            pending_invalid = [
+                t
+                for d in decisions
+                if d.canonical_task_id is None and d.fail_reason is None
+                for t in d.invalid
+            ]
+            await self._mark(conn, pending_invalid, "invalid")
+            verdicts: list[tuple[int, ledger.Verdict]] = [(t, "invalid") for t in pending_invalid]
+            if final:
+                # Shards still open take their decision (locked on PostgreSQL, in id order):
+                # a decision that lost a race to another process changes nothing.
+                query = (
+                    select(shards.c.id, shards.c.job_id)
+                    .where(
+                        shards.c.id.in_(sorted({d.shard_id for d in final})),
+                        shards.c.state == ShardState.OPEN.value,
                     )
-                ).one()
-            changed = await conn.execute(
-                update(shards)
-                .where(shards.c.id == shard_id, shards.c.state == ShardState.OPEN.value)
-                .values(
-                    state=target.value,
-                    canonical_task_id=canonical_task_id,
-                    output_hash=output.output_hash if output else None,
-                    output_size=output.output_size if output else None,
-                    error=fail_reason,
-                    finished_at=now,
+                    .order_by(shards.c.id)
                 )
-            )
-            if changed.rowcount != 1:
-                return DecisionOutcome(decided=False, to_cancel=[], job_done=False)
-            # Only the decision that won marks results: a lost race leaves them to it.
-            await self._mark(conn, valid, "valid")
-            await self._mark(conn, invalid, "invalid")
-            # A result that agreed with another node's passed a check; a lone one did not.
-            checked: ledger.Verdict = "valid" if len(valid) > 1 else "unchecked"
-            verdicts = [(t, checked) for t in valid]
-            await self._verdicts(conn, verdicts + [(t, "invalid") for t in invalid], now=now)
-            to_cancel = await self._cancel_live(conn, tasks.c.shard_id == shard_id, now=now)
+                if not self.is_sqlite:
+                    query = query.with_for_update()
+                job_of = {row.id: row.job_id for row in (await conn.execute(query)).all()}
+                taking = [d for d in final if d.shard_id in job_of]
+                taking = list({d.shard_id: d for d in taking}.values())  # one per shard
+                won = {d.shard_id for d in taking}
+                canonical = [d.canonical_task_id for d in taking if d.canonical_task_id]
+                outputs = (
+                    {
+                        row.id: row
+                        for row in (
+                            await conn.execute(
+                                select(tasks.c.id, tasks.c.output_hash, tasks.c.output_size).where(
+                                    tasks.c.id.in_(canonical)
+                                )
+                            )
+                        ).all()
+                    }
+                    if canonical
+                    else {}
+                )
+                if taking:
+                    await conn.execute(
+                        update(shards)
+                        .where(shards.c.id == bindparam("b_shard"))
+                        .values(
+                            state=bindparam("b_state"),
+                            canonical_task_id=bindparam("b_canonical"),
+                            output_hash=bindparam("b_output_hash"),
+                            output_size=bindparam("b_output_size"),
+                            error=bindparam("b_error"),
+                            finished_at=now,
+                        ),
+                        [_decided_shard(d, outputs.get(d.canonical_task_id or -1)) for d in taking],
+                    )
+                # Only the decision that won marks results: a lost race leaves them to it.
+                valid = [t for d in taking for t in d.valid]
+                invalid = [t for d in taking for t in d.invalid]
+                await self._mark(conn, valid, "valid")
+                await self._mark(conn, invalid, "invalid")
+                for d in taking:
+                    # A result that agreed with another node's passed a check; a lone
+                    # one did not.
+                    checked: ledger.Verdict = "valid" if len(d.valid) > 1 else "unchecked"
+                    verdicts += [(t, checked) for t in d.valid]
+                verdicts += [(t, "invalid") for t in invalid]
+                if won:
+                    where = tasks.c.shard_id.in_(sorted(won))
+                    for shard_id, task in await self._cancel_live_by_shard(conn, where, now=now):
+                        to_cancel.setdefault(shard_id, []).append(task)
+            await self._verdicts(conn, verdicts, now=now)
         # Counted after the commit: when two processes decide a job's last two shards at
         # once, the later commit then sees both (inside the transactions neither would).
-        job_id = select(shards.c.job_id).where(shards.c.id == shard_id).scalar_subquery()
-        async with self._read() as conn:
-            open_left = (
-                await conn.execute(
-                    select(func.count()).where(
-                        shards.c.job_id == job_id, shards.c.state != ShardState.DONE.value
-                    )
+        open_left: dict[int, int] = {}
+        if won:
+            job_ids = sorted({job_of[shard_id] for shard_id in won})
+            async with self._read() as conn:
+                open_left = {
+                    row.job_id: row.n
+                    for row in (
+                        await conn.execute(
+                            select(shards.c.job_id, func.count().label("n"))
+                            .where(
+                                shards.c.job_id.in_(job_ids),
+                                shards.c.state != ShardState.DONE.value,
+                            )
+                            .group_by(shards.c.job_id)
+                        )
+                    ).all()
+                }
+        outcomes = []
+        reported: set[int] = set()
+        for d in decisions:
+            if d.shard_id not in won or d.shard_id in reported:
+                outcomes.append(DecisionOutcome(decided=False, to_cancel=[], job_done=False))
+                continue
+            reported.add(d.shard_id)
+            outcomes.append(
+                DecisionOutcome(
+                    decided=True,
+                    to_cancel=to_cancel.get(d.shard_id, []),
+                    job_done=open_left.get(job_of[d.shard_id], 0) == 0,
                 )
-            ).scalar_one()
-        return DecisionOutcome(decided=True, to_cancel=to_cancel, job_done=open_left == 0)
+            )
+        return outcomes
 
     async def _verdicts(
         self, conn: AsyncConnection, verdicts: list[tuple[int, ledger.Verdict]], *, now: float
@@ -1131,9 +1273,7 @@ class SqlStore(TrainingRoundsSql):
                 .values(outcome="valid" if agrees else "invalid")
             )
             if changed.rowcount == 1:
-                await self._verdicts(
-                    conn, [(task_id, "valid" if agrees else "invalid")], now=now
-                )
+                await self._verdicts(conn, [(task_id, "valid" if agrees else "invalid")], now=now)
 
     @staticmethod
     async def _mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
@@ -1309,13 +1449,18 @@ class SqlStore(TrainingRoundsSql):
         self, conn: AsyncConnection, where: Any, *, now: float
     ) -> list[NodeTask]:
         """Cancel ready and held tasks matching `where`; return those a node holds."""
+        return [task for _, task in await self._cancel_live_by_shard(conn, where, now=now)]
+
+    @staticmethod
+    async def _cancel_live_by_shard(
+        conn: AsyncConnection, where: Any, *, now: float
+    ) -> list[tuple[int, NodeTask]]:
+        """`_cancel_live`, each held task with its shard id."""
+        live = _states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
         rows = (
             await conn.execute(
-                select(tasks.c.id, tasks.c.node_id, tasks.c.state).where(
-                    where,
-                    tasks.c.state.in_(
-                        _states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
-                    ),
+                select(tasks.c.id, tasks.c.node_id, tasks.c.state, tasks.c.shard_id).where(
+                    where, tasks.c.state.in_(live)
                 )
             )
         ).all()
@@ -1324,14 +1469,11 @@ class SqlStore(TrainingRoundsSql):
         # Still conditional: a result committed meanwhile by another process stays.
         await conn.execute(
             update(tasks)
-            .where(
-                tasks.c.id.in_([r.id for r in rows]),
-                tasks.c.state.in_(_states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)),
-            )
+            .where(tasks.c.id.in_([r.id for r in rows]), tasks.c.state.in_(live))
             .values(state=TaskState.CANCELLED.value, finished_at=now)
         )
         return [
-            NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state))
+            (r.shard_id, NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state)))
             for r in rows
             if r.node_id is not None
         ]
@@ -1483,17 +1625,13 @@ def _distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
         return []
     other = tasks.alias("other")
     same = [other.c.node_id == claimer.node_id]
-    counted = other.c.state.in_(
-        _states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
-    )
+    counted = other.c.state.in_(_states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED))
     if distinct.accounts:
         same.append(counted & (other.c.account_id == claimer.account_id))
     if distinct.networks and claimer.network:
         same.append(counted & (other.c.network == claimer.network))
     return [
-        ~exists().where(
-            other.c.shard_id == tasks.c.shard_id, other.c.id != tasks.c.id, or_(*same)
-        )
+        ~exists().where(other.c.shard_id == tasks.c.shard_id, other.c.id != tasks.c.id, or_(*same))
     ]
 
 
@@ -1513,6 +1651,19 @@ def _judge_result(
     if state not in (TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.CANCELLED):
         return ResultReceipt("rejected", f"task {task_id} is {state.value}")
     return None
+
+
+def _decided_shard(decision: ShardDecision, output: Any | None) -> dict[str, Any]:
+    """The bound values of one shard's decision in `decide_shards`' update."""
+    done = decision.canonical_task_id is not None
+    return {
+        "b_shard": decision.shard_id,
+        "b_state": (ShardState.DONE if done else ShardState.FAILED).value,
+        "b_canonical": decision.canonical_task_id,
+        "b_output_hash": output.output_hash if done and output is not None else None,
+        "b_output_size": output.output_size if done and output is not None else None,
+        "b_error": decision.fail_reason,
+    }
 
 
 def _pk(result: Any) -> int:

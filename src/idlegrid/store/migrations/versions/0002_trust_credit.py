@@ -27,9 +27,7 @@ def upgrade() -> None:
     op.add_column("accounts", sa.Column("flag_reason", sa.Text, nullable=True))
     for column in _credit_columns():
         op.add_column("accounts", column)
-    op.add_column(
-        "nodes", sa.Column("network", sa.String(64), nullable=False, server_default="")
-    )
+    op.add_column("nodes", sa.Column("network", sa.String(64), nullable=False, server_default=""))
     op.add_column("nodes", sa.Column("suspended_at", sa.Double, nullable=True))
     for column in _credit_columns():
         op.add_column("nodes", column)
@@ -79,10 +77,20 @@ def downgrade() -> None:
     op.drop_index("ix_nodes_address_created", "nodes")
     op.drop_index("ix_nodes_account_created", "nodes")
     with op.batch_alter_table("nodes") as batch:
-        for name in ("credit_updated_at", "credit_decayed", "credit_total", "suspended_at",
-                     "network"):
+        for name in (
+            "credit_updated_at",
+            "credit_decayed",
+            "credit_total",
+            "suspended_at",
+            "network",
+        ):
             batch.drop_column(name)
     with op.batch_alter_table("accounts") as batch:
-        for name in ("credit_updated_at", "credit_decayed", "credit_total", "flag_reason",
-                     "flagged_at"):
+        for name in (
+            "credit_updated_at",
+            "credit_decayed",
+            "credit_total",
+            "flag_reason",
+            "flagged_at",
+        ):
             batch.drop_column(name)

@@ -1,0 +1,80 @@
+"""The coordinator's garbage-collector keeper (coordinator/heap.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import weakref
+from collections.abc import Iterator
+
+import pytest
+
+from idlegrid.coordinator.heap import HeapKeeper
+
+
+class Node:
+    """Something that sits in a reference cycle, as connection objects do."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+@pytest.fixture(autouse=True)
+def _unfrozen() -> Iterator[None]:
+    yield
+    gc.unfreeze()
+
+
+def test_freeze_moves_survivors_out_of_the_collectors_passes() -> None:
+    keeper = HeapKeeper(freeze_every_s=1.0, full_every_s=10.0)
+    survivor = Node()
+    frozen = keeper.freeze()
+    assert frozen > 0 and gc.get_freeze_count() == frozen
+    # A frozen object is not walked by later passes: its cycle outlives a full collection.
+    ref = weakref.ref(survivor)
+    del survivor
+    gc.collect()
+    assert ref() is not None
+
+
+def test_a_full_pass_frees_cycles_among_frozen_objects_and_freezes_again() -> None:
+    keeper = HeapKeeper(freeze_every_s=1.0, full_every_s=10.0)
+    garbage = Node()
+    ref = weakref.ref(garbage)
+    keeper.freeze()
+    del garbage
+    took = keeper.full()
+    assert ref() is None
+    assert took >= 0 and keeper.full_passes == 1
+    assert gc.get_freeze_count() > 0
+
+
+def test_step_runs_the_full_pass_when_it_is_due() -> None:
+    keeper = HeapKeeper(freeze_every_s=1.0, full_every_s=10.0)
+    keeper.step()
+    assert keeper.full_passes == 0
+    keeper.last_full -= 11.0
+    keeper.step()
+    assert keeper.full_passes == 1
+
+
+def test_run_unfreezes_when_stopped() -> None:
+    keeper = HeapKeeper(freeze_every_s=0.01, full_every_s=0.05)
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        task = asyncio.create_task(keeper.run(stopping))
+        await asyncio.sleep(0.2)
+        assert gc.get_freeze_count() > 0
+        stopping.set()
+        await task
+
+    asyncio.run(main())
+    assert gc.get_freeze_count() == 0
+    assert keeper.full_passes >= 1
+
+
+@pytest.mark.parametrize(("freeze", "full"), [(0.0, 10.0), (10.0, 5.0)])
+def test_settings_are_checked(freeze: float, full: float) -> None:
+    with pytest.raises(ValueError):
+        HeapKeeper(freeze_every_s=freeze, full_every_s=full)
