@@ -1,10 +1,11 @@
 """Dispatch rate of no-op tasks: the grid against arq, in one run.
 
     .venv/bin/python benchmarks/dispatch.py [--tasks 2000] [--workers 2] [--slots 8]
-        [--kind noop] [--redis redis://127.0.0.1:6379/0]
+        [--prefetch 8] [--kind noop] [--redis redis://127.0.0.1:6379/0]
 
 Grid: a `LocalGrid` (one `idlegrid serve` process, SQLite store with synchronous=FULL,
-in-process broker) and `--workers` `idlegrid worker` processes with `--slots` slots each,
+in-process broker) and `--workers` `idlegrid worker` processes with `--slots` slots each
+and a work buffer of `--prefetch` tasks each (`idlegrid worker --prefetch`),
 over real WebSockets, with leases, result checks and verification at replication 1 (arq
 has no redundancy). After a warm-up job the script submits one job of `--tasks` no-op
 tasks and times it from just before the submit request to the job's `finished_at`.
@@ -186,6 +187,10 @@ def main() -> None:
     parser.add_argument("--tasks", type=int, default=2000)
     parser.add_argument("--workers", type=int, default=2, help="grid worker processes")
     parser.add_argument("--slots", type=int, default=8, help="task slots per grid worker")
+    parser.add_argument(
+        "--prefetch", type=int, default=8,
+        help="tasks a grid worker holds beyond its slots (its work buffer)",
+    )
     parser.add_argument("--kind", default="noop", choices=["noop", "sleep"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
@@ -201,7 +206,8 @@ def main() -> None:
         return
     print(
         f"{args.tasks} no-op tasks per round, replication 1 on the grid "
-        f"(kind {args.kind}, {args.workers} workers x {args.slots} slots; SQLite store); "
+        f"(kind {args.kind}, {args.workers} workers x {args.slots} slots, prefetch "
+        f"{args.prefetch}; SQLite store); "
         "one arq worker (defaults, max_jobs=10) on the local Redis",
         flush=True,
     )
@@ -216,7 +222,13 @@ def main() -> None:
         ) as grid,
     ):
         for i in range(args.workers):
-            grid.start_worker(f"worker-{i}", kinds=args.kind, slots=args.slots, benchmark=False)
+            grid.start_worker(
+                f"worker-{i}",
+                kinds=args.kind,
+                slots=args.slots,
+                benchmark=False,
+                extra=("--prefetch", str(args.prefetch)),
+            )
         grid.wait_for_nodes(args.workers)
         grid_round(grid, args.kind, WARMUP_TASKS)
         for round_no in range(1, args.rounds + 1):

@@ -272,6 +272,12 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
 )
 @click.option("--name", default="", help="A name shown on the dashboard.")
 @click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
+@click.option(
+    "--prefetch",
+    default=0,
+    show_default=True,
+    help="Tasks to hold beyond the slots, started when one frees (for short tasks).",
+)
 @click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
 @click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")
 @click.option("--threads", default=0, help="Torch threads (default: cores / slots).")
@@ -289,6 +295,7 @@ def worker(
     state_dir: Path | None,
     name: str,
     slots: int,
+    prefetch: int,
     kinds: str,
     device: str,
     threads: int,
@@ -312,6 +319,7 @@ def worker(
         state_dir=state_dir,
         name=name or socket.gethostname(),
         slots=slots,
+        prefetch=prefetch,
         kinds=tuple(k for k in kinds.split(",") if k) or None,
         device=device or None,
         threads=threads or None,

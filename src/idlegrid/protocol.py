@@ -79,6 +79,9 @@ class Hello(_Message):
     hardware: HardwareProfile
     benchmark: Benchmark
     slots: int = Field(ge=1, le=256)
+    # Tasks it may hold beyond its slots, queued to start when one frees (a work buffer,
+    # as BOINC keeps one): the next task is there when a short one ends.
+    prefetch: int = Field(default=0, ge=0, le=256)
     kinds: list[str] = Field(max_length=64)
     # Tasks still running or finished-but-unreported from before a reconnect.
     running: list[TaskId] = Field(default_factory=list, max_length=1024)

@@ -138,6 +138,8 @@ class WorkerSettings:
     state_dir: Path = field(default_factory=lambda: Path.home() / ".idlegrid" / "worker")
     name: str = ""
     slots: int = 1
+    # Tasks held beyond the slots, to start as soon as one frees (for short tasks).
+    prefetch: int = 0
     # Kinds this worker offers; empty means every built-in kind it can import.
     kinds: tuple[str, ...] = ()
     device: str = ""  # empty: best available

@@ -120,6 +120,9 @@ class Grid:
         # Draws of adaptive replication; a test may seed it.
         self.random = random.Random()
         self.matcher = Matcher(self)
+        # Group commit of results (see accept_results): what waits for the next commit.
+        self._result_queue: list[_PendingResults] = []
+        self._committer: asyncio.Task[None] | None = None
         self.rounds = RoundDriver(self)  # training jobs: one round after another
 
     # -- jobs ----------------------------------------------------------------------------
@@ -276,21 +279,27 @@ class Grid:
         return len(claimed)
 
     async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
-        """Claim up to `wanted` of the best replication-1 tasks for the node at once.
+        """Claim up to `wanted` of the best tasks for the node at once, while they are of
+        replication-1 jobs and of one kind.
 
-        One statement for them all, of one kind (the daily quota is per kind); tasks of
-        replicated jobs, whose claims check the distinct-replica rules and may run alone,
-        are left to `_claim_one`.
+        One statement for them all (the daily quota is per kind); tasks of replicated
+        jobs, whose claims check the distinct-replica rules and may run alone, are left
+        to `_claim_one`, as is everything ranked below the first of them.
         """
-        if wanted < 2 or time.monotonic() < session.idle_until:
+        if wanted < 1 or time.monotonic() < session.idle_until:
             return []
         now = self.clock()
         by_id, ranked = await self._ranked(session, now=now)
-        ranked = [c for c in ranked if self._plans[c.job_id].replication == 1]
-        if not ranked:
+        picked: list[int] = []
+        for candidate in ranked:
+            if self._plans[candidate.job_id].replication != 1 or (candidate.kind != ranked[0].kind):
+                break
+            picked.append(candidate.task_id)
+            if len(picked) == wanted:
+                break
+        if not picked:
             return []
         kind = ranked[0].kind
-        picked = [c.task_id for c in ranked if c.kind == kind][:wanted]
         claimed = await self.store.claim_tasks(
             {t: now + self.lease_seconds(session, by_id[t]) for t in picked},
             self._claimer(session),
@@ -447,9 +456,39 @@ class Grid:
         """Take several results of a node in one transaction (all or nothing).
 
         The receipts are for after the commit: acknowledge none of them before this returns.
+        Where commits are one at a time (SQLite: each waits for an fsync), results of all
+        nodes that arrive while one commit is written go into the next one together, a
+        group commit: the commit rate, not the result rate, then bounds the grid.
         """
-        async with self.store.batch():
-            return await self._take_results(session, msgs)
+        if not self.store.serial_commits:
+            async with self.store.batch():
+                return await self._take_results(session, msgs)
+        pending = _PendingResults(session, msgs, asyncio.get_running_loop().create_future())
+        self._result_queue.append(pending)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_results(), name="results")
+        return await pending.receipts
+
+    async def _commit_results(self) -> None:
+        while self._result_queue:
+            group, self._result_queue = self._result_queue, []
+            try:
+                async with self.store.batch():
+                    receipts = [await self._take_results(p.session, p.msgs) for p in group]
+            except Exception as exc:
+                if len(group) == 1:
+                    group[0].fail(exc)
+                    continue
+                # One node's batch must not fail the others': each on its own again.
+                for pending in group:
+                    try:
+                        async with self.store.batch():
+                            pending.done(await self._take_results(pending.session, pending.msgs))
+                    except Exception as exc:
+                        pending.fail(exc)
+                continue
+            for pending, receipt in zip(group, receipts, strict=True):
+                pending.done(receipt)
 
     async def _take_results(
         self, session: NodeSession, msgs: Sequence[protocol.Result]
@@ -734,6 +773,23 @@ async def _compute(function: Callable[..., T], *args: Any, size: int) -> T:
     if size <= INLINE_BYTES:
         return function(*args)
     return await asyncio.to_thread(function, *args)
+
+
+@dataclass
+class _PendingResults:
+    """A node's results waiting for the next group commit, and where the receipts go."""
+
+    session: NodeSession
+    msgs: Sequence[protocol.Result]
+    receipts: asyncio.Future[list[ResultReceipt]]
+
+    def done(self, receipts: list[ResultReceipt]) -> None:
+        if not self.receipts.done():  # its node may have gone meanwhile
+            self.receipts.set_result(receipts)
+
+    def fail(self, exc: Exception) -> None:
+        if not self.receipts.done():
+            self.receipts.set_exception(exc)
 
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:

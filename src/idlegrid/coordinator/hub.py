@@ -57,6 +57,7 @@ class NodeSession:
     # backend it computes on (trust is kept per kind and backend).
     network: str = ""
     backend: str = "cpu"
+    prefetch: int = 0  # tasks it buffers beyond its slots
     live: set[int] = field(default_factory=set)
     # No claims before this time (time.monotonic): its quota is used up or it is
     # suspended, so asking the store again at every new task would be wasted work.
@@ -77,8 +78,8 @@ class NodeSession:
 
     @property
     def wants(self) -> int:
-        """Tasks to give now: what the node asked for, within its free slots."""
-        return max(0, min(self.requested, self.slots - len(self.live)))
+        """Tasks to give now: what the node asked for, within its slots and buffer."""
+        return max(0, min(self.requested, self.slots + self.prefetch - len(self.live)))
 
     @property
     def on_time(self) -> float:

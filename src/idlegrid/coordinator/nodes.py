@@ -28,6 +28,8 @@ HELLO_TIMEOUT_S = 30.0
 MAX_FRAME_CHARS = 1_000_000
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_POLICY = 1008
+# Result messages of one node being stored at once; reading its next frames waits beyond.
+RESULTS_IN_FLIGHT = 32
 
 
 async def node_socket(websocket: WebSocket, grid: Grid) -> None:
@@ -127,6 +129,7 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         account_id=node.account_id,
         name=node.name,
         slots=hello.slots,
+        prefetch=hello.prefetch,
         view=node_view(node.id, kinds, hello.hardware, hello.benchmark),
         kind_rates=dict(hello.benchmark.kind_rates),
         send_text=websocket.send_text,
@@ -169,27 +172,48 @@ async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set
 
 
 async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None:
-    while True:
-        text = await _receive(websocket)
-        if text is None:
-            continue
-        await peers.heard_from(grid, session)
-        try:
-            msg = protocol.parse_node_message(text)
-        except protocol.ProtocolError as exc:
-            await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
-            continue
-        try:
-            await _handle(grid, session, msg)
-        except Exception:
-            log.exception("node %s: handling %s failed", session.node_id, msg.type)
-            await session.send(
-                protocol.Error(
-                    code="internal",
-                    message=f"the coordinator could not handle this {msg.type}",
-                    task_id=getattr(msg, "task_id", None),
-                )
+    """Read and handle the node's messages in order, except that results are stored in
+    the background: the reader goes on to the next frame (a heartbeat, more results)
+    while a commit is written, so one node's results share commits (Grid.accept_results)
+    and its heartbeats are answered meanwhile. When the connection ends, the results
+    already read are still stored (not acknowledged: the node sends them again)."""
+    storing: set[asyncio.Task[None]] = set()
+    try:
+        while True:
+            text = await _receive(websocket)
+            if text is None:
+                continue
+            await peers.heard_from(grid, session)
+            try:
+                msg = protocol.parse_node_message(text)
+            except protocol.ProtocolError as exc:
+                await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
+                continue
+            if not isinstance(msg, protocol.Result | protocol.Results):
+                await _handle_safely(grid, session, msg)
+                continue
+            if len(storing) >= RESULTS_IN_FLIGHT:
+                await asyncio.wait(storing, return_when=asyncio.FIRST_COMPLETED)
+            task = asyncio.create_task(_handle_safely(grid, session, msg))
+            storing.add(task)
+            task.add_done_callback(storing.discard)
+    finally:
+        if storing:
+            await asyncio.gather(*storing, return_exceptions=True)
+
+
+async def _handle_safely(grid: Grid, session: NodeSession, msg: protocol.NodeMessage) -> None:
+    try:
+        await _handle(grid, session, msg)
+    except Exception:
+        log.exception("node %s: handling %s failed", session.node_id, msg.type)
+        await session.send(
+            protocol.Error(
+                code="internal",
+                message=f"the coordinator could not handle this {msg.type}",
+                task_id=getattr(msg, "task_id", None),
             )
+        )
 
 
 async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
@@ -205,7 +229,7 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
             session.requested = free
             await grid.fill(session)
         case protocol.Result():
-            await _answer_result(session, msg, await grid.accept_result(session, msg))
+            await _take_results(grid, session, [msg])
         case protocol.Results(results=results):
             await _take_results(grid, session, results)
         case protocol.Failure():
@@ -239,6 +263,8 @@ async def _take_results(grid: Grid, session: NodeSession, results: list[protocol
         return
     for msg, receipt in zip(results, receipts, strict=True):
         await _answer_result(session, msg, receipt)
+    if session.wants > 0:  # its slots were freed after it asked for work: fill them
+        await grid.fill(session)
 
 
 async def _answer_result(

@@ -390,6 +390,9 @@ class TrainingRoundStore(Protocol):
 class Store(TrainingRoundStore, Protocol):
     """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
 
+    # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
+    serial_commits: bool
+
     async def open(self) -> None: ...
     async def close(self) -> None: ...
     def batch(self) -> AbstractAsyncContextManager[None]:

@@ -163,6 +163,7 @@ class SqlStore(TrainingRoundsSql):
             url, echo=echo, connect_args=connect_args, **pool
         )
         self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self.serial_commits = self.is_sqlite
         self._write_lock = asyncio.Lock() if self.is_sqlite else None
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)

@@ -99,6 +99,8 @@ class Worker:
         self.key = node_key(settings.state_dir)
         self.cache = BlobCache(settings.state_dir / "blobs")
         self.pool = ThreadPoolExecutor(settings.slots, thread_name_prefix="task")
+        # Held tasks beyond the slots (the prefetch buffer) wait here for a slot.
+        self._slots = asyncio.Semaphore(settings.slots)
         self.running: dict[int, RunningTask] = {}
         self.outbox: dict[int, protocol.Result | protocol.Failure] = {}
         self._task_runs: set[asyncio.Task[None]] = set()
@@ -244,6 +246,7 @@ class Worker:
             hardware=self.hardware,
             benchmark=self.benchmark,
             slots=self.settings.slots,
+            prefetch=self.settings.prefetch,
             kinds=self.kinds,
             running=sorted(set(self.running) | set(self.outbox)),
         )
@@ -284,8 +287,11 @@ class Worker:
             return False
 
     async def _send_ready(self) -> None:
-        free = self.settings.slots - len(self.running)
-        if free > 0:
+        capacity = self.settings.slots + self.settings.prefetch
+        free = capacity - len(self.running) - len(self._unreported)
+        # With a work buffer, ask when half of it is free, not after every task: every
+        # slot still has a task meanwhile, and the coordinator claims them in one go.
+        if free > 0 and (len(self.running) < self.settings.slots or 2 * free >= capacity):
             await self._send(protocol.Ready(free_slots=free))
 
     async def _on_frame(self, frame: str | bytes) -> None:
@@ -339,7 +345,11 @@ class Worker:
         task = self.running[task_id]
         assign = task.assign
         try:
-            output = await self._compute(task)
+            async with self._slots:
+                if task.cancel.is_set():
+                    return  # cancelled while it waited in the buffer
+                task.started = time.monotonic()
+                output = await self._compute(task)
             if task.cancel.is_set():
                 return
             digest = hashlib.sha256(output).hexdigest()
@@ -363,18 +373,24 @@ class Worker:
         await self._report(task_id)
 
     async def _report(self, task_id: int) -> None:
-        """Deliver a finished task, with any that finish at nearly the same moment."""
+        """Deliver a finished task, with any that finish at nearly the same moment.
+
+        One reporter at a time: tasks that finish while it lingers or sends join its next
+        message, and it asks for more work only when all of them are on their way (the
+        coordinator reads a `ready` after the results before it, so it sees what is free).
+        """
         self._unreported.append(task_id)
         if self._reporting:
-            return  # the first of them is about to deliver this one too
+            return  # the reporter delivers this one too
         self._reporting = True
         try:
             if self.running:
                 await asyncio.sleep(REPORT_LINGER_S)
+            while self._unreported:
+                finished, self._unreported = self._unreported, []
+                await self._deliver_many(finished)
         finally:
             self._reporting = False  # even if cancelled: the next one delivers them all
-        finished, self._unreported = self._unreported, []
-        await self._deliver_many(finished)
         await self._send_ready()
 
     async def _compute(self, task: RunningTask) -> bytes:
