@@ -261,8 +261,11 @@ class Grid:
             claimed: list[Assignment] = []
             # The node's whole request in one transaction: one commit, not one per task.
             async with self.store.batch():
-                claimed += await self._claim_many(session, wanted)
                 while len(claimed) < wanted:
+                    many = await self._claim_many(session, wanted - len(claimed))
+                    if many:
+                        claimed += many
+                        continue
                     assignment = await self._claim_one(session)
                     if assignment is None and self.settings.backups:
                         assignment = await self.matcher.claim_backup(session)
@@ -311,9 +314,16 @@ class Grid:
             return []
         for claim in claimed:
             self._note_claim(session, claim, by_id[claim.task_id], now=now)
-        # Claimed: out of the queue (entries no longer ready are dropped by later claims).
+        # Out of the queue: the claimed, and those another claim took first. The store
+        # tries the lowest ids first (as many as the node's quota allows), so an unclaimed
+        # id below a claimed one was tried and gone; one above may not have been tried.
+        taken = [claim.task_id for claim in claimed]
+        last, held = max(taken, default=0), set(taken)
+        gone = [t for t in picked if t not in held and t < last]
+        for task_id in gone:
+            self.matcher.forget_entry(task_id)
         with unless_broker_away("discarding claimed tasks"):
-            await self.broker.discard([claim.task_id for claim in claimed])
+            await self.broker.discard(taken + gone)
         return claimed
 
     async def _ranked(

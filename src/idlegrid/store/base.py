@@ -460,7 +460,8 @@ class Store(TrainingRoundStore, Protocol):
         """Claim those of these tasks (of one kind) still ready for one node, at once.
 
         No distinct-replica rules: for tasks of replication-1 jobs only. The node's daily
-        quota of the kind caps how many; a suspended node gets none.
+        quota of the kind caps how many (the lowest ids are tried first); a suspended node
+        gets none.
         """
         ...
 
