@@ -62,6 +62,12 @@ async def finish_pending(grid: Grid) -> None:
     for job_id in await grid.store.jobs_to_assemble():
         await grid.assemble(job_id)
     await grid.judge_late()
+
+
+async def top_up(grid: Grid) -> None:
+    """Give shards short of tasks new ones (a safety net: the grid tops a shard up where
+    it falls short, on a failure, an expiry or an undecided verdict). It reads every open
+    shard under the write lock, so it runs every SYNC_INTERVAL_S, not every pass."""
     await grid.replenish()
 
 
@@ -121,6 +127,7 @@ class Monitor:
             asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
             asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S), name="sync"),
+            asyncio.create_task(self._loop(top_up, SYNC_INTERVAL_S), name="top-up"),
             asyncio.create_task(self._listen(), name="listen"),
         ]
         settings = self.grid.settings
@@ -142,6 +149,7 @@ class Monitor:
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)
         await finish_pending(self.grid)
+        await top_up(self.grid)
 
     async def stop(self) -> None:
         self._stopping.set()
