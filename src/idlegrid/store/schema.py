@@ -139,6 +139,7 @@ shards = Table(
     Column("finished_at", Double, nullable=True),
     UniqueConstraint("job_id", "idx", name="uq_shards_job_idx"),
     Index("ix_shards_state", "state"),
+    Index("ix_shards_job_state", "job_id", "state"),
 )
 
 tasks = Table(
@@ -170,6 +171,7 @@ tasks = Table(
     Index("ix_tasks_state_lease", "state", "lease_deadline"),
     Index("ix_tasks_shard", "shard_id"),
     Index("ix_tasks_node_state", "node_id", "state"),
+    Index("ix_tasks_job_state", "job_id", "state"),
 )
 
 # Trust per node, kind and backend (policy.trust.Trust as a row) and its daily quota.

@@ -1345,6 +1345,7 @@ class SqlStore(TrainingRoundsSql):
         if rows and not self.is_sqlite:
             rows = await self._lock_and_recount(conn, query, [row.id for row in rows])
         new_tasks: list[dict[str, Any]] = []
+        attempts: list[dict[str, Any]] = []
         exhausted: list[Any] = []
         for row in rows:
             short = max(row.target - row.pending, 1 if row.no_quorum else 0)
@@ -1355,21 +1356,33 @@ class SqlStore(TrainingRoundsSql):
                 continue
             new_tasks += [
                 dict(
-                    shard_id=row.id, job_id=row.job_id, state=TaskState.READY.value, created_at=now
+                    shard_id=row.id,
+                    job_id=row.job_id,
+                    state=TaskState.READY.value,
+                    created_at=now,
+                    trusted_only=False,
                 )
             ] * wanted
+            attempts.append({"b_shard": row.id, "b_more": wanted})
+        if attempts:  # one statement for all the shards (a new job's are thousands)
             await conn.execute(
                 update(shards)
-                .where(shards.c.id == row.id)
-                .values(attempts=shards.c.attempts + wanted)
+                .where(shards.c.id == bindparam("b_shard"))
+                .values(attempts=shards.c.attempts + bindparam("b_more")),
+                attempts,
             )
         failed_jobs, to_cancel = await self._fail_exhausted(conn, exhausted, now=now)
         if not new_tasks:
             return [], failed_jobs, to_cancel
         meta = {row.id: row for row in rows}
+        # One multi-row insert; ids come back in the order of the rows.
+        created = (
+            await conn.execute(
+                insert(tasks).returning(tasks.c.id, sort_by_parameter_order=True), new_tasks
+            )
+        ).all()
         ready = []
-        for values in new_tasks:
-            task_id = _pk(await conn.execute(insert(tasks).values(**values)))
+        for values, (task_id,) in zip(new_tasks, created, strict=True):
             row = meta[values["shard_id"]]
             ready.append(
                 ReadyTask(
