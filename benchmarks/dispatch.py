@@ -41,13 +41,15 @@ from idlegrid.localgrid import LocalGrid
 
 WARMUP_TASKS = 200
 STARTED_SUFFIX = ":bench-started"
+CPU_SUFFIX = ":bench-cpu"  # the arq worker's CPU seconds from on_startup to on_shutdown
 
 
 # -- grid ------------------------------------------------------------------------------------
 
 
-def grid_round(grid: LocalGrid, kind: str, tasks: int) -> float:
-    """Seconds from submitting `tasks` no-op tasks to the job's completion."""
+def grid_round(grid: LocalGrid, kind: str, tasks: int) -> tuple[float, float]:
+    """Seconds from submitting `tasks` no-op tasks to the job's completion, and the CPU
+    seconds the coordinator and workers used meanwhile."""
     processes = {
         "coordinator": [grid.coordinator.pid] if grid.coordinator else [],
         "workers": [worker.pid for worker in grid.workers],
@@ -64,7 +66,7 @@ def grid_round(grid: LocalGrid, kind: str, tasks: int) -> float:
         "  grid CPU s: " + ", ".join(f"{group} {seconds:.1f}" for group, seconds in spent.items()),
         flush=True,
     )
-    return float(info["finished_at"]) - started
+    return float(info["finished_at"]) - started, sum(spent.values())
 
 
 def _wait_light(client: Any, job_id: int) -> dict[str, Any]:
@@ -110,7 +112,12 @@ def _arq_worker(redis_url: str, queue: str) -> None:
 
     async def on_startup(ctx: dict[str, Any]) -> None:
         ctx["queue_name"] = queue
+        ctx["cpu_at_start"] = time.process_time()
         await _mark_started(ctx)
+
+    async def on_shutdown(ctx: dict[str, Any]) -> None:
+        used = time.process_time() - ctx["cpu_at_start"]
+        await ctx["redis"].set(queue + CPU_SUFFIX, repr(used), ex=3600)
 
     worker = Worker(
         functions=[noop],  # type: ignore[list-item]
@@ -118,6 +125,7 @@ def _arq_worker(redis_url: str, queue: str) -> None:
         queue_name=queue,
         burst=True,
         on_startup=on_startup,
+        on_shutdown=on_shutdown,
         job_serializer=_json_dumps,
         job_deserializer=json.loads,
         handle_signals=False,
@@ -125,8 +133,9 @@ def _arq_worker(redis_url: str, queue: str) -> None:
     worker.run()
 
 
-async def arq_round(redis_url: str, tasks: int) -> float:
-    """Seconds to enqueue `tasks` no-op jobs and have one arq worker run them all."""
+async def arq_round(redis_url: str, tasks: int) -> tuple[float, float]:
+    """Seconds to enqueue `tasks` no-op jobs and have one arq worker run them all, and the
+    CPU seconds of the arq worker (from its start-up hook on) and of the Redis server."""
     from arq.connections import RedisSettings, create_pool
     from arq.constants import job_key_prefix, result_key_prefix
     from arq.jobs import deserialize_result
@@ -139,6 +148,7 @@ async def arq_round(redis_url: str, tasks: int) -> float:
         job_deserializer=json.loads,
         default_queue_name=queue,
     )
+    redis_cpu = _redis_server_cpu()
     try:
         began = time.time()
         for job_id in ids:
@@ -165,14 +175,24 @@ async def arq_round(redis_url: str, tasks: int) -> float:
         if not all(r.success for r in results):
             raise SystemExit("arq: a no-op job failed")
         finished = max(_timestamp(r.finish_time) for r in results)
-        return enqueue_s + (finished - started)
+        cpu = float(await pool.get(queue + CPU_SUFFIX)) + _redis_server_cpu() - redis_cpu
+        return enqueue_s + (finished - started), cpu
     finally:
-        keys = [queue, queue + STARTED_SUFFIX]
+        keys = [queue, queue + STARTED_SUFFIX, queue + CPU_SUFFIX]
         for job_id in ids:
             keys += [result_key_prefix + job_id, job_key_prefix + job_id]
         for chunk in range(0, len(keys), 1000):
             await pool.delete(*keys[chunk : chunk + 1000])
         await pool.aclose()
+
+
+def _redis_server_cpu() -> float:
+    """CPU seconds of the local redis-server processes so far (0 if none is visible)."""
+    total = 0.0
+    for process in psutil.process_iter(["name", "cpu_times"]):
+        if process.info["name"] == "redis-server" and process.info["cpu_times"]:
+            total += process.info["cpu_times"].user + process.info["cpu_times"].system
+    return total
 
 
 def _timestamp(value: datetime) -> float:
@@ -231,17 +251,21 @@ def main() -> None:
             )
         grid.wait_for_nodes(args.workers)
         grid_round(grid, args.kind, WARMUP_TASKS)
+        grid_cpu, arq_cpu = [], []
         for round_no in range(1, args.rounds + 1):
-            grid_s = grid_round(grid, args.kind, args.tasks)
+            grid_s, grid_used = grid_round(grid, args.kind, args.tasks)
             if args.skip_arq:
                 print(f"grid {args.tasks / grid_s:.1f} tasks/s", flush=True)
                 continue
-            arq_s = asyncio.run(arq_round(args.redis, args.tasks))
+            arq_s, arq_used = asyncio.run(arq_round(args.redis, args.tasks))
             grid_rates.append(args.tasks / grid_s)
             arq_rates.append(args.tasks / arq_s)
+            grid_cpu.append(1000 * grid_used / args.tasks)
+            arq_cpu.append(1000 * arq_used / args.tasks)
             print(
-                f"round {round_no}: grid {grid_rates[-1]:.1f} tasks/s ({grid_s:.2f} s), "
-                f"arq {arq_rates[-1]:.1f} jobs/s ({arq_s:.2f} s)",
+                f"round {round_no}: grid {grid_rates[-1]:.1f} tasks/s ({grid_s:.2f} s, "
+                f"{grid_cpu[-1]:.2f} CPU ms a task), arq {arq_rates[-1]:.1f} jobs/s "
+                f"({arq_s:.2f} s, {arq_cpu[-1]:.2f} CPU ms a job)",
                 flush=True,
             )
     if args.skip_arq:
@@ -249,6 +273,13 @@ def main() -> None:
     grid_rate, arq_rate = statistics.median(grid_rates), statistics.median(arq_rates)
     print(f"grid: {grid_rate:.1f} tasks/s (median of {args.rounds}, replication 1)")
     print(f"arq:  {arq_rate:.1f} jobs/s (median of {args.rounds})")
+    # CPU per task is what a busy shared machine distorts least: the rates depend on the
+    # share of a core each process gets, the CPU each spends per task much less.
+    print(
+        f"CPU ms a task (median): grid {statistics.median(grid_cpu):.2f} (coordinator + "
+        f"workers), arq {statistics.median(arq_cpu):.2f} (worker + redis-server); "
+        f"arq over grid: {statistics.median(arq_cpu) / statistics.median(grid_cpu):.2f}"
+    )
     print(f"ratio: {grid_rate / arq_rate:.2f}")
 
 
