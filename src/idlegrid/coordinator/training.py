@@ -134,6 +134,7 @@ class RoundDriver:
     def forget(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
         self._locks.pop(job_id, None)
+        self.grid.matcher.forget_preferences(job_id)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -215,7 +216,26 @@ class RoundDriver:
         log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
                  job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
         await self.grid._send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
+        if training.params.inner.keep_state and not final:
+            await self._prefer_holders(job_id, training, done)
         await self.grid.enqueue(advance.ready)
+
+    async def _prefer_holders(
+        self, job_id: int, training: Training, done: Sequence[ShardRecord]
+    ) -> None:
+        """Affinity: shard s of the next round prefers the node whose update for shard s
+        was just taken, which holds s's AdamW moments (`inner.keep_state`)."""
+        holders = {}
+        for shard in done:
+            found = await self.grid.store.shard_for_verify(shard.id)
+            results = found.results if found is not None else []
+            taken = [r.node_id for r in results if r.output_hash == shard.output_hash]
+            if taken:
+                holders[shard.index + training.stride] = taken[0]
+        shards = await self.grid.store.list_shards(job_id)
+        self.grid.matcher.prefer(
+            job_id, {s.id: holders[s.index] for s in shards if s.index in holders}
+        )
 
     async def _finish(
         self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
