@@ -68,7 +68,7 @@ def run_grid(local: LocalGrid, setup: simulate.Setup, *, timeout: float) -> simu
         metrics = _follow(job, timeout)
     if metrics["state"] != "completed":
         raise RuntimeError(f"job {job.id} ended {metrics['state']}")
-    curve = [(row["round"] * setup.inner.steps, float(row["eval_loss"]))
+    curve = [(setup.inner.round_start(row["round"]), float(row["eval_loss"]))
              for row in metrics["rounds"] if row["eval_loss"] is not None]  # fmt: skip
     sent = metrics["bytes_up"] // setup.workers
     received = metrics["bytes_down"] // setup.workers
