@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from idlegrid.training import models, simulate, verify
@@ -144,3 +145,17 @@ def test_the_ratio_line_averages_bytes_and_losses_over_seeds() -> None:
     )
     assert ratio == pytest.approx(100.0)
     assert gap == pytest.approx(10.0)  # 1.65 over 1.5
+
+
+def test_a_node_keeps_moments_per_shard_for_later_rounds_only() -> None:
+    from idlegrid.training.worker_state import OptimizerState, WorkerState
+
+    node = WorkerState(optimizer_capacity=2)
+    moments = OptimizerState(3, np.zeros(4, np.float32), np.ones(4, np.float32))
+    node.set_optimizer_state("run", 1, 5, moments)
+    assert node.optimizer_state("run", 1, 6) is moments
+    assert node.optimizer_state("run", 1, 5) is None  # made by this round: not a past one
+    assert node.optimizer_state("run", 0, 6) is None and node.optimizer_state("other", 1, 6) is None
+    node.set_optimizer_state("run", 2, 5, moments)
+    node.set_optimizer_state("other", 0, 5, moments)  # over capacity: the oldest goes
+    assert node.optimizer_shards("run") == [2] and node.optimizer_shards("other") == [0]
