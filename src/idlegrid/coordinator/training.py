@@ -424,6 +424,8 @@ def _round_out(
         "round_time_s": metrics.get("round_time_s"),
         "nodes": len(metrics.get("nodes", [])),
         "closed_by": metrics.get("closed_by"),
+        # The largest distance of an update to the round's aggregate (poisoning shows here).
+        "max_suspicion": metrics.get("max_suspicion"),
         "weights_digest": record.weights_digest,
         "checkpoint": record.checkpoint_hash,
     }
