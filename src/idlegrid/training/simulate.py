@@ -280,8 +280,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="DiLoCo's inner AdamW peak lr")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--upload", default="int4", choices=["none", "int8", "int4", "topk"])
-    parser.add_argument("--download", default="int4", choices=["none", "int8", "int4", "topk"])
+    methods = ["none", "int8", "int4", "sign", "topk"]
+    parser.add_argument("--upload", default="int4", choices=methods)
+    parser.add_argument("--download", default="int4", choices=methods)
     parser.add_argument("--topk-fraction", type=float, default=0.01)
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
@@ -301,7 +302,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
     parser.add_argument("--sync-lr", type=float, default=2e-2, help="the baseline's peak lr")
     parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True,
-                        help="int8/int4 upload keeps its rounding error on the worker")  # fmt: skip
+                        help="quantized upload keeps its rounding error on the worker")  # fmt: skip
     parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
     parser.add_argument(
         "--seeded-start",
