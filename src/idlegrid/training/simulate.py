@@ -53,14 +53,15 @@ class Setup:
     """One comparison: model, workers, rounds, and DiLoCo's settings."""
 
     # The defaults are the settings tuned in docs/benchmarks.md ("DiLoCo simulation"):
-    # 20 rounds of H = 50, inner AdamW peak lr 3e-3 with 5% warmup and cosine decay over
-    # the run, outer Nesterov lr 1.0, int4 both ways with error feedback; baseline lr 2e-2.
+    # 40 rounds of H = 50 (2,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
+    # cosine decay over the run, AdamW moments kept per shard between rounds, outer
+    # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2.
     workers: int = 4
-    rounds: int = 20
+    rounds: int = 40
     model: models.LMConfig = field(default_factory=models.LMConfig)
     inner: InnerSettings = field(
         default_factory=lambda: InnerSettings(
-            steps=50, lr=3e-3, run_warmup_steps=50, decay_steps=1000
+            steps=50, lr=3e-3, run_warmup_steps=100, decay_steps=2000, keep_state=True
         )
     )
     outer: OuterSettings = field(default_factory=lambda: OuterSettings(lr=1.0))
@@ -71,7 +72,7 @@ class Setup:
     aggregation: Aggregation = field(default_factory=Aggregation)
     seed: int = 0
     eval_batches: int = 16
-    sync_lr: float | None = 2e-2  # the baseline's peak lr, tuned apart; None: inner.lr
+    sync_lr: float | None = 1e-2  # the baseline's peak lr, tuned apart; None: inner.lr
     # Nodes build round 0's weights from the seed (as the baseline's workers would) and
     # round 0's payload leaves them out; otherwise it carries them inline (fp32).
     seeded_start: bool = False
@@ -270,7 +271,7 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=20, help="ignored with --total-steps")
+    parser.add_argument("--rounds", type=int, default=40, help="ignored with --total-steps")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[50],
                         help="H; several values need --total-steps")  # fmt: skip
     parser.add_argument("--total-steps", type=int, default=None,
@@ -289,7 +290,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=0, help="inner lr warmup steps a task")
     parser.add_argument("--ramp", type=int, nargs="*", default=[],
                         help="H of the first rounds (then --inner-steps)")  # fmt: skip
-    parser.add_argument("--keep-state", action=argparse.BooleanOptionalAction, default=False,
+    parser.add_argument("--keep-state", action=argparse.BooleanOptionalAction, default=True,
                         help="each worker keeps its AdamW moments between rounds")  # fmt: skip
     parser.add_argument(
         "--run-warmup",
@@ -300,7 +301,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine"],
                         help="cosine: decay over the run's inner steps (both runs)")  # fmt: skip
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
-    parser.add_argument("--sync-lr", type=float, default=2e-2, help="the baseline's peak lr")
+    parser.add_argument("--sync-lr", type=float, default=1e-2, help="the baseline's peak lr")
     parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True,
                         help="quantized upload keeps its rounding error on the worker")  # fmt: skip
     parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
