@@ -151,8 +151,10 @@ class DilocoKind(TaskKind):
     def requirements(self, params: KindParams) -> Requirements:
         assert isinstance(params, DilocoParams)
         count = models.parameter_count(params.architecture, params.model_settings())
-        # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies.
-        return Requirements(min_memory_mb=256 + math.ceil(24 * count / 2**20))
+        # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies;
+        # kept moments (`inner.keep_state`) two more.
+        copies = 6 + (2 if params.inner.keep_state else 0)
+        return Requirements(min_memory_mb=256 + math.ceil(4 * copies * count / 2**20))
 
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
         assert isinstance(params, DilocoParams)

@@ -37,7 +37,7 @@ class OptimizerState:
 class WorkerState:
     """Thread-safe caches of one worker process (tasks may run in a thread pool)."""
 
-    def __init__(self, *, weights_capacity: int = 2, optimizer_capacity: int = 8) -> None:
+    def __init__(self, *, weights_capacity: int = 2, optimizer_capacity: int = 2) -> None:
         self.weights_capacity = weights_capacity
         self.optimizer_capacity = optimizer_capacity
         self._weights: OrderedDict[str, np.ndarray] = OrderedDict()
