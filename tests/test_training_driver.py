@@ -362,3 +362,21 @@ async def test_a_shard_whose_node_is_gone_goes_to_another_that_starts_fresh(
             break
     done = await harness.grid.store.get_job(job.id)
     assert done is not None and done.state == "completed"
+
+
+async def test_round_0s_evaluation_draws_the_weights_from_the_seed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit()
+    fresh = await harness.node("fresh")
+    evaluation = next(s for s in await harness.grid.store.list_shards(job.id) if s.index == 2)
+    payload = tasks.decode_task(harness.grid.blobs.read(evaluation.input_hash))
+    assert payload.mode == "eval" and payload.init_seed == MLP.get("seed", 0)
+    while True:  # a node with no weights yet takes round 0's evaluation
+        assign = await harness.take(fresh)
+        assert assign is not None
+        output = harness.compute(fresh, assign, monkeypatch)
+        if assign["shard_index"] == 2:
+            break
+        await harness.deliver(fresh, assign, output)
+    assert tasks.decode_result(output).fetched_bytes == 0  # no keyframe fetched

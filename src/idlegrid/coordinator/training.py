@@ -91,8 +91,10 @@ class RoundDriver:
         checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
         specs = []
         if training.params.eval_every and training.params.rounds:
+            # Round 0's evaluation draws the weights from the seed too (no keyframe fetch).
             specs = [eval_shard(training.params, state, training.data[1], stream=training.stream,
-                                keyframe_blob=checkpoint_hash)]  # fmt: skip
+                                keyframe_blob=checkpoint_hash,
+                                init_seed=training.params.seed)]  # fmt: skip
         first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
         now = self.grid.clock()
         ready = await self.grid.store.start_training(job.id, first, await self._put(specs), now=now)

@@ -344,8 +344,13 @@ def eval_shard(
     stream: str,
     chain: tuple[tasks.Link, ...] = (),
     keyframe_blob: str | None = None,
+    init_seed: int | None = None,
 ) -> ShardSpec:
-    """The shard that measures the held-out loss of the round's weights."""
+    """The shard that measures the held-out loss of the round's weights.
+
+    `init_seed`: round 0's weights are the initialization from this seed (a node draws
+    them instead of fetching the keyframe, as round 0's training tasks do).
+    """
     payload = tasks.TaskPayload(
         mode="eval",
         stream=stream,
@@ -356,6 +361,7 @@ def eval_shard(
         data=held_out,
         keyframe_blob=keyframe_blob,
         chain=chain,
+        init_seed=init_seed,
     )
     count = models.parameter_count(params.architecture, params.model_settings())
     per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
