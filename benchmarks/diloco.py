@@ -127,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per grid job")
     own, rest = parser.parse_known_args(argv)
     args = simulate.parse_args(rest)
+    from idlegrid.training.inner import use_threads
+
+    use_threads(args.threads)  # the sync run here as in simulate (one thread: the same bits)
     pairs = []
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-diloco-") as root,
