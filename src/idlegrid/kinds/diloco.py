@@ -138,10 +138,17 @@ class DilocoKind(TaskKind):
         return [
             ShardSpec(
                 index=shard,
-                payload=tasks.encode_task(round_task(
-                    params, state, train, shard, stream=stream, keyframe_blob=keyframe,
-                    init_seed=params.seed,
-                )),  # fmt: skip
+                payload=tasks.encode_task(
+                    round_task(
+                        params,
+                        state,
+                        train,
+                        shard,
+                        stream=stream,
+                        keyframe_blob=keyframe,
+                        init_seed=params.seed,
+                    )
+                ),  # fmt: skip
                 items=params.inner.round_steps(0),
                 cost_flops=train_flops(params, 0),
             )
@@ -321,10 +328,17 @@ def round_shards(
         specs = [
             ShardSpec(
                 index=first + shard,
-                payload=tasks.encode_task(round_task(
-                    params, state, train, shard, stream=stream, chain=chain,
-                    keyframe_blob=keyframe_blob,
-                )),
+                payload=tasks.encode_task(
+                    round_task(
+                        params,
+                        state,
+                        train,
+                        shard,
+                        stream=stream,
+                        chain=chain,
+                        keyframe_blob=keyframe_blob,
+                    )
+                ),
                 items=params.inner.round_steps(state.round),
                 cost_flops=train_flops(params, state.round),
             )  # fmt: skip
