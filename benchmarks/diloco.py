@@ -1,7 +1,7 @@
 """DiLoCo through the real grid against synchronous data-parallel training, bytes counted.
 
     PYTHONPATH=src .venv/bin/python benchmarks/diloco.py --seeds 0 1 \\
-        [--workers 4 --rounds 10 --inner-steps 50 ...: the flags of training/simulate.py]
+        [--workers 4 --rounds 40 --inner-steps 50 ...: the flags of training/simulate.py]
         [--plot docs/img/diloco_loss.png] [--timeout 1800]
 
 Both runs train the character transformer on the corpus that ships with idlegrid (so no
@@ -68,7 +68,7 @@ def run_grid(local: LocalGrid, setup: simulate.Setup, *, timeout: float) -> simu
         metrics = _follow(job, timeout)
     if metrics["state"] != "completed":
         raise RuntimeError(f"job {job.id} ended {metrics['state']}")
-    curve = [(row["round"] * setup.inner.steps, float(row["eval_loss"]))
+    curve = [(setup.inner.round_start(row["round"]), float(row["eval_loss"]))
              for row in metrics["rounds"] if row["eval_loss"] is not None]  # fmt: skip
     sent = metrics["bytes_up"] // setup.workers
     received = metrics["bytes_down"] // setup.workers
@@ -127,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per grid job")
     own, rest = parser.parse_known_args(argv)
     args = simulate.parse_args(rest)
+    from idlegrid.training.inner import use_threads
+
+    use_threads(args.threads)  # the sync run here as in simulate (one thread: the same bits)
     pairs = []
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-diloco-") as root,
@@ -146,8 +149,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{report.bytes_per_worker:,} B per worker (sent "
                       f"{report.bytes_sent:,}, received {report.bytes_received:,}), "
                       f"{report.seconds:.0f} s", flush=True)  # fmt: skip
+    setup = simulate.setup_from(args, args.seeds[0])
     plot(pairs, own.plot, f"character LM on the pydoc corpus: K={args.workers} workers, "
-                          f"H={args.inner_steps}, {args.rounds} rounds")  # fmt: skip
+                          f"H={args.inner_steps[0]}, {setup.rounds} rounds")  # fmt: skip
     print(f"loss curves: {own.plot}")
     sync_bytes = np.mean([sync.bytes_per_worker for _, sync, _ in pairs])
     grid_bytes = np.mean([grid.bytes_per_worker for _, _, grid in pairs])

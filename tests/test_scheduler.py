@@ -128,11 +128,11 @@ def test_expected_seconds(node: NodeView, items: int, flops: float, seconds: flo
 
 
 W = Weights(priority=1.0, age=2.0, age_scale_s=100.0, fair_share=4.0, speed=3.0,
-            speed_scale_s=10.0, locality=5.0, reliability=0.5, on_time=2.0)
+            speed_scale_s=10.0, locality=5.0, affinity=3.0, reliability=0.5, on_time=2.0)
 
 # (name, node, candidate, the terms that differ from the baseline's)
 BASE_TERMS = {"priority": 0.0, "age": 0.0, "fair_share": 4.0, "speed": 3.0 / (1 + 0.005),
-              "locality": 0.0, "reliability": 0.25, "on_time": 1.0}
+              "locality": 0.0, "affinity": 0.0, "reliability": 0.25, "on_time": 1.0}
 TERMS = [
     ("baseline", _node(gflops=20.0), _task(cost_flops=1e9), {}),
     ("priority", _node(gflops=20.0), _task(priority=-3), {"priority": -3.0}),
@@ -142,6 +142,10 @@ TERMS = [
      {"speed": 3.0 / (1 + 3.0), "on_time": 2.0 * 0.5**3}),
     ("holds-one-of-two-inputs", _node(gflops=20.0, held_blobs=frozenset({"a", "z"})),
      _task(inputs=frozenset({"a", "b"})), {"locality": 2.5}),
+    ("preferred-node", _node(node_id=7, gflops=20.0), replace(_task(), preferred_node=7),
+     {"affinity": 3.0}),
+    ("another-node-preferred", _node(node_id=7, gflops=20.0), replace(_task(), preferred_node=8),
+     {}),
     ("trusted-unreplicated", _node(gflops=20.0, reliability=1.0), _task(), {"reliability": 0.5}),
     ("trusted-replicated", _node(gflops=20.0, reliability=1.0), _task(replication=2),
      {"reliability": 0.25}),

@@ -52,17 +52,29 @@ def test_int4_codes_pack_two_to_a_byte_and_keep_their_sign() -> None:
     assert np.array_equal(c.dequantize(message), vector)
 
 
+def test_sign_sends_one_bit_a_value_scaled_by_the_chunks_mean_magnitude() -> None:
+    vector = np.array([-4, 2, 0, -2, 1, 1, -1, 3, 5, -5], dtype=np.float32)
+    message = c.quantize(vector, bits=1, chunk_size=8)
+    assert message.codes.dtype == np.uint8 and message.codes.size == 2
+    # Chunk means of |x|: 14 / 8 for the first chunk, 10 / 2 for the last (no padding).
+    assert message.scales.tolist() == pytest.approx([1.75, 5.0])
+    signs = np.where(vector >= 0, 1.0, -1.0)
+    expected = np.concatenate([signs[:8] * 1.75, signs[8:] * 5.0])
+    assert c.dequantize(message).tolist() == pytest.approx(expected.tolist())
+
+
 def _expected_payload(message: c.Message) -> int:
     n = c.length(message)
     if isinstance(message, c.Dense):
         return 4 * n
     if isinstance(message, c.Quantized):
         chunks = max(1, math.ceil(n / message.chunk_size))
-        return (n if message.bits == 8 else (n + 1) // 2) + 4 * chunks
+        codes = {8: n, 4: (n + 1) // 2, 1: (n + 7) // 8}[message.bits]
+        return codes + 4 * chunks
     return 8 * message.indices.size
 
 
-@pytest.mark.parametrize("method", ["none", "int8", "int4", "topk"])
+@pytest.mark.parametrize("method", ["none", "int8", "int4", "sign", "topk"])
 @pytest.mark.parametrize("length", [1, 999, 10_000])
 def test_byte_counts_are_exact_and_messages_round_trip(method: str, length: int) -> None:
     settings = c.Compression(method=method, chunk_size=128, topk_fraction=0.05)
@@ -108,7 +120,7 @@ def test_error_feedback_accumulates_exactly_what_was_dropped() -> None:
         assert np.array_equal(sent_total + residual, input_total)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "topk"])
+@pytest.mark.parametrize("method", ["int8", "int4", "sign", "topk"])
 def test_error_feedback_loses_nothing_over_rounds(method: str) -> None:
     settings = c.Compression(method=method, chunk_size=64, topk_fraction=0.02)
     rng = np.random.default_rng(2)

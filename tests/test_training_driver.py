@@ -314,3 +314,69 @@ def test_the_metrics_endpoint(api: Api) -> None:
     sleep = api.submit(alice, kind="sleep", params={"tasks": 1})
     not_training = api.client.get(f"/v1/jobs/{sleep['id']}/metrics", headers=bearer(alice))
     assert_error(not_training, 409, "not_training")
+
+
+async def _train_task(harness: Harness, node: Node, monkeypatch: Any) -> dict[str, Any]:
+    """The node's next training task (an evaluation assigned first is done on the way)."""
+    while True:
+        assign = await harness.take(node)
+        assert assign is not None
+        if tasks.decode_task(harness.grid.blobs.read(assign["input"]["hash"])).mode == "train":
+            return assign
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+
+
+async def test_a_node_keeps_its_shards_moments_and_gets_that_shard_again(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(inner={**MLP["inner"], "keep_state": True})
+    a, b = await harness.node("a"), await harness.node("b")
+    first = {}
+    for node in (a, b):
+        assign = await _train_task(harness, node, monkeypatch)
+        first[node.session.node_id] = assign["shard_index"]
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+    stream = diloco.stream_id(
+        KIND.parse_params({**MLP, "inner": {**MLP["inner"], "keep_state": True}}), _dataset()
+    )  # type: ignore[arg-type]
+    assert b.cache.optimizer_shards(stream) == [first[b.session.node_id]]
+    # Round 1 (stride 3): each node is offered the shard it trained, whoever asks first.
+    for node in (b, a):
+        assign = await _train_task(harness, node, monkeypatch)
+        assert assign["shard_index"] == 3 + first[node.session.node_id]
+    rounds = await harness.grid.store.training_rounds(job.id)
+    assert rounds[-1].round == 1
+
+
+async def test_a_shard_whose_node_is_gone_goes_to_another_that_starts_fresh(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(inner={**MLP["inner"], "keep_state": True}, eval_every=100)
+    a, b = await harness.node("a"), await harness.node("b")
+    for node in (a, b):
+        assign = await _train_task(harness, node, monkeypatch)
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+    # Node b is gone; node a does both shards of round 1 (one without moments) and more.
+    for _ in range(12):
+        if await harness.work(a, monkeypatch) is None:
+            break
+    done = await harness.grid.store.get_job(job.id)
+    assert done is not None and done.state == "completed"
+
+
+async def test_round_0s_evaluation_draws_the_weights_from_the_seed(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit()
+    fresh = await harness.node("fresh")
+    evaluation = next(s for s in await harness.grid.store.list_shards(job.id) if s.index == 2)
+    payload = tasks.decode_task(harness.grid.blobs.read(evaluation.input_hash))
+    assert payload.mode == "eval" and payload.init_seed == MLP.get("seed", 0)
+    while True:  # a node with no weights yet takes round 0's evaluation
+        assign = await harness.take(fresh)
+        assert assign is not None
+        output = harness.compute(fresh, assign, monkeypatch)
+        if assign["shard_index"] == 2:
+            break
+        await harness.deliver(fresh, assign, output)
+    assert tasks.decode_result(output).fetched_bytes == 0  # no keyframe fetched

@@ -7,6 +7,7 @@ import pytest
 
 from idlegrid.training import corpus, models
 from idlegrid.training.data import ExampleData, TokenData
+from idlegrid.training.worker_state import OptimizerState as WorkerOptimizerState
 
 torch = pytest.importorskip("torch")
 from idlegrid.training import inner  # noqa: E402
@@ -137,3 +138,47 @@ def test_on_step_sees_every_step_and_may_stop_the_run() -> None:
 
     with pytest.raises(KeyboardInterrupt):
         inner.train_inner("transformer-lm", LM, weights, _lm_data(), SETTINGS, seed=0, on_step=stop)
+
+
+KEEP = SETTINGS.model_copy(update={"keep_state": True})
+
+
+def test_a_task_keeps_adamw_moments_only_when_asked() -> None:
+    weights = models.init_weights("transformer-lm", LM, 0)
+    assert (
+        inner.train_inner("transformer-lm", LM, weights, _lm_data(), SETTINGS, seed=0).state is None
+    )
+    state = inner.train_inner("transformer-lm", LM, weights, _lm_data(), KEEP, seed=0).state
+    assert state is not None and state.step == KEEP.steps and state.fits(weights.size)
+    assert np.all(state.exp_avg_sq >= 0) and np.abs(state.exp_avg).max() > 0
+
+
+def test_kept_moments_carry_into_the_next_task_and_its_step_count() -> None:
+    weights = models.init_weights("transformer-lm", LM, 0)
+    first = inner.train_inner("transformer-lm", LM, weights, _lm_data(), KEEP, seed=0)
+    start = weights - first.delta
+    fresh = inner.train_inner("transformer-lm", LM, start, _lm_data(), KEEP, seed=1)
+    carried = inner.train_inner(
+        "transformer-lm", LM, start, _lm_data(), KEEP, seed=1, state=first.state
+    )
+    assert carried.state is not None and carried.state.step == 2 * KEEP.steps
+    assert not np.array_equal(carried.delta, fresh.delta)
+    # Moments of another model's size are ignored: the task starts them at zero.
+    other = WorkerOptimizerState(3, np.zeros(5, np.float32), np.zeros(5, np.float32))
+    ignored = inner.train_inner("transformer-lm", LM, start, _lm_data(), KEEP, seed=1, state=other)
+    assert np.array_equal(ignored.delta, fresh.delta)
+
+
+def test_adamw_state_goes_into_torch_and_back_unchanged() -> None:
+    module = models.build_module("transformer-lm", LM)
+    optimizer = torch.optim.AdamW(module.parameters())
+    size = sum(p.numel() for p in module.parameters())
+    rng = np.random.default_rng(0)
+    state = WorkerOptimizerState(
+        7, rng.standard_normal(size).astype(np.float32), rng.random(size).astype(np.float32)
+    )
+    inner._load_state(optimizer, state)
+    back = inner._save_state(optimizer)
+    assert back.step == 7
+    assert np.array_equal(back.exp_avg, state.exp_avg)
+    assert np.array_equal(back.exp_avg_sq, state.exp_avg_sq)

@@ -69,6 +69,9 @@ def test_the_kind_is_registered_and_importing_it_needs_no_torch() -> None:
         {"aggregation": {"rule": "median-of-means"}},
         {"learning_rate": 1.0},
         {"workers": 2, "min_updates": 3},
+        {"rounds": 2, "inner": {"ramp": [5, 5, 5]}},
+        {"inner": {"ramp": [0]}},
+        {"inner": {"first_step": 10}},
     ],
 )
 def test_bad_params_are_refused(raw: dict[str, Any]) -> None:
@@ -247,3 +250,15 @@ def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
     result = worker.run_task(task, params.train_spec(), newcomer, fetch=blobs.__getitem__)
     assert result.weights_digest == closed.state.digest
     assert newcomer.weights(closed.state.digest) is not None
+
+
+def test_a_ramped_job_gives_each_round_its_own_h() -> None:
+    params = _params(rounds=3, inner={**SMALL["inner"], "ramp": [2]})
+    assert [s.items for s in KIND.split({"dataset": diloco.corpus_dataset_blob()}, params)] == [
+        2,
+        2,
+    ]
+    assert diloco.train_flops(params, 1) == 2 * diloco.train_flops(params, 0)
+    done: list[float] = []
+    _run(_round0(params)[0], params, report_progress=done.append)
+    assert done[-1] == 1.0 and len(done) == 2

@@ -5,11 +5,12 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import numpy as np
 import pytest
 
 from idlegrid.training import models, simulate, verify
 from idlegrid.training.compression import Compression
-from idlegrid.training.inner import InnerSettings
+from idlegrid.training.inner import InnerSettings, for_round
 from idlegrid.training.outer import OuterSettings
 
 pytest.importorskip("torch")
@@ -90,8 +91,29 @@ def test_the_default_setup_is_the_tuned_one() -> None:
 
 
 def test_a_task_of_round_r_starts_at_run_step_r_times_h() -> None:
-    assert [TINY.spec(r).inner.first_step for r in range(3)] == [0, 6, 12]
-    assert TINY.spec(2).inner.steps == TINY.inner.steps
+    assert [for_round(TINY.spec().inner, r).first_step for r in range(3)] == [0, 6, 12]
+    assert for_round(TINY.spec().inner, 2).steps == TINY.inner.steps
+    assert TINY.round_ends() == [6, 12, 18] and TINY.steps == 18
+
+
+def test_a_ramp_runs_short_rounds_first_and_keeps_the_run_length() -> None:
+    args = simulate.parse_args(["--total-steps", "35", "--inner-steps", "10", "--ramp", "2", "3"])
+    setup = simulate.setup_from(args, 0)
+    assert (setup.rounds, setup.steps, setup.inner.ramp) == (5, 35, (2, 3))
+    assert setup.round_ends() == [2, 5, 15, 25, 35]
+    tasks = [for_round(setup.inner, r) for r in range(5)]
+    assert [(t.first_step, t.steps) for t in tasks] == [(0, 2), (2, 3), (5, 10), (15, 10), (25, 10)]
+
+
+def test_a_ramped_run_trains_every_round_with_its_own_h() -> None:
+    ramped = dataclasses.replace(
+        TINY, rounds=3, inner=TINY.inner.model_copy(update={"ramp": (2, 4)})
+    )
+    report = simulate.run_diloco(ramped, progress=lambda line: None)
+    sync = simulate.run_sync(ramped, progress=lambda line: None)
+    assert (
+        [steps for steps, _ in report.curve] == [steps for steps, _ in sync.curve] == [0, 2, 6, 12]
+    )
 
 
 def test_several_h_share_one_run_length() -> None:
@@ -123,3 +145,17 @@ def test_the_ratio_line_averages_bytes_and_losses_over_seeds() -> None:
     )
     assert ratio == pytest.approx(100.0)
     assert gap == pytest.approx(10.0)  # 1.65 over 1.5
+
+
+def test_a_node_keeps_moments_per_shard_for_later_rounds_only() -> None:
+    from idlegrid.training.worker_state import OptimizerState, WorkerState
+
+    node = WorkerState(optimizer_capacity=2)
+    moments = OptimizerState(3, np.zeros(4, np.float32), np.ones(4, np.float32))
+    node.set_optimizer_state("run", 1, 5, moments)
+    assert node.optimizer_state("run", 1, 6) is moments
+    assert node.optimizer_state("run", 1, 5) is None  # made by this round: not a past one
+    assert node.optimizer_state("run", 0, 6) is None and node.optimizer_state("other", 1, 6) is None
+    node.set_optimizer_state("run", 2, 5, moments)
+    node.set_optimizer_state("other", 0, 5, moments)  # over capacity: the oldest goes
+    assert node.optimizer_shards("run") == [2] and node.optimizer_shards("other") == [0]

@@ -70,6 +70,7 @@ class CoordinatorSettings:
     sched_speed_weight: float = 1.0
     sched_speed_scale_s: float = 60.0
     sched_locality_weight: float = 1.0
+    sched_affinity_weight: float = 1.0
     sched_reliability_weight: float = 0.5
     sched_on_time_weight: float = 1.0
     # Fair share: "account=share" entries (default share 1), and the half-life of the

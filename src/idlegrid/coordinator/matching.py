@@ -9,7 +9,7 @@ nodes, and says why a job is waiting (`waiting_for`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from idlegrid import protocol
@@ -41,6 +41,7 @@ def weights_from(settings: CoordinatorSettings) -> scheduler.Weights:
         speed=settings.sched_speed_weight,
         speed_scale_s=settings.sched_speed_scale_s,
         locality=settings.sched_locality_weight,
+        affinity=settings.sched_affinity_weight,
         reliability=settings.sched_reliability_weight,
         on_time=settings.sched_on_time_weight,
     )
@@ -65,6 +66,8 @@ class Matcher:
         self._heads: tuple[float, list[ReadyTask]] = (float("-inf"), [])
         self._running: tuple[float, list[RunningTask]] = (float("-inf"), [])
         self._usage_at: tuple[float, dict[int, float]] = (float("-inf"), {})
+        # job id -> {shard id: the node that holds state for that shard} (affinity)
+        self._preferred: dict[int, dict[int, int]] = {}
 
     # -- candidates --------------------------------------------------------------------
 
@@ -113,7 +116,16 @@ class Matcher:
             replication=plan.replication,
             input_hashes=plan.inputs,
             fair_share=fair,
+            preferred_node=self._preferred.get(entry.job_id, {}).get(entry.shard_id),
         )
+
+    def prefer(self, job_id: int, nodes: Mapping[int, int]) -> None:
+        """Prefer these nodes for these shards of a job ({shard id: node id}), replacing
+        the job's earlier preferences (a training round's shards replace the last's)."""
+        self._preferred[job_id] = dict(nodes)
+
+    def forget_preferences(self, job_id: int) -> None:
+        self._preferred.pop(job_id, None)
 
     def claimed(
         self,

@@ -91,8 +91,10 @@ class RoundDriver:
         checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
         specs = []
         if training.params.eval_every and training.params.rounds:
+            # Round 0's evaluation draws the weights from the seed too (no keyframe fetch).
             specs = [eval_shard(training.params, state, training.data[1], stream=training.stream,
-                                keyframe_blob=checkpoint_hash)]  # fmt: skip
+                                keyframe_blob=checkpoint_hash,
+                                init_seed=training.params.seed)]  # fmt: skip
         first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
         now = self.grid.clock()
         ready = await self.grid.store.start_training(job.id, first, await self._put(specs), now=now)
@@ -134,6 +136,7 @@ class RoundDriver:
     def forget(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
         self._locks.pop(job_id, None)
+        self.grid.matcher.forget_preferences(job_id)
 
     # -- one step ----------------------------------------------------------------------------
 
@@ -215,7 +218,26 @@ class RoundDriver:
         log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
                  job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
         await self.grid._send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
+        if training.params.inner.keep_state and not final:
+            await self._prefer_holders(job_id, training, done)
         await self.grid.enqueue(advance.ready)
+
+    async def _prefer_holders(
+        self, job_id: int, training: Training, done: Sequence[ShardRecord]
+    ) -> None:
+        """Affinity: shard s of the next round prefers the node whose update for shard s
+        was just taken, which holds s's AdamW moments (`inner.keep_state`)."""
+        holders = {}
+        for shard in done:
+            found = await self.grid.store.shard_for_verify(shard.id)
+            results = found.results if found is not None else []
+            taken = [r.node_id for r in results if r.output_hash == shard.output_hash]
+            if taken:
+                holders[shard.index + training.stride] = taken[0]
+        shards = await self.grid.store.list_shards(job_id)
+        self.grid.matcher.prefer(
+            job_id, {s.id: holders[s.index] for s in shards if s.index in holders}
+        )
 
     async def _finish(
         self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
@@ -404,6 +426,8 @@ def _round_out(
         "round_time_s": metrics.get("round_time_s"),
         "nodes": len(metrics.get("nodes", [])),
         "closed_by": metrics.get("closed_by"),
+        # The largest distance of an update to the round's aggregate (poisoning shows here).
+        "max_suspicion": metrics.get("max_suspicion"),
         "weights_digest": record.weights_digest,
         "checkpoint": record.checkpoint_hash,
     }

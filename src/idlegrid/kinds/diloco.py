@@ -15,6 +15,13 @@ index t*(workers+1) + workers is the evaluation of round t's weights on the held
 split (every `eval_every` rounds, and after the last). `assemble` alone (no driver)
 closes round 0: its result is round 1's weights as safetensors.
 
+With `inner.keep_state` a node keeps each shard's AdamW moments from round to round (as
+DiLoCo's replicas do) and the round driver prefers to give shard s to the node that
+trained it last (scheduler affinity); a node without them starts at zero. A task's update
+then depends on the node's history, so two replicas of it agree only if both held the
+same moments: use it with replication 1 (this kind's default) and a robust aggregation
+rule where nodes are not trusted. `inner.ramp` gives the first rounds their own H.
+
 torch is imported only inside `run` (through `training.inner`): the coordinator imports
 this module to split, compare and assemble without it.
 """
@@ -84,6 +91,10 @@ class DilocoParams(KindParams):
         self.model_settings()
         if self.min_updates is not None and self.min_updates > self.workers:
             raise ValueError(f"min_updates {self.min_updates} exceeds workers {self.workers}")
+        if len(self.inner.ramp) > self.rounds:
+            raise ValueError(f"inner.ramp has {len(self.inner.ramp)} rounds; the job {self.rounds}")
+        if self.inner.first_step:
+            raise ValueError("inner.first_step is set per task, not per job")
         return self
 
     def train_spec(self) -> worker.TrainSpec:
@@ -138,8 +149,8 @@ class DilocoKind(TaskKind):
                         init_seed=params.seed,
                     )
                 ),  # fmt: skip
-                items=params.inner.steps,
-                cost_flops=train_flops(params),
+                items=params.inner.round_steps(0),
+                cost_flops=train_flops(params, 0),
             )
             for shard in range(params.workers)
         ]
@@ -147,8 +158,10 @@ class DilocoKind(TaskKind):
     def requirements(self, params: KindParams) -> Requirements:
         assert isinstance(params, DilocoParams)
         count = models.parameter_count(params.architecture, params.model_settings())
-        # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies.
-        return Requirements(min_memory_mb=256 + math.ceil(24 * count / 2**20))
+        # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies;
+        # kept moments (`inner.keep_state`) two more.
+        copies = 6 + (2 if params.inner.keep_state else 0)
+        return Requirements(min_memory_mb=256 + math.ceil(4 * copies * count / 2**20))
 
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
         assert isinstance(params, DilocoParams)
@@ -168,7 +181,7 @@ class DilocoKind(TaskKind):
         try:
             result = worker.run_task(
                 task, params.train_spec(), WORKER_STATE,
-                device=ctx.device, on_step=_progress(ctx, params.inner.steps),
+                device=ctx.device, on_step=_progress(ctx, params.inner.round_steps(task.round)),
                 fetch=None if ctx.fetch is None else fetch,
             )  # fmt: skip
         except (ContainerError, tasks.MissingWeights, ValueError) as exc:
@@ -326,8 +339,8 @@ def round_shards(
                         keyframe_blob=keyframe_blob,
                     )
                 ),
-                items=params.inner.steps,
-                cost_flops=train_flops(params),
+                items=params.inner.round_steps(state.round),
+                cost_flops=train_flops(params, state.round),
             )  # fmt: skip
             for shard in range(params.workers)
         ]
@@ -345,8 +358,13 @@ def eval_shard(
     stream: str,
     chain: tuple[tasks.Link, ...] = (),
     keyframe_blob: str | None = None,
+    init_seed: int | None = None,
 ) -> ShardSpec:
-    """The shard that measures the held-out loss of the round's weights."""
+    """The shard that measures the held-out loss of the round's weights.
+
+    `init_seed`: round 0's weights are the initialization from this seed (a node draws
+    them instead of fetching the keyframe, as round 0's training tasks do).
+    """
     payload = tasks.TaskPayload(
         mode="eval",
         stream=stream,
@@ -357,6 +375,7 @@ def eval_shard(
         data=held_out,
         keyframe_blob=keyframe_blob,
         chain=chain,
+        init_seed=init_seed,
     )
     count = models.parameter_count(params.architecture, params.model_settings())
     per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
@@ -392,11 +411,12 @@ def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) ->
     )
 
 
-def train_flops(params: DilocoParams) -> float:
-    """Cost of one task: 6 FLOPs per parameter per example-token, H steps."""
+def train_flops(params: DilocoParams, round_number: int) -> float:
+    """Cost of one task of a round: 6 FLOPs per parameter per example-token, its H steps."""
     count = models.parameter_count(params.architecture, params.model_settings())
     per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
-    return float(6 * count * per_example * params.inner.batch_size * params.inner.steps)
+    steps = params.inner.round_steps(round_number)
+    return float(6 * count * per_example * params.inner.batch_size * steps)
 
 
 def checkpoint(params: DilocoParams, state: rounds.RoundState, **metrics: float) -> bytes:

@@ -18,6 +18,8 @@ A node that asks for work is matched against the ready candidates in two steps:
                  (`fairshare.factor`: 2^-(recent usage fraction / share fraction))
    speed         w_speed / (1 + expected_s / speed_scale_s): tasks this node is quick at
    locality      w_locality x the fraction of the job's input blobs the node holds
+   affinity      w_affinity if the node is the task's preferred node (it holds state for
+                 it, e.g. a training shard's optimizer moments from the previous round)
    reliability   w_reliability x node reliability (trust, 0..1) / replication: work that
                  no second replica checks goes to trusted nodes first
    on_time       w_on_time x on_time ^ max(1, expected_s / speed_scale_s): the chance the
@@ -39,7 +41,7 @@ from idlegrid.kinds.base import Requirements
 
 GPU_BACKENDS = frozenset({"cuda", "rocm", "mps"})
 NO_NEEDS = Requirements()
-TERMS = ("priority", "age", "fair_share", "speed", "locality", "reliability", "on_time")
+TERMS = ("priority", "age", "fair_share", "speed", "locality", "affinity", "reliability", "on_time")
 # A node with no benchmark (0 GFLOPS) is assumed this fast for time estimates.
 FALLBACK_GFLOPS = 1.0
 
@@ -86,6 +88,8 @@ class Candidate:
     input_hashes: frozenset[str] = frozenset()
     # The account's fair-share factor now (`fairshare.factor`), 0..1.
     fair_share: float = 1.0
+    # The node that holds state for this task (a preference, never a requirement).
+    preferred_node: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,6 +103,7 @@ class Weights:
     speed: float = 1.0
     speed_scale_s: float = 60.0
     locality: float = 1.0
+    affinity: float = 1.0
     reliability: float = 0.5
     on_time: float = 1.0
 
@@ -197,6 +202,7 @@ def _terms(
         weights.fair_share * candidate.fair_share,
         weights.speed / (1.0 + expected / weights.speed_scale_s),
         weights.locality * held,
+        weights.affinity if candidate.preferred_node == node.node_id else 0.0,
         weights.reliability * node.reliability / max(1, candidate.replication),
         weights.on_time * node.on_time**length,
     )

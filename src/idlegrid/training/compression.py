@@ -7,6 +7,9 @@ counts are `len(encode_message(m))`, never an estimate.
 - int8 / int4: symmetric quantization per chunk of `chunk_size` values, one float32 scale
   per chunk (max |x| / 127, or / 7). Rounding is to nearest, so each value is off by at most
   half its chunk's scale. int4 codes (-7..7) are packed two to a byte.
+- sign: one bit a value, its sign, times one float32 scale per chunk: the chunk's mean
+  |value| (scaled sign, as in EF-SignSGD, Karimireddy et al., 2019). Biased on its own;
+  meant for error feedback, which carries what it got wrong into the next message.
 - top-k: the k largest magnitudes of (update + residual) are sent as (uint32 index, float32
   value) pairs; what was not sent is the new residual, kept by the sender and added to its
   next update (error feedback), so nothing is lost, only delayed.
@@ -24,8 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from idlegrid.training.flat import ContainerError, pack, unpack
 
-Method = Literal["none", "int8", "int4", "topk"]
+Method = Literal["none", "int8", "int4", "sign", "topk"]
 _QMAX = {8: 127, 4: 7}
+_BITS: dict[str, int] = {"int8": 8, "int4": 4, "sign": 1}
+_METHOD_OF_BITS: dict[int, Method] = {8: "int8", 4: "int4", 1: "sign"}
 
 
 class Compression(BaseModel):
@@ -39,7 +44,7 @@ class Compression(BaseModel):
         default=0.01, gt=0.0, le=1.0, description="share of values top-k sends"
     )
     error_feedback: bool = Field(
-        default=False, description="int8/int4: carry the rounding error into the next message"
+        default=False, description="int8/int4/sign: carry the rounding error into the next message"
     )
 
     @property
@@ -63,7 +68,7 @@ class Quantized:
     length: int
     chunk_size: int
     scales: np.ndarray  # float32, one per chunk
-    codes: np.ndarray  # int8 (8 bits) or uint8 with two codes a byte (4 bits)
+    codes: np.ndarray  # int8 (8 bits); uint8 with two codes a byte (4) or eight signs (1)
 
 
 @dataclass(frozen=True)
@@ -82,9 +87,11 @@ Message = Dense | Quantized | Sparse
 
 
 def quantize(vector: np.ndarray, *, bits: int = 8, chunk_size: int = 256) -> Quantized:
-    """Per-chunk symmetric quantization of a float32 vector to `bits` (8 or 4)."""
+    """Per-chunk symmetric quantization of a float32 vector to `bits` (8, 4, or 1: sign)."""
+    if bits == 1:
+        return _sign(vector, chunk_size)
     if bits not in _QMAX:
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
+        raise ValueError(f"bits must be 8, 4 or 1, got {bits}")
     qmax = _QMAX[bits]
     values = np.asarray(vector, dtype=np.float32)
     chunks = _chunked(values, chunk_size)
@@ -97,9 +104,26 @@ def quantize(vector: np.ndarray, *, bits: int = 8, chunk_size: int = 256) -> Qua
     return Quantized(bits, values.size, chunk_size, scales, packed)
 
 
+def _sign(vector: np.ndarray, chunk_size: int) -> Quantized:
+    values = np.asarray(vector, dtype=np.float32)
+    chunks = _chunked(values, chunk_size)
+    # The mean |value| of each chunk's real values (the padding of the last one left out).
+    counts = np.full(len(chunks), chunk_size, dtype=np.float32)
+    counts[-1] = values.size - chunk_size * (len(chunks) - 1) or 1
+    scales = (np.sum(np.abs(chunks), axis=1) / counts).astype(np.float32)
+    signs = np.packbits(values >= 0, bitorder="little")
+    return Quantized(1, values.size, chunk_size, scales, signs)
+
+
 def dequantize(message: Quantized) -> np.ndarray:
     """The float32 vector a quantized message stands for (same bits on every machine)."""
-    codes = message.codes if message.bits == 8 else _unpack_nibbles(message.codes, message.length)
+    if message.bits == 1:
+        bits = np.unpackbits(message.codes, count=message.length, bitorder="little")
+        codes = bits.astype(np.float32) * np.float32(2) - np.float32(1)
+    elif message.bits == 8:
+        codes = message.codes
+    else:
+        codes = _unpack_nibbles(message.codes, message.length)
     padded = np.zeros(len(message.scales) * message.chunk_size, dtype=np.float32)
     padded[: message.length] = codes
     chunks = padded.reshape(-1, message.chunk_size) * message.scales[:, None]
@@ -187,7 +211,7 @@ def compress(
     if settings.method == "none":
         message = Dense(accumulator.copy())
     else:
-        bits = 8 if settings.method == "int8" else 4
+        bits = _BITS[settings.method]
         message = quantize(accumulator, bits=bits, chunk_size=settings.chunk_size)
     new_residual = None if residual is None else accumulator - decode(message)
     return message, new_residual
@@ -207,7 +231,7 @@ def method_of(message: Message) -> Method:
     if isinstance(message, Dense):
         return "none"
     if isinstance(message, Quantized):
-        return "int8" if message.bits == 8 else "int4"
+        return _METHOD_OF_BITS[message.bits]
     return "topk"
 
 
@@ -225,7 +249,7 @@ def to_arrays(message: Message, prefix: str) -> tuple[dict[str, Any], dict[str, 
         return {"method": "none"}, {f"{prefix}values": message.values}
     if isinstance(message, Quantized):
         meta = {
-            "method": f"int{message.bits}",
+            "method": _METHOD_OF_BITS[message.bits],
             "length": message.length,
             "chunk_size": message.chunk_size,
         }
@@ -240,8 +264,8 @@ def from_arrays(meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray], prefi
         method = meta["method"]
         if method == "none":
             return Dense(_array(arrays, f"{prefix}values", np.float32))
-        if method in ("int8", "int4"):
-            return _quantized_from(meta, arrays, prefix, bits=int(method[3:]))
+        if method in _BITS:
+            return _quantized_from(meta, arrays, prefix, bits=_BITS[method])
         if method == "topk":
             return _sparse_from(meta, arrays, prefix)
     except (KeyError, TypeError, ValueError) as exc:
@@ -262,7 +286,7 @@ def _quantized_from(
     size, chunk_size = int(meta["length"]), int(meta["chunk_size"])
     scales = _array(arrays, f"{prefix}scales", np.float32)
     codes = _array(arrays, f"{prefix}codes", np.int8 if bits == 8 else np.uint8)
-    expected_codes = size if bits == 8 else (size + 1) // 2
+    expected_codes = {8: size, 4: (size + 1) // 2, 1: (size + 7) // 8}[bits]
     if size < 0 or chunk_size < 1 or codes.size != expected_codes:
         raise ContainerError(f"{prefix}codes: {codes.size} codes for {size} values")
     if scales.size != max(1, math.ceil(size / chunk_size)):

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from idlegrid.training import models
 from idlegrid.training.data import Dataset, TokenData, batches, eval_batches
+from idlegrid.training.worker_state import OptimizerState
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +50,36 @@ class InnerSettings(BaseModel):
     first_step: int = Field(
         default=0, ge=0, description="the run's inner step this task starts at (see for_round)"
     )
+    # DiLoCo lags most in its first rounds: shorter ones there (a few more, small messages)
+    # catch up early; `steps` holds from round len(ramp) on.
+    ramp: tuple[int, ...] = Field(
+        default=(), max_length=10_000, description="H of the first rounds, then steps"
+    )
+    # DiLoCo keeps each replica's AdamW moments from round to round (Douillard et al.,
+    # 2023); a task that finds none (a new node, another shard) starts them at zero.
+    keep_state: bool = Field(
+        default=False, description="carry AdamW moments between a node's tasks of one shard"
+    )
+
+    @field_validator("ramp")
+    @classmethod
+    def _positive_ramp(cls, ramp: tuple[int, ...]) -> tuple[int, ...]:
+        if any(not 1 <= h <= 100_000 for h in ramp):
+            raise ValueError("every ramp entry must be 1..100000 inner steps")
+        return ramp
+
+    def round_steps(self, round_number: int) -> int:
+        """H of round `round_number`: its ramp entry, else `steps`."""
+        return self.ramp[round_number] if round_number < len(self.ramp) else self.steps
+
+    def round_start(self, round_number: int) -> int:
+        """The run's inner step that round `round_number` starts at."""
+        ramped = min(round_number, len(self.ramp))
+        return sum(self.ramp[:ramped]) + (round_number - ramped) * self.steps
+
+    def total_steps(self, rounds: int) -> int:
+        """Inner steps per worker of a run of `rounds` rounds."""
+        return self.round_start(rounds)
 
 
 def run_lr(settings: InnerSettings, run_step: int) -> float:
@@ -73,8 +104,17 @@ def task_lr(settings: InnerSettings, step: int) -> float:
 
 
 def for_round(settings: InnerSettings, round_number: int) -> InnerSettings:
-    """The settings of a task of round `round_number`: its place in the run's schedule."""
-    return settings.model_copy(update={"first_step": round_number * settings.steps})
+    """The settings of a task of round `round_number`: its H and place in the run's schedule.
+
+    Apply it once, to the run's settings: the result has no ramp left.
+    """
+    return settings.model_copy(
+        update={
+            "first_step": settings.round_start(round_number),
+            "steps": settings.round_steps(round_number),
+            "ramp": (),
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -85,6 +125,7 @@ class InnerResult:
     loss_first: float  # the first batch's loss at the global weights
     loss_mean: float
     loss_last: float
+    state: OptimizerState | None = None  # AdamW's state after the last step
 
 
 def train_inner(
@@ -97,11 +138,13 @@ def train_inner(
     seed: int,
     device: str = "cpu",
     on_step: Callable[[int], None] | None = None,
+    state: OptimizerState | None = None,
 ) -> InnerResult:
     """Run `settings.steps` AdamW steps from `weights`; return delta = weights - local.
 
     `on_step(done)` runs after each step (progress, and a place to raise on cancel).
-    The optimizer starts fresh every task: a node keeps no state between rounds.
+    AdamW starts from `state` (moments of an earlier task) if given, else at zero; the
+    result carries its state after the last step when `settings.keep_state`.
     """
     import torch
 
@@ -113,6 +156,8 @@ def train_inner(
         betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
     )
+    if state is not None and state.fits(weights.size):
+        _load_state(optimizer, state)
     task = models.get_architecture(architecture).task
     stream = batches(
         data, seed=seed, count=settings.steps, batch_size=settings.batch_size,
@@ -132,7 +177,41 @@ def train_inner(
         if on_step is not None:
             on_step(step + 1)
     delta = weights - flat_weights(module)
-    return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1])
+    kept = _save_state(optimizer) if settings.keep_state else None
+    return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1], kept)
+
+
+def _load_state(optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
+    """Give a fresh AdamW the moments of an earlier task (before its first step)."""
+    import torch
+
+    offset = 0
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            count = parameter.numel()
+            part = slice(offset, offset + count)
+            optimizer.state[parameter] = {
+                "step": torch.tensor(float(state.step)),
+                "exp_avg": torch.from_numpy(state.exp_avg[part].copy()).view_as(parameter),
+                "exp_avg_sq": torch.from_numpy(state.exp_avg_sq[part].copy()).view_as(parameter),
+            }
+            offset += count
+
+
+def _save_state(optimizer: torch.optim.Optimizer) -> OptimizerState:
+    """AdamW's moments as flat float32 vectors, in parameter order."""
+    averages, squares, step = [], [], 0
+    for group in optimizer.param_groups:
+        for parameter in group["params"]:
+            held = optimizer.state[parameter]
+            averages.append(held["exp_avg"].detach().cpu().reshape(-1).numpy())
+            squares.append(held["exp_avg_sq"].detach().cpu().reshape(-1).numpy())
+            step = int(held["step"])
+    return OptimizerState(
+        step,
+        np.concatenate(averages).astype(np.float32),
+        np.concatenate(squares).astype(np.float32),
+    )
 
 
 def evaluate(

@@ -40,7 +40,7 @@ from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode
 from idlegrid.training.data import TokenData
 from idlegrid.training.flat import digest
-from idlegrid.training.inner import InnerSettings, for_round, run_lr
+from idlegrid.training.inner import InnerSettings, run_lr
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.worker import TrainSpec, run_task
 from idlegrid.training.worker_state import WorkerState
@@ -53,14 +53,15 @@ class Setup:
     """One comparison: model, workers, rounds, and DiLoCo's settings."""
 
     # The defaults are the settings tuned in docs/benchmarks.md ("DiLoCo simulation"):
-    # 20 rounds of H = 50, inner AdamW peak lr 3e-3 with 5% warmup and cosine decay over
-    # the run, outer Nesterov lr 1.0, int4 both ways with error feedback; baseline lr 2e-2.
+    # 40 rounds of H = 50 (2,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
+    # cosine decay over the run, AdamW moments kept per shard between rounds, outer
+    # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2.
     workers: int = 4
-    rounds: int = 20
+    rounds: int = 40
     model: models.LMConfig = field(default_factory=models.LMConfig)
     inner: InnerSettings = field(
         default_factory=lambda: InnerSettings(
-            steps=50, lr=3e-3, run_warmup_steps=50, decay_steps=1000
+            steps=50, lr=3e-3, run_warmup_steps=100, decay_steps=2000, keep_state=True
         )
     )
     outer: OuterSettings = field(default_factory=lambda: OuterSettings(lr=1.0))
@@ -71,7 +72,7 @@ class Setup:
     aggregation: Aggregation = field(default_factory=Aggregation)
     seed: int = 0
     eval_batches: int = 16
-    sync_lr: float | None = 2e-2  # the baseline's peak lr, tuned apart; None: inner.lr
+    sync_lr: float | None = 1e-2  # the baseline's peak lr, tuned apart; None: inner.lr
     # Nodes build round 0's weights from the seed (as the baseline's workers would) and
     # round 0's payload leaves them out; otherwise it carries them inline (fp32).
     seeded_start: bool = False
@@ -79,12 +80,15 @@ class Setup:
     @property
     def steps(self) -> int:
         """Inner steps per worker over the whole run (both runs take this many)."""
-        return self.rounds * self.inner.steps
+        return self.inner.total_steps(self.rounds)
 
-    def spec(self, round_number: int = 0) -> TrainSpec:
-        """What a task of `round_number` runs with: its place in the run's lr schedule."""
-        inner = for_round(self.inner, round_number)
-        return TrainSpec(ARCHITECTURE, self.model, inner, self.upload, self.eval_batches)
+    def spec(self) -> TrainSpec:
+        """What every task runs with (`run_task` finds a round's H and place in the run)."""
+        return TrainSpec(ARCHITECTURE, self.model, self.inner, self.upload, self.eval_batches)
+
+    def round_ends(self) -> list[int]:
+        """The inner step (per worker) at which each round ends."""
+        return [self.inner.round_start(r + 1) for r in range(self.rounds)]
 
 
 @dataclass
@@ -152,7 +156,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
                     node.remember_weights(digest(seeded), seeded)
                     payload = lean
             received[shard] += len(payload)
-            result = run_task(tasks.decode_task(payload), setup.spec(state.round), node)
+            result = run_task(tasks.decode_task(payload), setup.spec(), node)
             output = tasks.encode_result(result)
             sent[shard] += len(output)
             updates.append(_update(output))
@@ -161,7 +165,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
         )
         chain = (tasks.Link(tasks.WeightsRef(state.round, state.digest), closed.message),)
         state = closed.state
-        curve.append(((round_number + 1) * setup.inner.steps, evaluate(setup, state.weights)))
+        curve.append((setup.inner.round_start(round_number + 1), evaluate(setup, state.weights)))
         progress(f"diloco round {round_number + 1}/{setup.rounds}: "
                  f"train {closed.train_loss:.4f} eval {curve[-1][1]:.4f}")  # fmt: skip
     elapsed = time.perf_counter() - started
@@ -206,9 +210,10 @@ def run_sync(setup: Setup, progress: Progress = print) -> Report:
     module = inner.load_module(ARCHITECTURE, setup.model, weights, "cpu")
     step_once = _sync_stepper(setup, module)
     curve = [(0, evaluate(setup, weights))]
+    checkpoints = set(setup.round_ends())
     for step in range(setup.steps):
         step_once(step)
-        if (step + 1) % setup.inner.steps == 0:
+        if step + 1 in checkpoints:
             curve.append((step + 1, evaluate(setup, inner.flat_weights(module))))
             progress(f"sync step {step + 1}/{setup.steps}: eval {curve[-1][1]:.4f}")
     # Ring all-reduce: each worker sends 2(K-1)/K of the gradient a step, and receives as much.
@@ -266,7 +271,7 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=20, help="ignored with --total-steps")
+    parser.add_argument("--rounds", type=int, default=40, help="ignored with --total-steps")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[50],
                         help="H; several values need --total-steps")  # fmt: skip
     parser.add_argument("--total-steps", type=int, default=None,
@@ -276,12 +281,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=3e-3, help="DiLoCo's inner AdamW peak lr")
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--upload", default="int4", choices=["none", "int8", "int4", "topk"])
-    parser.add_argument("--download", default="int4", choices=["none", "int8", "int4", "topk"])
+    methods = ["none", "int8", "int4", "sign", "topk"]
+    parser.add_argument("--upload", default="int4", choices=methods)
+    parser.add_argument("--download", default="int4", choices=methods)
     parser.add_argument("--topk-fraction", type=float, default=0.01)
     parser.add_argument("--outer-lr", type=float, default=1.0)
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--warmup", type=int, default=0, help="inner lr warmup steps a task")
+    parser.add_argument("--ramp", type=int, nargs="*", default=[],
+                        help="H of the first rounds (then --inner-steps)")  # fmt: skip
+    parser.add_argument("--keep-state", action=argparse.BooleanOptionalAction, default=True,
+                        help="each worker keeps its AdamW moments between rounds")  # fmt: skip
     parser.add_argument(
         "--run-warmup",
         type=int,
@@ -291,9 +301,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine"],
                         help="cosine: decay over the run's inner steps (both runs)")  # fmt: skip
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
-    parser.add_argument("--sync-lr", type=float, default=2e-2, help="the baseline's peak lr")
+    parser.add_argument("--sync-lr", type=float, default=1e-2, help="the baseline's peak lr")
     parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True,
-                        help="int8/int4 upload keeps its rounding error on the worker")  # fmt: skip
+                        help="quantized upload keeps its rounding error on the worker")  # fmt: skip
     parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
     parser.add_argument(
         "--seeded-start",
@@ -310,9 +320,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if len(args.inner_steps) > 1:
             parser.error("several --inner-steps need --total-steps (the same run length)")
         args.total_steps = args.rounds * args.inner_steps[0]
+    rest = args.total_steps - sum(args.ramp)
     for h in args.inner_steps:
-        if args.total_steps % h:
-            parser.error(f"--total-steps {args.total_steps} is not a multiple of H={h}")
+        if rest <= 0 or rest % h:
+            parser.error(f"--total-steps {args.total_steps} less the ramp's {sum(args.ramp)} "
+                         f"is not a positive multiple of H={h}")  # fmt: skip
     return args
 
 
@@ -328,10 +340,12 @@ def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = No
         run_warmup_steps=args.total_steps // 20 if args.run_warmup is None else args.run_warmup,
         decay_steps=args.total_steps if args.schedule == "cosine" else None,
         min_lr_ratio=args.min_lr_ratio,
+        keep_state=args.keep_state,
+        ramp=tuple(args.ramp),
     )
     return Setup(
         workers=args.workers,
-        rounds=args.total_steps // steps,
+        rounds=len(args.ramp) + (args.total_steps - sum(args.ramp)) // steps,
         model=models.LMConfig(
             vocab=len(corpus.vocabulary()),
             context=args.seq_len,
@@ -436,7 +450,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratio, gap = ratio_line(syncs, dilocos[h], inline=False)
         inline_ratio, _ = ratio_line(syncs, dilocos[h], inline=True)
         print(
-            f"| {h} | {args.total_steps // h} "
+            f"| {h} | {len(args.ramp) + (args.total_steps - sum(args.ramp)) // h} "
             f"| {np.mean([r.final_loss for r in syncs]):.4f} "
             f"| {np.mean([r.final_loss for r in dilocos[h]]):.4f} | {gap:.2f}% "
             f"| {np.mean([r.bytes_per_worker for r in syncs]):,.0f} "

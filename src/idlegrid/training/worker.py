@@ -41,7 +41,7 @@ def run_task(
     on_step: Callable[[int], None] | None = None,
     fetch: Callable[[str], bytes] | None = None,
 ) -> tasks.TaskResult:
-    """Train (or evaluate) one task; remember its weights and top-k residual in `state`.
+    """Train (or evaluate) one task; remember its weights, residual and moments in `state`.
 
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.
@@ -57,10 +57,16 @@ def run_task(
     from idlegrid.training import inner
 
     # The task's place in the run's lr schedule (warmup and decay over all rounds).
+    settings = inner.for_round(spec.inner, task.round)
+    moments = None
+    if settings.keep_state:
+        moments = state.optimizer_state(task.stream, task.shard, task.round)
     trained = inner.train_inner(
-        spec.architecture, spec.config, weights, data, inner.for_round(spec.inner, task.round),
-        seed=task.seed, device=device, on_step=on_step,
+        spec.architecture, spec.config, weights, data, settings,
+        seed=task.seed, device=device, on_step=on_step, state=moments,
     )  # fmt: skip
+    if trained.state is not None:
+        state.set_optimizer_state(task.stream, task.shard, task.round, trained.state)
     residual = state.residual(task.stream) if spec.upload.stateful else None
     if residual is not None and residual.shape != trained.delta.shape:
         residual = None

@@ -1,4 +1,4 @@
-"""What a worker process keeps between training tasks: recent global weights, residuals.
+"""What a worker process keeps between training tasks: weights, residuals, AdamW moments.
 
 Recent weights (by digest) let the next task rebuild its starting weights from the small
 published updates instead of a full copy. Top-k's error-feedback residual belongs to the
@@ -6,23 +6,44 @@ sender, so each node keeps one per training run (not per shard: the coordinator 
 updates, so what a node held back may join any later update of the same run). Both live
 in memory only: a restarted worker has neither, gets a keyframe, and restarts its
 residual at zero (what it had not sent yet is lost, a bounded error).
+
+With `InnerSettings.keep_state` a node also keeps the AdamW moments of each shard it
+trained (per training run and shard, as DiLoCo's replicas do), for the next round's task
+of that shard; the coordinator prefers to give it that task (matching's affinity). A
+node without them (new, restarted, or given another shard) starts the moments at zero.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """AdamW's moments over the flat parameter vector, and how many steps made them."""
+
+    step: int
+    exp_avg: np.ndarray  # float32, one per parameter
+    exp_avg_sq: np.ndarray
+
+    def fits(self, size: int) -> bool:
+        return self.exp_avg.shape == self.exp_avg_sq.shape == (size,)
 
 
 class WorkerState:
     """Thread-safe caches of one worker process (tasks may run in a thread pool)."""
 
-    def __init__(self, *, weights_capacity: int = 2) -> None:
+    def __init__(self, *, weights_capacity: int = 2, optimizer_capacity: int = 2) -> None:
         self.weights_capacity = weights_capacity
+        self.optimizer_capacity = optimizer_capacity
         self._weights: OrderedDict[str, np.ndarray] = OrderedDict()
         self._residuals: dict[str, np.ndarray] = {}
+        # (stream, shard) -> (round that made it, state), least recently used first.
+        self._optimizers: OrderedDict[tuple[str, int], tuple[int, OptimizerState]] = OrderedDict()
         self._lock = threading.Lock()
 
     def weights(self, weights_digest: str) -> np.ndarray | None:
@@ -55,7 +76,32 @@ class WorkerState:
             else:
                 self._residuals[stream] = residual
 
+    def optimizer_state(self, stream: str, shard: int, round_number: int) -> OptimizerState | None:
+        """AdamW moments this node made for the shard in a round before `round_number`."""
+        with self._lock:
+            held = self._optimizers.get((stream, shard))
+            if held is None or held[0] >= round_number:
+                return None
+            self._optimizers.move_to_end((stream, shard))
+            return held[1]
+
+    def set_optimizer_state(
+        self, stream: str, shard: int, round_number: int, state: OptimizerState
+    ) -> None:
+        """Keep a task's AdamW moments, dropping the least recently used beyond capacity."""
+        with self._lock:
+            self._optimizers[(stream, shard)] = (round_number, state)
+            self._optimizers.move_to_end((stream, shard))
+            while len(self._optimizers) > self.optimizer_capacity:
+                self._optimizers.popitem(last=False)
+
+    def optimizer_shards(self, stream: str) -> list[int]:
+        """The shards of a training run whose AdamW moments this node holds."""
+        with self._lock:
+            return sorted(shard for (held, shard) in self._optimizers if held == stream)
+
     def clear(self) -> None:
         with self._lock:
             self._weights.clear()
             self._residuals.clear()
+            self._optimizers.clear()
