@@ -92,3 +92,46 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
     assert sent["ready"] < 40  # one ready per batch, each asking for several tasks
     # Every noop shard has the one input blob: fetched by the first tasks, at once, only.
     assert worker.cache.misses <= 4 and worker.cache.hits >= 36
+
+
+async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slots(
+    coordinator: tuple[str, str], tmp_path: Path
+) -> None:
+    url, admin = coordinator
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+        made = await http.post("/v1/tokens", json={"kind": "node"})
+        worker = Worker(WorkerSettings(
+            servers=(url,), token=made.json()["token"], state_dir=tmp_path / "worker",
+            slots=2, prefetch=3, kinds=("sleep",), benchmark=False,
+        ))
+        worker.hardware = HardwareProfile()
+        held, computing, most_computing = [0], [0], [0]
+        compute = worker._compute
+
+        async def counting_compute(task):  # type: ignore[no-untyped-def]
+            computing[0] += 1
+            most_computing[0] = max(most_computing[0], computing[0])
+            held[0] = max(held[0], len(worker.running))
+            try:
+                return await compute(task)
+            finally:
+                computing[0] -= 1
+
+        worker._compute = counting_compute  # type: ignore[method-assign]
+        running = asyncio.create_task(worker.run())
+        try:
+            job = (await http.post("/v1/jobs", json={
+                "kind": "sleep", "params": {"tasks": 12, "seconds": 0.15},
+                "replication": 1})).json()
+            for _ in range(600):
+                info = (await http.get(f"/v1/jobs/{job['id']}")).json()
+                if info["state"] not in ("queued", "running"):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            worker.stop()
+            await running
+    assert info["state"] == "completed", info
+    assert most_computing[0] == 2  # never more than its slots at once
+    assert 3 <= held[0] <= 5  # the buffer was used, and never beyond slots + prefetch
