@@ -8,6 +8,7 @@ the shard's row locked on PostgreSQL so two processes cannot both add one.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from sqlalchemy import func, insert, select, update
@@ -60,8 +61,14 @@ async def ready_heads(conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]
     ]
 
 
+# Made once, not per query: an alias copies the table's columns and foreign keys into
+# reference cycles that only the garbage collector frees (this runs every second).
+_LIVE_TASKS = tasks.alias("live")
+_READY_TASKS = tasks.alias("ready")
+
+
 def _live_count(shard_id: Any) -> Any:
-    live = tasks.alias("live")
+    live = _LIVE_TASKS
     return (
         select(func.count())
         .where(live.c.shard_id == shard_id, live.c.state.in_(_LIVE))
@@ -70,10 +77,12 @@ def _live_count(shard_id: Any) -> Any:
     )
 
 
-async def running_shards(conn: AsyncConnection, *, limit: int) -> list[RunningTask]:
-    """Held tasks of open shards whose job has no ready task and that have no backup."""
-    ready = tasks.alias("ready")
-    query = (
+@functools.lru_cache(maxsize=8)
+def _running_shards_query(limit: int) -> Any:
+    """The statement of `running_shards`, built once per limit: it runs every second for
+    idle nodes, and building it anew leaves reference cycles for the collector."""
+    ready = _READY_TASKS
+    return (
         select(
             tasks.c.id,
             tasks.c.shard_id,
@@ -102,6 +111,11 @@ async def running_shards(conn: AsyncConnection, *, limit: int) -> list[RunningTa
         .order_by(tasks.c.assigned_at)
         .limit(limit)
     )
+
+
+async def running_shards(conn: AsyncConnection, *, limit: int) -> list[RunningTask]:
+    """Held tasks of open shards whose job has no ready task and that have no backup."""
+    query = _running_shards_query(limit)
     return [
         RunningTask(
             task_id=row.id,

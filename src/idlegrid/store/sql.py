@@ -92,6 +92,9 @@ _RETRIES = 4
 _MIGRATION_LOCK = 0x1D1E
 _SCHEMA_NAME = re.compile(r"[a-z_][a-z0-9_]{0,62}")
 _TOUCH_CHUNK = 500  # nodes per presence statement
+# Another task of the same shard. Made once: an alias copies the table's columns and
+# foreign keys into reference cycles, garbage the collector would walk after every query.
+_OTHER = tasks.alias("other")
 
 
 @dataclass
@@ -666,7 +669,7 @@ class SqlStore(TrainingRoundsSql):
                 used=standing.quota_used_today, now=now,
             )  # fmt: skip
             [row] = await _assigned(conn, [task_id], now=now)
-            other = tasks.alias("other")
+            other = _OTHER
             others_out = (
                 await conn.execute(
                     select(func.count()).where(
@@ -699,7 +702,7 @@ class SqlStore(TrainingRoundsSql):
     @_retry_conflicts
     async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
         async with self._tx() as conn:
-            other = tasks.alias("other")
+            other = _OTHER
             changed = await conn.execute(
                 update(shards)
                 .where(
@@ -1637,7 +1640,7 @@ def _distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     """
     if distinct is None:
         return []
-    other = tasks.alias("other")
+    other = _OTHER
     same = [other.c.node_id == claimer.node_id]
     counted = other.c.state.in_(_states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED))
     if distinct.accounts:
