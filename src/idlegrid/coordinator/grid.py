@@ -293,16 +293,18 @@ class Grid:
             return []
         now = self.clock()
         by_id, ranked = await self._ranked(session, now=now)
+        if not ranked:
+            return []
+        kind = ranked[0].kind
         picked: list[int] = []
         for candidate in ranked:
-            if self._plans[candidate.job_id].replication != 1 or (candidate.kind != ranked[0].kind):
+            if self._plans[candidate.job_id].replication != 1 or candidate.kind != kind:
                 break
             picked.append(candidate.task_id)
             if len(picked) == wanted:
                 break
         if not picked:
             return []
-        kind = ranked[0].kind
         claimed = await self.store.claim_tasks(
             {t: now + self.lease_seconds(session, by_id[t]) for t in picked},
             self._claimer(session),

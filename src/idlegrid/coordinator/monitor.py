@@ -127,6 +127,7 @@ class Monitor:
             asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
             asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S), name="sync"),
+            # Its first pass runs at start: shards a crash left short get their tasks.
             asyncio.create_task(self._loop(top_up, SYNC_INTERVAL_S), name="top-up"),
             asyncio.create_task(self._listen(), name="listen"),
         ]
@@ -149,7 +150,6 @@ class Monitor:
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)
         await finish_pending(self.grid)
-        await top_up(self.grid)
 
     async def stop(self) -> None:
         self._stopping.set()

@@ -948,18 +948,6 @@ class SqlStore(TrainingRoundsSql):
                 )
         return receipts
 
-    async def task_input(self, task_id: int, node_id: int) -> TaskInput | None:
-        query = (
-            select(tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
-            .join(shards, shards.c.id == tasks.c.shard_id)
-            .where(tasks.c.id == task_id, tasks.c.node_id == node_id)
-        )
-        async with self._read() as conn:
-            row = (await conn.execute(query)).first()
-        if row is None:
-            return None
-        return TaskInput(job_id=row.job_id, shard_id=row.shard_id, input_hash=row.input_hash)
-
     async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
         if not task_ids:
             return {}
