@@ -200,10 +200,14 @@ async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> s
         f"({fleet.failed} failed); settling {args.settle:.0f} s",
         flush=True,
     )
-    # Ten thousand connections are many long-lived objects: keep the cyclic GC's full
-    # passes over them from stalling this simulator (a real node is one process each).
+    # Ten thousand connections are many long-lived objects, and every heartbeat leaves
+    # a few alive until the next: the cyclic GC's passes over them would stall this
+    # simulator, and its stalls count in the round trips it measures (a real node is one
+    # process each). Freeze what is there and switch the collector off until the window
+    # ends: reference counting still frees almost everything, and the run is short.
     gc.collect()
     gc.freeze()
+    gc.disable()
     await asyncio.sleep(args.settle)
     # This process's own stalls count in the round trips it measures: watch them.
     lags: list[float] = []
@@ -215,6 +219,7 @@ async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> s
     cpu_after, wall_after = _cpu(coordinator), time.monotonic()
     fleet.stop.set()
     watcher.cancel()
+    gc.enable()
     cpu_share = 100.0 * (cpu_after - cpu_before) / (wall_after - wall_before)
     window = [rtt * 1000 for at, rtt in fleet.rtts if wall_before <= at <= wall_after]
     sent = fleet.heartbeats_sent - sent_before

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from idlegrid.coordinator.heap import HeapKeeper
+from idlegrid.coordinator.heap import NO_AUTOMATIC_FULL_PASS, HeapKeeper
 
 
 class Node:
@@ -72,6 +72,26 @@ def test_run_unfreezes_when_stopped() -> None:
     asyncio.run(main())
     assert gc.get_freeze_count() == 0
     assert keeper.full_passes >= 1
+
+
+def test_run_owns_the_full_passes_while_it_runs() -> None:
+    keeper = HeapKeeper(freeze_every_s=0.01, full_every_s=10.0)
+    before = gc.get_threshold()
+
+    async def main() -> None:
+        stopping = asyncio.Event()
+        task = asyncio.create_task(keeper.run(stopping))
+        await asyncio.sleep(0.05)
+        young, middle, full = gc.get_threshold()
+        # The young passes run as before; no automatic full pass comes between the
+        # keeper's own.
+        assert (young, middle) == before[:2]
+        assert full == NO_AUTOMATIC_FULL_PASS
+        stopping.set()
+        await task
+
+    asyncio.run(main())
+    assert gc.get_threshold() == before
 
 
 @pytest.mark.parametrize(("freeze", "full"), [(0.0, 10.0), (10.0, 5.0)])
