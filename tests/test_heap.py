@@ -59,7 +59,7 @@ def test_step_runs_the_full_pass_when_it_is_due() -> None:
 
 
 def test_run_unfreezes_when_stopped() -> None:
-    keeper = HeapKeeper(freeze_every_s=0.01, full_every_s=0.05)
+    keeper = HeapKeeper(young_every_s=0.01, freeze_every_s=0.01, full_every_s=0.05)
 
     async def main() -> None:
         stopping = asyncio.Event()
@@ -75,7 +75,7 @@ def test_run_unfreezes_when_stopped() -> None:
 
 
 def test_run_owns_the_full_passes_while_it_runs() -> None:
-    keeper = HeapKeeper(freeze_every_s=0.01, full_every_s=10.0)
+    keeper = HeapKeeper(young_every_s=0.01, freeze_every_s=0.01, full_every_s=10.0)
     before = gc.get_threshold()
 
     async def main() -> None:
@@ -94,7 +94,24 @@ def test_run_owns_the_full_passes_while_it_runs() -> None:
     assert gc.get_threshold() == before
 
 
-@pytest.mark.parametrize(("freeze", "full"), [(0.0, 10.0), (10.0, 5.0)])
-def test_settings_are_checked(freeze: float, full: float) -> None:
+def test_between_freezes_a_tick_is_a_young_pass_that_freezes_nothing() -> None:
+    keeper = HeapKeeper(young_every_s=1.0, freeze_every_s=30.0, full_every_s=3600.0)
+    keeper.freeze()
+    frozen = gc.get_freeze_count()
+    survivor = Node()
+    keeper.step()  # a young pass: the survivor moves to generation 2, not frozen
+    assert gc.get_freeze_count() == frozen
+    assert any(obj is survivor for obj in gc.get_objects(generation=2))
+    keeper.last_freeze -= 31.0
+    keeper.step()  # the freeze is due
+    assert gc.get_freeze_count() > frozen
+    assert keeper.full_passes == 0
+
+
+@pytest.mark.parametrize(
+    ("young", "freeze", "full"), [(1.0, 0.0, 10.0), (1.0, 10.0, 5.0), (0.0, 1.0, 10.0),
+                                  (2.0, 1.0, 10.0)]
+)  # fmt: skip
+def test_settings_are_checked(young: float, freeze: float, full: float) -> None:
     with pytest.raises(ValueError):
-        HeapKeeper(freeze_every_s=freeze, full_every_s=full)
+        HeapKeeper(young_every_s=young, freeze_every_s=freeze, full_every_s=full)

@@ -84,7 +84,9 @@ class CoordinatorSettings:
     backup_factor: float = 2.0
     backup_min_gain_s: float = 5.0
     # The garbage collector (coordinator/heap.py), applied by `idlegrid serve` to its own
-    # process: survivors frozen every gc_freeze_s, a full pass every gc_full_s; 0: off.
+    # process: a young pass every gc_young_s, survivors frozen every gc_freeze_s, a full
+    # pass every gc_full_s; gc_freeze_s 0: off.
+    gc_young_s: float = 1.0
     gc_freeze_s: float = 30.0
     gc_full_s: float = 3600.0
 

@@ -134,6 +134,7 @@ class Monitor:
         settings = self.grid.settings
         if self.tune_gc and settings.gc_freeze_s > 0:
             keeper = HeapKeeper(
+                young_every_s=min(settings.gc_young_s, settings.gc_freeze_s),
                 freeze_every_s=settings.gc_freeze_s,
                 full_every_s=max(settings.gc_full_s, settings.gc_freeze_s),
             )
