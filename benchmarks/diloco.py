@@ -106,17 +106,25 @@ def plot(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(7, 4.5))
-    for seed, sync, grid in pairs:
-        axes.plot(*zip(*sync.curve, strict=True), "o-", color="tab:blue", alpha=0.8,
-                  label=f"sync data-parallel, seed {seed}")  # fmt: skip
-        axes.plot(*zip(*grid.curve, strict=True), "s--", color="tab:orange", alpha=0.8,
-                  label=f"DiLoCo through the grid, seed {seed}")  # fmt: skip
-    axes.set_xlabel("inner steps per worker")
-    axes.set_ylabel("held-out loss (nats/char)")
-    axes.set_title(title)
-    axes.grid(alpha=0.3)
-    axes.legend()
+    # Left the whole run; right its second half, where the runs' gap is a few hundredths.
+    figure, (whole, late) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for axes in (whole, late):
+        for seed, sync, grid in pairs:
+            axes.plot(*zip(*sync.curve, strict=True), "o-", color="tab:blue", alpha=0.8,
+                      markersize=3, label=f"sync data-parallel, seed {seed}")  # fmt: skip
+            axes.plot(*zip(*grid.curve, strict=True), "s--", color="tab:orange", alpha=0.8,
+                      markersize=3, label=f"DiLoCo through the grid, seed {seed}")  # fmt: skip
+        axes.set_xlabel("inner steps per worker")
+        axes.set_ylabel("held-out loss (nats/char)")
+        axes.grid(alpha=0.3)
+    end = max(step for _, sync, _ in pairs for step, _ in sync.curve)
+    tail = [loss for _, sync, grid in pairs for step, loss in sync.curve + grid.curve
+            if step >= end / 2]  # fmt: skip
+    late.set_xlim(end / 2, end * 1.01)
+    late.set_ylim(min(tail) - 0.01, max(tail) + 0.01)
+    whole.set_title(title)
+    late.set_title("second half (zoomed)")
+    whole.legend()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -53,15 +53,15 @@ class Setup:
     """One comparison: model, workers, rounds, and DiLoCo's settings."""
 
     # The defaults are the settings tuned in docs/benchmarks.md ("DiLoCo simulation"):
-    # 40 rounds of H = 50 (2,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
+    # 60 rounds of H = 100 (6,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
     # cosine decay over the run, AdamW moments kept per shard between rounds, outer
     # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2.
     workers: int = 4
-    rounds: int = 40
+    rounds: int = 60
     model: models.LMConfig = field(default_factory=models.LMConfig)
     inner: InnerSettings = field(
         default_factory=lambda: InnerSettings(
-            steps=50, lr=3e-3, run_warmup_steps=100, decay_steps=2000, keep_state=True
+            steps=100, lr=3e-3, run_warmup_steps=300, decay_steps=6000, keep_state=True
         )
     )
     outer: OuterSettings = field(default_factory=lambda: OuterSettings(lr=1.0))
@@ -281,8 +281,8 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=40, help="ignored with --total-steps")
-    parser.add_argument("--inner-steps", type=int, nargs="+", default=[50],
+    parser.add_argument("--rounds", type=int, default=60, help="ignored with --total-steps")
+    parser.add_argument("--inner-steps", type=int, nargs="+", default=[100],
                         help="H; several values need --total-steps")  # fmt: skip
     parser.add_argument("--total-steps", type=int, default=None,
                         help="inner steps per worker of the run; rounds = this / H")  # fmt: skip
