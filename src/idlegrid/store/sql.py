@@ -81,6 +81,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, tokens
+from idlegrid.store.writelock import WriteLock, urgent
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 _HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
@@ -167,7 +168,7 @@ class SqlStore(TrainingRoundsSql):
         )
         self.is_sqlite = self.engine.dialect.name == "sqlite"
         self.serial_commits = self.is_sqlite
-        self._write_lock = asyncio.Lock() if self.is_sqlite else None
+        self._write_lock = WriteLock() if self.is_sqlite else None
         if self.is_sqlite:
             event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
 
@@ -815,6 +816,13 @@ class SqlStore(TrainingRoundsSql):
     ) -> list[Assignment] | ClaimMiss:
         if not lease_deadlines:
             return []
+        # A node waits for this commit with free slots: ahead of background commits.
+        with urgent():
+            return await self._claim_tasks(lease_deadlines, claimer, kind=kind, now=now)
+
+    async def _claim_tasks(
+        self, lease_deadlines: dict[int, float], claimer: Claimer, *, kind: str, now: float
+    ) -> list[Assignment] | ClaimMiss:
         async with self._tx() as conn:
             standing = await self._standing(conn, claimer, kind, now=now)
             if isinstance(standing, ClaimMiss):
