@@ -28,8 +28,8 @@ def _unfrozen() -> Iterator[None]:
 def test_freeze_moves_survivors_out_of_the_collectors_passes() -> None:
     keeper = HeapKeeper(freeze_every_s=1.0, full_every_s=10.0)
     survivor = Node()
-    frozen = keeper.freeze()
-    assert frozen > 0 and gc.get_freeze_count() == frozen
+    keeper.freeze()
+    assert gc.get_freeze_count() > 0
     # A frozen object is not walked by later passes: its cycle outlives a full collection.
     ref = weakref.ref(survivor)
     del survivor
