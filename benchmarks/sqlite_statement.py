@@ -5,9 +5,9 @@
 The store runs on SQLAlchemy's async engine over aiosqlite: every statement goes to
 aiosqlite's thread and back several times (cursor, execute, fetch, close), each a
 hand-off between two threads. This times a trivial one-row SELECT and UPDATE through that
-stack (a transaction-less connection, warm statement cache) against the same statements
-on a plain `sqlite3` connection in this thread, on one file, and prints both and their
-ratio: the per-statement overhead that bounds the grid's dispatch latency
+stack (inside one transaction, rolled back at the end; warm statement cache) against the
+same statements on a plain `sqlite3` connection in this thread, likewise, on one file,
+and prints both and their ratio: the per-statement overhead that bounds the grid's dispatch latency
 (docs/benchmarks.md, "Dispatch against arq").
 """
 

@@ -76,7 +76,7 @@ class HeapKeeper:
         0.27 s at 10,000 nodes, the longest stall left in `benchmarks/fleet.py`); only
         the hourly full pass logs it.
         """
-        gc.collect(1)
+        self.young()
         gc.freeze()
         self.last_freeze = time.monotonic()
 

@@ -116,8 +116,7 @@ class Report:
         Long runs on the small corpus overfit (the held-out loss turns up again); what a
         researcher keeps is the best checkpoint, so runs are compared there too.
         """
-        step, loss = min(self.curve, key=lambda point: point[1])
-        return step, loss
+        return min(self.curve, key=lambda point: point[1])
 
     @property
     def bytes_per_worker(self) -> int:
@@ -403,16 +402,18 @@ def ratio_line(
         r.bytes_per_worker if inline is None else r.bytes_with_initial_weights(inline)
         for r in diloco
     ])  # fmt: skip
-    sync_loss = np.mean([r.best[1] for r in sync])
-    diloco_loss = np.mean([r.best[1] for r in diloco])
-    return float(sync_bytes / diloco_bytes), float(100 * (diloco_loss / sync_loss - 1))
+    gap = 100 * (mean_loss(diloco, best=True) / mean_loss(sync, best=True) - 1)
+    return float(sync_bytes / diloco_bytes), gap
 
 
 def final_gap(sync: Sequence[Report], diloco: Sequence[Report]) -> float:
     """loss_gap (%) of the final weights, averaged over seeds."""
-    sync_loss = np.mean([r.final_loss for r in sync])
-    diloco_loss = np.mean([r.final_loss for r in diloco])
-    return float(100 * (diloco_loss / sync_loss - 1))
+    return 100 * (mean_loss(diloco, best=False) / mean_loss(sync, best=False) - 1)
+
+
+def mean_loss(reports: Sequence[Report], *, best: bool) -> float:
+    """The held-out loss over seeds: of each run's best checkpoint, or of its end."""
+    return float(np.mean([r.best[1] if best else r.final_loss for r in reports]))
 
 
 Work = tuple[str, int, int]  # (run, seed, H)
@@ -474,10 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         inline_ratio, _ = ratio_line(syncs, dilocos[h], inline=True)
         print(
             f"| {h} | {len(args.ramp) + (args.total_steps - sum(args.ramp)) // h} "
-            f"| {np.mean([r.final_loss for r in syncs]):.4f} "
-            f"/ {np.mean([r.best[1] for r in syncs]):.4f} "
-            f"| {np.mean([r.final_loss for r in dilocos[h]]):.4f} "
-            f"/ {np.mean([r.best[1] for r in dilocos[h]]):.4f} "
+            f"| {mean_loss(syncs, best=False):.4f} / {mean_loss(syncs, best=True):.4f} "
+            f"| {mean_loss(dilocos[h], best=False):.4f} "
+            f"/ {mean_loss(dilocos[h], best=True):.4f} "
             f"| {final_gap(syncs, dilocos[h]):.2f}% / {gap:.2f}% "
             f"| {np.mean([r.bytes_per_worker for r in syncs]):,.0f} "
             f"| {np.mean([r.bytes_with_initial_weights(False) for r in dilocos[h]]):,.0f} "
