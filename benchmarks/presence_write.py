@@ -25,7 +25,7 @@ TICK_S = 0.005
 
 async def measure(nodes: int) -> tuple[float, float]:
     with tempfile.TemporaryDirectory(prefix="idlegrid-presence-") as tmp:
-        store = SqlStore(f"sqlite+aiosqlite:///{Path(tmp) / 'idlegrid.db'}")
+        store = SqlStore(f"sqlite+idlegrid:///{Path(tmp) / 'idlegrid.db'}")
         await store.open()
         try:
             account = await store.create_account("fleet", is_admin=False, now=1.0)

@@ -2,12 +2,13 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/sqlite_statement.py [--statements 300]
 
-The store runs on SQLAlchemy's async engine over aiosqlite: every statement goes to
-aiosqlite's thread and back several times (cursor, execute, fetch, close), each a
-hand-off between two threads. This times a trivial one-row SELECT and UPDATE through that
-stack (inside one transaction, rolled back at the end; warm statement cache) against the
-same statements on a plain `sqlite3` connection in this thread, likewise, on one file,
-and prints both and their ratio: the per-statement overhead that bounds the grid's dispatch latency
+The store runs on SQLAlchemy's async engine. Through `sqlite+aiosqlite` every statement
+goes to aiosqlite's thread and back four times (cursor, execute, fetch, close), each a
+hand-off between two threads; through the store's own driver, `sqlite+idlegrid`
+(`store/sqlite_driver.py`), once. This times a trivial one-row SELECT and UPDATE through
+both stacks (inside one transaction, rolled back at the end; warm statement cache) and
+the same statements on a plain `sqlite3` connection in this thread, likewise, on one
+file: the per-statement overhead that bounds the grid's dispatch latency
 (docs/benchmarks.md, "Dispatch against arq").
 """
 
@@ -23,12 +24,21 @@ from pathlib import Path
 from sqlalchemy import text
 from sqlalchemy.ext.asyncio import create_async_engine
 
+import idlegrid.store.sqlite_driver  # noqa: F401  registers sqlite+idlegrid
+
 SELECT = "SELECT v FROM t WHERE id = 1"
 UPDATE = "UPDATE t SET v = v + 1 WHERE id = 1"
+BUSY_SLICE_S = 0.0002
 
 
-async def through_the_stack(path: Path, n: int) -> tuple[float, float]:
-    engine = create_async_engine(f"sqlite+aiosqlite:///{path}")
+async def through_the_stack(
+    driver: str, path: Path, n: int, *, busy: bool
+) -> tuple[float, float]:
+    """Seconds a statement (select, update) through SQLAlchemy async on `driver`; `busy`:
+    while other work keeps the event loop running, as on a coordinator serving nodes."""
+    engine = create_async_engine(f"sqlite+{driver}:///{path}")
+    stop = asyncio.Event()
+    other_work = asyncio.create_task(_keep_busy(stop)) if busy else None
     try:
         async with engine.connect() as conn:
             timings = []
@@ -42,8 +52,20 @@ async def through_the_stack(path: Path, n: int) -> tuple[float, float]:
                 timings.append((time.perf_counter() - began) / n)
             await conn.rollback()
     finally:
+        stop.set()
+        if other_work is not None:
+            await other_work
         await engine.dispose()
     return timings[0], timings[1]
+
+
+async def _keep_busy(stop: asyncio.Event) -> None:
+    """Other callbacks on the loop: BUSY_SLICE_S of Python work, then a turn to others."""
+    while not stop.is_set():
+        until = time.perf_counter() + BUSY_SLICE_S
+        while time.perf_counter() < until:
+            pass
+        await asyncio.sleep(0)
 
 
 def plain(path: Path, n: int) -> tuple[float, float]:
@@ -70,11 +92,18 @@ def main() -> None:
         with sqlite3.connect(path) as setup:
             setup.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER)")
             setup.execute("INSERT INTO t (v) VALUES (1)")
-        stack = asyncio.run(through_the_stack(path, args.statements))
         direct = plain(path, args.statements)
-    for name, via, raw in zip(("select", "update"), stack, direct, strict=True):
-        print(f"{name}: {via * 1e3:.3f} ms a statement through SQLAlchemy async + aiosqlite, "
-              f"{raw * 1e3:.3f} ms on sqlite3 in-thread (x{via / raw:.0f})")  # fmt: skip
+        for busy in (False, True):
+            via = {
+                driver: asyncio.run(through_the_stack(driver, path, args.statements, busy=busy))
+                for driver in ("aiosqlite", "idlegrid")
+            }
+            loop = "busy loop" if busy else "idle loop"
+            for i, name in enumerate(("select", "update")):
+                slow, fast = via["aiosqlite"][i], via["idlegrid"][i]
+                print(f"{loop} {name}: ms a statement: aiosqlite {slow * 1e3:.3f}, "
+                      f"sqlite+idlegrid {fast * 1e3:.3f} (x{slow / fast:.1f}), "
+                      f"sqlite3 in-thread {direct[i] * 1e3:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -161,7 +161,7 @@ class Database:
 @pytest.fixture(params=["sqlite", "postgres"])
 def db(request: pytest.FixtureRequest, tmp_path: Path) -> Database:
     if request.param == "sqlite":
-        return Database(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}")
+        return Database(f"sqlite+idlegrid:///{tmp_path / 'store.db'}")
     schema = request.getfixturevalue("pg_schema")
     return Database(sql_url(request.getfixturevalue("postgres_url")), schema)
 

@@ -13,7 +13,7 @@ from idlegrid.settings import CoordinatorSettings, WorkerSettings
 def test_defaults_without_environment() -> None:
     settings = CoordinatorSettings.from_env({})
     assert settings == CoordinatorSettings()
-    assert settings.database == f"sqlite+aiosqlite:///{Path('idlegrid-data') / 'idlegrid.db'}"
+    assert settings.database == f"sqlite+idlegrid:///{Path('idlegrid-data') / 'idlegrid.db'}"
 
 
 def test_environment_is_read_with_types() -> None:

@@ -92,7 +92,7 @@ class CoordinatorSettings:
 
     @property
     def database(self) -> str:
-        return self.database_url or f"sqlite+aiosqlite:///{self.data_dir / 'idlegrid.db'}"
+        return self.database_url or f"sqlite+idlegrid:///{self.data_dir / 'idlegrid.db'}"
 
     @property
     def trust(self) -> TrustSettings:

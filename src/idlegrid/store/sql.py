@@ -7,6 +7,7 @@ its condition after waiting for a concurrent writer, also under READ COMMITTED).
 single update cannot decide alone (how many tasks a shard still needs) takes row locks
 on PostgreSQL. SQLite allows one writer at a time, so on SQLite this process serializes
 its write transactions with an asyncio lock instead of spinning on "database is locked".
+SQLite URLs normally name the store's own driver, `sqlite+idlegrid` (`sqlite_driver.py`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from idlegrid.states import (
     sources_of,
 )
 from idlegrid.store import ledger, scheduling
+from idlegrid.store import sqlite_driver as _sqlite_driver  # noqa: F401  registers sqlite+idlegrid
 from idlegrid.store.base import (
     AccountExists,
     AccountRecord,
