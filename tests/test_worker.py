@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import time
 from pathlib import Path
 
 import httpx
@@ -105,3 +107,35 @@ async def test_blob_cache_evicts_least_recently_used(tmp_path: Path) -> None:
         for blob in blobs:
             await cache.get(http, hashlib.sha256(blob).hexdigest())
     assert len(cache.holds()) == 2
+
+
+async def test_blob_calls_wait_for_the_next_session_not_a_backoff_step(tmp_path: Path) -> None:
+    """A transfer that met a disconnect runs as soon as the worker is connected again."""
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=b"blob"))
+
+    async def fetch(http: httpx.AsyncClient) -> bytes:
+        return (await http.get("/v1/blobs/x")).content
+
+    pending = asyncio.create_task(worker._with_connection(fetch))
+    await asyncio.sleep(1.0)  # offline: it waits (the old backoff would be at 0.8-1.6 s steps)
+    assert not pending.done()
+    async with httpx.AsyncClient(transport=transport, base_url="http://coordinator") as http:
+        came_online = time.monotonic()
+        worker._http = http
+        worker._online.set()
+        assert await asyncio.wait_for(pending, 1.0) == b"blob"
+        assert time.monotonic() - came_online < 0.1
+
+
+async def test_a_stopping_worker_stops_waiting_for_a_session(tmp_path: Path) -> None:
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+
+    async def never(http: httpx.AsyncClient) -> None:
+        raise AssertionError("no session: never called")
+
+    pending = asyncio.create_task(worker._with_connection(never))
+    await asyncio.sleep(0.05)
+    worker._stop.set()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(pending, 1.0)

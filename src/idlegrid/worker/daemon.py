@@ -106,6 +106,7 @@ class Worker:
         self._task_runs: set[asyncio.Task[None]] = set()
         self._ws: ClientConnection | None = None
         self._http: httpx.AsyncClient | None = None
+        self._online = asyncio.Event()  # set while a session is up (`_ws` and `_http`)
         self._stop = asyncio.Event()
         self._welcomed = False
         self.hardware: protocol.HardwareProfile | None = None
@@ -215,6 +216,7 @@ class Worker:
             http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
             self._ws, self._http = ws, http
+            self._online.set()
             self._uploaded.clear()
             log.info("connected to %s as node %s", server, welcome.node_id)
             heartbeat = asyncio.create_task(self._heartbeats(ws, welcome.heartbeat_interval_s))
@@ -228,6 +230,7 @@ class Worker:
                     await self._on_frame(frame)
             finally:
                 self._ws = self._http = None
+                self._online.clear()
                 heartbeat.cancel()
                 stopper.cancel()
                 await asyncio.gather(heartbeat, stopper, return_exceptions=True)
@@ -429,21 +432,36 @@ class Worker:
         self._uploaded.add(digest)
 
     async def _with_connection(self, call):  # type: ignore[no-untyped-def]
-        """Run an HTTP call against the current coordinator, waiting out disconnects."""
+        """Run an HTTP call against the current coordinator, waiting out disconnects.
+
+        While there is no session the call waits for the next one (and runs as soon as it
+        is up, not at the next backoff step); failures on a live session back off.
+        """
         attempt = 0
         while True:
-            http = self._http
-            if http is not None:
-                try:
-                    return await call(http)
-                except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                    if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
-                        raise
-                    log.info("blob transfer failed (%s); retrying", exc)
             if self._stop.is_set():
                 raise asyncio.CancelledError()
+            http = self._http
+            if http is None:
+                await self._wait_online()
+                continue
+            try:
+                return await call(http)
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
+                    raise
+                log.info("blob transfer failed (%s); retrying", exc)
             await asyncio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
             attempt += 1
+
+    async def _wait_online(self) -> None:
+        """Until a session is up or the daemon stops, whichever comes first."""
+        waits = [asyncio.ensure_future(event.wait()) for event in (self._online, self._stop)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
 
     async def _deliver_many(self, task_ids: list[int]) -> None:
         """Results in `results` frames (one commit each at the coordinator), failures alone."""
