@@ -28,17 +28,11 @@ import idlegrid.store.sqlite_driver  # noqa: F401  registers sqlite+idlegrid
 
 SELECT = "SELECT v FROM t WHERE id = 1"
 UPDATE = "UPDATE t SET v = v + 1 WHERE id = 1"
-BUSY_SLICE_S = 0.0002
 
 
-async def through_the_stack(
-    driver: str, path: Path, n: int, *, busy: bool
-) -> tuple[float, float]:
-    """Seconds a statement (select, update) through SQLAlchemy async on `driver`; `busy`:
-    while other work keeps the event loop running, as on a coordinator serving nodes."""
+async def through_the_stack(driver: str, path: Path, n: int) -> tuple[float, float]:
+    """Seconds a statement (select, update) through SQLAlchemy async on `driver`."""
     engine = create_async_engine(f"sqlite+{driver}:///{path}")
-    stop = asyncio.Event()
-    other_work = asyncio.create_task(_keep_busy(stop)) if busy else None
     try:
         async with engine.connect() as conn:
             timings = []
@@ -52,20 +46,8 @@ async def through_the_stack(
                 timings.append((time.perf_counter() - began) / n)
             await conn.rollback()
     finally:
-        stop.set()
-        if other_work is not None:
-            await other_work
         await engine.dispose()
     return timings[0], timings[1]
-
-
-async def _keep_busy(stop: asyncio.Event) -> None:
-    """Other callbacks on the loop: BUSY_SLICE_S of Python work, then a turn to others."""
-    while not stop.is_set():
-        until = time.perf_counter() + BUSY_SLICE_S
-        while time.perf_counter() < until:
-            pass
-        await asyncio.sleep(0)
 
 
 def plain(path: Path, n: int) -> tuple[float, float]:
@@ -93,17 +75,15 @@ def main() -> None:
             setup.execute("CREATE TABLE t (id INTEGER PRIMARY KEY, v INTEGER)")
             setup.execute("INSERT INTO t (v) VALUES (1)")
         direct = plain(path, args.statements)
-        for busy in (False, True):
-            via = {
-                driver: asyncio.run(through_the_stack(driver, path, args.statements, busy=busy))
-                for driver in ("aiosqlite", "idlegrid")
-            }
-            loop = "busy loop" if busy else "idle loop"
-            for i, name in enumerate(("select", "update")):
-                slow, fast = via["aiosqlite"][i], via["idlegrid"][i]
-                print(f"{loop} {name}: ms a statement: aiosqlite {slow * 1e3:.3f}, "
-                      f"sqlite+idlegrid {fast * 1e3:.3f} (x{slow / fast:.1f}), "
-                      f"sqlite3 in-thread {direct[i] * 1e3:.3f}")  # fmt: skip
+        via = {
+            driver: asyncio.run(through_the_stack(driver, path, args.statements))
+            for driver in ("aiosqlite", "idlegrid")
+        }
+    for i, name in enumerate(("select", "update")):
+        slow, fast = via["aiosqlite"][i], via["idlegrid"][i]
+        print(f"{name}: ms a statement: aiosqlite {slow * 1e3:.3f}, "
+              f"sqlite+idlegrid {fast * 1e3:.3f} (x{slow / fast:.1f}), "
+              f"sqlite3 in-thread {direct[i] * 1e3:.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
