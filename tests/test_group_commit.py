@@ -142,3 +142,30 @@ async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
     assert [r.status for r in outcome[1]] == ["accepted"] * 3
     shards = await grid.store.list_shards(job_id)
     assert sorted(s.state.value for s in shards) == ["done"] * 3 + ["open"] * 3
+
+
+async def test_a_retried_group_counts_each_result_once(
+    grid: Grid, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The node that went first in a group that then failed is stored again on its own:
+    its results, returned tasks and verdicts are counted once, after the commit."""
+    first, second, _ = await _two_nodes_with_work(grid)
+    accept = grid.store.accept_results
+
+    async def failing_for_first(node_id: int, results: Any, *, now: float) -> Any:
+        if node_id == first.session.node_id:
+            raise RuntimeError("this node's batch breaks the transaction")
+        return await accept(node_id, results, now=now)
+
+    monkeypatch.setattr(grid.store, "accept_results", failing_for_first)
+    outcome = await asyncio.gather(
+        grid.accept_results(second.session, second.results_for(grid)),
+        grid.accept_results(first.session, first.results_for(grid)),
+        return_exceptions=True,
+    )
+    assert isinstance(outcome[1], RuntimeError)
+    assert [r.status for r in outcome[0]] == ["accepted"] * 3  # type: ignore[union-attr]
+    assert grid.counters.results["accepted"] == 3
+    assert grid.counters.verified["valid"] == 3
+    assert second.session.tasks_returned == 3 and not second.session.live
+    assert first.session.tasks_returned == 0 and len(first.session.live) == 3

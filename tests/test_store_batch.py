@@ -112,3 +112,38 @@ async def test_touch_nodes_writes_every_node_across_chunks(
     for i, node in enumerate(nodes):
         assert listed[node.id].last_seen_at == T0 + 10 + i
         assert listed[node.id].connected_seconds == pytest.approx(10 + i)
+
+
+async def test_after_commit_runs_once_the_batch_committed_and_never_after_a_rollback(
+    store: SqlStore,
+) -> None:
+    account = await _account(store)
+    node = await _node(store, account)
+    _, ready = await store.create_job(_job(account, shards=2), now=T0)
+    seen: list[str] = []
+
+    async def note(what: str) -> None:
+        # What the action sees is committed: a fresh read outside the batch.
+        states = [(await _task_row(store, r.task_id)).state for r in ready]
+        seen.append(f"{what}: {states}")
+
+    async with store.batch():
+        await _claim(store, ready[0].task_id, node)
+        async with store.batch():  # nested: still the outer batch's commit
+            await store.after_commit(lambda: note("kept"))
+        await store.after_commit(lambda: note("kept again"))
+        if store.is_sqlite:
+            assert seen == []  # not yet: nothing is committed
+    assert seen == [
+        "kept: ['assigned', 'ready']",
+        "kept again: ['assigned', 'ready']",
+    ]
+    with pytest.raises(Boom):
+        async with store.batch():
+            await _claim(store, ready[1].task_id, node)
+            await store.after_commit(lambda: note("rolled back"))
+            raise Boom()
+    if store.is_sqlite:
+        assert len(seen) == 2  # dropped with the batch
+    await store.after_commit(lambda: note("outside"))  # no batch: at once
+    assert seen[-1].startswith("outside")

@@ -41,6 +41,7 @@ from idlegrid.store.base import (
     Assignment,
     Claimer,
     ClaimMiss,
+    DecisionOutcome,
     Distinct,
     JobRecord,
     NewJob,
@@ -511,6 +512,7 @@ class Grid:
         inputs = await self.store.task_inputs([m.task_id for m in msgs], session.node_id)
         receipts: dict[int, ResultReceipt] = {}  # index in msgs -> receipt
         good: list[int] = []
+        finished_bad: list[int] = []  # failed for an invalid output
         failed = False
         for index, msg in enumerate(msgs):
             problem = await self._check_output(session, msg, inputs.get(msg.task_id))
@@ -520,7 +522,7 @@ class Grid:
             if await self.store.record_failure(
                 msg.task_id, session.node_id, reason=f"invalid output: {problem}", now=self.clock()
             ):
-                session.forget_task(msg.task_id)
+                finished_bad.append(msg.task_id)
                 failed = True
             receipts[index] = ResultReceipt("rejected", problem)
         stored = await self.store.accept_results(
@@ -532,15 +534,14 @@ class Grid:
             now=self.clock(),
         )
         to_verify: list[int] = []
+        finished = finished_bad  # tasks the node no longer holds once this commits
         late = False
         for index, receipt in zip(good, stored, strict=True):
             receipts[index] = receipt
             if receipt.status != "rejected":
-                session.forget_task(msgs[index].task_id)
-            if receipt.status == "accepted":
-                session.tasks_returned += 1
-                if receipt.shard_id is not None:
-                    to_verify.append(receipt.shard_id)
+                finished.append(msgs[index].task_id)
+            if receipt.status == "accepted" and receipt.shard_id is not None:
+                to_verify.append(receipt.shard_id)
             elif receipt.status == "late" and not receipt.reason:
                 late = True  # stored, after its shard was decided
         if to_verify:
@@ -550,8 +551,17 @@ class Grid:
         if failed:
             await self.replenish()
         ordered = [receipts[index] for index in range(len(msgs))]
-        for receipt in ordered:
-            self.counters.results[receipt.status] += 1
+
+        async def settle() -> None:
+            # In-memory bookkeeping after the commit: a group commit that fails is stored
+            # again, and must not count its results twice.
+            for task_id in finished:
+                session.forget_task(task_id)
+            for receipt in ordered:
+                self.counters.results[receipt.status] += 1
+                session.tasks_returned += receipt.status == "accepted"
+
+        await self.store.after_commit(settle)
         return ordered
 
     async def _check_output(
@@ -617,9 +627,9 @@ class Grid:
         to_assemble: dict[int, None] = {}
         short = False
         for (item, plan, decision), outcome in zip(decided, outcomes, strict=True):
-            shard_id = item.shard.id
-            await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
-            self._count_verdicts(outcome.decided, decision)
+            await self.store.after_commit(
+                functools.partial(self._shard_decided, item.shard.id, outcome, decision)
+            )
             if outcome.job_done or (outcome.decided and self.rounds.drives(plan.kind)):
                 to_assemble[item.job.id] = None
             elif not outcome.decided:
@@ -682,6 +692,13 @@ class Grid:
             await self.store.judge_late(result.task_id, agrees=agrees, now=self.clock())
             self.counters.verified["late_valid" if agrees else "late_invalid"] += 1
         return len(late)
+
+    async def _shard_decided(
+        self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
+    ) -> None:
+        """After a decision committed: cancel the shard's other replicas, count verdicts."""
+        await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+        self._count_verdicts(outcome.decided, decision)
 
     def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
         # The store marks results only for the decision that won (or an undecided one).

@@ -8,7 +8,7 @@ stay correct when several coordinator processes share one database.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -397,6 +397,11 @@ class Store(TrainingRoundStore, Protocol):
     async def close(self) -> None: ...
     def batch(self) -> AbstractAsyncContextManager[None]:
         """The calls made inside share one transaction (committed once, all or nothing)."""
+        ...
+
+    async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` once the caller's writes are committed (at the end of a running
+        `batch`, never if it rolls back; at once outside one)."""
         ...
 
     # accounts and tokens

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Sequence
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy import (
@@ -106,9 +107,13 @@ class _Batch:
 
     stack: contextlib.AsyncExitStack
     conn: AsyncConnection | None = None
+    # What the caller does once the batch committed (`SqlStore.after_commit`).
+    after_commit: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
 
 
 _BATCH: ContextVar[_Batch | None] = ContextVar("idlegrid_store_batch", default=None)
+
+log = logging.getLogger(__name__)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -202,12 +207,27 @@ class SqlStore(TrainingRoundsSql):
         if self._write_lock is None or _BATCH.get() is not None:
             yield
             return
-        async with contextlib.AsyncExitStack() as stack:
-            token = _BATCH.set(_Batch(stack))
+        batch = _Batch(contextlib.AsyncExitStack())
+        async with batch.stack:
+            token = _BATCH.set(batch)
             try:
                 yield
             finally:
                 _BATCH.reset(token)
+        for action in batch.after_commit:
+            try:
+                await action()
+            except Exception:  # committed: one failed follow-up must not undo the rest
+                log.exception("after-commit action of a store batch failed")
+
+    async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` once what the caller wrote is committed: at the end of the running
+        `batch` (dropped if the batch rolls back), or now outside one."""
+        batch = _BATCH.get()
+        if batch is not None:
+            batch.after_commit.append(action)
+        else:
+            await action()
 
     @contextlib.asynccontextmanager
     async def _tx(self) -> AsyncIterator[AsyncConnection]:
