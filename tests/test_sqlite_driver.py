@@ -4,6 +4,7 @@ thread crossing a statement, and clean failure, cancellation and shutdown."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -183,3 +184,48 @@ async def test_the_store_still_runs_on_aiosqlite(tmp_path: Path) -> None:
         assert (await store.get_account("ada")) == account
     finally:
         await store.close()
+
+
+async def wait_for_threads(count: int) -> int:
+    for _ in range(200):
+        if len(driver_threads()) == count:
+            break
+        await asyncio.sleep(0.01)
+    return len(driver_threads())
+
+
+async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
+    before = len(driver_threads())
+    connection = await Connection.open(str(tmp_path / "c.db"))
+    gate = threading.Event()
+    busy = asyncio.create_task(connection.call(gate.wait))
+    await asyncio.sleep(0)
+    closing = asyncio.create_task(connection.close())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert await busy is True
+    assert await wait_for_threads(before) == before
+
+
+async def test_connections_nobody_closed_end_their_threads_when_collected(
+    tmp_path: Path,
+) -> None:
+    before = len(driver_threads())
+
+    async def use_and_drop() -> None:
+        engine = create_async_engine(f"sqlite+idlegrid:///{tmp_path / 'dropped.db'}")
+
+        async def one(value: int) -> None:
+            async with engine.connect() as conn:
+                await asyncio.sleep(0.01)
+                await conn.execute(text(f"SELECT {value}"))
+
+        await asyncio.gather(*(one(i) for i in range(3)))
+        assert len(driver_threads()) > before  # and the engine is never disposed
+
+    await use_and_drop()
+    gc.collect()
+    assert await wait_for_threads(before) == before

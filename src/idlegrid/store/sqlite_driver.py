@@ -11,16 +11,22 @@ dies there. Commit and rollback are one crossing each.
 Everything else is SQLAlchemy's pysqlite dialect (same SQL, same transaction behaviour as
 `sqlite3`'s default), so the store's statements and tests do not change. Each connection
 owns one daemon thread; a connection is used by one task at a time (SQLAlchemy's pool
-hands it out), so its statements run in order.
+hands it out), so its statements run in order. A connection dropped without `close()`
+still ends its thread when collected.
+
+As with aiosqlite: `stream()` buffers the whole result; a commit cancelled while it runs
+may have committed; connections do not survive `fork()` (open the store after forking).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import queue
 import sqlite3
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -48,40 +54,66 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
         future.set_exception(error)
 
 
+class _Link:
+    """What the database thread shares with its `Connection`: the job queue and the
+    `sqlite3` connection. The thread holds only this, so a `Connection` nobody closed can
+    still be collected, and its finalizer then stops the thread."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self.sqlite: sqlite3.Connection | None = None
+
+    def close_sqlite(self) -> None:
+        if self.sqlite is not None:
+            self.sqlite.close()
+            self.sqlite = None
+
+
+def _serve(link: _Link) -> None:
+    """The database thread: run jobs in order until told to stop, then close."""
+    while (job := link.jobs.get()) is not _STOP:
+        loop, future, work = job
+        if future.cancelled():  # its caller gave up before it started: skip it
+            continue
+        try:
+            result, error = work(), None
+        except BaseException as exc:  # handed to the awaiting task
+            result, error = None, exc
+        # RuntimeError: the loop closed while this ran, so nobody is waiting.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_settle, future, result, error)
+    link.close_sqlite()
+
+
 class Connection:
     """A `sqlite3` connection driven from asyncio through its own thread."""
 
     def __init__(self) -> None:
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name="idlegrid-sqlite", daemon=True)
-        self._sqlite: sqlite3.Connection | None = None
+        self._link = _Link()
         self._stopped = False
-        self._thread.start()
+        thread = threading.Thread(target=_serve, args=(self._link,), name="idlegrid-sqlite")
+        thread.daemon = True
+        thread.start()
+        # Dropped without close() (a pool discarded mid-checkout, a cancelled close): the
+        # thread still ends and closes the database.
+        weakref.finalize(self, self._link.jobs.put, _STOP)
 
     @classmethod
     async def open(cls, database: str, **options: Any) -> Connection:
         connection = cls()
+        link = connection._link
         options["check_same_thread"] = False
+
+        def connect() -> None:
+            # Kept by the thread: closed at its end even if the opener was cancelled.
+            link.sqlite = sqlite3.connect(database, **options)
+
         try:
-            connection._sqlite = await connection.call(
-                lambda: sqlite3.connect(database, **options)
-            )
+            await connection.call(connect)
         except BaseException:
             connection.stop()
             raise
         return connection
-
-    def _serve(self) -> None:
-        while (job := self._jobs.get()) is not _STOP:
-            loop, future, work = job
-            try:
-                result, error = work(), None
-            except BaseException as exc:  # handed to the awaiting task
-                result, error = None, exc
-            # RuntimeError: the loop closed while this ran, so nobody is waiting.
-            with contextlib.suppress(RuntimeError):
-                loop.call_soon_threadsafe(_settle, future, result, error)
-        self._close_sqlite()
 
     async def call(self, work: Callable[[], T]) -> T:
         """Run `work` in the database thread (after what was queued before it)."""
@@ -89,14 +121,15 @@ class Connection:
             raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
-        self._jobs.put((loop, future, work))
+        self._link.jobs.put((loop, future, work))
         return await future
 
     @property
     def sqlite(self) -> sqlite3.Connection:
-        if self._sqlite is None:
+        sqlite = self._link.sqlite
+        if sqlite is None:
             raise sqlite3.ProgrammingError("Cannot operate on a closed database.")
-        return self._sqlite
+        return sqlite
 
     @property
     def isolation_level(self) -> str | None:
@@ -122,19 +155,16 @@ class Connection:
     async def close(self) -> None:
         """Close the connection (what it had not committed is rolled back) and its thread."""
         if not self._stopped:
-            await self.call(self._close_sqlite)
-            self.stop()
-
-    def _close_sqlite(self) -> None:
-        if self._sqlite is not None:
-            self._sqlite.close()
-            self._sqlite = None
+            try:
+                await self.call(self._link.close_sqlite)
+            finally:  # cancelled or not, the thread ends and closes the database
+                self.stop()
 
     def stop(self) -> None:
         """End the thread after the work already queued, closing the connection."""
         if not self._stopped:
             self._stopped = True
-            self._jobs.put(_STOP)
+            self._link.jobs.put(_STOP)
 
 
 class Cursor:
@@ -144,7 +174,7 @@ class Cursor:
 
     def __init__(self, connection: Connection) -> None:
         self._connection = connection
-        self._rows: list[Any] = []
+        self._rows: collections.deque[Any] = collections.deque()
         self.description: Any = None
         self.rowcount = -1
         self.lastrowid: int | None = None
@@ -158,11 +188,11 @@ class Cursor:
     async def execute(self, operation: str, parameters: Sequence[Any] = ()) -> Cursor:
         sqlite = self._connection.sqlite
 
-        def run() -> tuple[Any, int, int | None, list[Any]]:
+        def run() -> tuple[Any, int, int | None, collections.deque[Any]]:
             cursor = sqlite.cursor()
             try:
                 cursor.execute(operation, parameters)
-                rows = cursor.fetchall() if cursor.description else []
+                rows = collections.deque(cursor.fetchall() if cursor.description else ())
                 return cursor.description, cursor.rowcount, cursor.lastrowid, rows
             finally:
                 cursor.close()
@@ -184,23 +214,22 @@ class Cursor:
                 cursor.close()
 
         self.rowcount, self.lastrowid = await self._connection.call(run)
-        self.description, self._rows = None, []
+        self.description, self._rows = None, collections.deque()
         return self
 
     async def fetchone(self) -> Any | None:
-        return self._rows.pop(0) if self._rows else None
+        return self._rows.popleft() if self._rows else None
 
     async def fetchmany(self, size: int | None = None) -> list[Any]:
         size = self.arraysize if size is None else size
-        rows, self._rows = self._rows[:size], self._rows[size:]
-        return rows
+        return [self._rows.popleft() for _ in range(min(size, len(self._rows)))]
 
     async def fetchall(self) -> list[Any]:
-        rows, self._rows = self._rows, []
+        rows, self._rows = list(self._rows), collections.deque()
         return rows
 
     async def close(self) -> None:
-        self._rows = []
+        self._rows.clear()
 
 
 class AsyncAdapt_idlegrid_connection(AsyncAdapt_terminate, AsyncAdapt_dbapi_connection):
@@ -258,6 +287,8 @@ class AsyncAdapt_idlegrid_dbapi(AsyncAdapt_dbapi_module):
             setattr(self, name, getattr(sqlite3, name))
 
     def connect(self, database: str, **options: Any) -> AsyncAdapt_idlegrid_connection:
+        if options.pop("async_creator_fn", None) is not None:
+            raise NotImplementedError("sqlite+idlegrid makes its own connections: no async_creator")
         connection = await_(Connection.open(database, **options))
         # SQLAlchemy's protocol for a driver connection also asks for open-ended
         # __getattr__/__setattr__, which `Connection` deliberately lacks.
