@@ -120,18 +120,23 @@ async def test_results_of_two_nodes_arriving_together_share_one_commit(grid: Gri
     assert not first.session.live and not second.session.live
 
 
+def _break_batches_of(grid: Grid, node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storing `node`'s results raises (and fails the transaction it runs in)."""
+    accept = grid.store.accept_results
+
+    async def failing_for_node(node_id: int, results: Any, *, now: float) -> Any:
+        if node_id == node.session.node_id:
+            raise RuntimeError("this node's batch breaks the transaction")
+        return await accept(node_id, results, now=now)
+
+    monkeypatch.setattr(grid.store, "accept_results", failing_for_node)
+
+
 async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
     grid: Grid, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second, job_id = await _two_nodes_with_work(grid)
-    accept = grid.store.accept_results
-
-    async def failing_for_first(node_id: int, results: Any, *, now: float) -> Any:
-        if node_id == first.session.node_id:
-            raise RuntimeError("this node's batch breaks the transaction")
-        return await accept(node_id, results, now=now)
-
-    monkeypatch.setattr(grid.store, "accept_results", failing_for_first)
+    _break_batches_of(grid, first, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(first.session, first.results_for(grid)),
         grid.accept_results(second.session, second.results_for(grid)),
@@ -150,14 +155,7 @@ async def test_a_retried_group_counts_each_result_once(
     """The node that went first in a group that then failed is stored again on its own:
     its results, returned tasks and verdicts are counted once, after the commit."""
     first, second, _ = await _two_nodes_with_work(grid)
-    accept = grid.store.accept_results
-
-    async def failing_for_first(node_id: int, results: Any, *, now: float) -> Any:
-        if node_id == first.session.node_id:
-            raise RuntimeError("this node's batch breaks the transaction")
-        return await accept(node_id, results, now=now)
-
-    monkeypatch.setattr(grid.store, "accept_results", failing_for_first)
+    _break_batches_of(grid, first, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(second.session, second.results_for(grid)),
         grid.accept_results(first.session, first.results_for(grid)),

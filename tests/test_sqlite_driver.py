@@ -43,6 +43,15 @@ def driver_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "idlegrid-sqlite"]
 
 
+async def wait_for_threads(count: int) -> int:
+    """The number of driver threads once it is `count`, or after 2 s."""
+    for _ in range(200):
+        if len(driver_threads()) == count:
+            break
+        await asyncio.sleep(0.01)
+    return len(driver_threads())
+
+
 def test_sqlite_urls_get_the_driver() -> None:
     assert sql_url("sqlite:///data/x.db") == "sqlite+idlegrid:///data/x.db"
     assert sql_url("sqlite+aiosqlite:///x.db") == "sqlite+aiosqlite:///x.db"
@@ -140,11 +149,7 @@ async def test_closed_connection_refuses_work_and_threads_end(tmp_path: Path) ->
     await connection.close()
     with pytest.raises(sqlite_driver.sqlite3.ProgrammingError):
         await connection.call(lambda: None)
-    for _ in range(100):
-        if len(driver_threads()) == before:
-            break
-        await asyncio.sleep(0.01)
-    assert len(driver_threads()) == before
+    assert await wait_for_threads(before) == before
 
 
 async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
@@ -159,11 +164,7 @@ async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
     assert await asyncio.gather(*(one(i) for i in range(4))) == [0, 1, 2, 3]
     assert len(driver_threads()) >= before + 2
     await engine.dispose()
-    for _ in range(100):
-        if len(driver_threads()) == before:
-            break
-        await asyncio.sleep(0.01)
-    assert len(driver_threads()) == before
+    assert await wait_for_threads(before) == before
 
 
 async def test_bad_path_is_an_operational_error(tmp_path: Path) -> None:
@@ -184,14 +185,6 @@ async def test_the_store_still_runs_on_aiosqlite(tmp_path: Path) -> None:
         assert (await store.get_account("ada")) == account
     finally:
         await store.close()
-
-
-async def wait_for_threads(count: int) -> int:
-    for _ in range(200):
-        if len(driver_threads()) == count:
-            break
-        await asyncio.sleep(0.01)
-    return len(driver_threads())
 
 
 async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
