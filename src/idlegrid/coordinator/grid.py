@@ -512,7 +512,7 @@ class Grid:
         inputs = await self.store.task_inputs([m.task_id for m in msgs], session.node_id)
         receipts: dict[int, ResultReceipt] = {}  # index in msgs -> receipt
         good: list[int] = []
-        finished_bad: list[int] = []  # failed for an invalid output
+        finished: list[int] = []  # tasks the node no longer holds once this commits
         failed = False
         for index, msg in enumerate(msgs):
             problem = await self._check_output(session, msg, inputs.get(msg.task_id))
@@ -522,7 +522,7 @@ class Grid:
             if await self.store.record_failure(
                 msg.task_id, session.node_id, reason=f"invalid output: {problem}", now=self.clock()
             ):
-                finished_bad.append(msg.task_id)
+                finished.append(msg.task_id)
                 failed = True
             receipts[index] = ResultReceipt("rejected", problem)
         stored = await self.store.accept_results(
@@ -534,7 +534,6 @@ class Grid:
             now=self.clock(),
         )
         to_verify: list[int] = []
-        finished = finished_bad  # tasks the node no longer holds once this commits
         late = False
         for index, receipt in zip(good, stored, strict=True):
             receipts[index] = receipt

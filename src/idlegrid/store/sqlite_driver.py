@@ -189,13 +189,10 @@ class Cursor:
         sqlite = self._connection.sqlite
 
         def run() -> tuple[Any, int, int | None, collections.deque[Any]]:
-            cursor = sqlite.cursor()
-            try:
+            with contextlib.closing(sqlite.cursor()) as cursor:
                 cursor.execute(operation, parameters)
                 rows = collections.deque(cursor.fetchall() if cursor.description else ())
                 return cursor.description, cursor.rowcount, cursor.lastrowid, rows
-            finally:
-                cursor.close()
 
         self.description, self.rowcount, self.lastrowid, self._rows = await self._connection.call(
             run
@@ -206,12 +203,9 @@ class Cursor:
         sqlite = self._connection.sqlite
 
         def run() -> tuple[int, int | None]:
-            cursor = sqlite.cursor()
-            try:
+            with contextlib.closing(sqlite.cursor()) as cursor:
                 cursor.executemany(operation, parameters)
                 return cursor.rowcount, cursor.lastrowid
-            finally:
-                cursor.close()
 
         self.rowcount, self.lastrowid = await self._connection.call(run)
         self.description, self._rows = None, collections.deque()
