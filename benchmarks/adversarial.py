@@ -74,8 +74,9 @@ SCENARIOS: dict[str, list[tuple[str, float]]] = {
 # -- the worker side ------------------------------------------------------------------------
 
 
-def lie(strategy: str, honest: np.ndarray, rng: random.Random, history: list[np.ndarray]) -> \
-        np.ndarray | None:
+def lie(
+    strategy: str, honest: np.ndarray, rng: random.Random, history: list[np.ndarray]
+) -> np.ndarray | None:
     """The output a node with `strategy` reports instead of `honest` (None: the truth)."""
     gen = np.random.default_rng(rng.getrandbits(32))
     if strategy == "intermittent":
@@ -230,8 +231,16 @@ def strategies_for(scenario: str, nodes: int, rng: random.Random) -> list[str]:
     return mix
 
 
-def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Path,
-                 timeout: float, adaptive_after: int | None = None) -> Tally:
+def run_scenario(
+    scenario: str,
+    *,
+    shards: int,
+    nodes: int,
+    seed: int,
+    root: Path,
+    timeout: float,
+    adaptive_after: int | None = None,
+) -> Tally:
     rng = random.Random(seed)
     plan = strategies_for(scenario, nodes, rng)
     env = {
@@ -240,22 +249,23 @@ def run_scenario(scenario: str, *, shards: int, nodes: int, seed: int, root: Pat
     }
     if adaptive_after is not None:
         env["IDLEGRID_ADAPTIVE_AFTER"] = str(adaptive_after)
-    with LocalGrid(root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=30.0,
-                   extra_env=env) as grid:
-        specs: list[dict[str, Any]] = [
-            {"server": grid.url, "nodes": []} for _ in range(PROCESSES)
-        ]
+    with LocalGrid(
+        root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=30.0, extra_env=env
+    ) as grid:
+        specs: list[dict[str, Any]] = [{"server": grid.url, "nodes": []} for _ in range(PROCESSES)]
         strategies: dict[str, str] = {}
         for i, strategy in enumerate(plan):
             name = f"{strategy}-{i:03d}"
             strategies[name] = strategy
-            specs[i % PROCESSES]["nodes"].append({
-                "name": name,
-                "strategy": strategy,
-                "token": grid.volunteer_token(f"volunteer-{name}"),
-                "state_dir": str(root / "nodes" / name),
-                "seed": rng.getrandbits(32),
-            })
+            specs[i % PROCESSES]["nodes"].append(
+                {
+                    "name": name,
+                    "strategy": strategy,
+                    "token": grid.volunteer_token(f"volunteer-{name}"),
+                    "state_dir": str(root / "nodes" / name),
+                    "seed": rng.getrandbits(32),
+                }
+            )
         logs = [open(root / f"nodes-{p}.log", "w") for p in range(PROCESSES)]  # noqa: SIM115
         procs = [
             subprocess.Popen(
@@ -316,25 +326,41 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--scenarios", nargs="*", default=list(SCENARIOS))
-    parser.add_argument("--adaptive-after", type=int, default=None,
-                        help="the coordinator's streak before a node runs alone (default: its own)")
-    parser.add_argument("--keep", type=Path, default=None,
-                        help="keep each scenario's grid (database, logs) under this directory")
+    parser.add_argument(
+        "--adaptive-after",
+        type=int,
+        default=None,
+        help="the coordinator's streak before a node runs alone (default: its own)",
+    )
+    parser.add_argument(
+        "--keep",
+        type=Path,
+        default=None,
+        help="keep each scenario's grid (database, logs) under this directory",
+    )
     parser.add_argument("--serve-nodes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_nodes:
         asyncio.run(serve_nodes(json.loads(args.serve_nodes)))
         return
-    print(f"{args.nodes} nodes, {args.shards} shards of {SHARD_SIZE} vectors per scenario, "
-          f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}; "
-          f"{os.cpu_count()} CPUs", flush=True)
+    print(
+        f"{args.nodes} nodes, {args.shards} shards of {SHARD_SIZE} vectors per scenario, "
+        f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}; "
+        f"{os.cpu_count()} CPUs",
+        flush=True,
+    )
     results: dict[str, Tally] = {}
     for scenario in args.scenarios:
         with tempfile.TemporaryDirectory(prefix="idlegrid-adversarial-") as tmp:
             root = args.keep / scenario if args.keep else Path(tmp)
             results[scenario] = run_scenario(
-                scenario, shards=args.shards, nodes=args.nodes, seed=args.seed,
-                root=root, timeout=args.timeout, adaptive_after=args.adaptive_after,
+                scenario,
+                shards=args.shards,
+                nodes=args.nodes,
+                seed=args.seed,
+                root=root,
+                timeout=args.timeout,
+                adaptive_after=args.adaptive_after,
             )
         report(scenario, results[scenario])
     total = Counter[str]()

@@ -208,14 +208,19 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2, help="grid worker processes")
     parser.add_argument("--slots", type=int, default=8, help="task slots per grid worker")
     parser.add_argument(
-        "--prefetch", type=int, default=8,
+        "--prefetch",
+        type=int,
+        default=8,
         help="tasks a grid worker holds beyond its slots (its work buffer)",
     )
     parser.add_argument("--kind", default="noop", choices=["noop", "sleep"])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument(
-        "--coordinator-env", action="append", default=[], metavar="IDLEGRID_X=Y",
+        "--coordinator-env",
+        action="append",
+        default=[],
+        metavar="IDLEGRID_X=Y",
         help="a setting for the coordinator (repeatable), e.g. IDLEGRID_PROFILE=FILE",
     )
     parser.add_argument("--skip-arq", action="store_true", help="time the grid only")

@@ -15,8 +15,12 @@ from idlegrid.settings import CoordinatorSettings
 
 # -- meta ---------------------------------------------------------------------------------
 
-NO_CREDIT = {"credit_total": 0.0, "recent_average_credit": 0.0, "flagged": False,
-             "flag_reason": None}
+NO_CREDIT = {
+    "credit_total": 0.0,
+    "recent_average_credit": 0.0,
+    "flagged": False,
+    "flag_reason": None,
+}
 
 
 def test_health_docs_and_openapi(api: Api) -> None:
@@ -46,8 +50,13 @@ def test_unknown_route_and_method_are_json(api: Api) -> None:
 
 @pytest.mark.parametrize(
     "headers",
-    [{}, {"Authorization": "Bearer igr_not-a-real-token"}, {"Authorization": "Basic abc"},
-     {"Authorization": "Bearer "}, {"Authorization": "igr_no-scheme"}],
+    [
+        {},
+        {"Authorization": "Bearer igr_not-a-real-token"},
+        {"Authorization": "Basic abc"},
+        {"Authorization": "Bearer "},
+        {"Authorization": "igr_no-scheme"},
+    ],
     ids=["missing", "wrong", "basic", "empty", "no-scheme"],
 )
 def test_bad_tokens_are_401(api: Api, headers: dict[str, str]) -> None:
@@ -76,15 +85,20 @@ def test_node_tokens_cannot_call_researcher_endpoints(api: Api) -> None:
 
 
 def test_admin_makes_tokens_for_accounts(api: Api) -> None:
-    made = api.client.post("/v1/tokens", json={"account": "alice", "label": "laptop"},
-                           headers=api.admin)
+    made = api.client.post(
+        "/v1/tokens", json={"account": "alice", "label": "laptop"}, headers=api.admin
+    )
     assert made.status_code == 201
     body = made.json()
     assert body["account"] == "alice" and body["kind"] == "api"
     assert body["token"].startswith("igr_") and body["token"].startswith(body["prefix"])
     alice = bearer(body["token"])
     assert api.client.get("/v1/me", headers=alice).json() == {
-        "account": "alice", "kind": "api", "admin": False, **NO_CREDIT}
+        "account": "alice",
+        "kind": "api",
+        "admin": False,
+        **NO_CREDIT,
+    }
     # A second token for the same account reuses it; a node token is ign_.
     node = api.token(account="alice", kind="node")
     assert node.startswith("ign_")
@@ -92,10 +106,14 @@ def test_admin_makes_tokens_for_accounts(api: Api) -> None:
     # Alice may make tokens for herself, not for others.
     own = api.client.post("/v1/tokens", json={"kind": "node"}, headers=alice)
     assert own.status_code == 201 and own.json()["account"] == "alice"
-    assert_error(api.client.post("/v1/tokens", json={"account": "bob"}, headers=alice), 403,
-                 "forbidden")
-    assert_error(api.client.post("/v1/tokens", json={"account": "no spaces"},
-                                 headers=api.admin), 422, "invalid_request")
+    assert_error(
+        api.client.post("/v1/tokens", json={"account": "bob"}, headers=alice), 403, "forbidden"
+    )
+    assert_error(
+        api.client.post("/v1/tokens", json={"account": "no spaces"}, headers=api.admin),
+        422,
+        "invalid_request",
+    )
     assert_error(api.client.post("/v1/tokens", json={"kind": "root"}, headers=api.admin), 422)
 
 
@@ -115,8 +133,7 @@ def test_researchers_see_only_their_own_jobs(api: Api) -> None:
         message = assert_error(response, 404, "not_found")
         assert str(job_id) in message
     assert api.client.get("/v1/jobs", headers=bearer(bob)).json() == []
-    assert [j["id"] for j in api.client.get("/v1/jobs", headers=bearer(alice)).json()] == [
-        job_id]
+    assert [j["id"] for j in api.client.get("/v1/jobs", headers=bearer(alice)).json()] == [job_id]
     # Bob's failed cancel changed nothing; the admin sees every job.
     assert api.job(alice, job_id)["state"] == "queued"
     assert api.job(api.admin_token, job_id)["id"] == job_id
@@ -161,7 +178,8 @@ def test_blob_upload_and_download(api: Api) -> None:
 def test_blob_hash_mismatch_is_422_and_stores_nothing(api: Api) -> None:
     claimed = sha(b"what I said")
     message = assert_error(
-        api.client.put(f"/v1/blobs/{claimed}", content=b"what I sent", headers=api.admin), 422,
+        api.client.put(f"/v1/blobs/{claimed}", content=b"what I sent", headers=api.admin),
+        422,
         "invalid_blob",
     )
     assert claimed in message
@@ -171,15 +189,15 @@ def test_blob_hash_mismatch_is_422_and_stores_nothing(api: Api) -> None:
 
 @pytest.mark.parametrize("bad", ["abc", "AB" * 32, "z" * 64])
 def test_bad_blob_hash_is_422(api: Api, bad: str) -> None:
-    assert_error(api.client.put(f"/v1/blobs/{bad}", content=b"x", headers=api.admin), 422,
-                 "invalid_hash")
+    assert_error(
+        api.client.put(f"/v1/blobs/{bad}", content=b"x", headers=api.admin), 422, "invalid_hash"
+    )
     assert_error(api.client.get(f"/v1/blobs/{bad}", headers=api.admin), 422)
     assert api.client.head(f"/v1/blobs/{bad}", headers=api.admin).status_code == 404
 
 
 def test_missing_blob_is_404(api: Api) -> None:
-    assert_error(api.client.get(f"/v1/blobs/{sha(b'nope')}", headers=api.admin), 404,
-                 "not_found")
+    assert_error(api.client.get(f"/v1/blobs/{sha(b'nope')}", headers=api.admin), 404, "not_found")
 
 
 def test_blob_at_the_limit_is_fine(api: Api) -> None:
@@ -229,31 +247,38 @@ def test_chunked_blob_within_the_limit_is_stored(api: Api) -> None:
 
 def test_json_body_over_the_request_limit_is_413(api: Api) -> None:
     body = json.dumps({"kind": "sleep", "params": {"pad": "x" * MAX_REQUEST_BYTES}}).encode()
-    response = api.client.post("/v1/jobs", content=body, headers={
-        **api.admin, "Content-Type": "application/json"})
+    response = api.client.post(
+        "/v1/jobs", content=body, headers={**api.admin, "Content-Type": "application/json"}
+    )
     assert_error(response, 413, "too_large")
 
     def chunked() -> Iterator[bytes]:
         for start in range(0, len(body), 500):
-            yield body[start:start + 500]
+            yield body[start : start + 500]
 
-    response = api.client.post("/v1/jobs", content=chunked(), headers={
-        **api.admin, "Content-Type": "application/json"})
+    response = api.client.post(
+        "/v1/jobs", content=chunked(), headers={**api.admin, "Content-Type": "application/json"}
+    )
     assert_error(response, 413, "too_large")
     assert api.client.get("/v1/jobs", headers=api.admin).json() == []
 
 
 @pytest.mark.parametrize(
     ("body", "fragment"),
-    [(b"{not json", ""), (b"[]", ""), (b"{}", "kind"),
-     (json.dumps({"kind": "sleep", "surprise": 1}).encode(), "surprise"),
-     (json.dumps({"kind": "sleep", "replication": 0}).encode(), "replication"),
-     (json.dumps({"kind": "sleep", "priority": 1000}).encode(), "priority")],
+    [
+        (b"{not json", ""),
+        (b"[]", ""),
+        (b"{}", "kind"),
+        (json.dumps({"kind": "sleep", "surprise": 1}).encode(), "surprise"),
+        (json.dumps({"kind": "sleep", "replication": 0}).encode(), "replication"),
+        (json.dumps({"kind": "sleep", "priority": 1000}).encode(), "priority"),
+    ],
     ids=["not-json", "array", "no-kind", "extra-field", "replication-0", "priority"],
 )
 def test_invalid_job_requests_are_422(api: Api, body: bytes, fragment: str) -> None:
-    response = api.client.post("/v1/jobs", content=body, headers={
-        **api.admin, "Content-Type": "application/json"})
+    response = api.client.post(
+        "/v1/jobs", content=body, headers={**api.admin, "Content-Type": "application/json"}
+    )
     message = assert_error(response, 422, "invalid_request")
     assert fragment in message
 
@@ -270,8 +295,13 @@ def test_sleep_job_lifecycle_view(api: Api) -> None:
     assert created["progress"] == 0.0 and created["result"] is None
     job = api.job(alice, created["id"])
     assert [s["index"] for s in job["shards"]] == [0, 1, 2]
-    assert all(s["state"] == "open" and s["progress"] == 0.0 and s["live_tasks"] == 1
-               and s["attempts"] == 1 for s in job["shards"])
+    assert all(
+        s["state"] == "open"
+        and s["progress"] == 0.0
+        and s["live_tasks"] == 1
+        and s["attempts"] == 1
+        for s in job["shards"]
+    )
     assert job["shard_counts"] == {"open": 3} and job["shards_done"] == 0
     listed = api.client.get("/v1/jobs", headers=bearer(alice)).json()
     assert [j["id"] for j in listed] == [created["id"]] and listed[0]["shards"] is None
@@ -287,8 +317,9 @@ def test_replication_defaults_and_can_be_set(api: Api) -> None:
 
 def test_result_before_completion_is_409(api: Api) -> None:
     job = api.submit(api.admin_token, kind="sleep")
-    message = assert_error(api.client.get(f"/v1/jobs/{job['id']}/result", headers=api.admin),
-                           409, "not_ready")
+    message = assert_error(
+        api.client.get(f"/v1/jobs/{job['id']}/result", headers=api.admin), 409, "not_ready"
+    )
     assert "queued" in message
 
 
@@ -305,8 +336,9 @@ def test_cancel(api: Api) -> None:
     # Cancelling again is harmless; there is no result.
     again = api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(alice))
     assert again.status_code == 200 and again.json()["state"] == "cancelled"
-    assert_error(api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(alice)), 409,
-                 "not_ready")
+    assert_error(
+        api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(alice)), 409, "not_ready"
+    )
 
 
 def test_unknown_kind_is_422(api: Api) -> None:
@@ -317,20 +349,26 @@ def test_unknown_kind_is_422(api: Api) -> None:
 
 @pytest.mark.parametrize(
     ("params", "fragment"),
-    [({"tasks": 0}, "tasks"), ({"tasks": "many"}, "tasks"), ({"seconds": -1}, "seconds"),
-     ({"colour": "red"}, "colour")],
+    [
+        ({"tasks": 0}, "tasks"),
+        ({"tasks": "many"}, "tasks"),
+        ({"seconds": -1}, "seconds"),
+        ({"colour": "red"}, "colour"),
+    ],
 )
 def test_bad_params_are_422(api: Api, params: dict[str, object], fragment: str) -> None:
-    response = api.client.post("/v1/jobs", json={"kind": "sleep", "params": params},
-                               headers=api.admin)
+    response = api.client.post(
+        "/v1/jobs", json={"kind": "sleep", "params": params}, headers=api.admin
+    )
     assert fragment in assert_error(response, 422, "invalid_params")
 
 
 def test_embed_text_job_is_split_into_shards(api: Api) -> None:
     texts = [f"text number {i}" for i in range(5)]
     blob = api.upload(texts_to_jsonl(texts))
-    job = api.submit(api.admin_token, kind="embed-text", inputs={"texts": blob},
-                     params={"shard_size": 2})
+    job = api.submit(
+        api.admin_token, kind="embed-text", inputs={"texts": blob}, params={"shard_size": 2}
+    )
     assert (job["shards_total"], job["items_total"]) == (3, 5)
     assert job["inputs"] == {"texts": blob}
     assert [s["items"] for s in api.job(api.admin_token, job["id"])["shards"]] == [2, 2, 1]
@@ -339,8 +377,9 @@ def test_embed_text_job_is_split_into_shards(api: Api) -> None:
 def test_embed_text_broken_line_names_the_line(api: Api) -> None:
     lines = [json.dumps(f"text {i}") for i in range(1, 7)] + ['{"text": broken', '"fine"']
     blob = api.upload(("\n".join(lines) + "\n").encode())
-    response = api.client.post("/v1/jobs", json={"kind": "embed-text", "inputs": {"texts": blob}},
-                               headers=api.admin)
+    response = api.client.post(
+        "/v1/jobs", json={"kind": "embed-text", "inputs": {"texts": blob}}, headers=api.admin
+    )
     message = assert_error(response, 422, "invalid_input")
     assert "line 7" in message
     assert api.client.get("/v1/jobs", headers=api.admin).json() == []
@@ -349,8 +388,9 @@ def test_embed_text_broken_line_names_the_line(api: Api) -> None:
 @pytest.mark.parametrize("data", [b"", b"\n  \n\n"], ids=["empty", "blank-lines"])
 def test_embed_text_empty_input_is_422(api: Api, data: bytes) -> None:
     blob = api.upload(data)
-    response = api.client.post("/v1/jobs", json={"kind": "embed-text", "inputs": {"texts": blob}},
-                               headers=api.admin)
+    response = api.client.post(
+        "/v1/jobs", json={"kind": "embed-text", "inputs": {"texts": blob}}, headers=api.admin
+    )
     assert "no texts" in assert_error(response, 422, "invalid_input")
 
 
@@ -364,29 +404,34 @@ def test_unknown_input_blob_is_422(api: Api) -> None:
 
 
 @pytest.mark.parametrize(
-    "inputs", [{}, {"text": "x"}, {"texts": "not-a-hash"}],
+    "inputs",
+    [{}, {"text": "x"}, {"texts": "not-a-hash"}],
     ids=["missing", "misnamed", "bad-hash"],
 )
 def test_wrong_inputs_are_422(api: Api, inputs: dict[str, str]) -> None:
     if inputs.get("text"):
         inputs = {"text": api.upload(b'"a"\n')}
-    response = api.client.post("/v1/jobs", json={"kind": "embed-text", "inputs": inputs},
-                               headers=api.admin)
+    response = api.client.post(
+        "/v1/jobs", json={"kind": "embed-text", "inputs": inputs}, headers=api.admin
+    )
     assert_error(response, 422, "invalid_input")
 
 
 def test_sleep_takes_no_inputs(api: Api) -> None:
     blob = api.upload(b"unused")
-    response = api.client.post("/v1/jobs", json={"kind": "sleep", "inputs": {"extra": blob}},
-                               headers=api.admin)
+    response = api.client.post(
+        "/v1/jobs", json={"kind": "sleep", "inputs": {"extra": blob}}, headers=api.admin
+    )
     assert "extra" in assert_error(response, 422, "invalid_input")
 
 
 def test_embed_text_bad_params_are_422(api: Api) -> None:
     blob = api.upload(b'"a"\n')
     response = api.client.post(
-        "/v1/jobs", json={"kind": "embed-text", "inputs": {"texts": blob},
-                          "params": {"shard_size": 0}}, headers=api.admin)
+        "/v1/jobs",
+        json={"kind": "embed-text", "inputs": {"texts": blob}, "params": {"shard_size": 0}},
+        headers=api.admin,
+    )
     assert "shard_size" in assert_error(response, 422, "invalid_params")
 
 

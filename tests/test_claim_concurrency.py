@@ -63,19 +63,51 @@ async def _setup(stores: list[SqlStore], rng: random.Random, *, backups: bool) -
     node_ids = []
     for n in range(NODES):
         node = await store.register_node(
-            account.id, f"node-key-{n:04d}", name=f"n{n}", worker_version="t", hardware={},
-            benchmark={}, kinds=["sleep"], slots=4, address="", now=1.0)
+            account.id,
+            f"node-key-{n:04d}",
+            name=f"n{n}",
+            worker_version="t",
+            hardware={},
+            benchmark={},
+            kinds=["sleep"],
+            slots=4,
+            address="",
+            now=1.0,
+        )
         node_ids.append(node.id)
-    run = Run(stores=stores, gates=[asyncio.Semaphore(PER_PROCESS) for _ in stores],
-              node_ids=node_ids, account_id=account.id, backups_left=BACKUP_TRIES if backups else 0)
+    run = Run(
+        stores=stores,
+        gates=[asyncio.Semaphore(PER_PROCESS) for _ in stores],
+        node_ids=node_ids,
+        account_id=account.id,
+        backups_left=BACKUP_TRIES if backups else 0,
+    )
     for job_index in range(rng.randint(2, 4)):
         replication = rng.randint(1, 3)
-        shards = [NewShard(index=i, input_hash=f"{job_index:032x}{i:032x}", input_size=1,
-                           items=1, cost_flops=1e9) for i in range(rng.randint(1, 12))]
+        shards = [
+            NewShard(
+                index=i,
+                input_hash=f"{job_index:032x}{i:032x}",
+                input_size=1,
+                items=1,
+                cost_flops=1e9,
+            )
+            for i in range(rng.randint(1, 12))
+        ]
         record, _ = await store.create_job(
-            NewJob(account_id=account.id, kind="sleep", params={}, inputs={},
-                   replication=replication, min_quorum=min(replication, 2),
-                   max_attempts=replication + 6, priority=0, shards=shards), now=2.0)
+            NewJob(
+                account_id=account.id,
+                kind="sleep",
+                params={},
+                inputs={},
+                replication=replication,
+                min_quorum=min(replication, 2),
+                max_attempts=replication + 6,
+                priority=0,
+                shards=shards,
+            ),
+            now=2.0,
+        )
         for shard in await store.list_shards(record.id):
             run.replication[shard.id] = replication
     return run
@@ -91,9 +123,16 @@ async def _requester(run: Run, rng: random.Random, which: int) -> None:
         claimer = Claimer(node_id=node_id, account_id=run.account_id, network="", backend="cpu")
         # One account for all: "distinct replicas" here means distinct nodes.
         distinct = Distinct(accounts=False, networks=False)
-        claim = await run.call(which, "claim_task", task.task_id, claimer, kind="sleep",
-                               lease_deadline=1e12, now=3.0,
-                               distinct=distinct if run.replication[task.shard_id] > 1 else None)
+        claim = await run.call(
+            which,
+            "claim_task",
+            task.task_id,
+            claimer,
+            kind="sleep",
+            lease_deadline=1e12,
+            now=3.0,
+            distinct=distinct if run.replication[task.shard_id] > 1 else None,
+        )
         if isinstance(claim, Assignment):
             run.handed.append(claim.task_id)
             held.append(claim)
@@ -106,8 +145,14 @@ async def _requester(run: Run, rng: random.Random, which: int) -> None:
         await run.call(which, "replenish", now=4.0)
     if run.backups_left > 0 and rng.random() < 0.3:
         run.backups_left -= 1
-        await run.call(which, "add_backup_task", rng.choice(list(run.replication)),
-                       rng.choice(run.node_ids), lease_deadline=1e12, now=3.0)
+        await run.call(
+            which,
+            "add_backup_task",
+            rng.choice(list(run.replication)),
+            rng.choice(run.node_ids),
+            lease_deadline=1e12,
+            now=3.0,
+        )
 
 
 LIVE_PER_SHARD = """
@@ -152,10 +197,12 @@ async def _run(stores: list[SqlStore], seed: int, *, backups: bool) -> Run:
     extra = 1 if backups else 0
     checker = asyncio.create_task(_checker(run, done, extra=extra))
     try:
-        await asyncio.gather(*(
-            _requester(run, random.Random(rng.random()), i % len(stores))
-            for i in range(REQUESTERS)
-        ))
+        await asyncio.gather(
+            *(
+                _requester(run, random.Random(rng.random()), i % len(stores))
+                for i in range(REQUESTERS)
+            )
+        )
     finally:
         done.set()
         checks = await checker
@@ -178,10 +225,14 @@ async def _open(db: Database, processes: int) -> list[SqlStore]:
     return stores
 
 
-@pytest.mark.parametrize(("seed", "backups"), [(11, False), (23, False), (47, False), (5, True)],
-                         ids=["seed11", "seed23", "seed47", "seed5-backups"])
-async def test_concurrent_claims_never_over_replicate(db: Database, seed: int,
-                                                      backups: bool) -> None:
+@pytest.mark.parametrize(
+    ("seed", "backups"),
+    [(11, False), (23, False), (47, False), (5, True)],
+    ids=["seed11", "seed23", "seed47", "seed5-backups"],
+)
+async def test_concurrent_claims_never_over_replicate(
+    db: Database, seed: int, backups: bool
+) -> None:
     processes = 1 if db.url.startswith("sqlite") else 3
     stores = await _open(db, processes)
     try:

@@ -38,8 +38,9 @@ class Node:
         """A result for every task it was assigned (the noop kind's one output)."""
         output = grid.blobs.put(OUTPUT)
         return [
-            protocol.Result(task_id=m["task_id"], output=output, output_size=len(OUTPUT),
-                            elapsed_s=0.01)  # fmt: skip
+            protocol.Result(
+                task_id=m["task_id"], output=output, output_size=len(OUTPUT), elapsed_s=0.01
+            )  # fmt: skip
             for m in self.sent
             if m["type"] == "assign"
         ]

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def grid(tmp_path: Path) -> Iterator[LocalGrid]:
-    with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=60.0,
-                   replication=1) as local:
+    with LocalGrid(
+        tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=60.0, replication=1
+    ) as local:
         yield local
 
 
@@ -104,8 +105,14 @@ def test_worker_killed_mid_task_is_reassigned(grid: LocalGrid) -> None:
 def grid_without_backups(tmp_path: Path) -> Iterator[LocalGrid]:
     """`grid`, without speculative copies: a task held across a restart looks like a
     straggler, and its backup would be a second valid result the test counts as a repeat."""
-    with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=60.0,
-                   replication=1, extra_env={"IDLEGRID_BACKUPS": "false"}) as local:
+    with LocalGrid(
+        tmp_path,
+        heartbeat_s=0.5,
+        node_timeout_s=3.0,
+        min_lease_s=60.0,
+        replication=1,
+        extra_env={"IDLEGRID_BACKUPS": "false"},
+    ) as local:
         yield local
 
 
@@ -139,8 +146,12 @@ def test_malformed_frames_over_a_real_socket(grid: LocalGrid) -> None:
         url = grid.url.replace("http://", "ws://") + "/v1/nodes/ws"
         replies = []
         async with websockets.connect(url) as ws:
-            for frame in ("{not json", json.dumps({"type": "bogus"}), json.dumps([1, 2]),
-                          json.dumps({"type": "ready", "free_slots": 1})):
+            for frame in (
+                "{not json",
+                json.dumps({"type": "bogus"}),
+                json.dumps([1, 2]),
+                json.dumps({"type": "ready", "free_slots": 1}),
+            ):
                 await ws.send(frame)
                 replies.append(json.loads(await asyncio.wait_for(ws.recv(), 10)))
             await ws.send(b"\xff\xfe binary")
@@ -150,7 +161,11 @@ def test_malformed_frames_over_a_real_socket(grid: LocalGrid) -> None:
     replies = asyncio.run(talk())
     assert [r["type"] for r in replies] == ["error"] * 5
     assert [r["code"] for r in replies] == [
-        "malformed", "unknown_type", "malformed", "out_of_order", "malformed"
+        "malformed",
+        "unknown_type",
+        "malformed",
+        "out_of_order",
+        "malformed",
     ]
     # The coordinator is unharmed.
     with grid.client() as client:
@@ -160,18 +175,32 @@ def test_malformed_frames_over_a_real_socket(grid: LocalGrid) -> None:
 def test_demo_runs_and_leaves_no_process(tmp_path: Path) -> None:
     before = {p.pid for p in psutil.process_iter()}
     result = subprocess.run(
-        [sys.executable, "-m", "idlegrid", "demo", "--texts", "120", "--workers", "2",
-         "--shard-size", "30"],
-        capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "idlegrid",
+            "demo",
+            "--texts",
+            "120",
+            "--workers",
+            "2",
+            "--shard-size",
+            "30",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout and "texts/s" in result.stdout
     time.sleep(0.5)
     leftovers = [
-        p for p in psutil.process_iter(["pid", "cmdline"])
+        p
+        for p in psutil.process_iter(["pid", "cmdline"])
         # The demo's own processes: their data and state live in its idlegrid-demo-* dir
         # (other idlegrid processes may run on this machine meanwhile).
-        if p.info["pid"] not in before and "idlegrid-demo-" in " ".join(p.info["cmdline"] or [])
+        if p.info["pid"] not in before
+        and "idlegrid-demo-" in " ".join(p.info["cmdline"] or [])
         and any(part in ("serve", "worker") for part in (p.info["cmdline"] or []))
     ]
     assert leftovers == []

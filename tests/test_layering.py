@@ -31,8 +31,18 @@ def _files(part: str) -> list[Path]:
 FORBIDDEN = [
     ("protocol.py", ("idlegrid",)),
     ("kinds", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store")),
-    ("policy", ("idlegrid.store", "idlegrid.broker", "idlegrid.coordinator", "fastapi",
-                "sqlalchemy", "websockets", "torch")),
+    (
+        "policy",
+        (
+            "idlegrid.store",
+            "idlegrid.broker",
+            "idlegrid.coordinator",
+            "fastapi",
+            "sqlalchemy",
+            "websockets",
+            "torch",
+        ),
+    ),
     ("worker", ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker")),
     ("coordinator", ("idlegrid.worker", "torch", "sentence_transformers")),
     ("store", ("fastapi", "starlette", "idlegrid.coordinator")),

@@ -44,7 +44,9 @@ def test_lying_workers_are_caught_their_work_redone_and_unpaid(tmp_path: Path) -
     assert liars and all(c == 0.0 for c in liars.values()), liars
     assert all(c > 0 for name, c in credit.items() if name.startswith("honest"))
     # Their accounts too: credit only for validated work.
-    accounts = dict(db.execute(
-        "SELECT name, credit_total FROM accounts WHERE name LIKE 'volunteer-%'"
-    ).fetchall())
+    accounts = dict(
+        db.execute(
+            "SELECT name, credit_total FROM accounts WHERE name LIKE 'volunteer-%'"
+        ).fetchall()
+    )
     assert all(accounts[f"volunteer-{name}"] == 0.0 for name in liars)

@@ -25,8 +25,13 @@ def test_metrics_describe_the_grid_in_the_text_format(api: Api) -> None:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = response.text
-    for name in ("idlegrid_connected_nodes", "idlegrid_ready_queue_depth", "idlegrid_tasks",
-                 "idlegrid_results_total", "idlegrid_lease_expiries_total"):
+    for name in (
+        "idlegrid_connected_nodes",
+        "idlegrid_ready_queue_depth",
+        "idlegrid_tasks",
+        "idlegrid_results_total",
+        "idlegrid_lease_expiries_total",
+    ):
         assert f"# TYPE {name} " in text
     samples = _samples(text)
     assert samples["idlegrid_connected_nodes"] == 0

@@ -58,12 +58,27 @@ class Node:
         self.ws.send_text("sync")
         self.expect_error("malformed")
 
-    def hello(self, *, key: str = "node-key-1", kinds: tuple[str, ...] = ("sleep",),
-              slots: int = 1, running: tuple[int, ...] = (), token: str | None = None) -> None:
-        self.send(type="hello", token=token or self.token, node_key=key, name=key,
-                  worker_version="0.1.0", hardware={"cpu_cores": 2, "memory_mb": 4096},
-                  benchmark={"matmul_gflops": 10.0}, slots=slots, kinds=list(kinds),
-                  running=list(running))
+    def hello(
+        self,
+        *,
+        key: str = "node-key-1",
+        kinds: tuple[str, ...] = ("sleep",),
+        slots: int = 1,
+        running: tuple[int, ...] = (),
+        token: str | None = None,
+    ) -> None:
+        self.send(
+            type="hello",
+            token=token or self.token,
+            node_key=key,
+            name=key,
+            worker_version="0.1.0",
+            hardware={"cpu_cores": 2, "memory_mb": 4096},
+            benchmark={"matmul_gflops": 10.0},
+            slots=slots,
+            kinds=list(kinds),
+            running=list(running),
+        )
 
     def join(self, **kwargs: Any) -> dict[str, Any]:
         self.hello(**kwargs)
@@ -83,8 +98,13 @@ class Node:
 
     def result(self, task_id: int, output: bytes, *, upload: bool = True) -> None:
         blob_hash = self.upload(output) if upload else sha(output)
-        self.send(type="result", task_id=task_id, output=blob_hash, output_size=len(output),
-                  elapsed_s=0.01)
+        self.send(
+            type="result",
+            task_id=task_id,
+            output=blob_hash,
+            output_size=len(output),
+            elapsed_s=0.01,
+        )
 
 
 @pytest.fixture
@@ -139,10 +159,23 @@ BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
     ("server-type", '{"type": "welcome"}', "unknown_type"),
     ("version-2", '{"type": "ready", "v": 2, "free_slots": 1}', "version"),
     ("bad-field", '{"type": "ready", "free_slots": -1}', "malformed"),
-    ("long-name-hello", json.dumps({
-        "type": "hello", "token": "t", "node_key": "node-key-1", "name": "n" * 101,
-        "worker_version": "1", "hardware": {}, "benchmark": {}, "slots": 1, "kinds": []}),
-     "malformed"),
+    (
+        "long-name-hello",
+        json.dumps(
+            {
+                "type": "hello",
+                "token": "t",
+                "node_key": "node-key-1",
+                "name": "n" * 101,
+                "worker_version": "1",
+                "hardware": {},
+                "benchmark": {},
+                "slots": 1,
+                "kinds": [],
+            }
+        ),
+        "malformed",
+    ),
     ("binary-garbage", b"\xff\xfe\x00\x81garbage", "malformed"),
     ("binary-not-object", b"12", "malformed"),
     ("too-long", " " * 1_000_001, "malformed"),
@@ -156,8 +189,9 @@ def _send_frame(node: Node, frame: str | bytes) -> None:
         node.ws.send_text(frame)
 
 
-@pytest.mark.parametrize(("frame", "code"), [row[1:] for row in BAD_FRAMES],
-                         ids=[row[0] for row in BAD_FRAMES])
+@pytest.mark.parametrize(
+    ("frame", "code"), [row[1:] for row in BAD_FRAMES], ids=[row[0] for row in BAD_FRAMES]
+)
 def test_bad_frames_before_hello_get_errors(connect: Any, frame: str | bytes, code: str) -> None:
     node = connect()
     _send_frame(node, frame)
@@ -172,9 +206,7 @@ def test_binary_json_frames_are_accepted(connect: Any) -> None:
 
 
 @pytest.mark.parametrize("token_kind", ["unknown", "api"])
-def test_bad_token_is_unauthorized_and_closes(
-    api: Api, connect: Any, token_kind: str
-) -> None:
+def test_bad_token_is_unauthorized_and_closes(api: Api, connect: Any, token_kind: str) -> None:
     token = "ign_not-a-token" if token_kind == "unknown" else api.token(account="alice")
     node = connect(token)
     node.hello()
@@ -214,7 +246,8 @@ def test_connected_node_is_listed(api: Api, connect: Any) -> None:
     assert listed["hardware"]["memory_mb"] == 4096
     volunteer = bearer(api.token(account="volunteer"))
     assert [n["id"] for n in api.client.get("/v1/nodes", headers=volunteer).json()] == [
-        welcome["node_id"]]
+        welcome["node_id"]
+    ]
     other = bearer(api.token(account="alice"))
     assert api.client.get("/v1/nodes", headers=other).json() == []
 
@@ -307,13 +340,26 @@ def test_results_batch_is_acknowledged_result_by_result(
     batch = []
     for assign in assigns:
         output = _digest(assign["shard_index"])
-        batch.append({"type": "result", "task_id": assign["task_id"],
-                      "output": node.upload(output), "output_size": len(output),
-                      "elapsed_s": 0.01})
+        batch.append(
+            {
+                "type": "result",
+                "task_id": assign["task_id"],
+                "output": node.upload(output),
+                "output_size": len(output),
+                "elapsed_s": 0.01,
+            }
+        )
     # One result in the batch is for a task the node never held: it alone is rejected.
     stray = _digest(0)
-    batch.append({"type": "result", "task_id": 987654, "output": node.upload(stray),
-                  "output_size": len(stray), "elapsed_s": 0.01})
+    batch.append(
+        {
+            "type": "result",
+            "task_id": 987654,
+            "output": node.upload(stray),
+            "output_size": len(stray),
+            "elapsed_s": 0.01,
+        }
+    )
     node.send(type="results", results=batch)
     for assign in assigns:
         node.expect("result_ack", task_id=assign["task_id"], status="accepted")
@@ -375,8 +421,13 @@ def test_result_with_wrong_size_is_rejected(api: Api, connect: Any, researcher: 
     node.join()
     assign = node.take()
     output = _digest(0)
-    node.send(type="result", task_id=assign["task_id"], output=node.upload(output),
-              output_size=len(output) + 1, elapsed_s=0.0)
+    node.send(
+        type="result",
+        task_id=assign["task_id"],
+        output=node.upload(output),
+        output_size=len(output) + 1,
+        elapsed_s=0.0,
+    )
     assert "bytes" in node.expect_error("rejected", task_id=assign["task_id"])
 
 
@@ -416,9 +467,16 @@ def test_heartbeat_progress_shows_in_the_job(api: Api, connect: Any, researcher:
     node = connect()
     node.join()
     assign = node.take()
-    node.send(type="heartbeat", load=0.5, seq=7, sent_at=1234.5,
-              running=[{"task_id": assign["task_id"], "progress": 0.5},
-                       {"task_id": 999, "progress": 0.9}])  # not its task: ignored
+    node.send(
+        type="heartbeat",
+        load=0.5,
+        seq=7,
+        sent_at=1234.5,
+        running=[
+            {"task_id": assign["task_id"], "progress": 0.5},
+            {"task_id": 999, "progress": 0.9},
+        ],
+    )  # not its task: ignored
     node.expect("heartbeat_ack", seq=7, sent_at=1234.5)
     shards = _job(api, researcher, job["id"])["shards"]
     progress = {s["index"]: s["progress"] for s in shards}

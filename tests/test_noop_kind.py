@@ -11,8 +11,9 @@ from idlegrid.kinds.noop import OUTPUT
 
 
 def _ctx() -> RunContext:
-    return RunContext(device="cpu", threads=1, report_progress=lambda _: None,
-                      is_cancelled=lambda: False)
+    return RunContext(
+        device="cpu", threads=1, report_progress=lambda _: None, is_cancelled=lambda: False
+    )
 
 
 def test_shards_share_one_payload_and_runs_one_output() -> None:

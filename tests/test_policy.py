@@ -37,18 +37,28 @@ DECISIONS = [
     ("inconclusive-not-invalid", _results((1, "a"), (2, "?"), (3, "a")), 2, 1, (1, 3), ()),
     ("inconclusive-alone", _results((1, "?"), (2, "?")), 2, None, (), ()),
     ("quorum-1-first-wins", _results((4, "a"), (3, "b")), 1, 4, (4,), (3,)),
-    ("biggest-group-wins", _results((1, "b"), (2, "a"), (3, "a"), (4, "b"), (5, "a")), 2, 2,
-     (2, 3, 5), (1, 4)),
+    (
+        "biggest-group-wins",
+        _results((1, "b"), (2, "a"), (3, "a"), (4, "b"), (5, "a")),
+        2,
+        2,
+        (2, 3, 5),
+        (1, 4),
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     ("results", "min_quorum", "canonical", "valid", "invalid"),
-    [row[1:] for row in DECISIONS], ids=[row[0] for row in DECISIONS],
+    [row[1:] for row in DECISIONS],
+    ids=[row[0] for row in DECISIONS],
 )
 def test_decide(
-    results: list[tuple[int, bytes]], min_quorum: int, canonical: int | None,
-    valid: tuple[int, ...], invalid: tuple[int, ...],
+    results: list[tuple[int, bytes]],
+    min_quorum: int,
+    canonical: int | None,
+    valid: tuple[int, ...],
+    invalid: tuple[int, ...],
 ) -> None:
     decision = verifier.decide(results, _compare, min_quorum=min_quorum)
     assert decision.canonical == canonical
@@ -80,21 +90,40 @@ NOW = 10_000.0
 
 
 def _node(
-    *, kinds: tuple[str, ...] = ("sleep", "embed-text"), backends: tuple[str, ...] = ("cpu",),
-    memory_mb: int = 8000, gflops: float = 100.0,
+    *,
+    kinds: tuple[str, ...] = ("sleep", "embed-text"),
+    backends: tuple[str, ...] = ("cpu",),
+    memory_mb: int = 8000,
+    gflops: float = 100.0,
 ) -> NodeView:
-    return NodeView(node_id=1, kinds=frozenset(kinds), backends=frozenset(backends),
-                    memory_mb=memory_mb, gflops=gflops)
+    return NodeView(
+        node_id=1,
+        kinds=frozenset(kinds),
+        backends=frozenset(backends),
+        memory_mb=memory_mb,
+        gflops=gflops,
+    )
 
 
 def _task(
-    task_id: int, *, kind: str = "sleep", priority: int = 0, age_s: float = 0.0,
-    backends: tuple[str, ...] = (), min_memory_mb: int = 0, min_gflops: float = 0.0,
+    task_id: int,
+    *,
+    kind: str = "sleep",
+    priority: int = 0,
+    age_s: float = 0.0,
+    backends: tuple[str, ...] = (),
+    min_memory_mb: int = 0,
+    min_gflops: float = 0.0,
 ) -> Candidate:
     return Candidate(
-        task_id=task_id, job_id=1, kind=kind, priority=priority, created_at=NOW - age_s,
-        requirements=Requirements(backends=frozenset(backends), min_memory_mb=min_memory_mb,
-                                  min_gflops=min_gflops),
+        task_id=task_id,
+        job_id=1,
+        kind=kind,
+        priority=priority,
+        created_at=NOW - age_s,
+        requirements=Requirements(
+            backends=frozenset(backends), min_memory_mb=min_memory_mb, min_gflops=min_gflops
+        ),
     )
 
 
@@ -119,14 +148,19 @@ FILTERS = [
     ("gflops-short", _node(gflops=49.9), _task(1, min_gflops=50.0), False),
     ("unbenchmarked-no-need", _node(gflops=0.0), _task(1), True),
     ("unbenchmarked-with-need", _node(gflops=0.0), _task(1, min_gflops=1.0), False),
-    ("all-needs-met", CUDA_NODE, _task(1, backends=("cuda",), min_memory_mb=4000,
-                                       min_gflops=10.0), True),
+    (
+        "all-needs-met",
+        CUDA_NODE,
+        _task(1, backends=("cuda",), min_memory_mb=4000, min_gflops=10.0),
+        True,
+    ),
     ("one-need-missed", CUDA_NODE, _task(1, backends=("cuda",), min_memory_mb=9000), False),
 ]
 
 
-@pytest.mark.parametrize(("node", "candidate", "expected"), [row[1:] for row in FILTERS],
-                         ids=[row[0] for row in FILTERS])
+@pytest.mark.parametrize(
+    ("node", "candidate", "expected"), [row[1:] for row in FILTERS], ids=[row[0] for row in FILTERS]
+)
 def test_can_run(node: NodeView, candidate: Candidate, expected: bool) -> None:
     assert scheduler.can_run(node, candidate) is expected
     ranked = scheduler.rank(node, [candidate], now=NOW)
@@ -135,21 +169,28 @@ def test_can_run(node: NodeView, candidate: Candidate, expected: bool) -> None:
 
 # (name, candidates, expected order of task ids)
 ORDERS = [
-    ("priority-first", [_task(1, priority=0), _task(2, priority=5), _task(3, priority=-1)],
-     [2, 1, 3]),
+    (
+        "priority-first",
+        [_task(1, priority=0), _task(2, priority=5), _task(3, priority=-1)],
+        [2, 1, 3],
+    ),
     ("older-first", [_task(1, age_s=10), _task(2, age_s=100), _task(3, age_s=50)], [2, 3, 1]),
     ("ties-by-task-id", [_task(3), _task(1), _task(2)], [1, 2, 3]),
     # Age saturates below one priority step (so it cannot outweigh fair share either).
     ("priority-beats-minutes", [_task(1, age_s=300), _task(2, priority=1)], [2, 1]),
     ("priority-beats-hours", [_task(1, age_s=3 * 3600), _task(2, priority=1)], [2, 1]),
     ("future-created-counts-as-new", [_task(1, age_s=-100), _task(2, age_s=0)], [1, 2]),
-    ("unrunnable-dropped", [_task(1, backends=("cuda",), priority=99), _task(2, kind="x"),
-                            _task(3)], [3]),
+    (
+        "unrunnable-dropped",
+        [_task(1, backends=("cuda",), priority=99), _task(2, kind="x"), _task(3)],
+        [3],
+    ),
 ]
 
 
-@pytest.mark.parametrize(("candidates", "order"), [row[1:] for row in ORDERS],
-                         ids=[row[0] for row in ORDERS])
+@pytest.mark.parametrize(
+    ("candidates", "order"), [row[1:] for row in ORDERS], ids=[row[0] for row in ORDERS]
+)
 def test_rank(candidates: list[Candidate], order: list[int]) -> None:
     assert [c.task_id for c in scheduler.rank(CPU_ONLY, candidates, now=NOW)] == order
 
@@ -157,8 +198,9 @@ def test_rank(candidates: list[Candidate], order: list[int]) -> None:
 def test_rank_follows_the_weights() -> None:
     old, urgent = _task(1, age_s=300), _task(2, priority=1)
     age_heavy = Weights(priority=1.0, age=5.0)
-    assert [c.task_id for c in scheduler.rank(CPU_ONLY, [old, urgent], now=NOW,
-                                              weights=age_heavy)] == [1, 2]
+    assert [
+        c.task_id for c in scheduler.rank(CPU_ONLY, [old, urgent], now=NOW, weights=age_heavy)
+    ] == [1, 2]
 
 
 def test_cpu_only_node_never_gets_a_cuda_task_from_a_mixed_queue() -> None:
@@ -170,9 +212,11 @@ def test_cpu_only_node_never_gets_a_cuda_task_from_a_mixed_queue() -> None:
 
 def test_score_sums_priority_and_saturating_age() -> None:
     weights = Weights(priority=2.0, age=0.5, age_scale_s=10.0)
-    terms = scheduler.score_terms(CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW,
-                                  weights=weights)
+    terms = scheduler.score_terms(
+        CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW, weights=weights
+    )
     assert terms["priority"] == pytest.approx(2.0 * 3)
     assert terms["age"] == pytest.approx(0.5 * 10 / (10 + 10))
-    assert scheduler.score(CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW,
-                           weights=weights) == pytest.approx(sum(terms.values()))
+    assert scheduler.score(
+        CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW, weights=weights
+    ) == pytest.approx(sum(terms.values()))

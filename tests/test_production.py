@@ -53,9 +53,7 @@ def grid(
         # Half the workers prefer the first coordinator, half the second; each fails over.
         for i in range(WORKERS):
             servers = [local.url, second] if i % 2 == 0 else [second, local.url]
-            local.start_worker(
-                f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers
-            )
+            local.start_worker(f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers)
         local.wait_for_nodes(WORKERS)
         yield local
 
@@ -217,7 +215,6 @@ async def _tables(url: str, schema: str) -> set[str]:
     return {r["table_name"] for r in rows}
 
 
-
 @pytest.fixture
 def private_redis(tmp_path: Path) -> Iterator[Any]:
     """A redis-server of this test's own, that the test may restart (no persistence)."""
@@ -243,9 +240,21 @@ class _RedisServer:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.root)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                self.binary,
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.root),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         _wait_until(lambda: _answers(self.port), 10, "redis-server to start")
 
@@ -267,11 +276,17 @@ def _answers(port: int) -> bool:
 def test_a_redis_restart_mid_job_loses_no_task(
     tmp_path: Path, postgres_url: str, pg_schema: str, private_redis: Any
 ) -> None:
-    with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=MIN_LEASE_S,
-                   replication=1,
-                   database=postgres_url,
-                   database_schema=pg_schema, redis=private_redis.url,
-                   redis_prefix="idlegrid:") as grid:
+    with LocalGrid(
+        tmp_path,
+        heartbeat_s=0.5,
+        node_timeout_s=3.0,
+        min_lease_s=MIN_LEASE_S,
+        replication=1,
+        database=postgres_url,
+        database_schema=pg_schema,
+        redis=private_redis.url,
+        redis_prefix="idlegrid:",
+    ) as grid:
         second = grid.add_coordinator()
         for i, servers in enumerate(([grid.url, second], [second, grid.url])):
             grid.start_worker(f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers)

@@ -39,8 +39,13 @@ NOW = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 
 def _hello(**overrides: Any) -> dict[str, Any]:
     raw: dict[str, Any] = {
-        "type": "hello", "token": "ign_secret", "node_key": "node-key-1",
-        "worker_version": "0.1.0", "hardware": {}, "benchmark": {}, "slots": 1,
+        "type": "hello",
+        "token": "ign_secret",
+        "node_key": "node-key-1",
+        "worker_version": "0.1.0",
+        "hardware": {},
+        "benchmark": {},
+        "slots": 1,
         "kinds": ["sleep"],
     }
     raw.update(overrides)
@@ -49,17 +54,34 @@ def _hello(**overrides: Any) -> dict[str, Any]:
 
 NODE_MESSAGES: list[BaseModel] = [
     Hello(
-        token="ign_secret", node_key="node_key-1", name="gaming pc", worker_version="0.1.0",
+        token="ign_secret",
+        node_key="node_key-1",
+        name="gaming pc",
+        worker_version="0.1.0",
         hardware=HardwareProfile(
-            os="Linux", cpu_model="Ryzen", cpu_cores=16, memory_mb=32000,
-            gpus=[Gpu(backend="cuda", name="RTX 4090", memory_mb=24000)], torch_version="2.13",
+            os="Linux",
+            cpu_model="Ryzen",
+            cpu_cores=16,
+            memory_mb=32000,
+            gpus=[Gpu(backend="cuda", name="RTX 4090", memory_mb=24000)],
+            torch_version="2.13",
         ),
-        benchmark=Benchmark(backend="cuda", matmul_gflops=80000.0,
-                            kind_rates={"embed-text": 3500.0}),
-        slots=2, kinds=["embed-text", "sleep"], running=[3, 4],
+        benchmark=Benchmark(
+            backend="cuda", matmul_gflops=80000.0, kind_rates={"embed-text": 3500.0}
+        ),
+        slots=2,
+        kinds=["embed-text", "sleep"],
+        running=[3, 4],
     ),
-    Hello(token="t", node_key="abcdefgh", worker_version="", hardware=HardwareProfile(),
-          benchmark=Benchmark(), slots=1, kinds=[]),
+    Hello(
+        token="t",
+        node_key="abcdefgh",
+        worker_version="",
+        hardware=HardwareProfile(),
+        benchmark=Benchmark(),
+        slots=1,
+        kinds=[],
+    ),
     Heartbeat(load=0.5, running=[TaskProgress(task_id=3, progress=0.25)]),
     Heartbeat(),
     Heartbeat(seq=12, sent_at=8123.25),
@@ -67,14 +89,25 @@ NODE_MESSAGES: list[BaseModel] = [
     Ready(free_slots=0),
     Result(task_id=7, output=HASH, output_size=123, elapsed_s=1.5, metrics={"items_per_s": 9.0}),
     Failure(task_id=7, reason="out of memory", retryable=False),
-    Results(results=[Result(task_id=7, output=HASH, output_size=1, elapsed_s=0.5),
-                     Result(task_id=8, output=HASH, output_size=1, elapsed_s=0.25)]),
+    Results(
+        results=[
+            Result(task_id=7, output=HASH, output_size=1, elapsed_s=0.5),
+            Result(task_id=8, output=HASH, output_size=1, elapsed_s=0.25),
+        ]
+    ),
 ]
 
 SERVER_MESSAGES: list[BaseModel] = [
     Welcome(node_id=1, heartbeat_interval_s=15.0, server_time=NOW, drop=[5, 6]),
-    Assign(task_id=1, job_id=2, shard_index=0, kind="sleep", params={"tasks": 1},
-           input=BlobRef(hash=HASH, size=10), lease_deadline=NOW),
+    Assign(
+        task_id=1,
+        job_id=2,
+        shard_index=0,
+        kind="sleep",
+        params={"tasks": 1},
+        input=BlobRef(hash=HASH, size=10),
+        lease_deadline=NOW,
+    ),
     ResultAck(task_id=1, status="accepted"),
     ResultAck(task_id=1, status="late"),
     ResultAck(task_id=1, status="duplicate"),
@@ -123,8 +156,9 @@ def test_version_defaults_to_current() -> None:
 
 
 def test_hardware_backends_include_cpu_and_gpus() -> None:
-    profile = HardwareProfile(gpus=[Gpu(backend="cuda", name="a", memory_mb=1),
-                                    Gpu(backend="mps", name="b", memory_mb=1)])
+    profile = HardwareProfile(
+        gpus=[Gpu(backend="cuda", name="a", memory_mb=1), Gpu(backend="mps", name="b", memory_mb=1)]
+    )
     assert profile.backends == {"cpu", "cuda", "mps"}
     assert HardwareProfile().backends == {"cpu"}
 
@@ -140,7 +174,14 @@ def _code(frame: str | bytes) -> str:
 @pytest.mark.parametrize(
     "frame",
     [
-        "", "not json", "{", b"\xff\xfe\x00", "[1, 2]", '"ready"', "42", "null",
+        "",
+        "not json",
+        "{",
+        b"\xff\xfe\x00",
+        "[1, 2]",
+        '"ready"',
+        "42",
+        "null",
         "[" * 100_000,  # nesting deep enough to blow the JSON decoder's recursion
     ],
     ids=["empty", "text", "truncated", "binary", "array", "string", "number", "null", "deep"],
@@ -151,10 +192,28 @@ def test_non_objects_are_malformed(frame: str | bytes) -> None:
 
 @pytest.mark.parametrize(
     "raw",
-    [{}, {"type": "goodbye"}, {"type": None}, {"type": 3}, {"type": ["ready"]},
-     {"type": {"a": 1}}, {"type": "welcome"}, {"type": "assign"}, {"type": "READY"}],
-    ids=["missing", "unknown", "null", "number", "list", "object", "server-welcome",
-         "server-assign", "case"],
+    [
+        {},
+        {"type": "goodbye"},
+        {"type": None},
+        {"type": 3},
+        {"type": ["ready"]},
+        {"type": {"a": 1}},
+        {"type": "welcome"},
+        {"type": "assign"},
+        {"type": "READY"},
+    ],
+    ids=[
+        "missing",
+        "unknown",
+        "null",
+        "number",
+        "list",
+        "object",
+        "server-welcome",
+        "server-assign",
+        "case",
+    ],
 )
 def test_unknown_types(raw: dict[str, Any]) -> None:
     assert _code(json.dumps(raw)) == "unknown_type"
@@ -179,24 +238,45 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("ready-extra", {"type": "ready", "free_slots": 1, "surprise": True}),
     ("heartbeat-negative-load", {"type": "heartbeat", "load": -1}),
     ("heartbeat-nan-load", {"type": "heartbeat", "load": float("nan")}),
-    ("heartbeat-progress>1", {"type": "heartbeat",
-                              "running": [{"task_id": 1, "progress": 1.5}]}),
+    ("heartbeat-progress>1", {"type": "heartbeat", "running": [{"task_id": 1, "progress": 1.5}]}),
     ("heartbeat-negative-seq", {"type": "heartbeat", "seq": -1}),
     ("heartbeat-string-sent-at", {"type": "heartbeat", "sent_at": "noon"}),
-    ("result-task-0", {"type": "result", "task_id": 0, "output": HASH, "output_size": 1,
-                       "elapsed_s": 0}),
-    ("result-bad-hash", {"type": "result", "task_id": 1, "output": "AB" * 32,
-                         "output_size": 1, "elapsed_s": 0}),
-    ("result-short-hash", {"type": "result", "task_id": 1, "output": "ab",
-                           "output_size": 1, "elapsed_s": 0}),
-    ("result-negative-size", {"type": "result", "task_id": 1, "output": HASH,
-                              "output_size": -1, "elapsed_s": 0}),
+    (
+        "result-task-0",
+        {"type": "result", "task_id": 0, "output": HASH, "output_size": 1, "elapsed_s": 0},
+    ),
+    (
+        "result-bad-hash",
+        {"type": "result", "task_id": 1, "output": "AB" * 32, "output_size": 1, "elapsed_s": 0},
+    ),
+    (
+        "result-short-hash",
+        {"type": "result", "task_id": 1, "output": "ab", "output_size": 1, "elapsed_s": 0},
+    ),
+    (
+        "result-negative-size",
+        {"type": "result", "task_id": 1, "output": HASH, "output_size": -1, "elapsed_s": 0},
+    ),
     ("results-empty", {"type": "results", "results": []}),
-    ("results-too-many", {"type": "results", "results": [
-        {"type": "result", "task_id": i, "output": HASH, "output_size": 1, "elapsed_s": 0}
-        for i in range(1, 258)]}),
-    ("results-bad-inner", {"type": "results", "results": [
-        {"type": "result", "task_id": 0, "output": HASH, "output_size": 1, "elapsed_s": 0}]}),
+    (
+        "results-too-many",
+        {
+            "type": "results",
+            "results": [
+                {"type": "result", "task_id": i, "output": HASH, "output_size": 1, "elapsed_s": 0}
+                for i in range(1, 258)
+            ],
+        },
+    ),
+    (
+        "results-bad-inner",
+        {
+            "type": "results",
+            "results": [
+                {"type": "result", "task_id": 0, "output": HASH, "output_size": 1, "elapsed_s": 0}
+            ],
+        },
+    ),
     ("failure-long-reason", {"type": "failure", "task_id": 1, "reason": "x" * 2001}),
     ("hello-missing-token", {k: v for k, v in _hello().items() if k != "token"}),
     ("hello-empty-token", _hello(token="")),
@@ -212,10 +292,14 @@ BAD_FIELDS: list[tuple[str, dict[str, Any]]] = [
     ("hello-too-many-running", _hello(running=list(range(1, 1026)))),
     ("hello-zero-cores", _hello(hardware={"cpu_cores": 0})),
     ("hello-long-cpu-model", _hello(hardware={"cpu_model": "c" * 201})),
-    ("hello-unknown-backend", _hello(hardware={"gpus": [{"backend": "tpu", "name": "x",
-                                                         "memory_mb": 1}]})),
-    ("hello-too-many-gpus", _hello(hardware={"gpus": [{"backend": "cuda", "name": "x",
-                                                       "memory_mb": 1}] * 65})),
+    (
+        "hello-unknown-backend",
+        _hello(hardware={"gpus": [{"backend": "tpu", "name": "x", "memory_mb": 1}]}),
+    ),
+    (
+        "hello-too-many-gpus",
+        _hello(hardware={"gpus": [{"backend": "cuda", "name": "x", "memory_mb": 1}] * 65}),
+    ),
     ("hello-negative-gflops", _hello(benchmark={"matmul_gflops": -1})),
     ("hello-long-backend", _hello(benchmark={"backend": "b" * 21})),
 ]
@@ -233,9 +317,17 @@ def test_malformed_message_names_the_field() -> None:
 
 
 def test_a_valid_hello_at_the_limits_parses() -> None:
-    hello = parse_node_message(json.dumps(_hello(
-        token="t" * 200, node_key="k" * 64, name="n" * 100, slots=256, kinds=["sleep"] * 64,
-    )))
+    hello = parse_node_message(
+        json.dumps(
+            _hello(
+                token="t" * 200,
+                node_key="k" * 64,
+                name="n" * 100,
+                slots=256,
+                kinds=["sleep"] * 64,
+            )
+        )
+    )
     assert isinstance(hello, Hello) and hello.slots == 256
 
 

@@ -28,12 +28,21 @@ from idlegrid.store.sql import SqlStore
 @pytest.fixture
 async def grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Grid]:
     # Scheduling one replica at a time; test_verification.py covers replicas and accounts.
-    settings = CoordinatorSettings(data_dir=tmp_path, min_lease_s=1.0, backup_min_gain_s=1.0,
-                                   default_replication=1, distinct_accounts=False,
-                                   distinct_networks=False)
+    settings = CoordinatorSettings(
+        data_dir=tmp_path,
+        min_lease_s=1.0,
+        backup_min_gain_s=1.0,
+        default_replication=1,
+        distinct_accounts=False,
+        distinct_networks=False,
+    )
     broker = MemoryBroker()
-    yield Grid(settings=settings, store=store, broker=broker,
-               blobs=BlobStore(tmp_path / "blobs", max_bytes=2**20))
+    yield Grid(
+        settings=settings,
+        store=store,
+        broker=broker,
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=2**20),
+    )
     await broker.close()
 
 
@@ -41,14 +50,25 @@ async def _account(grid: Grid, name: str) -> int:
     return (await grid.store.create_account(name, is_admin=False, now=grid.clock())).id
 
 
-async def _node(grid: Grid, account_id: int, key: str, *, gpus: tuple[str, ...] = (),
-                gflops: float = 10.0) -> NodeSession:
+async def _node(
+    grid: Grid, account_id: int, key: str, *, gpus: tuple[str, ...] = (), gflops: float = 10.0
+) -> NodeSession:
     hardware = protocol.HardwareProfile(
-        memory_mb=8000, gpus=[protocol.Gpu(backend=b, name=b, memory_mb=8000) for b in gpus])  # type: ignore[arg-type]
+        memory_mb=8000, gpus=[protocol.Gpu(backend=b, name=b, memory_mb=8000) for b in gpus]
+    )  # type: ignore[arg-type]
     bench = protocol.Benchmark(matmul_gflops=gflops)
     record = await grid.store.register_node(
-        account_id, key, name=key, worker_version="test", hardware=hardware.model_dump(),
-        benchmark=bench.model_dump(), kinds=["sleep"], slots=1, address="", now=grid.clock())
+        account_id,
+        key,
+        name=key,
+        worker_version="test",
+        hardware=hardware.model_dump(),
+        benchmark=bench.model_dump(),
+        kinds=["sleep"],
+        slots=1,
+        address="",
+        now=grid.clock(),
+    )
     sent: list[dict[str, Any]] = []
 
     async def send_text(text: str) -> None:
@@ -57,9 +77,16 @@ async def _node(grid: Grid, account_id: int, key: str, *, gpus: tuple[str, ...] 
     async def close() -> None:
         return None
 
-    session = NodeSession(node_id=record.id, account_id=account_id, name=key, slots=1,
-                          view=node_view(record.id, ["sleep"], hardware, bench),
-                          kind_rates={}, send_text=send_text, close=close)
+    session = NodeSession(
+        node_id=record.id,
+        account_id=account_id,
+        name=key,
+        slots=1,
+        view=node_view(record.id, ["sleep"], hardware, bench),
+        kind_rates={},
+        send_text=send_text,
+        close=close,
+    )
     session.sent = sent  # type: ignore[attr-defined]
     grid.hub.add(session)
     return session
@@ -77,8 +104,14 @@ async def _take(grid: Grid, session: NodeSession) -> dict[str, Any] | None:
 
 
 async def _submit(grid: Grid, account_id: int, **params: Any) -> int:
-    job = await grid.submit_job(account_id=account_id, kind_name="sleep", inputs={},
-                                params=params, replication=None, priority=0)
+    job = await grid.submit_job(
+        account_id=account_id,
+        kind_name="sleep",
+        inputs={},
+        params=params,
+        replication=None,
+        priority=0,
+    )
     return job.id
 
 
@@ -99,8 +132,12 @@ async def test_a_small_job_after_a_big_one_gets_tasks_before_the_big_one_is_done
 
 async def test_configured_shares_weigh_accounts(grid: Grid) -> None:
     # As IDLEGRID_ACCOUNT_SHARES=alice=3 sets it; bob has the default share of 1.
-    grid = Grid(settings=replace(grid.settings, account_shares=("alice=3",)), store=grid.store,
-                broker=grid.broker, blobs=grid.blobs)
+    grid = Grid(
+        settings=replace(grid.settings, account_shares=("alice=3",)),
+        store=grid.store,
+        broker=grid.broker,
+        blobs=grid.blobs,
+    )
     alice, bob = await _account(grid, "alice"), await _account(grid, "bob")
     node = await _node(grid, alice, "node-one")
     jobs = {await _submit(grid, alice, tasks=40): "alice"}
@@ -121,7 +158,8 @@ async def test_a_node_without_a_gpu_never_receives_a_gpu_task(grid: Grid) -> Non
     job = await grid.store.get_job(gpu_job)
     assert job is not None
     assert (await grid.matcher.waiting_for(job)) == [
-        "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"]
+        "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"
+    ]
     gpu = await _node(grid, alice, "gpu-node", gpus=("cuda",))
     assert (await grid.matcher.waiting_for(job)) == []
     got = [await _take(grid, gpu) for _ in range(6)]
@@ -144,9 +182,15 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
     assert await _take(grid, await _node(grid, alice, "third-node", gflops=100.0)) is None
 
     output = _digest(0)
-    receipt = await grid.accept_result(fast, protocol.Result(
-        task_id=backup["task_id"], output=grid.blobs.put(output), output_size=len(output),
-        elapsed_s=0.3))
+    receipt = await grid.accept_result(
+        fast,
+        protocol.Result(
+            task_id=backup["task_id"],
+            output=grid.blobs.put(output),
+            output_size=len(output),
+            elapsed_s=0.3,
+        ),
+    )
     assert receipt.status == "accepted"
     job = await grid.store.get_job(job_id)
     assert job is not None and job.state.value == "completed"
@@ -174,27 +218,36 @@ async def test_backups_respect_max_attempts_and_distinct_nodes(grid: Grid) -> No
     shard_id = slow.shard_of[original["task_id"]]
     now = grid.clock()
     # The holder itself never gets a copy of its own shard.
-    assert await grid.store.add_backup_task(shard_id, slow.node_id, lease_deadline=now + 9,
-                                            now=now) is None
+    assert (
+        await grid.store.add_backup_task(shard_id, slow.node_id, lease_deadline=now + 9, now=now)
+        is None
+    )
     other = await _node(grid, alice, "other", gflops=1.0)
-    first = await grid.store.add_backup_task(shard_id, other.node_id, lease_deadline=now + 9,
-                                             now=now)
+    first = await grid.store.add_backup_task(
+        shard_id, other.node_id, lease_deadline=now + 9, now=now
+    )
     assert first is not None
     third = await _node(grid, alice, "third", gflops=1.0)
-    assert await grid.store.add_backup_task(shard_id, third.node_id, lease_deadline=now + 9,
-                                            now=now) is None
+    assert (
+        await grid.store.add_backup_task(shard_id, third.node_id, lease_deadline=now + 9, now=now)
+        is None
+    )
     shards = await grid.store.list_shards(original["job_id"])
     assert (shards[0].attempts, shards[0].live_tasks) == (2, 2)
 
 
-@pytest.mark.parametrize(("items", "cost_flops", "lease"), [(1, 1e9, 1.0), (1, 40e9, 16.0),
-                                                           (9, 400e9, 160.0)])
-async def test_lease_follows_each_shards_own_cost(grid: Grid, items: int, cost_flops: float,
-                                                  lease: float) -> None:
-    view = node_view(1, ["sleep"], protocol.HardwareProfile(), protocol.Benchmark(
-        matmul_gflops=10.0))
+@pytest.mark.parametrize(
+    ("items", "cost_flops", "lease"), [(1, 1e9, 1.0), (1, 40e9, 16.0), (9, 400e9, 160.0)]
+)
+async def test_lease_follows_each_shards_own_cost(
+    grid: Grid, items: int, cost_flops: float, lease: float
+) -> None:
+    view = node_view(
+        1, ["sleep"], protocol.HardwareProfile(), protocol.Benchmark(matmul_gflops=10.0)
+    )
     assert grid.lease_for(view, "sleep", items=items, cost_flops=cost_flops) == pytest.approx(
-        lease)  # max(min_lease_s=1, flops / 10 GFLOPS x lease_slack 4)
+        lease
+    )  # max(min_lease_s=1, flops / 10 GFLOPS x lease_slack 4)
 
 
 def test_job_status_says_why_it_waits(api: Api) -> None:
@@ -203,14 +256,26 @@ def test_job_status_says_why_it_waits(api: Api) -> None:
     assert api.job(token, job["id"])["waiting_for"] == ["no node is registered yet"]
     node_token = api.token(account="alice", kind="node")
     with api.client.websocket_connect("/v1/nodes/ws") as ws:
-        ws.send_text(json.dumps({
-            "type": "hello", "token": node_token, "node_key": "laptop-key", "name": "laptop",
-            "worker_version": "0.1.0", "hardware": {"memory_mb": 4096, "disk_free_mb": 900},
-            "benchmark": {"matmul_gflops": 10.0}, "slots": 1, "kinds": ["sleep"]}))
+        ws.send_text(
+            json.dumps(
+                {
+                    "type": "hello",
+                    "token": node_token,
+                    "node_key": "laptop-key",
+                    "name": "laptop",
+                    "worker_version": "0.1.0",
+                    "hardware": {"memory_mb": 4096, "disk_free_mb": 900},
+                    "benchmark": {"matmul_gflops": 10.0},
+                    "slots": 1,
+                    "kinds": ["sleep"],
+                }
+            )
+        )
         assert json.loads(ws.receive_text())["type"] == "welcome"
         info = api.job(token, job["id"])
     assert info["waiting_for"] == [
-        "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"]
+        "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"
+    ]
     cpu_job = api.submit(token, kind="sleep", params={"tasks": 1})
     assert api.job(token, cpu_job["id"])["waiting_for"] == []
     listed = api.client.get("/v1/jobs", headers=bearer(token)).json()
@@ -222,18 +287,31 @@ def test_a_node_downloading_a_blob_holds_it_for_locality(api: Api) -> None:
     node_token = api.token(account="volunteer", kind="node")
     other_token = api.token(account="someone-else", kind="node")
     with api.client.websocket_connect("/v1/nodes/ws") as ws:
-        ws.send_text(json.dumps({
-            "type": "hello", "token": node_token, "node_key": "gamer-key", "name": "gamer",
-            "worker_version": "0.1.0", "hardware": {"memory_mb": 4096},
-            "benchmark": {"matmul_gflops": 10.0}, "slots": 1, "kinds": ["sleep"]}))
+        ws.send_text(
+            json.dumps(
+                {
+                    "type": "hello",
+                    "token": node_token,
+                    "node_key": "gamer-key",
+                    "name": "gamer",
+                    "worker_version": "0.1.0",
+                    "hardware": {"memory_mb": 4096},
+                    "benchmark": {"matmul_gflops": 10.0},
+                    "slots": 1,
+                    "kinds": ["sleep"],
+                }
+            )
+        )
         node_id = json.loads(ws.receive_text())["node_id"]
         session = api.client.app.state.grid.hub.get(node_id)  # type: ignore[attr-defined]
         # Another account's token cannot claim the node's cache.
-        api.client.get(f"/v1/blobs/{weights}",
-                       headers={**bearer(other_token), "X-Idlegrid-Node": str(node_id)})
+        api.client.get(
+            f"/v1/blobs/{weights}", headers={**bearer(other_token), "X-Idlegrid-Node": str(node_id)}
+        )
         assert weights not in session.held_blobs
-        response = api.client.get(f"/v1/blobs/{weights}",
-                                  headers={**bearer(node_token), "X-Idlegrid-Node": str(node_id)})
+        response = api.client.get(
+            f"/v1/blobs/{weights}", headers={**bearer(node_token), "X-Idlegrid-Node": str(node_id)}
+        )
         assert response.status_code == 200
         assert weights in session.held_blobs
         assert weights in session.view_now(reliability=0.5).held_blobs

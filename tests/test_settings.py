@@ -17,19 +17,20 @@ def test_defaults_without_environment() -> None:
 
 
 def test_environment_is_read_with_types() -> None:
-    settings = CoordinatorSettings.from_env({
-        "IDLEGRID_DATA_DIR": "/srv/grid",
-        "IDLEGRID_PORT": "9000",
-        "IDLEGRID_HEARTBEAT_INTERVAL_S": "2.5",
-        "IDLEGRID_HOST": "0.0.0.0",
-        "IDLEGRID_DATABASE_URL": "postgresql://db/grid",
-        "UNRELATED": "x",
-    })
+    settings = CoordinatorSettings.from_env(
+        {
+            "IDLEGRID_DATA_DIR": "/srv/grid",
+            "IDLEGRID_PORT": "9000",
+            "IDLEGRID_HEARTBEAT_INTERVAL_S": "2.5",
+            "IDLEGRID_HOST": "0.0.0.0",
+            "IDLEGRID_DATABASE_URL": "postgresql://db/grid",
+            "UNRELATED": "x",
+        }
+    )
     assert settings.data_dir == Path("/srv/grid")
     assert isinstance(settings.data_dir, Path)
     assert settings.port == 9000 and isinstance(settings.port, int)
-    assert settings.heartbeat_interval_s == 2.5 and isinstance(settings.heartbeat_interval_s,
-                                                               float)
+    assert settings.heartbeat_interval_s == 2.5 and isinstance(settings.heartbeat_interval_s, float)
     assert settings.host == "0.0.0.0"
     assert settings.database == "postgresql://db/grid"
     assert settings.blob_dir == Path("/srv/grid/blobs")
@@ -37,15 +38,17 @@ def test_environment_is_read_with_types() -> None:
 
 
 def test_worker_tuples_bools_and_paths() -> None:
-    settings = WorkerSettings.from_env({
-        "IDLEGRID_SERVERS": "http://a:8000, http://b:8000,,",
-        "IDLEGRID_KINDS": "sleep",
-        "IDLEGRID_REBENCHMARK": "yes",
-        "IDLEGRID_BENCHMARK": "0",
-        "IDLEGRID_STATE_DIR": "/var/lib/idlegrid",
-        "IDLEGRID_SLOTS": "3",
-        "IDLEGRID_BACKOFF_MAX_S": "60",
-    })
+    settings = WorkerSettings.from_env(
+        {
+            "IDLEGRID_SERVERS": "http://a:8000, http://b:8000,,",
+            "IDLEGRID_KINDS": "sleep",
+            "IDLEGRID_REBENCHMARK": "yes",
+            "IDLEGRID_BENCHMARK": "0",
+            "IDLEGRID_STATE_DIR": "/var/lib/idlegrid",
+            "IDLEGRID_SLOTS": "3",
+            "IDLEGRID_BACKOFF_MAX_S": "60",
+        }
+    )
     assert settings.servers == ("http://a:8000", "http://b:8000")
     assert settings.kinds == ("sleep",)
     assert settings.rebenchmark is True
@@ -55,9 +58,20 @@ def test_worker_tuples_bools_and_paths() -> None:
     assert settings.backoff_max_s == 60.0
 
 
-@pytest.mark.parametrize(("raw", "value"), [("1", True), ("true", True), ("TRUE", True),
-                                            ("on", True), ("yes", True), ("0", False),
-                                            ("false", False), ("no", False), ("off", False)])
+@pytest.mark.parametrize(
+    ("raw", "value"),
+    [
+        ("1", True),
+        ("true", True),
+        ("TRUE", True),
+        ("on", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("no", False),
+        ("off", False),
+    ],
+)
 def test_bool_spellings(raw: str, value: bool) -> None:
     assert WorkerSettings.from_env({"IDLEGRID_REBENCHMARK": raw}).rebenchmark is value
 
@@ -110,14 +124,26 @@ def test_settings_are_frozen_and_keyword_only() -> None:
 def test_every_field_can_come_from_the_environment() -> None:
     # Each field's type must be one _coerce understands: a new field of another type
     # would silently arrive as a string.
-    samples = {"Path": "/p", "str": "s", "int": "3", "float": "1.5", "bool": "1",
-               "tuple[str, ...]": "a,b"}
+    samples = {
+        "Path": "/p",
+        "str": "s",
+        "int": "3",
+        "float": "1.5",
+        "bool": "1",
+        "tuple[str, ...]": "a,b",
+    }
     for cls in (CoordinatorSettings, WorkerSettings):
         fields = dataclasses.fields(cls)
         env = {f"IDLEGRID_{f.name.upper()}": samples[str(f.type)] for f in fields}
         settings = cls.from_env(env)
         for f in fields:
             value = getattr(settings, f.name)
-            expected_type = {"Path": Path, "str": str, "int": int, "float": float,
-                             "bool": bool, "tuple[str, ...]": tuple}[str(f.type)]
+            expected_type = {
+                "Path": Path,
+                "str": str,
+                "int": int,
+                "float": float,
+                "bool": bool,
+                "tuple[str, ...]": tuple,
+            }[str(f.type)]
             assert isinstance(value, expected_type), (cls.__name__, f.name, value)

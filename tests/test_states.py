@@ -23,16 +23,28 @@ from idlegrid.states import (
 J, S, T, N = JobState, ShardState, TaskState, NodeState
 
 LEGAL: set[tuple[enum.Enum, enum.Enum]] = {
-    (J.QUEUED, J.RUNNING), (J.QUEUED, J.COMPLETED), (J.QUEUED, J.FAILED),
+    (J.QUEUED, J.RUNNING),
+    (J.QUEUED, J.COMPLETED),
+    (J.QUEUED, J.FAILED),
     (J.QUEUED, J.CANCELLED),
-    (J.RUNNING, J.COMPLETED), (J.RUNNING, J.FAILED), (J.RUNNING, J.CANCELLED),
-    (S.OPEN, S.DONE), (S.OPEN, S.FAILED), (S.OPEN, S.CANCELLED),
-    (T.READY, T.ASSIGNED), (T.READY, T.CANCELLED),
-    (T.ASSIGNED, T.COMPLETED), (T.ASSIGNED, T.FAILED), (T.ASSIGNED, T.EXPIRED),
+    (J.RUNNING, J.COMPLETED),
+    (J.RUNNING, J.FAILED),
+    (J.RUNNING, J.CANCELLED),
+    (S.OPEN, S.DONE),
+    (S.OPEN, S.FAILED),
+    (S.OPEN, S.CANCELLED),
+    (T.READY, T.ASSIGNED),
+    (T.READY, T.CANCELLED),
+    (T.ASSIGNED, T.COMPLETED),
+    (T.ASSIGNED, T.FAILED),
+    (T.ASSIGNED, T.EXPIRED),
     (T.ASSIGNED, T.CANCELLED),
-    (T.EXPIRED, T.COMPLETED), (T.EXPIRED, T.FAILED), (T.EXPIRED, T.CANCELLED),
+    (T.EXPIRED, T.COMPLETED),
+    (T.EXPIRED, T.FAILED),
+    (T.EXPIRED, T.CANCELLED),
     (T.CANCELLED, T.COMPLETED),  # a late result, still checked
-    (N.ONLINE, N.OFFLINE), (N.OFFLINE, N.ONLINE),
+    (N.ONLINE, N.OFFLINE),
+    (N.OFFLINE, N.ONLINE),
 }
 
 ALL_PAIRS = [
@@ -70,8 +82,7 @@ def test_every_other_move_raises(pair: tuple[enum.Enum, enum.Enum]) -> None:
 
 def test_the_table_covers_illegal_moves_of_every_lifecycle() -> None:
     # Guards the parametrization itself: no lifecycle was forgotten.
-    assert {type(current) for current, _ in ILLEGAL} == {JobState, ShardState, TaskState,
-                                                         NodeState}
+    assert {type(current) for current, _ in ILLEGAL} == {JobState, ShardState, TaskState, NodeState}
     assert len(ALL_PAIRS) == 25 + 16 + 36 + 4
 
 
@@ -85,8 +96,10 @@ def test_moves_across_lifecycles_are_illegal(current: enum.Enum, target: enum.En
         check_transition(current, target)
 
 
-@pytest.mark.parametrize("state", [J.COMPLETED, J.FAILED, J.CANCELLED, S.DONE, S.FAILED,
-                                   S.CANCELLED, T.COMPLETED, T.FAILED])
+@pytest.mark.parametrize(
+    "state",
+    [J.COMPLETED, J.FAILED, J.CANCELLED, S.DONE, S.FAILED, S.CANCELLED, T.COMPLETED, T.FAILED],
+)
 def test_terminal_states_go_nowhere(state: enum.Enum) -> None:
     assert not any(can_transition(state, target) for target in type(state))
 

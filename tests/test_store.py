@@ -42,27 +42,50 @@ async def _account(store: SqlStore, name: str = "alice") -> AccountRecord:
 
 async def _node(store: SqlStore, account: AccountRecord, key: str = "node-key-1") -> NodeRecord:
     return await store.register_node(
-        account.id, key, name=key, worker_version="0.1.0", hardware={"cpu_cores": 4},
-        benchmark={"matmul_gflops": 10.0}, kinds=["sleep"], slots=2, address="127.0.0.1",
+        account.id,
+        key,
+        name=key,
+        worker_version="0.1.0",
+        hardware={"cpu_cores": 4},
+        benchmark={"matmul_gflops": 10.0},
+        kinds=["sleep"],
+        slots=2,
+        address="127.0.0.1",
         now=T0,
     )
 
 
 def _job(
-    account: AccountRecord, *, shards: int = 1, replication: int = 1, min_quorum: int = 1,
-    max_attempts: int = 5, priority: int = 0, kind: str = "sleep",
+    account: AccountRecord,
+    *,
+    shards: int = 1,
+    replication: int = 1,
+    min_quorum: int = 1,
+    max_attempts: int = 5,
+    priority: int = 0,
+    kind: str = "sleep",
 ) -> NewJob:
     return NewJob(
-        account_id=account.id, kind=kind, params={"tasks": shards}, inputs={},
-        replication=replication, min_quorum=min_quorum, max_attempts=max_attempts,
+        account_id=account.id,
+        kind=kind,
+        params={"tasks": shards},
+        inputs={},
+        replication=replication,
+        min_quorum=min_quorum,
+        max_attempts=max_attempts,
         priority=priority,
-        shards=[NewShard(index=i, input_hash=_hash(f"input {i}"), input_size=10 + i, items=2,
-                         cost_flops=1e6) for i in range(shards)],
+        shards=[
+            NewShard(
+                index=i, input_hash=_hash(f"input {i}"), input_size=10 + i, items=2, cost_flops=1e6
+            )
+            for i in range(shards)
+        ],
     )
 
 
-async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float = T0,
-                 distinct: bool = False) -> Assignment:
+async def _claim(
+    store: SqlStore, task_id: int, node: NodeRecord, *, now: float = T0, distinct: bool = False
+) -> Assignment:
     claim = await _try_claim(store, task_id, node, lease_deadline=now + LEASE, now=now)
     assert isinstance(claim, Assignment), claim
     return claim
@@ -72,15 +95,26 @@ NODES = Distinct(accounts=False, networks=False)  # these tests' nodes share an 
 
 
 def _claimer(node: NodeRecord) -> Claimer:
-    return Claimer(node_id=node.id, account_id=node.account_id, network=node.network,
-                   backend="cpu")
+    return Claimer(node_id=node.id, account_id=node.account_id, network=node.network, backend="cpu")
 
 
-async def _try_claim(store: SqlStore, task_id: int, node: NodeRecord, *, lease_deadline: float,
-                     now: float, distinct: bool = False) -> Assignment | ClaimMiss:
-    return await store.claim_task(task_id, _claimer(node), kind="sleep",
-                                  lease_deadline=lease_deadline, now=now,
-                                  distinct=NODES if distinct else None)
+async def _try_claim(
+    store: SqlStore,
+    task_id: int,
+    node: NodeRecord,
+    *,
+    lease_deadline: float,
+    now: float,
+    distinct: bool = False,
+) -> Assignment | ClaimMiss:
+    return await store.claim_task(
+        task_id,
+        _claimer(node),
+        kind="sleep",
+        lease_deadline=lease_deadline,
+        now=now,
+        distinct=NODES if distinct else None,
+    )
 
 
 async def _task_row(store: SqlStore, task_id: int):  # type: ignore[no-untyped-def]
@@ -88,10 +122,12 @@ async def _task_row(store: SqlStore, task_id: int):  # type: ignore[no-untyped-d
         return (await conn.execute(select(tasks).where(tasks.c.id == task_id))).one()
 
 
-async def _result(store: SqlStore, task_id: int, node: NodeRecord, output: str = OUT_A,
-                  *, now: float = T0 + 1):  # type: ignore[no-untyped-def]
-    return await store.accept_result(task_id, node.id, output_hash=output, output_size=5,
-                                     elapsed_s=1.0, now=now)
+async def _result(
+    store: SqlStore, task_id: int, node: NodeRecord, output: str = OUT_A, *, now: float = T0 + 1
+):  # type: ignore[no-untyped-def]
+    return await store.accept_result(
+        task_id, node.id, output_hash=output, output_size=5, elapsed_s=1.0, now=now
+    )
 
 
 # -- accounts, tokens, nodes --------------------------------------------------------------
@@ -107,15 +143,22 @@ async def test_accounts_and_tokens(store: SqlStore) -> None:
     with pytest.raises(AccountExists):
         await _account(store, "alice")
 
-    token_id = await store.add_token(alice.id, kind="node", token_hash=_hash("secret"),
-                                     prefix="ign_abc", label="laptop", now=T0)
+    token_id = await store.add_token(
+        alice.id, kind="node", token_hash=_hash("secret"), prefix="ign_abc", label="laptop", now=T0
+    )
     found = await store.find_token(_hash("secret"))
     assert found is not None
-    assert (found.token_id, found.account_id, found.account_name, found.kind, found.is_admin) \
-        == (token_id, alice.id, "alice", "node", False)
+    assert (found.token_id, found.account_id, found.account_name, found.kind, found.is_admin) == (
+        token_id,
+        alice.id,
+        "alice",
+        "node",
+        False,
+    )
     assert await store.find_token(_hash("guess")) is None
-    await store.add_token(admin.id, kind="api", token_hash=_hash("root"), prefix="igr_",
-                          label="", now=T0)
+    await store.add_token(
+        admin.id, kind="api", token_hash=_hash("root"), prefix="igr_", label="", now=T0
+    )
     root = await store.find_token(_hash("root"))
     assert root is not None and root.is_admin and root.kind == "api"
 
@@ -127,12 +170,24 @@ async def test_register_node_is_an_upsert_per_node_key(store: SqlStore) -> None:
     assert first.kinds == ["sleep"] and first.hardware == {"cpu_cores": 4}
     await store.set_node_offline(first.id, now=T0 + 5)
     again = await store.register_node(
-        alice.id, "node-key-1", name="renamed", worker_version="0.2.0", hardware={},
-        benchmark={}, kinds=["sleep", "embed-text"], slots=4, address="10.0.0.2", now=T0 + 10,
+        alice.id,
+        "node-key-1",
+        name="renamed",
+        worker_version="0.2.0",
+        hardware={},
+        benchmark={},
+        kinds=["sleep", "embed-text"],
+        slots=4,
+        address="10.0.0.2",
+        now=T0 + 10,
     )
     assert again.id == first.id
-    assert (again.name, again.worker_version, again.slots, again.state) == \
-        ("renamed", "0.2.0", 4, NodeState.ONLINE)
+    assert (again.name, again.worker_version, again.slots, again.state) == (
+        "renamed",
+        "0.2.0",
+        4,
+        NodeState.ONLINE,
+    )
     assert again.created_at == T0 and again.last_seen_at == T0 + 10
     with pytest.raises(PermissionError):
         await _node(store, bob)  # bob cannot take over alice's node key
@@ -168,22 +223,30 @@ async def test_create_job_makes_shards_and_ready_tasks(
         _job(alice, shards=shards, replication=replication, priority=7), now=T0
     )
     assert job.state == JobState.QUEUED
-    assert (job.shards_total, job.items_total, job.replication) == (shards, 2 * shards,
-                                                                    replication)
+    assert (job.shards_total, job.items_total, job.replication) == (shards, 2 * shards, replication)
     assert job.shard_counts == {"open": shards}
     assert job.tasks_run == 0 and job.started_at is None and job.result_hash is None
     assert len(ready) == shards * replication
     assert len({r.task_id for r in ready}) == len(ready)
-    assert all(r.job_id == job.id and r.kind == "sleep" and r.priority == 7 and r.items == 2
-               and r.created_at == T0 for r in ready)
+    assert all(
+        r.job_id == job.id
+        and r.kind == "sleep"
+        and r.priority == 7
+        and r.items == 2
+        and r.created_at == T0
+        for r in ready
+    )
     listed = await store.list_shards(job.id)
     assert [s.index for s in listed] == list(range(shards))
-    assert all(s.state == ShardState.OPEN and s.attempts == replication
-               and s.live_tasks == replication for s in listed)
+    assert all(
+        s.state == ShardState.OPEN and s.attempts == replication and s.live_tasks == replication
+        for s in listed
+    )
     for shard in listed:
         assert sum(r.shard_id == shard.id for r in ready) == replication
     assert [r.task_id for r in await store.ready_tasks(limit=100)] == sorted(
-        r.task_id for r in ready)
+        r.task_id for r in ready
+    )
     assert len(await store.ready_tasks(limit=2)) == min(2, len(ready))
     assert await store.get_job(job.id) == job
 
@@ -200,8 +263,7 @@ async def test_list_jobs_by_account_newest_first(store: SqlStore) -> None:
     a2, _ = await store.create_job(_job(alice), now=T0)
     assert [j.id for j in await store.list_jobs(alice.id, limit=10, offset=0)] == [a2.id, a1.id]
     assert [j.id for j in await store.list_jobs(bob.id, limit=10, offset=0)] == [b1.id]
-    assert [j.id for j in await store.list_jobs(None, limit=10, offset=0)] == [a2.id, b1.id,
-                                                                               a1.id]
+    assert [j.id for j in await store.list_jobs(None, limit=10, offset=0)] == [a2.id, b1.id, a1.id]
     assert [j.id for j in await store.list_jobs(alice.id, limit=1, offset=1)] == [a1.id]
     assert await store.list_jobs(alice.id, limit=10, offset=5) == []
 
@@ -214,8 +276,12 @@ async def test_claim_assigns_and_starts_the_job(store: SqlStore) -> None:
     node = await _node(store, alice)
     job, [ready] = await store.create_job(_job(alice), now=T0)
     claim = await _claim(store, ready.task_id, node, now=T0 + 3)
-    assert (claim.task_id, claim.job_id, claim.shard_index, claim.kind) == \
-        (ready.task_id, job.id, 0, "sleep")
+    assert (claim.task_id, claim.job_id, claim.shard_index, claim.kind) == (
+        ready.task_id,
+        job.id,
+        0,
+        "sleep",
+    )
     assert claim.input_hash == _hash("input 0") and claim.input_size == 10
     assert claim.params == {"tasks": 1}
     assert claim.lease_deadline == T0 + 3 + LEASE
@@ -235,10 +301,12 @@ async def test_claim_is_atomic_under_concurrency(store: SqlStore) -> None:
     alice = await _account(store)
     nodes = [await _node(store, alice, f"node-key-{i:02d}") for i in range(50)]
     _, [ready] = await store.create_job(_job(alice), now=T0)
-    claims = await asyncio.gather(*(
-        _try_claim(store, ready.task_id, node, lease_deadline=T0 + LEASE, now=T0)
-        for node in nodes
-    ))
+    claims = await asyncio.gather(
+        *(
+            _try_claim(store, ready.task_id, node, lease_deadline=T0 + LEASE, now=T0)
+            for node in nodes
+        )
+    )
     winners = [c for c in claims if isinstance(c, Assignment)]
     assert len(winners) == 1
     assert claims.count(ClaimMiss.GONE) == 49
@@ -250,10 +318,13 @@ async def test_concurrent_claims_of_many_tasks_never_double_assign(store: SqlSto
     alice = await _account(store)
     nodes = [await _node(store, alice, f"node-key-{i:02d}") for i in range(10)]
     _, ready = await store.create_job(_job(alice, shards=5), now=T0)
-    claims = await asyncio.gather(*(
-        _try_claim(store, entry.task_id, node, lease_deadline=T0 + LEASE, now=T0)
-        for node in nodes for entry in ready
-    ))
+    claims = await asyncio.gather(
+        *(
+            _try_claim(store, entry.task_id, node, lease_deadline=T0 + LEASE, now=T0)
+            for node in nodes
+            for entry in ready
+        )
+    )
     won = [c for c in claims if isinstance(c, Assignment)]
     assert sorted(c.task_id for c in won) == sorted(r.task_id for r in ready)
 
@@ -264,8 +335,10 @@ async def test_distinct_nodes_keeps_one_replica_per_node(store: SqlStore) -> Non
     _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
     one, two = (r.task_id for r in ready)
     await _claim(store, one, first, distinct=True)
-    assert await _try_claim(store, two, first,
-                            lease_deadline=T0 + LEASE, now=T0, distinct=True) is ClaimMiss.CONFLICT
+    assert (
+        await _try_claim(store, two, first, lease_deadline=T0 + LEASE, now=T0, distinct=True)
+        is ClaimMiss.CONFLICT
+    )
     assert (await _task_row(store, two)).state == TaskState.READY.value
     await _claim(store, two, second, distinct=True)
 
@@ -276,8 +349,12 @@ async def test_distinct_nodes_also_counts_finished_replicas(store: SqlStore) -> 
     _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
     await _claim(store, ready[0].task_id, node, distinct=True)
     assert (await _result(store, ready[0].task_id, node)).status == "accepted"
-    assert await _try_claim(store, ready[1].task_id, node,
-                            lease_deadline=T0 + LEASE, now=T0, distinct=True) is ClaimMiss.CONFLICT
+    assert (
+        await _try_claim(
+            store, ready[1].task_id, node, lease_deadline=T0 + LEASE, now=T0, distinct=True
+        )
+        is ClaimMiss.CONFLICT
+    )
 
 
 async def test_without_distinct_nodes_one_node_may_take_both_replicas(store: SqlStore) -> None:
@@ -303,11 +380,19 @@ async def test_accept_result_once_then_duplicate_or_rejected(store: SqlStore) ->
     assert (await _task_row(store, task_id)).state == TaskState.ASSIGNED.value
 
     receipt = await _result(store, task_id, node, OUT_A, now=T0 + 2)
-    assert (receipt.status, receipt.shard_id, receipt.job_id) == ("accepted", ready.shard_id,
-                                                                  job.id)
+    assert (receipt.status, receipt.shard_id, receipt.job_id) == (
+        "accepted",
+        ready.shard_id,
+        job.id,
+    )
     row = await _task_row(store, task_id)
-    assert (row.state, row.output_hash, row.output_size, row.finished_at, row.outcome) == \
-        (TaskState.COMPLETED.value, OUT_A, 5, T0 + 2, None)
+    assert (row.state, row.output_hash, row.output_size, row.finished_at, row.outcome) == (
+        TaskState.COMPLETED.value,
+        OUT_A,
+        5,
+        T0 + 2,
+        None,
+    )
 
     again = await _result(store, task_id, node, OUT_A, now=T0 + 3)
     assert again.status == "duplicate"
@@ -330,11 +415,24 @@ async def test_result_for_a_ready_task_is_rejected(store: SqlStore) -> None:
     assert (await _task_row(store, ready.task_id)).state == TaskState.READY.value
 
 
-async def _decide(store: SqlStore, shard_id: int, canonical: int | None, *,
-                  valid: tuple[int, ...] = (), invalid: tuple[int, ...] = (),
-                  fail_reason: str | None = None, now: float = T0 + 5):  # type: ignore[no-untyped-def]
-    return await store.decide_shard(shard_id, canonical_task_id=canonical, valid=list(valid),
-                                    invalid=list(invalid), fail_reason=fail_reason, now=now)
+async def _decide(
+    store: SqlStore,
+    shard_id: int,
+    canonical: int | None,
+    *,
+    valid: tuple[int, ...] = (),
+    invalid: tuple[int, ...] = (),
+    fail_reason: str | None = None,
+    now: float = T0 + 5,
+):  # type: ignore[no-untyped-def]
+    return await store.decide_shard(
+        shard_id,
+        canonical_task_id=canonical,
+        valid=list(valid),
+        invalid=list(invalid),
+        fail_reason=fail_reason,
+        now=now,
+    )
 
 
 async def test_verify_decide_and_assemble_path(store: SqlStore) -> None:
@@ -347,8 +445,9 @@ async def test_verify_decide_and_assemble_path(store: SqlStore) -> None:
     assert sorted(await store.shards_to_verify(limit=10)) == sorted(r.shard_id for r in ready)
     found = await store.shard_for_verify(ready[0].shard_id)
     assert found is not None and found.job.id == job.id and found.shard.index == 0
-    assert [(r.task_id, r.node_id, r.output_hash) for r in found.results] == \
-        [(ready[0].task_id, node.id, OUT_A)]
+    assert [(r.task_id, r.node_id, r.output_hash) for r in found.results] == [
+        (ready[0].task_id, node.id, OUT_A)
+    ]
     assert await store.shard_for_verify(9999) is None
 
     first = await _decide(store, ready[0].shard_id, ready[0].task_id, valid=(ready[0].task_id,))
@@ -367,8 +466,12 @@ async def test_verify_decide_and_assemble_path(store: SqlStore) -> None:
     assert not await store.complete_job(job.id, result_hash=OUT_A, result_size=1, now=T0 + 10)
     done = await store.get_job(job.id)
     assert done is not None
-    assert (done.state, done.result_hash, done.result_size, done.finished_at) == \
-        (JobState.COMPLETED, OUT_C, 9, T0 + 9)
+    assert (done.state, done.result_hash, done.result_size, done.finished_at) == (
+        JobState.COMPLETED,
+        OUT_C,
+        9,
+        T0 + 9,
+    )
     assert done.shard_counts == {"done": 2} and done.tasks_run == 2
     assert await store.jobs_to_assemble() == []
 
@@ -379,9 +482,9 @@ async def test_decide_shard_happens_exactly_once(store: SqlStore) -> None:
     _, [ready] = await store.create_job(_job(alice), now=T0)
     await _claim(store, ready.task_id, node)
     await _result(store, ready.task_id, node)
-    outcomes = await asyncio.gather(*(
-        _decide(store, ready.shard_id, ready.task_id, valid=(ready.task_id,)) for _ in range(5)
-    ))
+    outcomes = await asyncio.gather(
+        *(_decide(store, ready.shard_id, ready.task_id, valid=(ready.task_id,)) for _ in range(5))
+    )
     assert [o.decided for o in outcomes].count(True) == 1
     assert [o.job_done for o in outcomes].count(True) == 1
     again = await _decide(store, ready.shard_id, ready.task_id, valid=(ready.task_id,))
@@ -414,8 +517,7 @@ async def test_decision_cancels_live_replicas_and_returns_held_ones(store: SqlSt
     outcome = await _decide(store, ready[0].shard_id, ready[0].task_id, valid=(ready[0].task_id,))
     assert outcome.decided and outcome.job_done
     # The held replica is returned (its node is told); the ready one is cancelled quietly.
-    assert [(t.task_id, t.node_id) for t in outcome.to_cancel] == [(ready[1].task_id,
-                                                                    nodes[1].id)]
+    assert [(t.task_id, t.node_id) for t in outcome.to_cancel] == [(ready[1].task_id, nodes[1].id)]
     for entry in ready[1:]:
         assert (await _task_row(store, entry.task_id)).state == TaskState.CANCELLED.value
 
@@ -432,8 +534,9 @@ async def test_late_result_after_decision_changes_nothing(store: SqlStore) -> No
     assert failed == []
     await _claim(store, replacement.task_id, fast, now=T0 + LEASE + 2)
     await _result(store, replacement.task_id, fast, OUT_A)
-    outcome = await _decide(store, ready.shard_id, replacement.task_id,
-                            valid=(replacement.task_id,))
+    outcome = await _decide(
+        store, ready.shard_id, replacement.task_id, valid=(replacement.task_id,)
+    )
     assert outcome.decided
     # The expired task was cancelled with the decision; its node is not connected to hear.
     assert [t.task_id for t in outcome.to_cancel] == [first]
@@ -559,7 +662,8 @@ async def test_cancel_job_cancels_live_tasks_and_returns_held_ones(store: SqlSto
 
     to_tell = await store.cancel_job(job.id, now=T0 + 7)
     assert [(t.task_id, t.node_id, t.state) for t in to_tell] == [
-        (held.task_id, node.id, TaskState.ASSIGNED)]
+        (held.task_id, node.id, TaskState.ASSIGNED)
+    ]
     assert (await _task_row(store, ready[0].task_id)).state == TaskState.CANCELLED.value
     assert (await _task_row(store, ready[2].task_id)).state == TaskState.CANCELLED.value
     assert (await _task_row(store, ready[1].task_id)).state == TaskState.COMPLETED.value

@@ -92,11 +92,14 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
     assert await store.claim_tasks({}, _claimer(node), kind="sleep", now=T0) == []
     # The daily quota (3 here) caps a batch, as it caps single claims.
     _, more = await store.create_job(_job(account, shards=3), now=T0)
-    rest = await store.claim_tasks({e.task_id: T0 + 50 for e in more}, _claimer(node),
-                                   kind="sleep", now=T0)
+    rest = await store.claim_tasks(
+        {e.task_id: T0 + 50 for e in more}, _claimer(node), kind="sleep", now=T0
+    )
     assert not isinstance(rest, ClaimMiss) and len(rest) == 1  # 2 of its 3 used above
-    assert await store.claim_tasks({more[1].task_id: T0 + 50}, _claimer(node), kind="sleep",
-                                   now=T0) is ClaimMiss.QUOTA
+    assert (
+        await store.claim_tasks({more[1].task_id: T0 + 50}, _claimer(node), kind="sleep", now=T0)
+        is ClaimMiss.QUOTA
+    )
 
 
 async def test_touch_nodes_writes_every_node_across_chunks(

@@ -19,25 +19,49 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.sql import SqlStore
 
-LIMITS = RegistrationLimits(max_nodes_per_account=3, per_account_per_hour=2,
-                            per_address_per_hour=3)
+LIMITS = RegistrationLimits(max_nodes_per_account=3, per_account_per_hour=2, per_address_per_hour=3)
 
 
-async def _register(store: SqlStore, account: AccountRecord, key: str, *, address: str = "",
-                    network: str = "", now: float = T0,
-                    limits: RegistrationLimits | None = LIMITS) -> NodeRecord:
+async def _register(
+    store: SqlStore,
+    account: AccountRecord,
+    key: str,
+    *,
+    address: str = "",
+    network: str = "",
+    now: float = T0,
+    limits: RegistrationLimits | None = LIMITS,
+) -> NodeRecord:
     return await store.register_node(
-        account.id, key, name=key, worker_version="0", hardware={}, benchmark={},
-        kinds=["sleep"], slots=1, address=address, network=network, limits=limits, now=now,
+        account.id,
+        key,
+        name=key,
+        worker_version="0",
+        hardware={},
+        benchmark={},
+        kinds=["sleep"],
+        slots=1,
+        address=address,
+        network=network,
+        limits=limits,
+        now=now,
     )
 
 
-async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float = T0,
-                 distinct: Distinct | None = None) -> Assignment | ClaimMiss:
-    claimer = Claimer(node_id=node.id, account_id=node.account_id, network=node.network,
-                      backend="cpu")
-    return await store.claim_task(task_id, claimer, kind="sleep", lease_deadline=now + LEASE,
-                                  now=now, distinct=distinct)
+async def _claim(
+    store: SqlStore,
+    task_id: int,
+    node: NodeRecord,
+    *,
+    now: float = T0,
+    distinct: Distinct | None = None,
+) -> Assignment | ClaimMiss:
+    claimer = Claimer(
+        node_id=node.id, account_id=node.account_id, network=node.network, backend="cpu"
+    )
+    return await store.claim_task(
+        task_id, claimer, kind="sleep", lease_deadline=now + LEASE, now=now, distinct=distinct
+    )
 
 
 async def test_sybil_limits_on_new_nodes(store: SqlStore) -> None:
@@ -81,8 +105,7 @@ async def test_replicas_go_to_distinct_nodes_accounts_and_networks(store: SqlSto
     assert isinstance(await _claim(store, ready[1].task_id, c1, distinct=rule), Assignment)
     # With the account rule off, alice's other node (another network) may take one.
     only_networks = Distinct(accounts=False, networks=True)
-    assert isinstance(await _claim(store, ready[2].task_id, a2, distinct=only_networks),
-                      Assignment)
+    assert isinstance(await _claim(store, ready[2].task_id, a2, distinct=only_networks), Assignment)
 
 
 async def test_daily_quota_stops_claims_until_the_next_day(store: SqlStore) -> None:
@@ -141,10 +164,17 @@ async def test_a_suspended_node_claims_nothing(store: SqlStore) -> None:
     _, ready = await store.create_job(_job(bob, shards=2), now=T0)
     claim = await _claim(store, ready[0].task_id, liar)
     assert isinstance(claim, Assignment)
-    await store.accept_result(claim.task_id, liar.id, output_hash=_hash("x"), output_size=1,
-                              elapsed_s=1.0, now=T0 + 1)
-    await store.decide_shard(claim.shard_id, canonical_task_id=None, valid=(),
-                             invalid=(claim.task_id,), fail_reason=None, now=T0 + 2)
+    await store.accept_result(
+        claim.task_id, liar.id, output_hash=_hash("x"), output_size=1, elapsed_s=1.0, now=T0 + 1
+    )
+    await store.decide_shard(
+        claim.shard_id,
+        canonical_task_id=None,
+        valid=(),
+        invalid=(claim.task_id,),
+        fail_reason=None,
+        now=T0 + 2,
+    )
     assert await _claim(store, ready[1].task_id, liar) is ClaimMiss.SUSPENDED
     account = await store.account_by_id(alice.id)
     assert account is not None and account.flagged_at == T0 + 2
@@ -158,8 +188,9 @@ async def test_raise_target_adds_one_replica_once_per_verdict(store: SqlStore) -
     _, [ready] = await store.create_job(_job(alice), now=T0)
     claim = await _claim(store, ready.task_id, node)
     assert isinstance(claim, Assignment)
-    await store.accept_result(claim.task_id, node.id, output_hash=_hash("x"), output_size=1,
-                              elapsed_s=1.0, now=T0 + 1)
+    await store.accept_result(
+        claim.task_id, node.id, output_hash=_hash("x"), output_size=1, elapsed_s=1.0, now=T0 + 1
+    )
     # A quorum-1 shard's result waiting for its verdict never makes replenish add tasks.
     assert (await store.replenish(now=T0 + 2))[0] == []
     assert await store.raise_target(claim.shard_id, results_seen=1)

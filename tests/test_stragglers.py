@@ -28,8 +28,14 @@ SECONDS = 0.5  # the shard's sleep on a normal node; SLOWDOWN x longer on the sl
 
 @pytest.fixture
 def grid(tmp_path: Path) -> Iterator[LocalGrid]:
-    with LocalGrid(tmp_path, heartbeat_s=0.5, node_timeout_s=60.0, min_lease_s=120.0,
-                   extra_env={"IDLEGRID_BACKUP_MIN_GAIN_S": "1"}, replication=1) as local:
+    with LocalGrid(
+        tmp_path,
+        heartbeat_s=0.5,
+        node_timeout_s=60.0,
+        min_lease_s=120.0,
+        extra_env={"IDLEGRID_BACKUP_MIN_GAIN_S": "1"},
+        replication=1,
+    ) as local:
         yield local
 
 
@@ -71,5 +77,7 @@ def test_a_slow_workers_shard_is_finished_by_a_fast_one(grid: LocalGrid) -> None
     assert took < SLOWDOWN * SECONDS * 0.7, took
     rows = _tasks(grid)
     assert [(name, state) for _, state, _, name in rows] == [
-        ("slow", "cancelled"), ("fast", "completed")]
+        ("slow", "cancelled"),
+        ("fast", "completed"),
+    ]
     assert rows[1][2] == "valid"

@@ -37,8 +37,9 @@ TINY_LM: dict[str, Any] = {
 def _grid(root: Path, env: dict[str, str]) -> Iterator[LocalGrid]:
     """Three honest workers and the poisoner, all connected."""
     with (
-        LocalGrid(root, heartbeat_s=0.5, node_timeout_s=5.0, min_lease_s=30.0,
-                  extra_env=env) as local,  # fmt: skip
+        LocalGrid(
+            root, heartbeat_s=0.5, node_timeout_s=5.0, min_lease_s=30.0, extra_env=env
+        ) as local,  # fmt: skip
         (root / "poisoner.log").open("w") as log,
     ):
         for name in ("honest-1", "honest-2", "honest-3"):

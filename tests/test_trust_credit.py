@@ -182,16 +182,18 @@ def _same(a: bytes, b: bytes) -> Verdict:
 def test_two_new_colluders_do_not_outvote_one_trusted_node() -> None:
     results = [(1, b"wrong"), (2, b"wrong"), (3, b"right")]
     cred = {1: 0.8, 2: 0.8, 3: 1 - 0.2 / 51}
-    decision = verifier.decide(results, _same, min_quorum=2, credibility=cred,
-                               min_credibility=0.999)
+    decision = verifier.decide(
+        results, _same, min_quorum=2, credibility=cred, min_credibility=0.999
+    )
     assert decision.canonical is None  # more replicas needed, nothing accepted
 
 
 def test_credible_majority_is_accepted() -> None:
     results = [(1, b"right"), (2, b"right"), (3, b"wrong")]
     cred = {1: 0.99, 2: 0.995, 3: 0.8}
-    decision = verifier.decide(results, _same, min_quorum=2, credibility=cred,
-                               min_credibility=0.999)
+    decision = verifier.decide(
+        results, _same, min_quorum=2, credibility=cred, min_credibility=0.999
+    )
     assert decision.canonical == 1
     assert decision.valid == (1, 2) and decision.invalid == (3,)
 
@@ -201,11 +203,22 @@ def test_two_new_nodes_agreeing_need_more_evidence() -> None:
     cred = {1: 0.8, 2: 0.8}
     posterior = verifier.group_posteriors([[1, 2]], cred)[0]
     assert math.isclose(posterior, 0.64 / (0.64 + 0.04))
-    assert verifier.decide(results, _same, min_quorum=2, credibility=cred,
-                           min_credibility=0.999).canonical is None
-    assert verifier.decide(results + [(3, b"x")], _same, min_quorum=2,
-                           credibility={**cred, 3: 0.8},
-                           min_credibility=0.98).canonical == 1
+    assert (
+        verifier.decide(
+            results, _same, min_quorum=2, credibility=cred, min_credibility=0.999
+        ).canonical
+        is None
+    )
+    assert (
+        verifier.decide(
+            results + [(3, b"x")],
+            _same,
+            min_quorum=2,
+            credibility={**cred, 3: 0.8},
+            min_credibility=0.98,
+        ).canonical
+        == 1
+    )
 
 
 def test_without_credibility_votes_decide() -> None:

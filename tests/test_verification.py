@@ -60,8 +60,9 @@ class Fleet:
 
     def join(self, name: str, *, account: str | None = None) -> Node:
         token = self.api.token(account=account or f"volunteer-{name}", kind="node")
-        node = Node(self.api, self.stack.enter_context(self.api.client.websocket_connect(WS)),
-                    token)
+        node = Node(
+            self.api, self.stack.enter_context(self.api.client.websocket_connect(WS)), token
+        )
         welcome = node.join(key=f"node-key-{name}")
         self.nodes[name] = (node, welcome["node_id"])
         return node
@@ -71,8 +72,11 @@ class Fleet:
 
     def info(self, name: str) -> dict[str, Any]:
         node_id = self.nodes[name][1]
-        [found] = [n for n in self.api.client.get("/v1/nodes", headers=self.api.admin).json()
-                   if n["id"] == node_id]
+        [found] = [
+            n
+            for n in self.api.client.get("/v1/nodes", headers=self.api.admin).json()
+            if n["id"] == node_id
+        ]
         return dict(found)
 
     def trust(self, name: str) -> dict[str, Any]:
@@ -120,9 +124,7 @@ def test_replicas_go_to_distinct_accounts_and_the_job_says_when_it_cannot(
     assert api.job(researcher, job["id"])["waiting_for"] == []
 
 
-def test_a_lying_node_is_outvoted_earns_no_credit_and_loses_trust(
-    api: Api, fleet: Fleet
-) -> None:
+def test_a_lying_node_is_outvoted_earns_no_credit_and_loses_trust(api: Api, fleet: Fleet) -> None:
     researcher = api.token(account="alice")
     job = api.submit(researcher, kind="sleep", params={"tasks": 1})
     liar = fleet.join("liar")
@@ -160,8 +162,10 @@ def test_a_lying_node_is_outvoted_earns_no_credit_and_loses_trust(
 def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
     tmp_path: Path,
 ) -> None:
-    with _api(_settings(tmp_path, default_replication=2, suspend_after_invalids=2)) as api, \
-            contextlib.ExitStack() as stack:
+    with (
+        _api(_settings(tmp_path, default_replication=2, suspend_after_invalids=2)) as api,
+        contextlib.ExitStack() as stack,
+    ):
         fleet = Fleet(api, stack)
         researcher = api.token(account="alice")
         liar = fleet.join("liar")
@@ -182,8 +186,11 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
         api.submit(researcher, kind="sleep", params={"tasks": 1})
         liar.ready()
         liar.sync()
-        sybil = Node(api, stack.enter_context(api.client.websocket_connect(WS)),
-                     api.token(account="volunteer-liar", kind="node"))
+        sybil = Node(
+            api,
+            stack.enter_context(api.client.websocket_connect(WS)),
+            api.token(account="volunteer-liar", kind="node"),
+        )
         sybil.hello(key="node-key-sybil")
         assert "flagged" in sybil.expect_error("unauthorized")
 
@@ -261,8 +268,10 @@ def test_a_late_result_is_checked_against_the_canonical_one(api: Api, fleet: Fle
     portal = slow.ws.portal
 
     async def expire() -> None:
-        await grid.expire(await grid.store.expire_task(held["task_id"], now=grid.clock()),
-                          why="test: the lease ran out")
+        await grid.expire(
+            await grid.store.expire_task(held["task_id"], now=grid.clock()),
+            why="test: the lease ran out",
+        )
 
     portal.call(expire)
     for name in ("x", "y", "z"):

@@ -98,8 +98,11 @@ async def test_blob_cache_evicts_least_recently_used(tmp_path: Path) -> None:
     transport = httpx.MockTransport(
         lambda request: httpx.Response(
             200,
-            content=next(b for b in blobs
-                         if hashlib.sha256(b).hexdigest() == request.url.path.rsplit("/")[-1]),
+            content=next(
+                b
+                for b in blobs
+                if hashlib.sha256(b).hexdigest() == request.url.path.rsplit("/")[-1]
+            ),
         )
     )
     cache = BlobCache(tmp_path, max_bytes=250)

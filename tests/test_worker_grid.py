@@ -51,10 +51,16 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
     headers = {"Authorization": f"Bearer {admin}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
         made = await http.post("/v1/tokens", json={"kind": "node"})
-        worker = Worker(WorkerSettings(
-            servers=(url,), token=made.json()["token"], state_dir=tmp_path / "worker",
-            slots=4, kinds=("noop",), benchmark=False,
-        ))
+        worker = Worker(
+            WorkerSettings(
+                servers=(url,),
+                token=made.json()["token"],
+                state_dir=tmp_path / "worker",
+                slots=4,
+                kinds=("noop",),
+                benchmark=False,
+            )
+        )
         worker.hardware = HardwareProfile()  # no probe: this test is about the protocol
         sent: Counter[str] = Counter()
         send = worker._send
@@ -66,8 +72,11 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
         worker._send = counting_send  # type: ignore[method-assign]
         running = asyncio.create_task(worker.run())
         try:
-            job = (await http.post("/v1/jobs", json={
-                "kind": "noop", "params": {"tasks": 40}, "replication": 1})).json()
+            job = (
+                await http.post(
+                    "/v1/jobs", json={"kind": "noop", "params": {"tasks": 40}, "replication": 1}
+                )
+            ).json()
             for _ in range(600):
                 info = (await http.get(f"/v1/jobs/{job['id']}")).json()
                 if info["state"] != "queued" and info["state"] != "running":
@@ -101,10 +110,17 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
     headers = {"Authorization": f"Bearer {admin}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
         made = await http.post("/v1/tokens", json={"kind": "node"})
-        worker = Worker(WorkerSettings(
-            servers=(url,), token=made.json()["token"], state_dir=tmp_path / "worker",
-            slots=2, prefetch=3, kinds=("sleep",), benchmark=False,
-        ))
+        worker = Worker(
+            WorkerSettings(
+                servers=(url,),
+                token=made.json()["token"],
+                state_dir=tmp_path / "worker",
+                slots=2,
+                prefetch=3,
+                kinds=("sleep",),
+                benchmark=False,
+            )
+        )
         worker.hardware = HardwareProfile()
         held, computing, most_computing = [0], [0], [0]
         compute = worker._compute
@@ -121,9 +137,16 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
         worker._compute = counting_compute  # type: ignore[method-assign]
         running = asyncio.create_task(worker.run())
         try:
-            job = (await http.post("/v1/jobs", json={
-                "kind": "sleep", "params": {"tasks": 12, "seconds": 0.15},
-                "replication": 1})).json()
+            job = (
+                await http.post(
+                    "/v1/jobs",
+                    json={
+                        "kind": "sleep",
+                        "params": {"tasks": 12, "seconds": 0.15},
+                        "replication": 1,
+                    },
+                )
+            ).json()
             for _ in range(600):
                 info = (await http.get(f"/v1/jobs/{job['id']}")).json()
                 if info["state"] not in ("queued", "running"):

@@ -12,8 +12,16 @@ from idlegrid.store.base import ReadyTask
 
 
 def _entry(task_id: int, *, job_id: int = 1, priority: int = 0) -> ReadyTask:
-    return ReadyTask(task_id=task_id, shard_id=100 + task_id, job_id=job_id, kind="sleep",
-                     priority=priority, created_at=1000.5 + task_id, items=3, cost_flops=2e9)
+    return ReadyTask(
+        task_id=task_id,
+        shard_id=100 + task_id,
+        job_id=job_id,
+        kind="sleep",
+        priority=priority,
+        created_at=1000.5 + task_id,
+        items=3,
+        cost_flops=2e9,
+    )
 
 
 async def _next(messages: AsyncIterator[dict[str, object]]) -> dict[str, object]:
@@ -86,8 +94,11 @@ async def test_connections_belong_to_the_process_that_heard_the_node(broker: Bro
 
 
 async def test_publish_reaches_every_subscriber_of_the_channel(broker: Broker) -> None:
-    async with broker.subscribe("nodes") as first, broker.subscribe("nodes") as second, \
-            broker.subscribe("other") as other:
+    async with (
+        broker.subscribe("nodes") as first,
+        broker.subscribe("nodes") as second,
+        broker.subscribe("other") as other,
+    ):
         await broker.publish("nodes", {"type": "cancel", "node_id": 3, "task_id": 9})
         await broker.publish("nodes", {"type": "work"})
         for messages in (first, second):

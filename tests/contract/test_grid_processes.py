@@ -97,8 +97,16 @@ async def pair(
 
 async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode:
     record = await grid.store.register_node(
-        pair.account.id, key, name=key, worker_version="0", hardware={}, benchmark={},
-        kinds=["sleep"], slots=slots, address="", now=grid.clock(),
+        pair.account.id,
+        key,
+        name=key,
+        worker_version="0",
+        hardware={},
+        benchmark={},
+        kinds=["sleep"],
+        slots=slots,
+        address="",
+        now=grid.clock(),
     )
     fake: FakeNode
 
@@ -109,10 +117,20 @@ async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode
         fake.closed = True
 
     session = NodeSession(
-        node_id=record.id, account_id=pair.account.id, name=key, slots=slots,
-        view=NodeView(node_id=record.id, kinds=frozenset({"sleep"}), backends=frozenset({"cpu"}),
-                      memory_mb=4096, gflops=10.0),
-        kind_rates={}, send_text=send_text, close=close,
+        node_id=record.id,
+        account_id=pair.account.id,
+        name=key,
+        slots=slots,
+        view=NodeView(
+            node_id=record.id,
+            kinds=frozenset({"sleep"}),
+            backends=frozenset({"cpu"}),
+            memory_mb=4096,
+            gflops=10.0,
+        ),
+        kind_rates={},
+        send_text=send_text,
+        close=close,
     )
     fake = FakeNode(session)
     await peers.attach(grid, session)
@@ -121,8 +139,12 @@ async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode
 
 async def _submit(pair: Pair, grid: Grid, tasks: int, *, replication: int = 1) -> int:
     job = await grid.submit_job(
-        account_id=pair.account.id, kind_name="sleep", inputs={},
-        params={"tasks": tasks, "seconds": 0}, replication=replication, priority=0,
+        account_id=pair.account.id,
+        kind_name="sleep",
+        inputs={},
+        params={"tasks": tasks, "seconds": 0},
+        replication=replication,
+        priority=0,
     )
     return job.id
 
@@ -165,15 +187,18 @@ async def test_a_node_that_moved_is_let_go_by_its_old_process(pair: Pair) -> Non
 
 
 async def test_no_shard_gets_more_replicas_than_it_needs(pair: Pair) -> None:
-    nodes = [await _node(pair, grid, f"n{i}-{g}", slots=4)
-             for g, grid in enumerate((pair.a, pair.b)) for i in range(4)]
+    nodes = [
+        await _node(pair, grid, f"n{i}-{g}", slots=4)
+        for g, grid in enumerate((pair.a, pair.b))
+        for i in range(4)
+    ]
     job_id = await _submit(pair, pair.a, 12, replication=2)
     for _ in range(2):  # all at once, then a second round for what the races left over
         for node in nodes:
             node.session.requested = 4
-        await asyncio.gather(*(
-            (pair.a if i < 4 else pair.b).fill(node.session) for i, node in enumerate(nodes)
-        ))
+        await asyncio.gather(
+            *((pair.a if i < 4 else pair.b).fill(node.session) for i, node in enumerate(nodes))
+        )
     assigned = [(node.session.node_id, m) for node in nodes for m in node.of_type("assign")]
     assert len(assigned) == 24 == len({m["task_id"] for _, m in assigned})
     shards = {}
@@ -226,13 +251,23 @@ async def _lose_contents(broker: Broker) -> None:
 
 
 async def test_one_node_registering_through_both_processes_at_once(pair: Pair) -> None:
-    records = await asyncio.gather(*(
-        grid.store.register_node(
-            pair.account.id, "racer", name="racer", worker_version="0", hardware={},
-            benchmark={}, kinds=["sleep"], slots=1, address="", now=5.0,
+    records = await asyncio.gather(
+        *(
+            grid.store.register_node(
+                pair.account.id,
+                "racer",
+                name="racer",
+                worker_version="0",
+                hardware={},
+                benchmark={},
+                kinds=["sleep"],
+                slots=1,
+                address="",
+                now=5.0,
+            )
+            for grid in (pair.a, pair.b, pair.a, pair.b)
         )
-        for grid in (pair.a, pair.b, pair.a, pair.b)
-    ))
+    )
     assert len({r.id for r in records}) == 1
 
 
@@ -244,21 +279,31 @@ async def test_the_last_two_shards_decided_at_once_finish_the_job(pair: Pair) ->
     store_a, store_b = pair.a.store, pair.b.store
     for message in node.of_type("assign"):
         receipt = await store_a.accept_result(
-            message["task_id"], node.session.node_id, output_hash="a" * 64, output_size=1,
-            elapsed_s=0.1, now=6.0,
+            message["task_id"],
+            node.session.node_id,
+            output_hash="a" * 64,
+            output_size=1,
+            elapsed_s=0.1,
+            now=6.0,
         )
         assert receipt.status == "accepted"
-    decisions = await asyncio.gather(*(
-        store.decide_shard(
-            shard.id, canonical_task_id=task_id, valid=[task_id], invalid=[],
-            fail_reason=None, now=7.0,
+    decisions = await asyncio.gather(
+        *(
+            store.decide_shard(
+                shard.id,
+                canonical_task_id=task_id,
+                valid=[task_id],
+                invalid=[],
+                fail_reason=None,
+                now=7.0,
+            )
+            for store, shard, task_id in zip(
+                (store_a, store_b),
+                await store_a.list_shards(job_id),
+                sorted(m["task_id"] for m in node.of_type("assign")),
+                strict=True,
+            )
         )
-        for store, shard, task_id in zip(
-            (store_a, store_b),
-            await store_a.list_shards(job_id),
-            sorted(m["task_id"] for m in node.of_type("assign")),
-            strict=True,
-        )
-    ))
+    )
     assert all(d.decided for d in decisions)
     assert any(d.job_done for d in decisions)  # whichever committed last sees both
