@@ -105,9 +105,9 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
 async def test_touch_nodes_writes_every_node_across_chunks(
     store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from idlegrid.store import sql
+    from idlegrid.store import nodes as store_nodes
 
-    monkeypatch.setattr(sql, "_TOUCH_CHUNK", 2)
+    monkeypatch.setattr(store_nodes, "TOUCH_CHUNK", 2)
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(5)]
     await store.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
