@@ -64,7 +64,10 @@ def shortfall(shard: ShardCounts) -> Shortfall:
     wanted = min(short, shard.max_attempts - shard.attempts)
     if wanted > 0:
         return Shortfall(new_tasks=wanted, exhausted=False)
-    return Shortfall(new_tasks=0, exhausted=short > 0 and (shard.pending == 0 or stuck))
+    # Out of attempts. Nothing live and too few results for a quorum (none at all, or
+    # fewer than the quorum) can never decide it; neither can an undecided one.
+    cannot_decide = shard.live == 0 and (shard.results < shard.quorum or stuck)
+    return Shortfall(new_tasks=0, exhausted=short > 0 and cannot_decide)
 
 
 def decision_verdicts(
