@@ -258,21 +258,8 @@ class Grid:
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
         async with session.fill_lock:
-            wanted = session.wants
-            claimed: list[Assignment] = []
             # The node's whole request in one transaction: one commit, not one per task.
-            async with self.store.batch():
-                while len(claimed) < wanted:
-                    many = await self._claim_many(session, wanted - len(claimed))
-                    if many:
-                        claimed += many
-                        continue
-                    assignment = await self._claim_one(session)
-                    if assignment is None and self.settings.backups:
-                        assignment = await self.matcher.claim_backup(session)
-                    if assignment is None:
-                        break
-                    claimed.append(assignment)
+            claimed = await self.store.run_batch(functools.partial(self._claim, session))
             for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
@@ -281,6 +268,23 @@ class Grid:
                 if not await session.send(_assign_message(assignment)):
                     break  # the lease runs out and the monitor requeues the task
         return len(claimed)
+
+    async def _claim(self, session: NodeSession) -> list[Assignment]:
+        """Claim what the node wants: many at once while it can, then one by one."""
+        wanted = session.wants
+        claimed: list[Assignment] = []
+        while len(claimed) < wanted:
+            many = await self._claim_many(session, wanted - len(claimed))
+            if many:
+                claimed += many
+                continue
+            assignment = await self._claim_one(session)
+            if assignment is None and self.settings.backups:
+                assignment = await self.matcher.claim_backup(session)
+            if assignment is None:
+                break
+            claimed.append(assignment)
+        return claimed
 
     async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
         """Claim up to `wanted` of the best tasks for the node at once, while they are of
@@ -474,8 +478,7 @@ class Grid:
         group commit: the commit rate, not the result rate, then bounds the grid.
         """
         if not self.store.serial_commits:
-            async with self.store.batch():
-                return await self._take_results(session, msgs)
+            return await self.store.run_batch(functools.partial(self._take_results, session, msgs))
         pending = _PendingResults(session, msgs, asyncio.get_running_loop().create_future())
         self._result_queue.append(pending)
         if self._committer is None or self._committer.done():

@@ -12,15 +12,22 @@ import enum
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 
+T = TypeVar("T")
+
 
 class AccountExists(ValueError):
     """`create_account` with a name that is taken (perhaps a moment ago, by another process)."""
+
+
+class StoreConflict(RuntimeError):
+    """The database aborted a batch to resolve a conflict with another transaction (a
+    deadlock): nothing of it was written, and running it again may succeed."""
 
 
 class RegistrationRefused(PermissionError):
@@ -664,4 +671,8 @@ class Store(
     async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
         """Run `action` once the caller's writes are committed (at the end of a running
         `batch`, never if it rolls back; at once outside one)."""
+        ...
+
+    async def run_batch(self, work: Callable[[], Awaitable[T]]) -> T:
+        """`work()` in one `batch`, run again (a few times) when it met `StoreConflict`."""
         ...

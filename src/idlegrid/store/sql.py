@@ -59,6 +59,7 @@ from idlegrid.store.base import (
     ShardForVerify,
     ShardRecord,
     StateCounts,
+    StoreConflict,
     TaskInput,
     TokenInfo,
 )
@@ -93,19 +94,27 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
+def _is_conflict(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) in _RETRY_SQLSTATES
+
+
 def _retry_conflicts(
     method: Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]],
 ) -> Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]]:
-    """Run a one-transaction method again when PostgreSQL aborted it for a deadlock."""
+    """Run a one-transaction method again when PostgreSQL aborted it for a deadlock.
+
+    Inside a `batch` the whole batch was aborted: the batch raises, not the method retries.
+    """
 
     @functools.wraps(method)
     async def wrapper(self: SqlStore, *args: P.args, **kwargs: P.kwargs) -> R:
+        if _BATCH.get() is not None:
+            return await method(self, *args, **kwargs)
         for attempt in range(_RETRIES):
             try:
                 return await method(self, *args, **kwargs)
             except DBAPIError as exc:
-                sqlstate = getattr(exc.orig, "sqlstate", None)
-                if sqlstate not in _RETRY_SQLSTATES or attempt == _RETRIES - 1:
+                if not _is_conflict(exc) or attempt == _RETRIES - 1:
                     raise
                 await asyncio.sleep(0.01 * 2**attempt)
         raise AssertionError("unreachable")
@@ -168,27 +177,47 @@ class SqlStore(TrainingRoundsSql):
     async def batch(self) -> AsyncIterator[None]:
         """Run the store calls made inside in one transaction, committed once at the end.
 
-        On SQLite every commit waits for an fsync, one at a time behind the write lock: a
-        batch of claims or results pays it once. All or nothing: if anything inside
-        raises, every write of the batch is rolled back. The transaction (and the write
-        lock) starts with the first call inside; reads after it see the batch's writes.
-        On PostgreSQL, whose commits run side by side, calls keep their own transactions.
+        All or nothing: if anything inside raises, every write of the batch is rolled
+        back. On SQLite every commit waits for an fsync, one at a time behind the write
+        lock: a batch of claims or results pays it once. The transaction (and the write
+        lock) starts with the first write inside; reads after it see the batch's writes.
+        On PostgreSQL a batch saves the round trips and the pool checkouts of a
+        transaction a call; it starts with the first call inside. There a deadlock or a
+        serialization failure aborts the whole batch: it raises `StoreConflict`, and the
+        caller may run it again (`run_batch` does).
         """
-        if self._write_lock is None or _BATCH.get() is not None:
+        if _BATCH.get() is not None:
             yield
             return
         batch = _Batch(contextlib.AsyncExitStack())
-        async with batch.stack:
-            token = _BATCH.set(batch)
-            try:
-                yield
-            finally:
-                _BATCH.reset(token)
+        try:
+            async with batch.stack:
+                token = _BATCH.set(batch)
+                try:
+                    yield
+                finally:
+                    _BATCH.reset(token)
+        except DBAPIError as exc:
+            if _is_conflict(exc):
+                raise StoreConflict(f"the database aborted a batch: {exc.orig}") from exc
+            raise
         for action in batch.after_commit:
             try:
                 await action()
             except Exception:  # committed: one failed follow-up must not undo the rest
                 log.exception("after-commit action of a store batch failed")
+
+    async def run_batch(self, work: Callable[[], Awaitable[R]]) -> R:
+        """`work()` in one `batch`, run again (a few times) when a conflict aborted it."""
+        for attempt in range(_RETRIES):
+            try:
+                async with self.batch():
+                    return await work()
+            except StoreConflict:
+                if attempt == _RETRIES - 1:
+                    raise
+                await asyncio.sleep(0.01 * 2**attempt)
+        raise AssertionError("unreachable")
 
     async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
         """Run `action` once what the caller wrote is committed: at the end of the running
@@ -203,11 +232,7 @@ class SqlStore(TrainingRoundsSql):
     async def _tx(self) -> AsyncIterator[AsyncConnection]:
         batch = _BATCH.get()
         if batch is not None:
-            if batch.conn is None:
-                assert self._write_lock is not None
-                await batch.stack.enter_async_context(self._write_lock)
-                batch.conn = await batch.stack.enter_async_context(self.engine.begin())
-            yield batch.conn
+            yield await self._batch_connection(batch)
             return
         if self._write_lock is None:
             async with self.engine.begin() as conn:
@@ -219,11 +244,19 @@ class SqlStore(TrainingRoundsSql):
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
         batch = _BATCH.get()
-        if batch is not None and batch.conn is not None:
-            yield batch.conn
+        # SQLite: a read does not take the write lock; PostgreSQL: one connection a batch.
+        if batch is not None and (batch.conn is not None or self._write_lock is None):
+            yield await self._batch_connection(batch)
             return
         async with self.engine.connect() as conn:
             yield conn
+
+    async def _batch_connection(self, batch: _Batch) -> AsyncConnection:
+        if batch.conn is None:
+            if self._write_lock is not None:
+                await batch.stack.enter_async_context(self._write_lock)
+            batch.conn = await batch.stack.enter_async_context(self.engine.begin())
+        return batch.conn
 
     # -- accounts and tokens (store/accounts.py) -----------------------------------------
 
