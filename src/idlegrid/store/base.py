@@ -16,6 +16,7 @@ from typing import Any, Literal, Protocol
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
+from idlegrid.store.tokens import TokenStore
 
 
 class AccountExists(ValueError):
@@ -387,7 +388,7 @@ class TrainingRoundStore(Protocol):
     async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic: ...
 
 
-class Store(TrainingRoundStore, Protocol):
+class Store(TrainingRoundStore, TokenStore, Protocol):
     """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
 
     # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
