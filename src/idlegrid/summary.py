@@ -126,8 +126,9 @@ def _loss(value: float | None) -> str:
 
 
 def tokens_table(found: list[dict[str, Any]]) -> Table:
-    table = Table("id", "account", "kind", "prefix", "label", "created", "revoked",
-                  box=box.SIMPLE, pad_edge=False)  # fmt: skip
+    table = Table("id", "account", "kind", "prefix", "label", box=box.SIMPLE, pad_edge=False)
+    for header in ("created", "revoked"):
+        table.add_column(header, no_wrap=True)
     for row in found:
         table.add_row(
             str(row["id"]),
@@ -135,7 +136,7 @@ def tokens_table(found: list[dict[str, Any]]) -> Table:
             row["kind"],
             row["prefix"] + "...",
             row["label"],
-            local_time(row["created_at"]),
-            local_time(row["revoked_at"]) if row["revoked_at"] else "",
+            local_time(row["created_at"])[:16],  # to the minute: the table fits 80 columns
+            local_time(row["revoked_at"])[:16] if row["revoked_at"] else "",
         )
     return table

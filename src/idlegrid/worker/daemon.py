@@ -217,7 +217,8 @@ class Worker:
                 try:
                     await self._session(server)
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
-                    log.info("connection to %s lost: %s", server, exc)
+                    what = "connection to %s lost" if self._welcomed else "cannot connect to %s"
+                    log.info(what + ": %s", server, exc)
                 except NodeRefused:
                     raise  # a wrong token stays wrong: retrying would not help
                 if self._stop.is_set():
