@@ -221,3 +221,22 @@ def test_worker_refuses_a_token_file_others_can_read(tmp_path: Path) -> None:
     path.chmod(0o644)
     result = CliRunner().invoke(main, ["worker", "--token-file", str(path)], env={})
     assert result.exit_code == 2 and f"chmod 600 {path}" in result.output
+
+
+def test_the_rounds_table_fits_80_columns_uncut() -> None:
+    import io
+
+    from rich.console import Console
+
+    from idlegrid import summary
+
+    row = {"round": 12, "final": False, "state": "closed", "train_loss": 2.345678,
+           "eval_loss": 2.456789, "updates": 16, "nodes": 16, "bytes_up": 123_456_789,
+           "bytes_down": 98_765_432, "round_time_s": 1234.5,
+           "closed_by": "min_updates"}  # fmt: skip
+    metrics = {"rounds": [row, {**row, "round": 13, "final": True, "closed_by": None}]}
+    out = io.StringIO()
+    Console(file=out, width=80).print(summary.rounds_table(metrics))
+    text = out.getvalue()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "…" not in text and "2.3457" in text and "123.5 MB" in text and "13 end" in text

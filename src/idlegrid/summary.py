@@ -98,9 +98,10 @@ def shard_lines(shards: list[dict[str, Any]]) -> list[str]:
 
 def rounds_table(metrics: dict[str, Any]) -> Table:
     """A training job's rounds, narrow enough for 80 columns."""
-    table = Table(box=box.SIMPLE, pad_edge=False)
+    table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
     for header in ("round", "train", "eval", "upd", "nodes", "up", "down", "time", "closed"):
-        table.add_column(header, justify="left" if header in ("round", "closed") else "right")
+        justify = "left" if header in ("round", "closed") else "right"
+        table.add_column(header, justify=justify, no_wrap=True)
     for row in metrics["rounds"]:
         label = str(row["round"])
         if row["final"]:
@@ -116,7 +117,7 @@ def rounds_table(metrics: dict[str, Any]) -> Table:
             size(row["bytes_up"]),
             size(row["bytes_down"]),
             "" if row["round_time_s"] is None else f"{row['round_time_s']:.1f}s",
-            (row["closed_by"] or "")[:8],
+            row["closed_by"] or "",
         )
     return table
 
