@@ -100,8 +100,8 @@ def rounds_table(metrics: dict[str, Any]) -> Table:
     """A training job's rounds, narrow enough for 80 columns."""
     table = Table(box=None, pad_edge=False, padding=(0, 1), header_style="bold underline")
     for header in ("round", "train", "eval", "upd", "nodes", "up", "down", "time", "closed"):
-        justify = "left" if header in ("round", "closed") else "right"
-        table.add_column(header, justify=justify, no_wrap=True)
+        left = header in ("round", "closed")
+        table.add_column(header, justify="left" if left else "right", no_wrap=True)
     for row in metrics["rounds"]:
         label = str(row["round"])
         if row["final"]:
