@@ -1,17 +1,21 @@
 """SQL of accounts and their API and node tokens.
 
 Functions over an open connection; `SqlStore` wraps each in a transaction. Tokens are
-stored as hashes only: `find_token` looks a presented token up by its hash.
+stored as hashes only: `find_token` looks a presented token up by its hash. A token is
+never deleted: revoking stamps `revoked_at`, so a revoked token keeps failing
+`find_token` and the list still shows when it was made and when it was revoked.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import func, insert, select
+from typing import Any
+
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.store import rows
-from idlegrid.store.base import AccountExists, AccountRecord, TokenInfo
+from idlegrid.store.base import AccountExists, AccountRecord, TokenInfo, TokenRecord
 from idlegrid.store.schema import accounts, tokens
 
 
@@ -86,3 +90,30 @@ async def find_token(conn: AsyncConnection, token_hash: str) -> TokenInfo | None
         kind=row.kind,
         is_admin=row.is_admin,
     )
+
+
+def _listing() -> Any:
+    return select(*rows.TOKEN_COLUMNS).join(accounts, accounts.c.id == tokens.c.account_id)
+
+
+async def list_tokens(
+    conn: AsyncConnection, account_id: int | None, *, include_revoked: bool
+) -> list[TokenRecord]:
+    query = _listing()
+    if account_id is not None:
+        query = query.where(tokens.c.account_id == account_id)
+    if not include_revoked:
+        query = query.where(tokens.c.revoked_at.is_(None))
+    return [rows.token(row) for row in (await conn.execute(query.order_by(tokens.c.id))).all()]
+
+
+async def revoke_token(
+    conn: AsyncConnection, token_id: int, *, account_id: int | None, now: float
+) -> TokenRecord | None:
+    where = [tokens.c.id == token_id, tokens.c.revoked_at.is_(None)]
+    if account_id is not None:
+        where.append(tokens.c.account_id == account_id)
+    changed = await conn.execute(update(tokens).where(*where).values(revoked_at=now))
+    if changed.rowcount != 1:
+        return None
+    return rows.token((await conn.execute(_listing().where(tokens.c.id == token_id))).one())

@@ -53,6 +53,19 @@ class TokenInfo:
 
 
 @dataclass(frozen=True)
+class TokenRecord:
+    """A token as listed: never its secret or hash, only the prefix it is shown by."""
+
+    id: int
+    account: str
+    kind: str
+    prefix: str
+    label: str
+    created_at: float
+    revoked_at: float | None
+
+
+@dataclass(frozen=True)
 class AccountRecord:
     id: int
     name: str
@@ -429,6 +442,17 @@ class AccountStore(Protocol):
         self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
     ) -> int: ...
     async def find_token(self, token_hash: str) -> TokenInfo | None: ...
+    async def list_tokens(
+        self, account_id: int | None, *, include_revoked: bool = False
+    ) -> list[TokenRecord]:
+        """Tokens of one account (None: every account), oldest first."""
+        ...
+
+    async def revoke_token(
+        self, token_id: int, *, account_id: int | None, now: float
+    ) -> TokenRecord | None:
+        """Revoke a live token of `account_id` (None: of any account); None if no such."""
+        ...
 
 
 class NodeStore(Protocol):

@@ -22,8 +22,9 @@ from idlegrid.store.base import (
     NodeRecord,
     ReadyTask,
     ShardRecord,
+    TokenRecord,
 )
-from idlegrid.store.schema import jobs, shards, tasks
+from idlegrid.store.schema import accounts, jobs, shards, tasks, tokens
 
 # What a ready-queue entry needs: the task joined to its job and its shard.
 READY_COLUMNS = (
@@ -48,6 +49,18 @@ ASSIGNED_COLUMNS = (
     shards.c.mode,
     jobs.c.kind,
     jobs.c.params,
+)
+
+
+# A token as listed (`token`), with its account's name.
+TOKEN_COLUMNS = (
+    tokens.c.id,
+    accounts.c.name.label("account"),
+    tokens.c.kind,
+    tokens.c.prefix,
+    tokens.c.label,
+    tokens.c.created_at,
+    tokens.c.revoked_at,
 )
 
 
@@ -85,6 +98,19 @@ def account(row: Any) -> AccountRecord:
         flagged_at=row.flagged_at,
         flag_reason=row.flag_reason,
         credit=ledger.credit_of(row),
+    )
+
+
+def token(row: Any) -> TokenRecord:
+    """A row of `TOKEN_COLUMNS`."""
+    return TokenRecord(
+        id=row.id,
+        account=row.account,
+        kind=row.kind,
+        prefix=row.prefix,
+        label=row.label,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
     )
 
 

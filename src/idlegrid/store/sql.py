@@ -62,6 +62,7 @@ from idlegrid.store.base import (
     StoreConflict,
     TaskInput,
     TokenInfo,
+    TokenRecord,
 )
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
@@ -288,6 +289,18 @@ class SqlStore(TrainingRoundsSql):
     async def find_token(self, token_hash: str) -> TokenInfo | None:
         async with self._read() as conn:
             return await accounts.find_token(conn, token_hash)
+
+    async def list_tokens(
+        self, account_id: int | None, *, include_revoked: bool = False
+    ) -> list[TokenRecord]:
+        async with self._read() as conn:
+            return await accounts.list_tokens(conn, account_id, include_revoked=include_revoked)
+
+    async def revoke_token(
+        self, token_id: int, *, account_id: int | None, now: float
+    ) -> TokenRecord | None:
+        async with self._tx() as conn:
+            return await accounts.revoke_token(conn, token_id, account_id=account_id, now=now)
 
     # -- nodes (store/nodes.py) ------------------------------------------------------------
 
