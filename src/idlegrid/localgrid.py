@@ -235,6 +235,10 @@ class LocalGrid:
             name,
             "--slots",
             str(slots),
+            # A test grid on one machine: compute whatever its owner is doing.
+            "--dedicated",
+            "--control-port",
+            "0",
             *extra,
         ]
         if kinds:

@@ -268,6 +268,7 @@ def parse_windows(text: str, *, setting: str = "windows") -> tuple[Window, ...]:
         if match is None:
             raise SettingError(f"{setting}: {entry!r} is not [days] HH:MM-HH:MM")
         start = _clock(match.group(2), match.group(3), setting, entry, allow_24=False)
+        assert start is not None  # 24:00 is refused as a start
         end = _clock(match.group(4), match.group(5), setting, entry, allow_24=True)
         if match.group("days") is None:
             default.append((start, end))
