@@ -92,8 +92,8 @@ async def _worker(
     return worker
 
 
-async def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
+async def _until(check: Callable[[], Any], within_s: float, what: str) -> Any:
+    deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         value = check()
         if value:

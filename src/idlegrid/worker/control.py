@@ -76,6 +76,7 @@ class ControlPage:
         self.port = 0
         self.token = control_token(worker.settings.state_dir)
         self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
 
     @property
     def url(self) -> str:
@@ -93,14 +94,32 @@ class ControlPage:
         log.info("control page: %s (token in %s)", self.url, self.worker.settings.state_dir)
 
     async def close(self) -> None:
+        """Stop listening, and end open (keep-alive) connections: their handlers return."""
         if self._server is not None:
             self._server.close()
+        for connection in list(self._connections):
+            connection.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
             with contextlib.suppress(Exception):
                 await self._server.wait_closed()
 
     # -- HTTP --------------------------------------------------------------------------------
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Owned here, cancelled and awaited by close(); the cancellation ends this handler
+        # quietly (asyncio.start_server would log a handler task that ended cancelled).
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._converse(reader, writer)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._connections.discard(task)
+
+    async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         conn = h11.Connection(h11.SERVER)
         try:
@@ -174,10 +193,10 @@ class ControlPage:
         if method == "GET" and path == "/api/status":
             return json_reply(200, status_of(self.worker))
         if method == "POST" and path.startswith("/api/"):
-            return self._act(path.removeprefix("/api/"), body)
+            return await self._act(path.removeprefix("/api/"), body)
         return json_reply(404, {"error": f"no {method} {path}"})
 
-    def _act(self, action: str, body: bytes) -> Reply:
+    async def _act(self, action: str, body: bytes) -> Reply:
         governor = self.worker.governor
         try:
             values = json.loads(body) if body.strip() else {}
@@ -198,6 +217,7 @@ class ControlPage:
                     return json_reply(404, {"error": f"no action {action!r}"})
         except (SettingError, ValueError, TypeError) as exc:
             return json_reply(400, {"error": str(exc)})
+        await governor.step()  # the answer shows the state the action made
         return json_reply(200, status_of(self.worker))
 
 
