@@ -173,6 +173,9 @@ class WorkerSettings:
     windows: str = ""  # e.g. "18:00-08:00; sat,sun 00:00-24:00"
     max_cpu_temp_c: float = 0.0
     when_unknown: str = "in-use"
+    # Idle probes to use, by name (`idlegrid worker --show-idle` lists them); empty: all
+    # of this platform's, most exact first.
+    idle_probes: tuple[str, ...] = ()
     # A suspended task is given back after this long paused (or sooner, when its lease
     # could no longer be met).
     give_back_after_s: float = 600.0

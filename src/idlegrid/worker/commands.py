@@ -64,6 +64,8 @@ def _policy_options(command: Any) -> Any:
                      help='Allowed times, e.g. "18:00-08:00; sat,sun 00:00-24:00".'),
         click.option("--max-cpu-temp", "max_cpu_temp_c", type=float, default=None,
                      help="Pause at or above this CPU temperature, °C."),
+        click.option("--idle-probe", "idle_probes", multiple=True,
+                     help="Use only this idle probe (repeat; see --show-idle)."),
         click.option("--control-port", type=int, default=None,
                      help="Local control page port (7390; 0: any free; -1: none)."),
     ]  # fmt: skip
@@ -143,6 +145,7 @@ def _settings(options: dict[str, Any]) -> Any:
         rebenchmark=options["rebenchmark"],
         pause_on_battery=None if battery is None else not battery,
         exclusive_apps=tuple(options["exclusive_apps"]) or None,
+        idle_probes=tuple(options["idle_probes"]) or None,
         **{
             name: options[name]
             for name in (

