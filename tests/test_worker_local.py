@@ -234,3 +234,26 @@ def test_install_dry_run_keeps_the_token_off_the_command_line(tmp_path: Path) ->
     assert "--cpu-percent 50.0" in text and "--exclusive-app steam" in text
     assert "systemctl --user enable --now idlegrid-worker.service" in text
     assert service.write_token(tmp_path, "ign_secret").stat().st_mode & 0o077 == 0
+
+
+async def test_a_task_over_the_memory_cap_is_killed_and_fails(tmp_path: Path) -> None:
+    from idlegrid.policy.idle import Limits
+
+    worker = _worker(tmp_path)
+    host = worker.hosts[0]
+    try:
+        running = asyncio.create_task(
+            host.run(_spec(1, hashes=50_000_000), fetch=_no_fetch, progress=lambda f: None)
+        )
+        for _ in range(300):
+            if host.cpu_seconds() > 0.05:
+                break
+            await asyncio.sleep(0.02)
+        worker.governor.enforce_memory(Limits(memory_percent=100))
+        assert host.alive()  # under the cap: left alone
+        worker.governor._memory_total = 100 * 2**20  # a 100 MB machine: the cap is 1 MB
+        worker.governor.enforce_memory(Limits(memory_percent=1))
+        with pytest.raises(TaskFailed, match="memory limit: tasks hold"):
+            await running
+    finally:
+        host.stop()

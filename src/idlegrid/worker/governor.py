@@ -111,6 +111,7 @@ class Governor:
         self.decision: Decision | None = None
         self.may_run = asyncio.Event()
         self._cores: list[int] | None = None
+        self._memory_total = psutil.virtual_memory().total
         self._wake = asyncio.Event()
 
     # -- the owner's controls --------------------------------------------------------------
@@ -185,6 +186,7 @@ class Governor:
         readings = await asyncio.to_thread(self.sensors.read)
         decision = decide(self.settings, readings, self.owner.controls())
         self.apply(decision)
+        self.enforce_memory(decision.limits)
         previous, self.decision = self.decision, decision
         if previous is None or self._paused(previous) != self._paused(decision):
             log.info("%s", decision.reason)
@@ -233,10 +235,16 @@ class Governor:
                     host.suspend()
                 await asyncio.sleep(DUTY_PERIOD_S * (1.0 - share))
 
-    def memory_limit_bytes(self) -> int:
-        """What all task processes together may hold now (the policy's memory cap)."""
-        limits = self.decision.limits if self.decision else self.settings.idle
-        return int(psutil.virtual_memory().total * limits.memory_percent / 100.0)
+    def enforce_memory(self, limits: Limits) -> None:
+        """Over the memory cap, the biggest task process is killed (its task fails,
+        retryable); BOINC suspends instead, which keeps the memory held."""
+        cap = int(self._memory_total * limits.memory_percent / 100.0)
+        sizes = [(host.rss_bytes(), host) for host in self.hosts if host.task_id is not None]
+        if sizes and sum(size for size, _ in sizes) > cap:
+            size, host = max(sizes, key=lambda pair: pair[0])
+            reason = f"memory limit: tasks hold {size / 2**20:.0f} MB, over {cap / 2**20:.0f} MB"
+            log.warning("task %s: %s", host.task_id, reason)
+            host.kill(reason)
 
 
 def _allowed_cores(limits: Limits) -> list[int] | None:
