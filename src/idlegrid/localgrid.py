@@ -213,6 +213,7 @@ class LocalGrid:
         benchmark: bool = True,
         extra: tuple[str, ...] = (),
         servers: Sequence[str] = (),
+        dedicated: bool = True,
         account: str | None = None,
     ) -> subprocess.Popen[str]:
         """Start a worker; `servers`: the coordinators it tries in turn (default: the first).
@@ -233,6 +234,10 @@ class LocalGrid:
             name,
             "--slots",
             str(slots),
+            # A test grid on one machine computes whatever its owner is doing (dedicated).
+            *(["--dedicated"] if dedicated else []),
+            "--control-port",
+            "0",
             *extra,
         ]
         if kinds:

@@ -65,6 +65,9 @@ class NodeSession:
     # Its credibility (policy.trust) as of its last claim: the scheduler's reliability.
     reliability: float | None = None
     requested: int = 0
+    # The owner's machine is in use (the worker's `status`): its tasks are suspended.
+    paused: bool = False
+    status_reason: str = ""
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)
