@@ -84,6 +84,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, tokens
+from idlegrid.store.web import DashboardSql
 from idlegrid.store.writelock import WriteLock, urgent
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
@@ -143,7 +144,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore(TrainingRoundsSql):
+class SqlStore(TrainingRoundsSql, DashboardSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(
