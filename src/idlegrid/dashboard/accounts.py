@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -28,7 +28,8 @@ from idlegrid.store import web
 from idlegrid.store.base import AccountExists
 
 router = APIRouter()
-USERNAME = re.compile(r"[A-Za-z0-9_.-]{3,40}")
+# Any printable name but an email address (sign-in tells them apart by the "@").
+USERNAME = re.compile(r"[^\s@\x00-\x1f\x7f](?:[^@\x00-\x1f\x7f]{1,38})[^\s@\x00-\x1f\x7f]")
 EMAIL = re.compile(r"[^@\s]{1,64}@[^@\s]+\.[^@\s]{2,}")
 FAILED = "That username (or email) and password do not match an account."
 
@@ -71,9 +72,9 @@ async def signup(
 
 
 def _signup_problem(username: str, email: str, password: str) -> str | None:
-    # The username is free text on many pages: escaped there, and held to a plain set.
+    # The username is free text on many pages, escaped wherever it is shown.
     if not USERNAME.fullmatch(username):
-        return "Choose a username of 3 to 40 letters, digits, dots, dashes or underscores."
+        return "Choose a username of 3 to 40 characters, without an @."
     if not EMAIL.fullmatch(email):
         return "Enter an email address like name@example.org."
     return security.password_problem(password, username=username, email=email)
@@ -230,3 +231,29 @@ async def revoke_token(request: Request, token_id: int, session: SignedIn) -> Re
     if not revoked:
         raise PageError(404, f"You have no live token {token_id}.")
     return redirect(request, "/account", flash="Token revoked.")
+
+
+async def set_login(
+    store: object,
+    name: str,
+    *,
+    email: str | None,
+    password: str,
+    role: web.Role,
+    now: float | None = None,
+) -> int:
+    """Give an account (made if missing) a password and a role (the CLI, the demo)."""
+    import time
+
+    problem = security.password_problem(password, username=name, email=email or "")
+    if problem:
+        raise ValueError(problem)
+    dashboard_store = cast(web.DashboardStore, store)
+    return await dashboard_store.web_write(
+        web.set_login,
+        name,
+        email=email,
+        password_hash=await security.hash_password(password),
+        role=role,
+        now=time.time() if now is None else now,
+    )

@@ -88,14 +88,14 @@ async def leaderboard(
     )
 
 
-@router.get("/users/{name}", response_class=HTMLResponse)
-async def profile(request: Request, name: str) -> Response:
+@router.get("/users/{account_id}", response_class=HTMLResponse)
+async def profile(request: Request, account_id: int) -> Response:
     store = store_of(request)
-    account = await store.web_read(web.account_by_name, name)
+    account = await store.web_read(web.account_by_id, account_id)
     if account is None:
         raise PageError(404, "There is no such volunteer.")
     standing = await store.web_read(stats.standing, "accounts", account.id)
-    nodes = [n for n in await grid_of(request).store.list_nodes(account.id)]
+    nodes = await grid_of(request).store.list_nodes(account.id)
     return await render(request, "profile.html", account=account, standing=standing, nodes=nodes)
 
 

@@ -157,7 +157,7 @@ async def node_page(request: Request, node_id: int, session: Viewer) -> Response
         online=node_id in await connected_ids(request),
         history=history,
         mine=mine,
-        chart=history_chart(history),
+        charts=history_chart(history),
     )
 
 
