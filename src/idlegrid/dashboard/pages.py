@@ -249,7 +249,9 @@ def format_credit(value: float | CreditTotals) -> str:
     amount = value.total if isinstance(value, CreditTotals) else value
     if amount >= 100:
         return f"{amount:,.0f}"
-    return f"{amount:,.2f}"
+    if amount >= 1 or amount <= 0:
+        return f"{amount:,.2f}"
+    return f"{amount:.3g}"  # a few short tasks: still visibly more than nothing
 
 
 def format_when(epoch: float | None) -> str:

@@ -46,17 +46,20 @@ async def status_page(request: Request) -> Response:
         tflops_24h=flops_24h / DAY_S / 1e12,
         validated_24h=status.validated_since(now - DAY_S),
         top=top,
-        charts=status_charts(status),
+        charts=status_charts(status, now=now),
     )
 
 
-def status_charts(status: stats.GridStatus) -> dict[str, Any]:
+def status_charts(status: stats.GridStatus, *, now: float) -> dict[str, Any]:
+    """The status page's series; each x axis spans its whole period, not only its data."""
     return {
         "daily": {
+            "range": [now - 30 * DAY_S, now + DAY_S],
             "x": [p.start for p in status.daily],
             "validated": [p.validated for p in status.daily],
         },
         "hourly": {
+            "range": [now - 2 * DAY_S, now + 3600],
             "x": [p.start for p in status.hourly],
             "tflops": [round(p.flops / 3600 / 1e12, 6) for p in status.hourly],
         },

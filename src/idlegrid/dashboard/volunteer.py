@@ -157,18 +157,20 @@ async def node_page(request: Request, node_id: int, session: Viewer) -> Response
         online=node_id in await connected_ids(request),
         history=history,
         mine=mine,
-        charts=history_chart(history),
+        charts=history_chart(history, now=grid_of(request).clock()),
     )
 
 
-def history_chart(history: list[stats.Period]) -> dict[str, Any]:
+def history_chart(history: list[stats.Period], *, now: float) -> dict[str, Any]:
     """Series for the charts: credit and validated tasks per day, cumulative credit."""
     running = 0.0
     cumulative = []
     for period in history:
         running += period.credit
         cumulative.append(round(running, 4))
+    start = min([p.start for p in history] + [now - 14 * 86_400])
     return {
+        "range": [start, now + 86_400],
         "x": [p.start for p in history],
         "credit": [round(p.credit, 4) for p in history],
         "validated": [p.validated for p in history],

@@ -27,6 +27,7 @@
         axes: [{ stroke: "#5b6476" }, { stroke: "#5b6476", size: 60 }],
         series: [{ label: kind === "rounds" ? "round" : "time" }],
       };
+      if (data.range) opts.scales.x.range = data.range;
       var columns = [data.x];
       series.forEach(function (s, i) {
         var spec = { label: s.label, stroke: COLORS[i % COLORS.length], width: 2, spanGaps: true };
