@@ -667,7 +667,10 @@ def token_create(is_node: bool, account: str | None, label: str, server: str, to
     "--replication", default=3, show_default=True, help="Replicas per shard, verified by quorum."
 )
 @click.option("--shard-size", default=128, show_default=True)
-def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
+@click.option(
+    "--keep", is_flag=True, help="Keep the grid running for the dashboard; Ctrl-C stops it."
+)
+def demo(texts: int, workers: int, replication: int, shard_size: int, keep: bool) -> None:
     """Run the whole grid on this machine: a coordinator, workers, an embedding job.
 
     Each worker is a volunteer with its own account; every shard runs on `replication`
@@ -677,7 +680,15 @@ def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
     """
     from idlegrid.demo import run_demo
 
-    sys.exit(run_demo(texts=texts, workers=workers, replication=replication, shard_size=shard_size))
+    sys.exit(
+        run_demo(
+            texts=texts,
+            workers=workers,
+            replication=replication,
+            shard_size=shard_size,
+            keep=keep,
+        )
+    )
 
 
 if __name__ == "__main__":
