@@ -46,7 +46,7 @@ from idlegrid.store.schema import (
 from idlegrid.store.sql import SqlStore
 
 CHUNK = 5000
-PASSWORD = "benchmark passphrase"
+PASSWORD = "a long seeding passphrase"
 SHARDS_PER_JOB = 250
 TASKS_PER_SHARD = 4
 
@@ -76,15 +76,6 @@ async def seed(store: SqlStore, *, scale: float, now: float) -> None:
     async with store.engine.begin() as conn:
         await _insert(
             conn,
-            teams,
-            [
-                {"id": i, "name": f"team-{i}", "description": "", "founder_id": 1,
-                 "members": 20, "created_at": now, **_credit(rng, now)}
-                for i in range(1, n_teams + 1)
-            ],
-        )  # fmt: skip
-        await _insert(
-            conn,
             accounts,
             [
                 {"id": i, "name": "bench" if i == 1 else f"user-{i}", "is_admin": i == 1,
@@ -92,6 +83,15 @@ async def seed(store: SqlStore, *, scale: float, now: float) -> None:
                  "team_id": rng.randint(1, n_teams) if i % 2 and n_teams else None,
                  **_credit(rng, now)}
                 for i in range(1, n_accounts + 1)
+            ],
+        )  # fmt: skip
+        await _insert(
+            conn,
+            teams,
+            [
+                {"id": i, "name": f"team-{i}", "description": "", "founder_id": 1,
+                 "members": 20, "created_at": now, **_credit(rng, now)}
+                for i in range(1, n_teams + 1)
             ],
         )  # fmt: skip
         backends = ["cpu", "cpu", "cpu", "cuda", "cuda", "mps", "rocm"]
