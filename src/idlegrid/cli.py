@@ -257,6 +257,69 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
     click.echo("the database is at the newest migration")
 
 
+@main.command("web-account")
+@click.argument("name")
+@click.option(
+    "--role",
+    type=click.Choice(["volunteer", "researcher", "admin"]),
+    default="researcher",
+    show_default=True,
+)
+@click.option("--email", default=None, help="Its email address (it may sign in with it too).")
+@click.option(
+    "--password-file",
+    type=click.File("r"),
+    default=None,
+    help="Read the password from this file ('-': standard input); else prompt.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    envvar="IDLEGRID_DATA_DIR",
+    default=Path("./idlegrid-data"),
+    show_default=True,
+)
+@click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="", help="Database URL.")
+def web_account(
+    name: str,
+    role: str,
+    email: str | None,
+    password_file: Any,
+    data_dir: Path,
+    database: str,
+) -> None:
+    """Give an account (made if missing) a dashboard password and a role.
+
+    The operator's way in: e.g. `idlegrid web-account admin --role admin` lets the
+    bootstrap admin sign in to the dashboard.
+    """
+    from idlegrid.dashboard.accounts import set_login
+    from idlegrid.settings import CoordinatorSettings
+    from idlegrid.store import open_store
+
+    if password_file is not None:
+        password = password_file.readline().rstrip("\n")
+    else:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    settings = CoordinatorSettings.from_env(data_dir=data_dir, database_url=database or None)
+    if not settings.database_url:
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> None:
+        store = open_store(settings.database)
+        try:
+            await store.open()
+            await set_login(store, name, email=email, password=password, role=role)  # type: ignore[arg-type]
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name} may sign in to the dashboard as a {role}")
+
+
 # -- worker ---------------------------------------------------------------------------------
 
 
@@ -280,7 +343,10 @@ for _command in COMMANDS:
     "--replication", default=3, show_default=True, help="Replicas per shard, verified by quorum."
 )
 @click.option("--shard-size", default=128, show_default=True)
-def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
+@click.option(
+    "--keep", is_flag=True, help="Keep the grid running for the dashboard; Ctrl-C stops it."
+)
+def demo(texts: int, workers: int, replication: int, shard_size: int, keep: bool) -> None:
     """Run the whole grid on this machine: a coordinator, workers, an embedding job.
 
     Each worker is a volunteer with its own account; every shard runs on `replication`
@@ -290,7 +356,15 @@ def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
     """
     from idlegrid.demo import run_demo
 
-    sys.exit(run_demo(texts=texts, workers=workers, replication=replication, shard_size=shard_size))
+    sys.exit(
+        run_demo(
+            texts=texts,
+            workers=workers,
+            replication=replication,
+            shard_size=shard_size,
+            keep=keep,
+        )
+    )
 
 
 if __name__ == "__main__":

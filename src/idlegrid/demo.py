@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,8 +18,14 @@ from idlegrid.localgrid import LocalGrid
 COSINE_FLOOR = 0.999
 
 
-def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> int:
-    """Run the demo; return the process exit code (0 when every row checked out)."""
+def run_demo(
+    *, texts: int, workers: int, replication: int, shard_size: int, keep: bool = False
+) -> int:
+    """Run the demo; return the process exit code (0 when every row checked out).
+
+    `keep`: leave the coordinator and workers running after the job, print the
+    dashboard's URL and a demo sign-in, and stop everything on Ctrl-C.
+    """
     console = Console()
     from idlegrid.corpus import stdlib_paragraphs
 
@@ -66,7 +76,37 @@ def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> 
             f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
             f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"
         )
-    return _check(console, corpus, vectors)
+        code = _check(console, corpus, vectors)
+        if keep:
+            _keep_running(console, grid)
+    console.print("all processes stopped")
+    return code
+
+
+def _keep_running(console: Console, grid: LocalGrid) -> None:
+    """Make a demo sign-in, print where the dashboard is, and wait for Ctrl-C."""
+    password = secrets.token_urlsafe(12)
+    subprocess.run(
+        [sys.executable, "-m", "idlegrid", "web-account", "demo", "--role", "admin"]
+        + ["--password-file", "-", "--data-dir", str(grid.data_dir)],
+        input=password + "\n",
+        text=True,
+        check=True,
+        env=grid.env,
+        capture_output=True,
+    )
+    console.print(
+        f"dashboard: [bold]{grid.url}/[/]  sign in as [bold]demo[/] / [bold]{password}[/]"
+    )
+    console.print("the coordinator and workers keep running; press Ctrl-C to stop them")
+    try:
+        while True:
+            time.sleep(1.0)
+            grid._check_alive()
+    except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the orderly stop short (it escalates by itself).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        console.print("stopping")
 
 
 def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
@@ -87,5 +127,4 @@ def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
         f"check: {vectors.shape[0]} rows, min cosine vs reference {worst:.6f} "
         f"(floor {COSINE_FLOOR}) {verdict}"
     )
-    console.print("all processes stopped")
     return 0 if ok else 1

@@ -93,6 +93,19 @@ class CoordinatorSettings:
     gc_young_s: float = 1.0
     gc_freeze_s: float = 30.0
     gc_full_s: float = 3600.0
+    # The web dashboard (src/idlegrid/dashboard): anyone may sign up when open (else an
+    # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
+    web_open_signup: bool = True
+    web_session_s: float = 14 * 86_400.0
+    # Failed sign-ins per account name and per address within web_signin_window_s, past
+    # which sign-in waits (per coordinator process).
+    web_signin_failures_per_account: int = 5
+    web_signin_failures_per_address: int = 20
+    web_signin_window_s: float = 900.0
+    # Bytes a researcher's uploads from the browser may take in all.
+    web_upload_quota_bytes: int = 1024 * MIB
+    # The statistics exports (users, teams, nodes) are written this often.
+    web_export_interval_s: float = 86_400.0
 
     @property
     def database(self) -> str:
