@@ -137,7 +137,6 @@ def test_a_cancelled_job_says_it_gets_no_result(live: Live, tmp_path: Path) -> N
     assert f"job {job_id} is cancelled; it has no result and will not get one" in line
 
 
-
 # -- submission warnings and the job summary ------------------------------------------------
 
 
