@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -15,25 +14,7 @@ import click
 
 from idlegrid import __version__
 from idlegrid.cli_researcher import COMMANDS
-
-
-def _setup_logging(level: str) -> None:
-    """Rich lines on a terminal, plain timestamped ones in a log file; Alembic's INFO
-    chatter (one line per migration step) only with --log-level debug."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
-    handler: logging.Handler
-    if sys.stderr.isatty():
-        handler = RichHandler(console=Console(stderr=True), show_path=False)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    else:  # log files: one plain line per record
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    if level.lower() != "debug":
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+from idlegrid.logs import setup_logging as _setup_logging
 
 
 class _Cli(click.Group):

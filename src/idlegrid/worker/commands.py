@@ -184,14 +184,14 @@ def _settings(options: dict[str, Any]) -> Any:
 
 
 def _run_daemon(options: dict[str, Any]) -> None:
-    from idlegrid.cli import _setup_logging
+    from idlegrid.logs import setup_logging
     from idlegrid.worker.daemon import NodeRefused, Worker
 
     token_file = options.pop("token_file")
     if not options["token"] and token_file is None:
         options["token"] = _installed_token(options["state_dir"] or DEFAULT_STATE_DIR)
     options["token"] = _node_token(options["token"] or "", token_file)
-    _setup_logging(options["log_level"])
+    setup_logging(options["log_level"])
     try:
         node = Worker(_settings(options))
     except ValueError as exc:  # SettingError too: it names the setting

@@ -24,7 +24,7 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 import h11
@@ -33,7 +33,30 @@ from idlegrid.policy.idle import SettingError
 from idlegrid.worker.control_page import PAGE
 
 if TYPE_CHECKING:
-    from idlegrid.worker.daemon import Worker
+    import asyncio
+    from collections.abc import Mapping
+
+    from idlegrid import protocol
+    from idlegrid.settings import WorkerSettings
+    from idlegrid.worker.governor import Governor
+    from idlegrid.worker.idle.system import Sensors
+
+
+class Worker(Protocol):
+    """What the page reads of the daemon (`worker.daemon.Worker`), which starts it."""
+
+    settings: WorkerSettings
+    governor: Governor
+    sensors: Sensors
+    running: Mapping[int, Any]  # task id -> the daemon's RunningTask
+    outbox: Any
+    completed: int
+    hardware: protocol.HardwareProfile | None
+    benchmark: protocol.Benchmark
+    device: str
+    credit: float | None
+    _online: asyncio.Event
+
 
 log = logging.getLogger(__name__)
 

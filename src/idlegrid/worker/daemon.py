@@ -20,10 +20,8 @@ import logging
 import multiprocessing
 import os
 import secrets
-import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ from idlegrid.policy.idle import Action
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
 from idlegrid.worker.governor import Governor, idle_settings
+from idlegrid.worker.held import RunningTask
 from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
@@ -91,19 +90,6 @@ def node_key(state_dir: Path) -> str:
     key = secrets.token_hex(16)
     path.write_text(json.dumps({"node_key": key}))
     return key
-
-
-@dataclass
-class RunningTask:
-    assign: protocol.Assign
-    cancel: threading.Event = field(default_factory=threading.Event)
-    progress: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    # When it got a slot (None while it waits in the prefetch buffer).
-    started_at: float | None = None
-    host: TaskHost | None = None  # the process running it, once it has a slot
-    paused_since: float | None = None  # monotonic; None while it runs
-    paused_s: float = 0.0  # time spent suspended before paused_since
 
 
 class Worker(Stepping, Transfers):

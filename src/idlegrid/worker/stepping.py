@@ -17,8 +17,8 @@ from idlegrid import protocol
 from idlegrid.policy.idle import Action, Decision
 
 if TYPE_CHECKING:
-    from idlegrid.worker.daemon import RunningTask
     from idlegrid.worker.governor import Governor
+    from idlegrid.worker.held import RunningTask
     from idlegrid.worker.runner import TaskHost
 
 log = logging.getLogger(__name__)
