@@ -17,6 +17,7 @@ import tarfile
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
@@ -221,6 +222,18 @@ def decode_batch(images: Images, spec: Preprocess, dtype: str) -> np.ndarray:
     """Rows of `decode` stacked: (len(images), *spec.row_shape())."""
     rows = [decode(n, b, spec, dtype) for n, b in zip(images.names, images.blobs, strict=True)]
     return np.stack(rows) if rows else np.zeros((0, *spec.row_shape()), dtype=dtype)
+
+
+def zip_files(paths: Sequence[Path]) -> bytes:
+    """A zip of image files named so that name order is the order given (for a dataset)."""
+    buffer = io.BytesIO()
+    width = max(6, len(str(len(paths))))
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
+        for index, path in enumerate(paths):
+            if not path.name.lower().endswith(IMAGE_SUFFIXES):
+                raise ValueError(f"{path} is not a .jpg, .jpeg or .png file")
+            archive.writestr(f"{index:0{width}d}_{path.name}", path.read_bytes())
+    return buffer.getvalue()
 
 
 def pack_images(blobs: Sequence[bytes]) -> dict[str, np.ndarray]:
