@@ -15,7 +15,7 @@ from __future__ import annotations
 import io
 import tarfile
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -224,8 +224,9 @@ def decode_batch(images: Images, spec: Preprocess, dtype: str) -> np.ndarray:
     return np.stack(rows) if rows else np.zeros((0, *spec.row_shape()), dtype=dtype)
 
 
-def zip_files(paths: Sequence[Path]) -> bytes:
-    """A zip of image files named so that name order is the order given (for a dataset)."""
+def zip_files(paths: Sequence[Path], on_file: Callable[[], object] | None = None) -> bytes:
+    """A zip of image files named so that name order is the order given (for a dataset);
+    `on_file` is called after each file (a progress bar)."""
     buffer = io.BytesIO()
     width = max(6, len(str(len(paths))))
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_STORED) as archive:
@@ -233,6 +234,8 @@ def zip_files(paths: Sequence[Path]) -> bytes:
             if not path.name.lower().endswith(IMAGE_SUFFIXES):
                 raise ValueError(f"{path} is not a .jpg, .jpeg or .png file")
             archive.writestr(f"{index:0{width}d}_{path.name}", path.read_bytes())
+            if on_file is not None:
+                on_file()
     return buffer.getvalue()
 
 
