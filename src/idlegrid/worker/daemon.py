@@ -155,6 +155,7 @@ class Worker:
     def _set_threads(self) -> None:
         cores = os.cpu_count() or 1
         threads = self.settings.threads or max(1, cores // self.settings.slots)
+        self.task_threads = threads  # what each task's runtime may use (RunContext)
         if "embed-text" in self.kinds:
             import torch
 
@@ -406,7 +407,7 @@ class Worker:
         loop = asyncio.get_running_loop()
         ctx = RunContext(
             device=self.device,
-            threads=self.settings.threads or 1,
+            threads=getattr(self, "task_threads", self.settings.threads or 1),
             report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
             is_cancelled=task.cancel.is_set,
             slowdown=self.settings.slowdown,
