@@ -58,12 +58,21 @@ def raw_run(session: ort.InferenceSession, rows: np.ndarray, batch_size: int) ->
     )
 
 
-def grid_run(client: Client, model: bytes, rows: np.ndarray, args: argparse.Namespace) -> Any:
+def grid_run(
+    client: Client, model: bytes, rows: np.ndarray, args: argparse.Namespace
+) -> tuple[Any, list[float]]:
+    """The grid's result, and the seconds of its three legs: submit (upload and split),
+    run (until the job is done), fetch (download and parse the result)."""
+    marks = [time.perf_counter()]
     job = client.submit_onnx(
         model, {"x": rows}, batch_size=args.batch_size, shard_size=args.shard_size, replication=1
     )
+    marks.append(time.perf_counter())
     job.wait(poll_s=0.1)
-    return job.result()["y"]
+    marks.append(time.perf_counter())
+    result = job.result()["y"]
+    marks.append(time.perf_counter())
+    return result, [later - earlier for earlier, later in zip(marks, marks[1:], strict=False)]
 
 
 def _rounds(
@@ -81,14 +90,15 @@ def _rounds(
         reference = raw_run(session, rows, args.batch_size)
         raw_s.append(time.perf_counter() - started)
         started = time.perf_counter()
-        result = grid_run(client, model, rows, args)
+        result, legs = grid_run(client, model, rows, args)
         grid_s.append(time.perf_counter() - started)
         if not arrays_agree(result, reference, Tolerance()):
             raise SystemExit("the grid's result does not match raw ONNX Runtime")
         print(
             f"round {index + 1}: raw {args.rows / raw_s[-1]:8.0f} rows/s "
             f"({raw_s[-1]:.2f} s), grid {args.rows / grid_s[-1]:8.0f} rows/s "
-            f"({grid_s[-1]:.2f} s), ratio {raw_s[-1] / grid_s[-1]:.2f}"
+            f"({grid_s[-1]:.2f} s: submit {legs[0]:.2f}, run {legs[1]:.2f}, fetch {legs[2]:.2f}), "
+            f"ratio {raw_s[-1] / grid_s[-1]:.2f}"
         )
     return raw_s, grid_s
 

@@ -193,7 +193,7 @@ class _FailingSessions(Sessions):
         self.failing_threads = failing_threads
         self.failures = 0
 
-    def get(self, key: SessionKey, model: bytes) -> Any:
+    def get(self, key: SessionKey, model: Callable[[], bytes]) -> Any:
         session = super().get(key, model)
         if key.threads != self.failing_threads:
             return session

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,11 +64,13 @@ class Sessions:
         self._sessions: OrderedDict[SessionKey, Any] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, key: SessionKey, model: bytes) -> Any:
+    def get(self, key: SessionKey, model: Callable[[], bytes]) -> Any:
+        """The session for `key`; `model` gives the model's bytes when one must be opened
+        (a cached session needs no fetch of a large model for every shard)."""
         with self._lock:  # one load per model, even when tasks of it start together
             session = self._sessions.get(key)
             if session is None:
-                session = open_session(model, key)
+                session = open_session(model(), key)
                 self._sessions[key] = session
                 while len(self._sessions) > self._kept:
                     self._sessions.popitem(last=False)
