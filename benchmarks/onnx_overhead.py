@@ -33,7 +33,7 @@ from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
 from idlegrid.kinds.onnx_examples import mlp
 from idlegrid.localgrid import LocalGrid
 
-FEATURES, HIDDEN, LAYERS = 256, 1024, 4
+FEATURES = 256
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -42,9 +42,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=2, help="raw/grid pairs (default 2)")
     parser.add_argument("--shard-size", type=int, default=2000, help="rows per shard")
     parser.add_argument("--batch-size", type=int, default=256, help="rows per model run")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
+    parser.add_argument("--layers", type=int, default=4, help="dense layers")
     args = parser.parse_args(argv)
-    if min(args.rows, args.rounds, args.shard_size, args.batch_size) < 1:
-        parser.error("--rows, --rounds, --shard-size and --batch-size must be >= 1")
+    if min(args.rows, args.rounds, args.shard_size, args.batch_size, args.hidden) < 1:
+        parser.error("--rows, --rounds, --shard-size, --batch-size, --hidden must be >= 1")
+    if args.layers < 2:
+        parser.error("--layers must be >= 2")
     return args
 
 
@@ -106,15 +110,16 @@ def _rounds(
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     cores = os.cpu_count() or 1
-    model = mlp(features=FEATURES, hidden=HIDDEN, outputs=64, layers=LAYERS, seed=1)
+    hidden, layers = args.hidden, args.layers
+    model = mlp(features=FEATURES, hidden=hidden, outputs=64, layers=layers, seed=1)
     options = ort.SessionOptions()
     options.intra_op_num_threads = cores  # the worker's default: every core for one slot
     options.inter_op_num_threads = 1
     session = ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
-    flops = 2 * args.rows * (FEATURES * HIDDEN + (LAYERS - 2) * HIDDEN**2 + HIDDEN * 64)
+    flops = 2 * args.rows * (FEATURES * hidden + (layers - 2) * hidden**2 + hidden * 64)
     print(
-        f"model: mlp {FEATURES}-{HIDDEN}x{LAYERS - 1}-64, {len(model) / 2**20:.1f} MiB; "
+        f"model: mlp {FEATURES}-{hidden}x{layers - 1}-64, {len(model) / 2**20:.1f} MiB; "
         f"{args.rows} rows ({flops / 1e9:.0f} GFLOP), shards of {args.shard_size}, "
         f"batches of {args.batch_size}, {cores} cores"
     )
