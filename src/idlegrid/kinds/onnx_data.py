@@ -186,7 +186,9 @@ def decode(name: str, blob: bytes, spec: Preprocess, dtype: str) -> np.ndarray:
                 raise InputError(f"image {name!r} has over {MAX_IMAGE_PIXELS} pixels")
             image.load()
             converted = image.convert(spec.color)
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+    except UnidentifiedImageError:
+        raise InputError(f"image {name!r} cannot be decoded: not a JPEG or PNG image") from None
+    except (OSError, SyntaxError, ValueError) as exc:
         if isinstance(exc, InputError):
             raise
         raise InputError(f"image {name!r} cannot be decoded: {exc}") from None
