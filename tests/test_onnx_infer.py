@@ -321,3 +321,16 @@ def test_the_hardware_probe_reports_providers_and_the_newest_loadable_opset() ->
     newest = hardware.onnx_opset()
     assert newest is not None and 17 <= newest <= 64
     assert hardware._loads_opset(ort, newest) and not hardware._loads_opset(ort, newest + 1)
+
+
+def test_a_saturated_output_is_no_16_bit_cheat() -> None:
+    from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
+
+    one_hot = np.zeros((32, 10), np.float32)
+    one_hot[:, 3] = 1.0
+    nearly = one_hot.copy()
+    nearly[:, 3] = np.float32(0.99999994)  # another backend's last bit
+    assert arrays_agree(one_hot, nearly, Tolerance())
+    rng = np.random.default_rng(0)
+    honest = rng.standard_normal((32, 10)).astype(np.float32)
+    assert not arrays_agree(honest, honest.astype(np.float16).astype(np.float32), Tolerance())

@@ -11,8 +11,8 @@ The rules, per output and per row (the first axis):
   magnitude: relative to the row's scale, so values near zero do not need their own
   tolerance (elementwise rtol fails on them whatever the backend);
 - rows of `cosine_min_size` values or more (embedding-like) also need cosine >= `cosine`;
-- a float32 output whose every value is exactly a float16 or bfloat16 number on one side
-  only was computed (or rounded) in 16 bits.
+- a float32 output whose every value is exactly a float16 or bfloat16 number, where most
+  of the other side's values are not, was computed (or rounded) in 16 bits.
 
 The defaults were calibrated by benchmarks/calibrate_onnx.py; docs/verification.md has the
 table of honest and dishonest distances they separate.
@@ -67,7 +67,7 @@ def arrays_agree(a: np.ndarray, b: np.ndarray, tolerance: Tolerance) -> bool:
         return False
     if a.dtype.kind != "f":
         return bool(np.array_equal(a, b))
-    if a.dtype == np.float32 and low_precision(a) != low_precision(b):
+    if a.dtype == np.float32 and _one_side_16_bit(a, b):
         return False
     if not _same_non_finite(a, b):
         return False
@@ -112,6 +112,28 @@ def _same_non_finite(a: np.ndarray, b: np.ndarray) -> bool:
         return True
     # Same places; +inf, -inf and NaN must also match.
     return bool(np.array_equal(a[~finite_a], b[~finite_b], equal_nan=True))
+
+
+def _one_side_16_bit(a: np.ndarray, b: np.ndarray) -> bool:
+    """One result is all 16-bit numbers while most of the other's are not.
+
+    "Most" keeps saturated outputs honest: a near one-hot softmax is mostly exact 0s and
+    1s on any backend, and one backend's 0.99999994 against another's 1.0 is no cheat.
+    """
+    if not (low_precision(a) or low_precision(b)):
+        return False
+    return max(wide_fraction(a), wide_fraction(b)) > 0.5
+
+
+def wide_fraction(values: np.ndarray) -> float:
+    """The fraction of finite values that neither float16 nor bfloat16 represents exactly."""
+    finite = values[np.isfinite(values)].astype(np.float32)
+    if finite.size == 0:
+        return 0.0
+    with np.errstate(over="ignore"):
+        half = finite.astype(np.float16).astype(np.float32) == finite
+    brain = (finite.view(np.uint32) & np.uint32(0xFFFF)) == 0
+    return float(np.mean(~(half | brain)))
 
 
 def low_precision(values: np.ndarray) -> bool:
