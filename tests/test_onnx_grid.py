@@ -247,3 +247,24 @@ async def test_a_provider_failing_mid_shard_sends_the_shard_to_other_nodes(
             worker.stop()
         await asyncio.gather(*runs)
         client.close()
+
+
+async def test_waiting_for_names_the_provider_no_node_has(
+    coordinator: tuple[str, str], tmp_path: Path
+) -> None:
+    url, admin = coordinator
+    client = Client(url, token=admin.strip())
+    cpu_only = await _worker(client, url, tmp_path / "cpu", kinds=("onnx-infer",))
+    running = asyncio.create_task(cpu_only.run())
+    try:
+        rows = {"x": np.zeros((4, 32), np.float32)}
+        job = await asyncio.to_thread(
+            client.submit_onnx, mlp(), rows, providers=["CUDAExecutionProvider"], replication=1
+        )
+        info = await _wait(job, lambda i: bool(i["waiting_for"]))
+        assert "has no ONNX execution provider of CUDAExecutionProvider" in info["waiting_for"][0]
+        assert cpu_only.completed == 0
+    finally:
+        cpu_only.stop()
+        await running
+        client.close()
