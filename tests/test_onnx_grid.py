@@ -268,3 +268,51 @@ async def test_waiting_for_names_the_provider_no_node_has(
         cpu_only.stop()
         await running
         client.close()
+
+
+@pytest.mark.slow
+async def test_a_real_transformer_runs_as_onnx_infer(
+    coordinator: tuple[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """all-MiniLM-L6-v2, exported from the packaged weights, as a researcher's model:
+    token arrays in, hidden states out, mean-pooled here and checked against
+    sentence-transformers."""
+    from tokenizers import Tokenizer
+
+    from idlegrid.corpus import stdlib_paragraphs
+    from idlegrid.kinds import embed_onnx
+    from idlegrid.kinds.embed_text import embed_reference, row_cosines
+
+    monkeypatch.setenv("IDLEGRID_ONNX_CACHE", str(tmp_path / "cache"))
+    model = embed_onnx.exported_model().read_bytes()
+    texts = stdlib_paragraphs(24)
+    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=256)
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # one length for the whole set
+    encoded = tokenizer.encode_batch(texts)
+    fields = (
+        ("input_ids", "ids"),
+        ("attention_mask", "attention_mask"),
+        ("token_type_ids", "type_ids"),
+    )
+    arrays = {
+        name: np.array([getattr(e, attr) for e in encoded], dtype=np.int64) for name, attr in fields
+    }
+    url, admin = coordinator
+    client = Client(url, token=admin.strip())
+    worker = await _worker(client, url, tmp_path / "w", kinds=("onnx-infer",), threads=2)
+    running = asyncio.create_task(worker.run())
+    try:
+        job = await asyncio.to_thread(
+            client.submit_onnx, model, arrays, shard_size=8, batch_size=4, replication=1
+        )
+        assert (await _wait(job, _ended))["state"] == "completed"
+        hidden = (await asyncio.to_thread(job.result))["last_hidden_state"]
+    finally:
+        worker.stop()
+        await running
+        client.close()
+    mask = arrays["attention_mask"][:, :, None].astype(np.float32)
+    pooled = (hidden * mask).sum(axis=1) / mask.sum(axis=1)
+    pooled /= np.linalg.norm(pooled, axis=1, keepdims=True)
+    assert float(row_cosines(pooled.astype(np.float32), embed_reference(texts)).min()) > 1 - 1e-6
