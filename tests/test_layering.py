@@ -62,7 +62,7 @@ def test_part_does_not_import(part: str, banned: tuple[str, ...]) -> None:
 
 
 def test_kinds_import_ml_libraries_only_inside_functions() -> None:
-    heavy = ("torch", "sentence_transformers", "transformers")
+    heavy = ("torch", "sentence_transformers", "transformers", "onnxruntime")
     offenders = [
         f"{path.relative_to(PACKAGE)} imports {name} at module level"
         for path in _files("kinds")
@@ -75,6 +75,7 @@ def test_kinds_import_ml_libraries_only_inside_functions() -> None:
 def test_coordinator_runs_without_torch() -> None:
     code = (
         "import sys; import idlegrid.coordinator.app, idlegrid.client, idlegrid.cli; "
-        "assert 'torch' not in sys.modules and 'sentence_transformers' not in sys.modules"
+        "assert 'torch' not in sys.modules and 'sentence_transformers' not in sys.modules; "
+        "assert 'onnxruntime' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -316,7 +316,16 @@ for _command in COMMANDS:
 
 
 @main.command()
+@click.option(
+    "--kind",
+    type=click.Choice(["embed-text", "onnx-infer"]),
+    default="embed-text",
+    show_default=True,
+    help="embed-text: paragraphs through all-MiniLM-L6-v2; onnx-infer: images through a "
+    "small convolutional network on ONNX Runtime.",
+)
 @click.option("--texts", default=2000, show_default=True, help="Texts to embed.")
+@click.option("--images", default=500, show_default=True, help="Images (onnx-infer).")
 @click.option(
     "--workers", default=0, help="Local worker processes (default: as many as replication)."
 )
@@ -327,16 +336,32 @@ for _command in COMMANDS:
 @click.option(
     "--keep", is_flag=True, help="Keep the grid running for the dashboard; Ctrl-C stops it."
 )
-def demo(texts: int, workers: int, replication: int, shard_size: int, keep: bool) -> None:
-    """Run the whole grid on this machine: a coordinator, workers, an embedding job.
+def demo(
+    kind: str,
+    texts: int,
+    images: int,
+    workers: int,
+    replication: int,
+    shard_size: int,
+    keep: bool,
+) -> None:
+    """Run the whole grid on this machine: a coordinator, workers, a real job.
 
     Each worker is a volunteer with its own account; every shard runs on `replication`
-    of them and a quorum decides its result. Embeds paragraphs of the standard library's
-    docstrings, checks every vector against a local reference (cosine >= 0.999), prints
-    the throughput and the credit each node earned, and stops everything it started.
+    of them and a quorum decides its result. embed-text embeds paragraphs of the standard
+    library's docstrings and checks every vector against a local reference (cosine >=
+    0.999); onnx-infer runs drawn images (PNG and JPEG files) through a convolutional
+    network and checks every row against ONNX Runtime run here. Both print the
+    throughput and stop everything they started.
     """
-    from idlegrid.demo import run_demo
+    from idlegrid.demo import run_demo, run_onnx_demo
 
+    if kind == "onnx-infer":
+        sys.exit(
+            run_onnx_demo(
+                images=images, workers=workers, replication=replication, shard_size=shard_size
+            )
+        )
     sys.exit(
         run_demo(
             texts=texts,

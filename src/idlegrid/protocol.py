@@ -45,6 +45,8 @@ class HardwareProfile(BaseModel):
     disk_free_mb: int | None = Field(default=None, ge=0)
     # Execution providers of the node's ONNX Runtime; empty when it has none.
     onnx_providers: list[str] = Field(default_factory=list, max_length=32)
+    # Newest default-domain ONNX opset that runtime loads; None: no runtime, or not said.
+    onnx_opset: int | None = Field(default=None, ge=1, le=1000)
 
     @property
     def backends(self) -> frozenset[str]:

@@ -152,7 +152,7 @@ class Grid:
         for name, blob_hash in inputs.items():
             if not is_blob_hash(blob_hash) or not self.blobs.exists(blob_hash):
                 raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
-        specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
+        parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
         shards = [
             NewShard(
                 index=s.index,
@@ -192,9 +192,10 @@ class Grid:
 
     def _split(
         self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str]
-    ) -> list[tuple[Any, str]]:
+    ) -> tuple[KindParams, list[tuple[Any, str]]]:
         data = {name: self.blobs.read(blob_hash) for name, blob_hash in inputs.items()}
-        return [(spec, self.blobs.put(spec.payload)) for spec in kind.split(data, params)]
+        params = kind.derive_params(data, params)
+        return params, [(spec, self.blobs.put(spec.payload)) for spec in kind.split(data, params)]
 
     async def plan(self, job_id: int) -> JobPlan | None:
         plan = self._plans.get(job_id)

@@ -37,6 +37,7 @@ def node_view(
         accelerator_memory_mb=max((gpu.memory_mb for gpu in hardware.gpus), default=0),
         disk_free_mb=hardware.disk_free_mb,
         onnx_providers=frozenset(hardware.onnx_providers),
+        onnx_opset=hardware.onnx_opset,
         kind_rates=dict(benchmark.kind_rates),
     )
 

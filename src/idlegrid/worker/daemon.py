@@ -64,6 +64,8 @@ def available_kinds() -> list[str]:
         kinds.append("embed-text")
     if importlib.util.find_spec("torch"):
         kinds.append("diloco-train")
+    if all(importlib.util.find_spec(m) for m in ("onnxruntime", "PIL")):
+        kinds.append("onnx-infer")
     return [k for k in kinds if k in KINDS]
 
 
