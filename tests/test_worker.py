@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import time
 from pathlib import Path
 
@@ -142,3 +143,39 @@ async def test_a_stopping_worker_stops_waiting_for_a_session(tmp_path: Path) -> 
     worker._stop.set()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(pending, 1.0)
+
+
+class _CapturingSocket:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, object]] = []
+        self.got_one = asyncio.Event()
+
+    async def send(self, text: str) -> None:
+        self.sent.append(json.loads(text))
+        self.got_one.set()
+
+
+async def test_a_result_the_coordinator_could_not_store_goes_again_and_a_refused_one_does_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from idlegrid import protocol
+    from idlegrid.worker import daemon
+
+    monkeypatch.setattr(daemon, "REDELIVER_S", 0.05)
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+    socket = _CapturingSocket()
+    worker._ws = socket  # type: ignore[assignment]
+    for task_id in (1, 2):
+        worker.outbox[task_id] = protocol.Result(
+            task_id=task_id, output="ab" * 32, output_size=2, elapsed_s=0.1
+        )
+    busy = protocol.Error(code="internal", message="could not handle", task_id=1)
+    refused = protocol.Error(code="rejected", message="not yours", task_id=2)
+    await worker._on_frame(busy.model_dump_json())
+    await worker._on_frame(refused.model_dump_json())
+    assert 2 not in worker.outbox  # refused: dropped
+    await asyncio.wait_for(socket.got_one.wait(), 5)
+    assert [m["task_id"] for m in socket.sent] == [1]  # sent again, kept until acknowledged
+    assert 1 in worker.outbox
+    await worker._on_frame(protocol.ResultAck(task_id=1, status="accepted").model_dump_json())
+    assert 1 not in worker.outbox

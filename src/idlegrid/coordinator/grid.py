@@ -538,7 +538,7 @@ class Grid:
             now=self.clock(),
         )
         to_verify: list[int] = []
-        late = False
+        late: list[int] = []
         for index, receipt in zip(good, stored, strict=True):
             receipts[index] = receipt
             if receipt.status != "rejected":
@@ -546,11 +546,13 @@ class Grid:
             if receipt.status == "accepted" and receipt.shard_id is not None:
                 to_verify.append(receipt.shard_id)
             elif receipt.status == "late" and not receipt.reason:
-                late = True  # stored, after its shard was decided
+                late.append(msgs[index].task_id)  # stored, after its shard was decided
         if to_verify:
             await self.verify_shards(to_verify)
         if late:
-            await self.judge_late()
+            # These results only: a node's batch touches no other node's trust rows, in
+            # an order other batches could take the other way round (a deadlock).
+            await self.judge_late(task_ids=late)
         if failed:
             await self.replenish()
         ordered = [receipts[index] for index in range(len(msgs))]
@@ -680,10 +682,13 @@ class Grid:
             # suspended meanwhile): one more replica, as BOINC raises a target.
             await self.store.raise_target(shard.id, results_seen=len(found.results))
 
-    async def judge_late(self, *, limit: int = 100) -> int:
+    async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
         """Check results that came after their shard was decided against its canonical
-        result: they count for or against their node's trust (and earn credit if valid)."""
-        late = await self.store.late_results(limit=limit)
+        result: they count for or against their node's trust (and earn credit if valid).
+
+        `task_ids`: only these (a node's batch); None: any, oldest first (the monitor).
+        """
+        late = await self.store.late_results(limit=limit, task_ids=task_ids)
         for result in late:
             plan = await self.plan(result.job_id)
             agrees = False

@@ -629,7 +629,13 @@ class VerificationStore(Protocol):
         fail_reason: str | None,
         now: float,
     ) -> DecisionOutcome: ...
-    async def late_results(self, *, limit: int) -> list[LateResult]: ...
+    async def late_results(
+        self, *, limit: int, task_ids: Sequence[int] | None = None
+    ) -> list[LateResult]:
+        """Results stored after their shard was decided and not judged yet, oldest first
+        (only those of `task_ids`, if given)."""
+        ...
+
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
         """Record whether a late result agreed with its shard's canonical one."""
         ...

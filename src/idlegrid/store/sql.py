@@ -560,9 +560,11 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
                 open_left = await verification.open_shards_left(conn, job_ids)
         return verification.outcomes(decisions, decided, open_left)
 
-    async def late_results(self, *, limit: int) -> list[LateResult]:
+    async def late_results(
+        self, *, limit: int, task_ids: Sequence[int] | None = None
+    ) -> list[LateResult]:
         async with self._read() as conn:
-            return await verification.late_results(conn, limit=limit)
+            return await verification.late_results(conn, limit=limit, task_ids=task_ids)
 
     @_retry_conflicts
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:

@@ -271,7 +271,11 @@ def outcomes(
     return result
 
 
-async def late_results(conn: AsyncConnection, *, limit: int) -> list[LateResult]:
+async def late_results(
+    conn: AsyncConnection, *, limit: int, task_ids: Sequence[int] | None = None
+) -> list[LateResult]:
+    """Results stored after their shard was decided, not yet judged (of `task_ids` only,
+    if given), oldest first."""
     query = (
         select(
             tasks.c.id,
@@ -290,6 +294,8 @@ async def late_results(conn: AsyncConnection, *, limit: int) -> list[LateResult]
         .order_by(tasks.c.id)
         .limit(limit)
     )
+    if task_ids is not None:
+        query = query.where(tasks.c.id.in_(list(task_ids)))
     found = (await conn.execute(query)).all()
     return [LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in found]
 

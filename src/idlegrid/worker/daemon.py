@@ -55,6 +55,8 @@ WS_OPTIONS: dict[str, Any] = {
 }
 # How long a finished task waits for others finishing with it, to report them together.
 REPORT_LINGER_S = 0.002
+# A result the coordinator could not store for now goes again after this.
+REDELIVER_S = 2.0
 
 
 def available_kinds() -> list[str]:
@@ -402,6 +404,13 @@ class Worker(Stepping, Transfers):
             case protocol.HeartbeatAck(sent_at=sent_at):
                 self.heartbeat_rtt_s = max(0.0, time.monotonic() - sent_at)
                 log.debug("heartbeat round trip %.1f ms", self.heartbeat_rtt_s * 1000)
+            case protocol.Error(code="internal", task_id=task_id, message=message) if (
+                task_id is not None
+            ):
+                # The coordinator could not store it now (its database was busy): the
+                # result stays in the outbox and goes again, it is not refused.
+                log.warning("coordinator could not take task %s yet: %s", task_id, message)
+                self._redeliver_later(task_id)
             case protocol.Error(task_id=task_id, message=message) if task_id is not None:
                 log.warning("coordinator refused task %s: %s", task_id, message)
                 self.outbox.pop(task_id, None)
@@ -424,6 +433,15 @@ class Worker(Stepping, Transfers):
         # Owned: kept in _task_runs until done, cancelled and awaited in _shutdown.
         self._task_runs.add(run)
         run.add_done_callback(self._task_runs.discard)
+
+    def _redeliver_later(self, task_id: int) -> None:
+        async def again() -> None:
+            await asyncio.sleep(REDELIVER_S)
+            await self._deliver(task_id)
+
+        retry = asyncio.create_task(again(), name=f"redeliver-{task_id}")
+        self._task_runs.add(retry)  # owned like a task run: cancelled and awaited on shutdown
+        retry.add_done_callback(self._task_runs.discard)
 
     def _drop(self, task_id: int, reason: str) -> None:
         task = self.running.pop(task_id, None)
