@@ -78,7 +78,7 @@ async def claim_task(
         await conn.execute(
             select(shards.c.id)
             .where(shards.c.id == shard_of_task.scalar_subquery())
-            .with_for_update()
+            .with_for_update(key_share=True)
         )
     where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
     where += distinct_from(claimer, distinct)
@@ -128,7 +128,7 @@ async def claim_tasks(
     if rows.row_locks(conn):
         # Tasks another process is claiming right now are skipped, not waited for: its
         # transaction may be a whole batch long, and they will be its tasks anyway.
-        free = select(tasks.c.id).where(*ready).with_for_update(skip_locked=True)
+        free = select(tasks.c.id).where(*ready).with_for_update(skip_locked=True, key_share=True)
         ready.append(tasks.c.id.in_(free.scalar_subquery()))
     claimed = (
         (

@@ -49,7 +49,7 @@ async def load_trust(
     )
     query = select(node_trust).where(*where)
     if for_update:
-        query = query.with_for_update()
+        query = query.with_for_update(key_share=True)
     row = (await conn.execute(query)).first()
     if row is None:
         # ON CONFLICT: several claims of one new node may make its row at once.
@@ -243,7 +243,7 @@ async def grant(
         await conn.execute(
             select(table.c.credit_total, table.c.credit_decayed, table.c.credit_updated_at)
             .where(table.c.id == row_id)
-            .with_for_update()
+            .with_for_update(key_share=True)
         )
     ).one()
     totals = credit_policy.grant(credit_of(row), amount, now=now)

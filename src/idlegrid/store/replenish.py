@@ -160,7 +160,7 @@ async def _lock_and_recount(conn: AsyncConnection, query: Any, shard_ids: list[i
                 select(shards.c.id)
                 .where(shards.c.id.in_(shard_ids))
                 .order_by(shards.c.id)
-                .with_for_update(skip_locked=True)
+                .with_for_update(skip_locked=True, key_share=True)
             )
         )
         .scalars()

@@ -57,7 +57,7 @@ async def accept_results(
         .order_by(tasks.c.id)
     )
     if rows.row_locks(conn):
-        query = query.with_for_update(of=tasks)
+        query = query.with_for_update(of=tasks, key_share=True)
     found = {row.id: row for row in (await conn.execute(query)).all()}
     receipts: list[ResultReceipt] = []
     changes: list[dict[str, Any]] = []

@@ -123,7 +123,7 @@ async def add_backup_task(
     """Insert one extra task of the shard, assigned to the node, if the rules allow."""
     shard_query = select(shards).where(shards.c.id == shard_id)
     if lock:
-        shard_query = shard_query.with_for_update()
+        shard_query = shard_query.with_for_update(key_share=True)
     shard = (await conn.execute(shard_query)).first()
     if shard is None or shard.state != ShardState.OPEN.value:
         return None

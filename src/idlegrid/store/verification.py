@@ -180,7 +180,7 @@ async def _take_final(
         .order_by(shards.c.id)
     )
     if rows.row_locks(conn):
-        query = query.with_for_update()
+        query = query.with_for_update(key_share=True)
     job_of = {row.id: row.job_id for row in (await conn.execute(query)).all()}
     taking = list({d.shard_id: d for d in final if d.shard_id in job_of}.values())
     if not taking:
