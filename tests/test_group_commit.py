@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeNode, fake_node
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession
 from idlegrid.kinds.noop import OUTPUT
-from idlegrid.policy.scheduler import NodeView
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.sql import SqlStore
 
@@ -30,10 +28,7 @@ T0 = 1_000_000.0
 
 
 @dataclass
-class Node:
-    session: NodeSession
-    sent: list[dict[str, Any]] = field(default_factory=list)
-
+class Node(FakeNode):
     def results_for(self, grid: Grid) -> list[protocol.Result]:
         """A result for every task it was assigned (the noop kind's one output)."""
         output = grid.blobs.put(OUTPUT)
@@ -41,8 +36,7 @@ class Node:
             protocol.Result(
                 task_id=m["task_id"], output=output, output_size=len(OUTPUT), elapsed_s=0.01
             )  # fmt: skip
-            for m in self.sent
-            if m["type"] == "assign"
+            for m in self.assigned()
         ]
 
 
@@ -58,20 +52,10 @@ async def grid(store: SqlStore, tmp_path: Path) -> Iterator[Grid]:  # type: igno
 
 
 async def _node(grid: Grid, account_id: int, key: str, tasks: int) -> Node:
-    record = await grid.store.register_node(
-        account_id, key, name=key, worker_version="test", hardware={}, benchmark={},
-        kinds=["noop"], slots=tasks, address="10.0.0.1", now=T0,
+    node = await fake_node(
+        grid.store, account_id, key, now=T0, kinds=["noop"], slots=tasks,
+        address="10.0.0.1", node_type=Node,
     )  # fmt: skip
-    node = Node(session=None)  # type: ignore[arg-type]
-
-    async def send_text(text: str) -> None:
-        node.sent.append(json.loads(text))
-
-    async def close() -> None:
-        return None
-
-    view = NodeView(record.id, frozenset({"noop"}), frozenset({"cpu"}), 8192, 10.0)
-    node.session = NodeSession(record.id, account_id, key, tasks, view, {}, send_text, close)
     grid.hub.add(node.session)
     node.session.requested = tasks
     return node
