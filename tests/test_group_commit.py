@@ -117,11 +117,26 @@ def _break_batches_of(grid: Grid, node: Node, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(grid.store, "accept_results", failing_for_node)
 
 
+def _slow_commits(grid: Grid, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch's commit takes a while (an fsync on a busy disk): a receipt given out
+    before the commit would reach the node while its results could still be lost."""
+    batch = grid.store.batch
+
+    @contextlib.asynccontextmanager
+    async def slow() -> AsyncIterator[None]:
+        async with batch():
+            yield
+            await asyncio.sleep(0.05)
+
+    monkeypatch.setattr(grid.store, "batch", slow)
+
+
 async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
     grid: Grid, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second, job_id = await _two_nodes_with_work(grid)
     _break_batches_of(grid, first, monkeypatch)
+    _slow_commits(grid, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(first.session, first.results_for(grid)),
         grid.accept_results(second.session, second.results_for(grid)),
@@ -141,6 +156,7 @@ async def test_a_retried_group_counts_each_result_once(
     its results, returned tasks and verdicts are counted once, after the commit."""
     first, second, _ = await _two_nodes_with_work(grid)
     _break_batches_of(grid, first, monkeypatch)
+    _slow_commits(grid, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(second.session, second.results_for(grid)),
         grid.accept_results(first.session, first.results_for(grid)),
