@@ -7,6 +7,7 @@
 - `FakeNode` is a node connected in process: a `NodeSession` whose sent messages are
   kept, for tests that drive a `Grid` directly.
 - `SocketNode` speaks the protocol by hand over the app's WebSocket under TestClient.
+- `run_python` runs a script in a fresh interpreter (what a module imports, from scratch).
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -30,6 +35,7 @@ from idlegrid.store.sql import SqlStore
 T = TypeVar("T")
 
 NODE_WS = "/v1/nodes/ws"
+SRC = Path(__file__).resolve().parents[1] / "src"
 
 # -- waits on state -------------------------------------------------------------------------
 
@@ -244,3 +250,21 @@ class SocketNode:
             output_size=len(output),
             elapsed_s=0.01,
         )
+
+
+# -- a fresh interpreter --------------------------------------------------------------------
+
+
+def run_python(script: str, *, timeout_s: float = 120.0) -> str:
+    """Run `script` in a new interpreter that imports idlegrid from this tree, with
+    warnings as errors; its stdout. Fails with its stderr when it exits non-zero."""
+    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
