@@ -1,4 +1,4 @@
-"""Helpers shared by the tests: waits on state, and the two kinds of fake node.
+"""Helpers shared by the tests: waits on state, fake nodes, a fresh interpreter.
 
 - `wait_until` (blocking) and `eventually` (in an event loop) poll a condition until a
   deadline and fail with what they waited for. A test waits on the state it needs, never
