@@ -3,21 +3,11 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 from idlegrid.corpus import MAX_CHARS, MIN_CHARS, stdlib_paragraphs
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _pythonpath() -> str:
-    """PYTHONPATH for a child interpreter that must import idlegrid from this tree."""
-    return os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
 
 
 def test_default_corpus_has_2000_distinct_paragraphs() -> None:
@@ -56,16 +46,7 @@ def test_fresh_process_builds_it_fast_without_torch() -> None:
         "print(json.dumps({'seconds': time.perf_counter() - start, 'first': paragraphs[0],\n"
         "                  'torch': 'torch' in sys.modules}))\n"
     )
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    )
-    report = json.loads(done.stdout)
+    report = json.loads(run_python(script, timeout_s=60))
     assert report["torch"] is False
     assert report["first"] == stdlib_paragraphs(1)[0]
     # Measured ~0.1 s on 2 cores; demos and benchmarks budget 2 s for it.

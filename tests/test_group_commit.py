@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import FakeNode, fake_node
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession
 from idlegrid.kinds.noop import OUTPUT
-from idlegrid.policy.scheduler import NodeView
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.sql import SqlStore
 
@@ -30,10 +28,7 @@ T0 = 1_000_000.0
 
 
 @dataclass
-class Node:
-    session: NodeSession
-    sent: list[dict[str, Any]] = field(default_factory=list)
-
+class Node(FakeNode):
     def results_for(self, grid: Grid) -> list[protocol.Result]:
         """A result for every task it was assigned (the noop kind's one output)."""
         output = grid.blobs.put(OUTPUT)
@@ -41,8 +36,7 @@ class Node:
             protocol.Result(
                 task_id=m["task_id"], output=output, output_size=len(OUTPUT), elapsed_s=0.01
             )  # fmt: skip
-            for m in self.sent
-            if m["type"] == "assign"
+            for m in self.assigned()
         ]
 
 
@@ -58,20 +52,10 @@ async def grid(store: SqlStore, tmp_path: Path) -> Iterator[Grid]:  # type: igno
 
 
 async def _node(grid: Grid, account_id: int, key: str, tasks: int) -> Node:
-    record = await grid.store.register_node(
-        account_id, key, name=key, worker_version="test", hardware={}, benchmark={},
-        kinds=["noop"], slots=tasks, address="10.0.0.1", now=T0,
+    node = await fake_node(
+        grid.store, account_id, key, now=T0, kinds=["noop"], slots=tasks,
+        address="10.0.0.1", node_type=Node,
     )  # fmt: skip
-    node = Node(session=None)  # type: ignore[arg-type]
-
-    async def send_text(text: str) -> None:
-        node.sent.append(json.loads(text))
-
-    async def close() -> None:
-        return None
-
-    view = NodeView(record.id, frozenset({"noop"}), frozenset({"cpu"}), 8192, 10.0)
-    node.session = NodeSession(record.id, account_id, key, tasks, view, {}, send_text, close)
     grid.hub.add(node.session)
     node.session.requested = tasks
     return node
@@ -133,11 +117,26 @@ def _break_batches_of(grid: Grid, node: Node, monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setattr(grid.store, "accept_results", failing_for_node)
 
 
+def _slow_commits(grid: Grid, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each batch's commit takes a while (an fsync on a busy disk): a receipt given out
+    before the commit would reach the node while its results could still be lost."""
+    batch = grid.store.batch
+
+    @contextlib.asynccontextmanager
+    async def slow() -> AsyncIterator[None]:
+        async with batch():
+            yield
+            await asyncio.sleep(0.05)
+
+    monkeypatch.setattr(grid.store, "batch", slow)
+
+
 async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
     grid: Grid, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     first, second, job_id = await _two_nodes_with_work(grid)
     _break_batches_of(grid, first, monkeypatch)
+    _slow_commits(grid, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(first.session, first.results_for(grid)),
         grid.accept_results(second.session, second.results_for(grid)),
@@ -157,6 +156,7 @@ async def test_a_retried_group_counts_each_result_once(
     its results, returned tasks and verdicts are counted once, after the commit."""
     first, second, _ = await _two_nodes_with_work(grid)
     _break_batches_of(grid, first, monkeypatch)
+    _slow_commits(grid, monkeypatch)
     outcome = await asyncio.gather(
         grid.accept_results(second.session, second.results_for(grid)),
         grid.accept_results(first.session, first.results_for(grid)),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,17 +12,10 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers import run_python
 
 from idlegrid.protocol import Benchmark, Gpu, HardwareProfile
 from idlegrid.worker import benchmark, hardware
-
-SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def _pythonpath() -> str:
-    """PYTHONPATH for a child interpreter that must import idlegrid from this tree."""
-    return os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
-
 
 GIB = 2**30
 
@@ -241,12 +233,4 @@ def test_importing_kinds_and_worker_modules_does_not_import_torch() -> None:
         "         if name in sys.modules]\n"
         "assert not heavy, heavy\n"
     )
-    env = {**os.environ, "PYTHONPATH": _pythonpath()}
-    done = subprocess.run(
-        [sys.executable, "-W", "error", "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    run_python(script)

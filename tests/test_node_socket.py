@@ -7,104 +7,12 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import anyio
 import pytest
 from conftest import Api, bearer, sha
-from starlette.testclient import WebSocketTestSession
+from helpers import NODE_WS, SocketNode
 from starlette.websockets import WebSocketDisconnect
 
 from idlegrid.kinds.sleep import _digest
-
-WS = "/v1/nodes/ws"
-
-
-class Node:
-    """One worker connection, speaking the protocol by hand."""
-
-    def __init__(self, api: Api, ws: WebSocketTestSession, token: str) -> None:
-        self.api = api
-        self.ws = ws
-        self.token = token
-
-    def send(self, **message: Any) -> None:
-        self.ws.send_text(json.dumps(message))
-
-    def recv(self, timeout: float = 5.0) -> dict[str, Any]:
-        """The next message; fails instead of hanging when none comes."""
-
-        async def next_message() -> Any:
-            with anyio.fail_after(timeout):
-                return await self.ws._send_rx.receive()
-
-        message = self.ws.portal.call(next_message)
-        self.ws._raise_on_close(message)
-        return dict(json.loads(message["text"]))
-
-    def expect(self, type_: str, **fields: Any) -> dict[str, Any]:
-        message = self.recv()
-        assert message["type"] == type_, message
-        assert message["v"] == 1
-        for key, value in fields.items():
-            assert message[key] == value, message
-        return message
-
-    def expect_error(self, code: str, **fields: Any) -> str:
-        message = self.expect("error", code=code, **fields)
-        assert message["message"]
-        return str(message["message"])
-
-    def sync(self) -> None:
-        """Wait until every earlier frame was handled: the reply to a bad frame comes last."""
-        self.ws.send_text("sync")
-        self.expect_error("malformed")
-
-    def hello(
-        self,
-        *,
-        key: str = "node-key-1",
-        kinds: tuple[str, ...] = ("sleep",),
-        slots: int = 1,
-        running: tuple[int, ...] = (),
-        token: str | None = None,
-    ) -> None:
-        self.send(
-            type="hello",
-            token=token or self.token,
-            node_key=key,
-            name=key,
-            worker_version="0.1.0",
-            hardware={"cpu_cores": 2, "memory_mb": 4096},
-            benchmark={"matmul_gflops": 10.0},
-            slots=slots,
-            kinds=list(kinds),
-            running=list(running),
-        )
-
-    def join(self, **kwargs: Any) -> dict[str, Any]:
-        self.hello(**kwargs)
-        welcome = self.expect("welcome")
-        assert welcome["node_id"] >= 1 and welcome["heartbeat_interval_s"] > 0
-        return welcome
-
-    def ready(self, free_slots: int = 1) -> None:
-        self.send(type="ready", free_slots=free_slots)
-
-    def take(self) -> dict[str, Any]:
-        self.ready()
-        return self.expect("assign")
-
-    def upload(self, data: bytes) -> str:
-        return self.api.upload(data, token=self.token)
-
-    def result(self, task_id: int, output: bytes, *, upload: bool = True) -> None:
-        blob_hash = self.upload(output) if upload else sha(output)
-        self.send(
-            type="result",
-            task_id=task_id,
-            output=blob_hash,
-            output_size=len(output),
-            elapsed_s=0.01,
-        )
 
 
 @pytest.fixture
@@ -122,8 +30,10 @@ def connect(api: Api, node_token: str) -> Iterator[Any]:
     """Open node connections: `connect()` with the volunteer's token, or another one."""
     with contextlib.ExitStack() as stack:
 
-        def open_node(token: str = node_token) -> Node:
-            return Node(api, stack.enter_context(api.client.websocket_connect(WS)), token)
+        def open_node(token: str = node_token) -> SocketNode:
+            return SocketNode(
+                api, stack.enter_context(api.client.websocket_connect(NODE_WS)), token
+            )
 
         yield open_node
 
@@ -182,7 +92,7 @@ BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
 ]
 
 
-def _send_frame(node: Node, frame: str | bytes) -> None:
+def _send_frame(node: SocketNode, frame: str | bytes) -> None:
     if isinstance(frame, bytes):
         node.ws.send_bytes(frame)
     else:

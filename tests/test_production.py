@@ -11,7 +11,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import off_loop
+from helpers import wait_until
 
 from idlegrid.kinds.sleep import _digest
 from idlegrid.localgrid import LocalGrid
@@ -91,15 +91,6 @@ def _connected_here(url: str) -> int:
     return int(float(line.split()[1]))
 
 
-def _wait_until(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def _expected(tasks: int) -> list[dict[str, object]]:
     return [json.loads(_digest(i)) for i in range(tasks)]
 
@@ -128,10 +119,12 @@ def test_a_killed_coordinator_s_workers_fail_over_and_the_job_completes(
     tasks = 24
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.4})
-        _wait_until(lambda: 2 <= job.info()["shards_done"] < tasks - 8, 60, "partial progress")
+        wait_until(
+            lambda: 2 <= job.info()["shards_done"] < tasks - 8, "partial progress", timeout_s=60
+        )
         grid.kill_coordinator(doomed)
         # Its workers reconnect to the survivor; their running tasks finish and count.
-        _wait_until(lambda: _connected_here(grid.url) == WORKERS, 30, "fail-over")
+        wait_until(lambda: _connected_here(grid.url) == WORKERS, "fail-over", timeout_s=30)
         info = job.wait(timeout=FINISH_S)
         assert job.result() == _expected(tasks)
     assert info["state"] == "completed"
@@ -144,7 +137,9 @@ def test_redis_losing_everything_mid_job_loses_no_task(
     tasks = 30
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.3})
-        _wait_until(lambda: 2 <= job.info()["shards_done"] < tasks - 10, 60, "partial progress")
+        wait_until(
+            lambda: 2 <= job.info()["shards_done"] < tasks - 10, "partial progress", timeout_s=60
+        )
         # What a Redis restart without persistence does to this grid: every key gone.
         assert off_loop(_delete_keys(redis_url, redis_prefix)) > 0
         info = job.wait(timeout=FINISH_S)
@@ -153,7 +148,7 @@ def test_redis_losing_everything_mid_job_loses_no_task(
     _assert_every_shard_counted_once(grid, tasks)
     # The coordinators rebuilt the queue marker and their nodes' connections.
     assert off_loop(_count_keys(redis_url, redis_prefix + "ready:built")) == 1
-    _wait_until(lambda: _grid_connected(grid.url) == WORKERS, 10, "connections rebuilt")
+    wait_until(lambda: _grid_connected(grid.url) == WORKERS, "connections rebuilt", timeout_s=10)
 
 
 def _grid_connected(url: str) -> int:
@@ -256,7 +251,7 @@ class _RedisServer:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        _wait_until(lambda: _answers(self.port), 10, "redis-server to start")
+        wait_until(lambda: _answers(self.port), "redis-server to start", timeout_s=10)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -271,6 +266,11 @@ def _answers(port: int) -> bool:
             return conn.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+def _lost_subscriptions(log: Path) -> int:
+    """How often a coordinator's log says its Redis subscription was lost."""
+    return log.read_text().count("subscription to")
 
 
 def test_a_redis_restart_mid_job_loses_no_task(
@@ -294,12 +294,19 @@ def test_a_redis_restart_mid_job_loses_no_task(
         tasks = 30
         with grid.client() as client:
             job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.3})
-            _wait_until(lambda: 2 <= job.info()["shards_done"] < tasks - 10, 60, "progress")
+            wait_until(
+                lambda: 2 <= job.info()["shards_done"] < tasks - 10, "progress", timeout_s=60
+            )
+            logs = [grid.root / "coordinator.log", grid.root / "coordinator-2.log"]
+            before = {log: _lost_subscriptions(log) for log in logs}
             private_redis.stop()  # SIGKILL: everything in it is gone
-            time.sleep(1.0)
+            wait_until(
+                lambda: all(_lost_subscriptions(log) > n for log, n in before.items()),
+                "both coordinators to lose Redis",
+            )
             private_redis.start()
             info = job.wait(timeout=FINISH_S)
             assert job.result() == _expected(tasks)
         assert info["state"] == "completed"
         _assert_every_shard_counted_once(grid, tasks)
-        _wait_until(lambda: _grid_connected(grid.url) == 2, 20, "connections rebuilt")
+        wait_until(lambda: _grid_connected(grid.url) == 2, "connections rebuilt", timeout_s=20)

@@ -6,7 +6,6 @@ grid's own claim path; the nodes are sessions whose sent messages the test reads
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -14,12 +13,13 @@ from typing import Any
 
 import pytest
 from conftest import Api, bearer
+from helpers import NODE_WS, FakeNode, SocketNode, fake_node
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession, node_view
+from idlegrid.coordinator.hub import node_view
 from idlegrid.kinds.sleep import _digest
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.sql import SqlStore
@@ -52,54 +52,30 @@ async def _account(grid: Grid, name: str) -> int:
 
 async def _node(
     grid: Grid, account_id: int, key: str, *, gpus: tuple[str, ...] = (), gflops: float = 10.0
-) -> NodeSession:
+) -> FakeNode:
     hardware = protocol.HardwareProfile(
         memory_mb=8000, gpus=[protocol.Gpu(backend=b, name=b, memory_mb=8000) for b in gpus]
     )  # type: ignore[arg-type]
-    bench = protocol.Benchmark(matmul_gflops=gflops)
-    record = await grid.store.register_node(
+    node = await fake_node(
+        grid.store,
         account_id,
         key,
-        name=key,
-        worker_version="test",
-        hardware=hardware.model_dump(),
-        benchmark=bench.model_dump(),
-        kinds=["sleep"],
-        slots=1,
-        address="",
         now=grid.clock(),
+        hardware=hardware,
+        benchmark=protocol.Benchmark(matmul_gflops=gflops),
     )
-    sent: list[dict[str, Any]] = []
-
-    async def send_text(text: str) -> None:
-        sent.append(json.loads(text))
-
-    async def close() -> None:
-        return None
-
-    session = NodeSession(
-        node_id=record.id,
-        account_id=account_id,
-        name=key,
-        slots=1,
-        view=node_view(record.id, ["sleep"], hardware, bench),
-        kind_rates={},
-        send_text=send_text,
-        close=close,
-    )
-    session.sent = sent  # type: ignore[attr-defined]
-    grid.hub.add(session)
-    return session
+    grid.hub.add(node.session)
+    return node
 
 
-async def _take(grid: Grid, session: NodeSession) -> dict[str, Any] | None:
+async def _take(grid: Grid, node: FakeNode) -> dict[str, Any] | None:
     """Ask for one task as a free node does; forget it at once (the slot frees again)."""
-    before = len(session.sent)  # type: ignore[attr-defined]
-    session.requested = 1
-    await grid.fill(session)
-    assigns = [m for m in session.sent[before:] if m["type"] == "assign"]  # type: ignore[attr-defined]
+    before = len(node.sent)
+    node.session.requested = 1
+    await grid.fill(node.session)
+    assigns = [m for m in node.sent[before:] if m["type"] == "assign"]
     for message in assigns:
-        session.live.discard(message["task_id"])
+        node.session.live.discard(message["task_id"])
     return assigns[0] if assigns else None
 
 
@@ -172,7 +148,7 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
     job_id = await _submit(grid, alice, tasks=1, seconds=30.0)  # 30 s on the slow node
     original = await _take(grid, slow)
     assert original is not None
-    slow.live.add(original["task_id"])  # it keeps running there
+    slow.session.live.add(original["task_id"])  # it keeps running there
     fast = await _node(grid, alice, "fast-node", gflops=100.0)  # 0.3 s here
     backup = await _take(grid, fast)
     assert backup is not None and backup["task_id"] != original["task_id"]
@@ -183,7 +159,7 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
 
     output = _digest(0)
     receipt = await grid.accept_result(
-        fast,
+        fast.session,
         protocol.Result(
             task_id=backup["task_id"],
             output=grid.blobs.put(output),
@@ -194,9 +170,8 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
     assert receipt.status == "accepted"
     job = await grid.store.get_job(job_id)
     assert job is not None and job.state.value == "completed"
-    cancels = [m for m in slow.sent if m["type"] == "cancel"]  # type: ignore[attr-defined]
-    assert [m["task_id"] for m in cancels] == [original["task_id"]]
-    states = {t.task_id: t.state.value for t in await grid.store.node_tasks(slow.node_id)}
+    assert [m["task_id"] for m in slow.of_type("cancel")] == [original["task_id"]]
+    states = {t.task_id: t.state.value for t in await grid.store.node_tasks(slow.session.node_id)}
     assert original["task_id"] not in states  # no longer held: cancelled
 
 
@@ -215,21 +190,25 @@ async def test_backups_respect_max_attempts_and_distinct_nodes(grid: Grid) -> No
     await _submit(grid, alice, tasks=1, seconds=30.0)
     original = await _take(grid, slow)
     assert original is not None
-    shard_id = slow.shard_of[original["task_id"]]
+    shard_id = slow.session.shard_of[original["task_id"]]
     now = grid.clock()
     # The holder itself never gets a copy of its own shard.
     assert (
-        await grid.store.add_backup_task(shard_id, slow.node_id, lease_deadline=now + 9, now=now)
+        await grid.store.add_backup_task(
+            shard_id, slow.session.node_id, lease_deadline=now + 9, now=now
+        )
         is None
     )
     other = await _node(grid, alice, "other", gflops=1.0)
     first = await grid.store.add_backup_task(
-        shard_id, other.node_id, lease_deadline=now + 9, now=now
+        shard_id, other.session.node_id, lease_deadline=now + 9, now=now
     )
     assert first is not None
     third = await _node(grid, alice, "third", gflops=1.0)
     assert (
-        await grid.store.add_backup_task(shard_id, third.node_id, lease_deadline=now + 9, now=now)
+        await grid.store.add_backup_task(
+            shard_id, third.session.node_id, lease_deadline=now + 9, now=now
+        )
         is None
     )
     shards = await grid.store.list_shards(original["job_id"])
@@ -255,23 +234,12 @@ def test_job_status_says_why_it_waits(api: Api) -> None:
     job = api.submit(token, kind="sleep", params={"tasks": 2, "backend": "cuda"})
     assert api.job(token, job["id"])["waiting_for"] == ["no node is registered yet"]
     node_token = api.token(account="alice", kind="node")
-    with api.client.websocket_connect("/v1/nodes/ws") as ws:
-        ws.send_text(
-            json.dumps(
-                {
-                    "type": "hello",
-                    "token": node_token,
-                    "node_key": "laptop-key",
-                    "name": "laptop",
-                    "worker_version": "0.1.0",
-                    "hardware": {"memory_mb": 4096, "disk_free_mb": 900},
-                    "benchmark": {"matmul_gflops": 10.0},
-                    "slots": 1,
-                    "kinds": ["sleep"],
-                }
-            )
+    with api.client.websocket_connect(NODE_WS) as ws:
+        node = SocketNode(api, ws, node_token)
+        node.hello(
+            key="laptop-key", name="laptop", hardware={"memory_mb": 4096, "disk_free_mb": 900}
         )
-        assert json.loads(ws.receive_text())["type"] == "welcome"
+        node.expect("welcome")
         info = api.job(token, job["id"])
     assert info["waiting_for"] == [
         "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"
@@ -286,23 +254,10 @@ def test_a_node_downloading_a_blob_holds_it_for_locality(api: Api) -> None:
     weights = api.upload(b"model weights shared by every shard")
     node_token = api.token(account="volunteer", kind="node")
     other_token = api.token(account="someone-else", kind="node")
-    with api.client.websocket_connect("/v1/nodes/ws") as ws:
-        ws.send_text(
-            json.dumps(
-                {
-                    "type": "hello",
-                    "token": node_token,
-                    "node_key": "gamer-key",
-                    "name": "gamer",
-                    "worker_version": "0.1.0",
-                    "hardware": {"memory_mb": 4096},
-                    "benchmark": {"matmul_gflops": 10.0},
-                    "slots": 1,
-                    "kinds": ["sleep"],
-                }
-            )
-        )
-        node_id = json.loads(ws.receive_text())["node_id"]
+    with api.client.websocket_connect(NODE_WS) as ws:
+        node = SocketNode(api, ws, node_token)
+        node.hello(key="gamer-key", name="gamer", hardware={"memory_mb": 4096})
+        node_id = node.expect("welcome")["node_id"]
         session = api.client.app.state.grid.hub.get(node_id)  # type: ignore[attr-defined]
         # Another account's token cannot claim the node's cache.
         api.client.get(
@@ -325,6 +280,6 @@ async def test_running_shards_are_only_those_of_jobs_near_their_end(grid: Grid) 
     assert await grid.store.running_shards(limit=10) == []  # a shard still waits: not the end
     await _take(grid, second)
     running = await grid.store.running_shards(limit=10)
-    assert sorted(r.node_id for r in running) == [first.node_id, second.node_id]
+    assert sorted(r.node_id for r in running) == [first.session.node_id, second.session.node_id]
     assert {r.job_id for r in running} == {job_id}
     assert all(r.node_benchmark["matmul_gflops"] == 10.0 for r in running)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import eventually
 from sqlalchemy import Column, Integer, MetaData, String, Table, insert, select, text, update
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -43,13 +44,11 @@ def driver_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "idlegrid-sqlite"]
 
 
-async def wait_for_threads(count: int) -> int:
-    """The number of driver threads once it is `count`, or after 2 s."""
-    for _ in range(200):
-        if len(driver_threads()) == count:
-            break
-        await asyncio.sleep(0.01)
-    return len(driver_threads())
+async def wait_for_threads(count: int) -> None:
+    """Until `count` driver threads are left: a closed connection's thread ends soon after."""
+    await eventually(
+        lambda: len(driver_threads()) == count, f"{count} driver threads left", timeout_s=10
+    )
 
 
 def test_sqlite_urls_get_the_driver() -> None:
@@ -149,7 +148,7 @@ async def test_closed_connection_refuses_work_and_threads_end(tmp_path: Path) ->
     await connection.close()
     with pytest.raises(sqlite_driver.sqlite3.ProgrammingError):
         await connection.call(lambda: None)
-    assert await wait_for_threads(before) == before
+    await wait_for_threads(before)
 
 
 async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
@@ -164,7 +163,7 @@ async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
     assert await asyncio.gather(*(one(i) for i in range(4))) == [0, 1, 2, 3]
     assert len(driver_threads()) >= before + 2
     await engine.dispose()
-    assert await wait_for_threads(before) == before
+    await wait_for_threads(before)
 
 
 async def test_bad_path_is_an_operational_error(tmp_path: Path) -> None:
@@ -200,7 +199,7 @@ async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
     with pytest.raises(asyncio.CancelledError):
         await closing
     assert await busy is True
-    assert await wait_for_threads(before) == before
+    await wait_for_threads(before)
 
 
 async def test_connections_nobody_closed_end_their_threads_when_collected(
@@ -221,4 +220,4 @@ async def test_connections_nobody_closed_end_their_threads_when_collected(
 
     await use_and_drop()
     gc.collect()
-    assert await wait_for_threads(before) == before
+    await wait_for_threads(before)

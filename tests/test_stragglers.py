@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import wait_until
 
 from idlegrid.kinds.sleep import _digest
 from idlegrid.localgrid import LocalGrid
@@ -47,15 +48,6 @@ def _tasks(grid: LocalGrid) -> list[tuple[int, str, str | None, str]]:
         ).fetchall()
 
 
-def _wait_until(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_a_slow_workers_shard_is_finished_by_a_fast_one(grid: LocalGrid) -> None:
     plain_env = grid.env
     grid.env = {**plain_env, "IDLEGRID_SLOWDOWN": str(SLOWDOWN)}
@@ -64,7 +56,9 @@ def test_a_slow_workers_shard_is_finished_by_a_fast_one(grid: LocalGrid) -> None
     grid.wait_for_nodes(1)
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": 1, "seconds": SECONDS})
-        _wait_until(lambda: job.info()["state"] == "running", 30, "the slow worker's claim")
+        wait_until(
+            lambda: job.info()["state"] == "running", "the slow worker's claim", timeout_s=30
+        )
         started = time.monotonic()
         grid.start_worker("fast", kinds="sleep")
         info = job.wait(timeout=SLOWDOWN * SECONDS)

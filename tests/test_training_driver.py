@@ -7,7 +7,6 @@ a worker daemon does, and hands the result to `Grid.accept_result`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +15,13 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import Api, assert_error, bearer
+from helpers import FakeNode, fake_node
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession
 from idlegrid.kinds import InputError, RunContext, diloco, get_kind
-from idlegrid.policy.scheduler import NodeView
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import JobRecord, ResultReceipt
 from idlegrid.store.sql import SqlStore
@@ -80,16 +78,10 @@ def _dataset() -> bytes:
 
 
 @dataclass
-class Node:
-    session: NodeSession
+class Node(FakeNode):
+    """A node with its own worker cache (its optimizer state between rounds)."""
+
     cache: WorkerState = field(default_factory=WorkerState)
-    sent: list[dict[str, Any]] = field(default_factory=list)
-
-    def assigned(self) -> list[dict[str, Any]]:
-        return [m for m in self.sent if m["type"] == "assign"]
-
-    def cancelled(self) -> set[int]:
-        return {m["task_id"] for m in self.sent if m["type"] == "cancel"}
 
 
 @dataclass
@@ -100,20 +92,10 @@ class Harness:
     done: set[int] = field(default_factory=set)
 
     async def node(self, key: str) -> Node:
-        record = await self.grid.store.register_node(
-            self.account_id, key, name=key, worker_version="test", hardware={}, benchmark={},
-            kinds=["diloco-train"], slots=1, address="10.0.0.1", now=self.now[0],
+        node = await fake_node(
+            self.grid.store, self.account_id, key, now=self.now[0], kinds=["diloco-train"],
+            address="10.0.0.1", node_type=Node,
         )  # fmt: skip
-        node = Node(session=None)  # type: ignore[arg-type]
-
-        async def send_text(text: str) -> None:
-            node.sent.append(json.loads(text))
-
-        async def close() -> None:
-            return None
-
-        view = NodeView(record.id, frozenset({"diloco-train"}), frozenset({"cpu"}), 8192, 10.0)
-        node.session = NodeSession(record.id, self.account_id, key, 1, view, {}, send_text, close)
         self.grid.hub.add(node.session)
         return node
 

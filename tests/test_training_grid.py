@@ -7,13 +7,14 @@ of a few inner steps; one test kills a worker in the middle of a round.
 from __future__ import annotations
 
 import signal
-import time
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from click.testing import CliRunner
+from helpers import wait_until
 
 from idlegrid.cli import main
 from idlegrid.kinds import diloco
@@ -38,6 +39,20 @@ def grid(tmp_path: Path) -> Iterator[LocalGrid]:
             local.start_worker(name, kinds="diloco-train", threads=1, benchmark=False)
         local.wait_for_nodes(2)
         yield local
+
+
+def _holds_a_task_after_round_0(grid: LocalGrid, worker: str, job_id: int) -> bool:
+    """Whether `worker`'s node holds a live training task of round 1 or later of the job."""
+    with sqlite3.connect(grid.data_dir / "idlegrid.db") as db:
+        (held,) = db.execute(
+            "SELECT COUNT(*) FROM tasks t JOIN nodes n ON n.id = t.node_id"
+            " JOIN shards s ON s.id = t.shard_id"
+            " JOIN training_rounds r ON r.job_id = s.job_id AND s.idx >= r.first_shard"
+            " AND s.idx < r.first_shard + r.train_shards"
+            " WHERE n.name = ? AND s.job_id = ? AND t.state = 'assigned' AND r.round >= 1",
+            (worker, job_id),
+        ).fetchone()
+    return bool(held)
 
 
 def test_training_through_workers_lowers_the_eval_loss(grid: LocalGrid) -> None:
@@ -73,10 +88,12 @@ def test_a_worker_killed_mid_round_does_not_stop_training(grid: LocalGrid) -> No
     with grid.client() as client:
         job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
                             params=params)  # fmt: skip
-        deadline = time.monotonic() + 60
-        while job.metrics()["rounds_done"] < 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)  # round 1's tasks are out: kill a worker holding one
+        # Kill the second worker while it holds a training task of round 1 or later.
+        wait_until(
+            lambda: _holds_a_task_after_round_0(grid, "w2", job.id),
+            "w2 to hold a task of round 1",
+            timeout_s=90,
+        )
         grid.workers[1].send_signal(signal.SIGKILL)
         grid.workers[1].wait()
         job.wait(timeout=120)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
 from collections.abc import Iterator
 from hashlib import sha256
 from typing import Any
 
 import numpy as np
 import pytest
+from helpers import run_python
 from pydantic import ValidationError
 
 from idlegrid.kinds import Cancelled, InputError, RunContext, Verdict, diloco, get_kind
@@ -55,7 +54,7 @@ def test_the_kind_is_registered_and_importing_it_needs_no_torch() -> None:
         "import sys, idlegrid.kinds, idlegrid.training.simulate, idlegrid.training.worker; "
         "assert 'torch' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code, timeout_s=60)
 
 
 @pytest.mark.parametrize(

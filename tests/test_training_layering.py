@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import ast
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_python
 
 TRAINING = Path(__file__).resolve().parents[1] / "src" / "idlegrid" / "training"
 # Policy: plain values in, decisions out; the coordinator runs these.
@@ -50,4 +49,4 @@ def test_only_torch_modules_imports_torch_at_module_level(path: Path) -> None:
 def test_the_coordinators_training_modules_load_without_torch() -> None:
     modules = ", ".join(f"idlegrid.training.{m}" for m in (*PURE, "models", "simulate"))
     code = f"import sys, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code, timeout_s=60)

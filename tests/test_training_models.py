@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import numpy as np
 import pytest
+from helpers import run_python
 from pydantic import ValidationError
 
 from idlegrid.training import models
@@ -75,4 +73,4 @@ def test_parameter_lists_and_init_need_no_torch() -> None:
         "c = models.parse_config('cnn', {}); models.init_weights('cnn', c, 0); "
         "assert 'torch' not in sys.modules"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    run_python(code, timeout_s=60)

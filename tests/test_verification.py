@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from conftest import Api, bearer
+from helpers import NODE_WS, SocketNode
 from starlette.testclient import TestClient
-from test_node_socket import WS, Node
 
 from idlegrid.coordinator.app import create_app
 from idlegrid.coordinator.grid import Grid
@@ -56,18 +56,18 @@ class Fleet:
 
     def __init__(self, api: Api, stack: contextlib.ExitStack) -> None:
         self.api, self.stack = api, stack
-        self.nodes: dict[str, tuple[Node, int]] = {}
+        self.nodes: dict[str, tuple[SocketNode, int]] = {}
 
-    def join(self, name: str, *, account: str | None = None) -> Node:
+    def join(self, name: str, *, account: str | None = None) -> SocketNode:
         token = self.api.token(account=account or f"volunteer-{name}", kind="node")
-        node = Node(
-            self.api, self.stack.enter_context(self.api.client.websocket_connect(WS)), token
+        node = SocketNode(
+            self.api, self.stack.enter_context(self.api.client.websocket_connect(NODE_WS)), token
         )
         welcome = node.join(key=f"node-key-{name}")
         self.nodes[name] = (node, welcome["node_id"])
         return node
 
-    def node(self, name: str) -> Node:
+    def node(self, name: str) -> SocketNode:
         return self.nodes[name][0]
 
     def info(self, name: str) -> dict[str, Any]:
@@ -98,7 +98,7 @@ def _grid(api: Api) -> Grid:
     return grid
 
 
-def _answer(node: Node, output: bytes) -> dict[str, Any]:
+def _answer(node: SocketNode, output: bytes) -> dict[str, Any]:
     task = node.take()
     node.result(task["task_id"], output)
     node.expect("result_ack", status="accepted")
@@ -186,16 +186,16 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
         api.submit(researcher, kind="sleep", params={"tasks": 1})
         liar.ready()
         liar.sync()
-        sybil = Node(
+        sybil = SocketNode(
             api,
-            stack.enter_context(api.client.websocket_connect(WS)),
+            stack.enter_context(api.client.websocket_connect(NODE_WS)),
             api.token(account="volunteer-liar", kind="node"),
         )
         sybil.hello(key="node-key-sybil")
         assert "flagged" in sybil.expect_error("unauthorized")
 
 
-def _warm_up(nodes: list[Node]) -> None:
+def _warm_up(nodes: list[SocketNode]) -> None:
     """Two shards: all three new nodes are needed for the first (0.985); after it each
     has passed a check (0.9), and two that agree decide the second (0.988)."""
     for node in (*nodes, *nodes[:2]):

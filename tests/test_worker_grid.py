@@ -10,10 +10,12 @@ import socket
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from helpers import eventually
 from pydantic import BaseModel
 
 from idlegrid.coordinator.app import create_app
@@ -32,9 +34,8 @@ async def coordinator(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not serving.done(), "the coordinator did not start"
-        await asyncio.sleep(0.02)
+    await eventually(lambda: server.started or serving.done(), "the coordinator to start")
+    assert server.started, "the coordinator did not start"
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
         yield url, settings.admin_token_file.read_text().strip()
@@ -44,6 +45,34 @@ async def coordinator(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
         sock.close()
 
 
+async def _finished(http: httpx.AsyncClient, job_id: int) -> dict[str, Any]:
+    """The job's info once it is no longer queued or running."""
+
+    async def ended() -> dict[str, Any] | None:
+        info: dict[str, Any] = (await http.get(f"/v1/jobs/{job_id}")).json()
+        return info if info["state"] not in ("queued", "running") else None
+
+    return await eventually(ended, f"job {job_id} to end", timeout_s=60)
+
+
+def _worker(url: str, token: str, state_dir: Path, **settings: Any) -> Worker:
+    """A daemon for `url` without a hardware probe or benchmark: these tests are about the
+    protocol."""
+    worker = Worker(
+        WorkerSettings(
+            servers=(url,),
+            token=token,
+            state_dir=state_dir,
+            benchmark=False,
+            dedicated=True,  # a test machine is never idle
+            control_port=-1,  # no local control page
+            **settings,
+        )
+    )
+    worker.hardware = HardwareProfile()
+    return worker
+
+
 async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
     coordinator: tuple[str, str], tmp_path: Path
 ) -> None:
@@ -51,19 +80,7 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
     headers = {"Authorization": f"Bearer {admin}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
         made = await http.post("/v1/tokens", json={"kind": "node"})
-        worker = Worker(
-            WorkerSettings(
-                servers=(url,),
-                token=made.json()["token"],
-                state_dir=tmp_path / "worker",
-                slots=4,
-                kinds=("noop",),
-                benchmark=False,
-                dedicated=True,
-                control_port=-1,
-            )
-        )
-        worker.hardware = HardwareProfile()  # no probe: this test is about the protocol
+        worker = _worker(url, made.json()["token"], tmp_path / "worker", slots=4, kinds=("noop",))
         sent: Counter[str] = Counter()
         send = worker._send
 
@@ -79,19 +96,13 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
                     "/v1/jobs", json={"kind": "noop", "params": {"tasks": 40}, "replication": 1}
                 )
             ).json()
-            for _ in range(600):
-                info = (await http.get(f"/v1/jobs/{job['id']}")).json()
-                if info["state"] != "queued" and info["state"] != "running":
-                    break
-                await asyncio.sleep(0.05)
+            info = await _finished(http, job["id"])
             assert info["state"] == "completed", info
             assert info["tasks_completed"] == 40
             result = await http.get(f"/v1/jobs/{job['id']}/result")
             assert result.json() == {"tasks": 40}
-            for _ in range(100):  # heartbeats come every 0.1 s
-                if worker.heartbeat_rtt_s is not None:
-                    break
-                await asyncio.sleep(0.05)
+            # Heartbeats come every 0.1 s.
+            await eventually(lambda: worker.heartbeat_rtt_s is not None, "a heartbeat's ack")
         finally:
             worker.stop()
             await running
@@ -112,20 +123,9 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
     headers = {"Authorization": f"Bearer {admin}"}
     async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
         made = await http.post("/v1/tokens", json={"kind": "node"})
-        worker = Worker(
-            WorkerSettings(
-                servers=(url,),
-                token=made.json()["token"],
-                state_dir=tmp_path / "worker",
-                slots=2,
-                prefetch=3,
-                kinds=("sleep",),
-                benchmark=False,
-                dedicated=True,
-                control_port=-1,
-            )
+        worker = _worker(
+            url, made.json()["token"], tmp_path / "worker", slots=2, prefetch=3, kinds=("sleep",)
         )
-        worker.hardware = HardwareProfile()
         held, computing, most_computing = [0], [0], [0]
         compute = worker._compute
 
@@ -151,11 +151,7 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
                     },
                 )
             ).json()
-            for _ in range(600):
-                info = (await http.get(f"/v1/jobs/{job['id']}")).json()
-                if info["state"] not in ("queued", "running"):
-                    break
-                await asyncio.sleep(0.05)
+            info = await _finished(http, job["id"])
         finally:
             worker.stop()
             await running

@@ -9,37 +9,22 @@ coordinator sends them.
 from __future__ import annotations
 
 import asyncio
-import json
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import Database
+from helpers import FakeNode, eventually, fake_node
 
 from idlegrid.blobs import BlobStore
 from idlegrid.broker import Broker, MemoryBroker
 from idlegrid.coordinator import monitor, peers
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.monitor import Monitor
-from idlegrid.policy.scheduler import NodeView
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import AccountRecord
 from idlegrid.store.sql import SqlStore
-
-
-@dataclass
-class FakeNode:
-    """What one node's connection received, and whether the coordinator closed it."""
-
-    session: NodeSession
-    sent: list[dict[str, Any]] = field(default_factory=list)
-    closed: bool = False
-
-    def of_type(self, kind: str) -> list[dict[str, Any]]:
-        return [m for m in self.sent if m["type"] == kind]
 
 
 @dataclass
@@ -82,7 +67,9 @@ async def pair(
     monitors = [Monitor(grid) for grid in grids]
     for m in monitors:
         await m.start()
-    await asyncio.sleep(0.1)  # both subscribed
+    # Each monitor listens for the other process's messages; one published before its
+    # subscription is up would be lost.
+    await eventually(lambda: _subscriptions(broker, len(monitors)), "both monitors to subscribe")
     account = await store.create_account("volunteer", is_admin=False, now=1.0)
     try:
         yield Pair(grids[0], grids[1], account, "memory" if second_broker is broker else "redis")
@@ -95,46 +82,22 @@ async def pair(
             await second_store.close()
 
 
+async def _subscriptions(broker: Broker, expected: int) -> bool:
+    """Whether the broker holds `expected` subscriptions, over all of its channels."""
+    if isinstance(broker, MemoryBroker):
+        return sum(len(queues) for queues in broker._subscribers.values()) == expected
+    from idlegrid.broker.redis import RedisBroker
+
+    assert isinstance(broker, RedisBroker)
+    channels = await broker.client.pubsub_channels(broker.prefix + "*")
+    counts = await broker.client.pubsub_numsub(*channels) if channels else []
+    return sum(count for _, count in counts) == expected
+
+
 async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode:
-    record = await grid.store.register_node(
-        pair.account.id,
-        key,
-        name=key,
-        worker_version="0",
-        hardware={},
-        benchmark={},
-        kinds=["sleep"],
-        slots=slots,
-        address="",
-        now=grid.clock(),
-    )
-    fake: FakeNode
-
-    async def send_text(text: str) -> None:
-        fake.sent.append(json.loads(text))
-
-    async def close() -> None:
-        fake.closed = True
-
-    session = NodeSession(
-        node_id=record.id,
-        account_id=pair.account.id,
-        name=key,
-        slots=slots,
-        view=NodeView(
-            node_id=record.id,
-            kinds=frozenset({"sleep"}),
-            backends=frozenset({"cpu"}),
-            memory_mb=4096,
-            gflops=10.0,
-        ),
-        kind_rates={},
-        send_text=send_text,
-        close=close,
-    )
-    fake = FakeNode(session)
-    await peers.attach(grid, session)
-    return fake
+    node = await fake_node(grid.store, pair.account.id, key, now=grid.clock(), slots=slots)
+    await peers.attach(grid, node.session)
+    return node
 
 
 async def _submit(pair: Pair, grid: Grid, tasks: int, *, replication: int = 1) -> int:
@@ -149,14 +112,6 @@ async def _submit(pair: Pair, grid: Grid, tasks: int, *, replication: int = 1) -
     return job.id
 
 
-async def _eventually(check: Callable[[], bool], what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + 5.0
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
-
-
 async def test_a_cancel_reaches_a_node_connected_to_the_other_process(pair: Pair) -> None:
     node = await _node(pair, pair.b, "node-b")
     job_id = await _submit(pair, pair.a, 1)
@@ -164,7 +119,7 @@ async def test_a_cancel_reaches_a_node_connected_to_the_other_process(pair: Pair
     assert await pair.b.fill(node.session) == 1
     [assign] = node.of_type("assign")
     await pair.a.cancel_job(job_id)  # the API call lands on the other process
-    await _eventually(lambda: bool(node.of_type("cancel")), "the cancel")
+    await eventually(lambda: node.of_type("cancel"), "the cancel")
     assert node.of_type("cancel")[0]["task_id"] == assign["task_id"]
     assert node.session.live == set()
 
@@ -173,14 +128,14 @@ async def test_new_work_wakes_idle_nodes_of_every_process(pair: Pair) -> None:
     idle = await _node(pair, pair.b, "idle-on-b")
     idle.session.requested = 1
     await _submit(pair, pair.a, 1)  # submitted through A; only B has a node
-    await _eventually(lambda: bool(idle.of_type("assign")), "an assignment on B")
+    await eventually(lambda: idle.of_type("assign"), "an assignment on B")
 
 
 async def test_a_node_that_moved_is_let_go_by_its_old_process(pair: Pair) -> None:
     first = await _node(pair, pair.a, "mover")
     second = await _node(pair, pair.b, "mover")  # the same node key: the same node
     assert first.session.node_id == second.session.node_id
-    await _eventually(lambda: first.closed, "the old session to close")
+    await eventually(lambda: first.closed, "the old session to close")
     assert pair.a.hub.get(first.session.node_id) is None
     assert (await pair.a.broker.connections()) == {second.session.node_id: pair.b.process_id}
     assert not await peers.detach(pair.a, first.session)  # its socket ending changes nothing

@@ -500,9 +500,11 @@ class Grid:
                 for pending in group:
                     try:
                         async with self.store.batch():
-                            pending.done(await self._take_results(pending.session, pending.msgs))
+                            alone = await self._take_results(pending.session, pending.msgs)
                     except Exception as exc:
                         pending.fail(exc)
+                    else:
+                        pending.done(alone)  # after the commit, as in a group
                 continue
             for pending, receipt in zip(group, receipts, strict=True):
                 pending.done(receipt)
