@@ -32,7 +32,7 @@ from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.metrics import Counters
 from idlegrid.coordinator.peers import unless_broker_away
-from idlegrid.coordinator.training import RoundDriver
+from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import KindParams, Requirements, TaskKind, Verdict, get_kind
 from idlegrid.policy import scheduler, sybil, verifier
 from idlegrid.policy import trust as trust_policy

@@ -5,7 +5,7 @@ that produced it) plus its shards: one training task per worker-shard and, every
 `eval_every` rounds, one evaluation task of round t's weights on the held-out split. When
 `min_updates` training shards have a canonical update (verified like any shard, with the
 job's replication), or the round's timer ran out with at least one, the driver closes the
-round with `training.rounds.close_round` (numpy; the coordinator never imports torch),
+round with `training.closing.close_round` (numpy; the coordinator never imports torch),
 checkpoints the new weights and momentum as safetensors blobs, cancels the round's
 unfinished tasks (their late updates are dropped: this driver is synchronous), and opens
 round t+1, whose payloads carry the compressed update by reference and the checkpoint
@@ -42,7 +42,7 @@ from idlegrid.kinds.diloco import (
 )
 from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
 from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
-from idlegrid.training import rounds, tasks
+from idlegrid.training import closing, tasks
 from idlegrid.training.compression import decode, encode_message
 from idlegrid.training.schedule import Close, close_decision, finish_decision
 
@@ -87,7 +87,7 @@ class RoundDriver:
     async def start(self, job: JobRecord) -> None:
         """Open round 0 of a job just created (its training shards came from `split`)."""
         training = await self._training(job.id)
-        state = rounds.initial_state(initial_weights(training.params))
+        state = closing.initial_state(initial_weights(training.params))
         checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
         specs = []
         if training.params.eval_every and training.params.rounds:
@@ -286,7 +286,7 @@ class RoundDriver:
 
     def _aggregate(
         self, training: Training, current: RoundRecord, done: Sequence[ShardRecord]
-    ) -> tuple[rounds.ClosedRound, int]:
+    ) -> tuple[closing.ClosedRound, int]:
         params = training.params
         state = read_state(
             params,
@@ -298,14 +298,14 @@ class RoundDriver:
             assert shard.output_hash is not None
             result = tasks.decode_result(self.grid.blobs.read(shard.output_hash))
             assert result.update is not None  # check_output accepted it
-            updates.append(rounds.Update(decode(result.update), result.round, result.loss_mean))
+            updates.append(closing.Update(decode(result.update), result.round, result.loss_mean))
             fetched += result.fetched_bytes
-        closed = rounds.close_round(
+        closed = closing.close_round(
             state, updates, rule=params.aggregation, outer=params.outer, download=params.download
         )
         return closed, fetched
 
-    def _save(self, training: Training, state: rounds.RoundState) -> tuple[str, str]:
+    def _save(self, training: Training, state: closing.RoundState) -> tuple[str, str]:
         weights = checkpoint(training.params, state)
         return self.grid.blobs.put(weights), self.grid.blobs.put(momentum_blob(state))
 
@@ -336,7 +336,7 @@ class RoundDriver:
     def _new_round(
         self,
         training: Training,
-        state: rounds.RoundState,
+        state: closing.RoundState,
         checkpoint_hash: str,
         momentum_hash: str,
         update_hash: str | None,
