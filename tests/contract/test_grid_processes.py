@@ -133,7 +133,7 @@ async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode
         close=close,
     )
     fake = FakeNode(session)
-    await peers.attach(grid, session)
+    await peers.attach(grid.context, session)
     return fake
 
 
@@ -183,7 +183,8 @@ async def test_a_node_that_moved_is_let_go_by_its_old_process(pair: Pair) -> Non
     await _eventually(lambda: first.closed, "the old session to close")
     assert pair.a.hub.get(first.session.node_id) is None
     assert (await pair.a.broker.connections()) == {second.session.node_id: pair.b.process_id}
-    assert not await peers.detach(pair.a, first.session)  # its socket ending changes nothing
+    # Its socket ending changes nothing.
+    assert not await peers.detach(pair.a.context, first.session)
 
 
 async def test_no_shard_gets_more_replicas_than_it_needs(pair: Pair) -> None:

@@ -79,7 +79,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     @app.get("/metrics", tags=["meta"], response_class=Response)
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus metrics of this coordinator process (text exposition format)."""
-        text = await metrics.render(request.app.state.grid)
+        text = await metrics.render(request.app.state.grid.context)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     @app.websocket("/v1/nodes/ws")

@@ -1,8 +1,9 @@
 """The coordinator's core: jobs in, tasks out, results verified, jobs assembled.
 
 `Grid` wires the store (truth), the broker (ready queue, presence), the blob store and
-the hub of connected nodes around the pure policies (scheduler, verifier). The REST API,
-the WebSocket handler and the monitor all call it; none of them touch SQL.
+the hub of connected nodes (one `Context`) around the pure policies (scheduler, verifier).
+The REST API, the WebSocket handler and the monitor all call it; none of them touch SQL.
+The parts it holds (matching, the round driver) get the context and the fan-out, not it.
 
 Several coordinator processes may share one store and one broker; each has its own hub.
 What concerns a node connected to another process (a cancel) or every process (new work
@@ -16,26 +17,31 @@ import asyncio
 import functools
 import logging
 import os
-import random
 import secrets
 import socket
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from random import Random
 from typing import Any, TypeVar
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobError, BlobStore, is_blob_hash
 from idlegrid.broker.base import Broker
+from idlegrid.coordinator import peers
+from idlegrid.coordinator.context import Context, Counters, PresencePause
+from idlegrid.coordinator.fanout import GridFanOut
 from idlegrid.coordinator.hub import Hub, NodeSession
-from idlegrid.coordinator.matching import Matcher
-from idlegrid.coordinator.metrics import Counters
+from idlegrid.coordinator.leases import lease_for, lease_seconds
+from idlegrid.coordinator.matching import Matcher, Shares, node_reliability
 from idlegrid.coordinator.peers import unless_broker_away
+from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.round_driver import RoundDriver
-from idlegrid.kinds import KindParams, Requirements, TaskKind, Verdict, get_kind
+from idlegrid.kinds import KindParams, TaskKind, Verdict, get_kind
 from idlegrid.policy import scheduler, sybil, verifier
 from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.trust import TrustSettings
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
     Assignment,
@@ -62,7 +68,6 @@ log = logging.getLogger(__name__)
 CANDIDATES_PER_CLAIM = 64
 INLINE_BYTES = 64 * 1024  # see _compute
 T = TypeVar("T")
-CHANNEL = "grid"
 # A node whose quota is used up, or that is suspended, asks the store again after this.
 CLAIM_BACKOFF_S = 60.0
 # With nothing queued, this many idle nodes (the fastest) are offered backup copies.
@@ -71,20 +76,6 @@ BACKUP_OFFERS_PER_PASS = 4
 
 class JobInputError(ValueError):
     """A job request that cannot be accepted; the message is for the researcher."""
-
-
-@dataclass(frozen=True)
-class JobPlan:
-    """What the coordinator keeps in memory about a job to dispatch and verify it."""
-
-    kind: TaskKind
-    params: KindParams
-    requirements: Requirements
-    replication: int
-    min_quorum: int
-    account_id: int = 0
-    # The job's input blobs (shared by all its shards): what locality looks for.
-    inputs: frozenset[str] = frozenset()
 
 
 class Grid:
@@ -97,34 +88,84 @@ class Grid:
         blobs: BlobStore,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.settings = settings
-        self.store = store
-        self.broker = broker
-        self.blobs = blobs
-        self.hub = Hub()
-        self.clock = clock
-        self._plans: dict[int, JobPlan] = {}
-        self.work_available = asyncio.Event()
-        # Names this process in the broker: which process holds which node's connection.
-        self.process_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
-        self.counters = Counters()
-        self.presence_paused_until = 0.0  # monotonic; see peers.heard_from
-        self.trust = settings.trust
+        self.context = Context(
+            settings=settings,
+            store=store,
+            broker=broker,
+            blobs=blobs,
+            hub=Hub(),
+            clock=clock,
+            counters=Counters(),
+            process_id=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}",
+            work_available=asyncio.Event(),
+            random=Random(),
+            presence_pause=PresencePause(),
+        )
+        ctx = self.context
+        shares = Shares(store, settings.shares)
+        self.plans = Plans(store, on_new_plan=shares.resolve)
+        self.matcher = Matcher(ctx, plans=self.plans, shares=shares)
+        self.fanout = GridFanOut(ctx, plans=self.plans, matcher=self.matcher)
+        self.rounds = RoundDriver(  # training jobs: one round after another
+            ctx, fanout=self.fanout, plans=self.plans, matcher=self.matcher
+        )
+        self.distinct = Distinct(
+            accounts=settings.distinct_accounts, networks=settings.distinct_networks
+        )
+        # Group commit of results (see accept_results): what waits for the next commit.
+        self._result_queue: list[_PendingResults] = []
+        self._committer: asyncio.Task[None] | None = None
         self.registration_limits = RegistrationLimits(
             max_nodes_per_account=settings.max_nodes_per_account,
             per_account_per_hour=settings.node_registrations_per_account_per_hour,
             per_address_per_hour=settings.node_registrations_per_address_per_hour,
         )
-        self.distinct = Distinct(
-            accounts=settings.distinct_accounts, networks=settings.distinct_networks
-        )
-        # Draws of adaptive replication; a test may seed it.
-        self.random = random.Random()
-        self.matcher = Matcher(self)
-        # Group commit of results (see accept_results): what waits for the next commit.
-        self._result_queue: list[_PendingResults] = []
-        self._committer: asyncio.Task[None] | None = None
-        self.rounds = RoundDriver(self)  # training jobs: one round after another
+
+    # -- the context, for callers of the facade ------------------------------------------
+
+    @property
+    def settings(self) -> CoordinatorSettings:
+        return self.context.settings
+
+    @property
+    def store(self) -> Store:
+        return self.context.store
+
+    @property
+    def broker(self) -> Broker:
+        return self.context.broker
+
+    @property
+    def blobs(self) -> BlobStore:
+        return self.context.blobs
+
+    @property
+    def hub(self) -> Hub:
+        return self.context.hub
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        return self.context.clock
+
+    @property
+    def counters(self) -> Counters:
+        return self.context.counters
+
+    @property
+    def process_id(self) -> str:
+        return self.context.process_id
+
+    @property
+    def work_available(self) -> asyncio.Event:
+        return self.context.work_available
+
+    @property
+    def random(self) -> Random:
+        return self.context.random
+
+    @property
+    def trust(self) -> TrustSettings:
+        return self.context.settings.trust
 
     # -- jobs ----------------------------------------------------------------------------
 
@@ -197,25 +238,7 @@ class Grid:
         return [(spec, self.blobs.put(spec.payload)) for spec in kind.split(data, params)]
 
     async def plan(self, job_id: int) -> JobPlan | None:
-        plan = self._plans.get(job_id)
-        if plan is None:
-            job = await self.store.get_job(job_id)
-            if job is None:
-                return None
-            kind = get_kind(job.kind)
-            params = kind.parse_params(job.params)
-            plan = JobPlan(
-                kind=kind,
-                params=params,
-                requirements=kind.requirements(params),
-                replication=job.replication,
-                min_quorum=job.min_quorum,
-                account_id=job.account_id,
-                inputs=frozenset(job.inputs.values()),
-            )
-            self._plans[job_id] = plan
-            await self.matcher.resolve_shares()
-        return plan
+        return await self.plans.get(job_id)
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing:
@@ -243,17 +266,10 @@ class Grid:
     async def cancel_job(self, job_id: int) -> None:
         held = await self.store.cancel_job(job_id, now=self.clock())
         # Its ready tasks stay in the broker until a claim finds them gone.
-        await self._send_cancels(held, reason=f"job {job_id} was cancelled")
-        await self._job_ended(job_id)
+        await self.fanout.send_cancels(held, reason=f"job {job_id} was cancelled")
+        await self.fanout.job_ended(job_id)
 
     # -- dispatch ------------------------------------------------------------------------
-
-    async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
-        if ready:
-            self.matcher.invalidate()
-            await self.broker.push_ready(ready)
-            self.work_available.set()
-            await self.publish({"type": "work"})
 
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
@@ -299,7 +315,7 @@ class Grid:
         kind = ranked[0].kind
         picked: list[int] = []
         for candidate in ranked:
-            if self._plans[candidate.job_id].replication != 1 or candidate.kind != kind:
+            if self.plans.loaded(candidate.job_id).replication != 1 or candidate.kind != kind:
                 break
             picked.append(candidate.task_id)
             if len(picked) == wanted:
@@ -351,7 +367,8 @@ class Grid:
     def _note_claim(
         self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float
     ) -> None:
-        self.matcher.claimed(session, claim, self._plans[entry.job_id], entry.cost_flops, now=now)
+        plan = self.plans.loaded(entry.job_id)
+        self.matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
         session.reliability = trust_policy.credibility(claim.trust, self.trust)
 
     @staticmethod
@@ -376,7 +393,7 @@ class Grid:
         claimer = self._claimer(session)
         for candidate in ranked:
             entry = by_id[candidate.task_id]
-            plan = self._plans[entry.job_id]
+            plan = self.plans.loaded(entry.job_id)
             claim = await self.store.claim_task(
                 entry.task_id,
                 claimer,
@@ -419,25 +436,15 @@ class Grid:
             self.counters.alone["spot" if spot else "alone"] += 1
 
     def node_reliability(self, session: NodeSession) -> float:
-        """How far the scheduler trusts this node's results, 0..1 (0.5: nothing known).
-
-        Its credibility (policy.trust) on the kind of its last claim, as of that claim;
-        unknown until its first claim.
-        """
-        return session.reliability if session.reliability is not None else 0.5
+        return node_reliability(session)
 
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
-        """Estimated run time of this shard on this node with slack, at least the minimum."""
-        return self.lease_for(
-            session.view, entry.kind, items=entry.items, cost_flops=entry.cost_flops
-        )
+        return lease_seconds(self.settings, session, entry)
 
     def lease_for(
         self, view: scheduler.NodeView, kind: str, *, items: int, cost_flops: float
     ) -> float:
-        """Lease length for a shard of `items` / `cost_flops` (each shard its own) on a node."""
-        estimate = scheduler.expected_seconds(view, kind, items=items, cost_flops=cost_flops)
-        return max(self.settings.min_lease_s, estimate * self.settings.lease_slack)
+        return lease_for(self.settings, view, kind, items=items, cost_flops=cost_flops)
 
     async def fill_waiting(self) -> None:
         """Offer queued work to every connected node that asked for some."""
@@ -696,7 +703,7 @@ class Grid:
         self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
     ) -> None:
         """After a decision committed: cancel the shard's other replicas, count verdicts."""
-        await self._send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+        await self.fanout.send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
 
     def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
@@ -720,7 +727,7 @@ class Grid:
             job_id, result_hash=result_hash, result_size=size, now=self.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
-        await self._job_ended(job_id)
+        await self.fanout.job_ended(job_id)
 
     def _assemble(
         self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]
@@ -736,8 +743,8 @@ class Grid:
         ready, failed_jobs, to_cancel = await self.store.replenish(now=self.clock())
         for job_id in failed_jobs:
             log.warning("job %s failed: a shard ran out of attempts", job_id)
-            await self._job_ended(job_id)
-        await self._send_cancels(to_cancel, reason="the job failed")
+            await self.fanout.job_ended(job_id)
+        await self.fanout.send_cancels(to_cancel, reason="the job failed")
         await self.enqueue(ready)
 
     async def expire(self, expired: Sequence[NodeTask], *, why: str) -> None:
@@ -753,46 +760,35 @@ class Grid:
                 session.tasks_expired += 1
         await self.replenish()
 
-    async def _send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:
-        for task in held:
-            if not await self.cancel_locally(task.node_id, task.task_id, reason):
-                # Perhaps connected to another coordinator process: the holder tells it.
-                await self.publish(
-                    {
-                        "type": "cancel",
-                        "node_id": task.node_id,
-                        "task_id": task.task_id,
-                        "reason": reason,
-                    }
-                )
-        self.work_available.set()
-
-    async def cancel_locally(self, node_id: int, task_id: int, reason: str) -> bool:
-        """Tell a node connected to this process to drop a task; False if it is not here."""
-        session = self.hub.get(node_id)
-        if session is None:
-            return False
-        session.forget_task(task_id)
-        await session.send(protocol.Cancel(task_id=task_id, reason=reason))
-        return True
-
-    async def _job_ended(self, job_id: int) -> None:
-        self.forget_plan(job_id)
-        await self.publish({"type": "job_ended", "job_id": job_id})
-
     async def rebuild_queue(self) -> None:
         """Refill the broker's ready queue from the store (startup, broker loss)."""
-        ready = await self.store.ready_tasks(limit=1_000_000)
-        await self.broker.replace_ready(ready)
-        if ready:
-            self.work_available.set()
+        await peers.rebuild_queue(self.context)
+
+    def forget_plan(self, job_id: int) -> None:
+        self.plans.forget(job_id)
+
+    # -- fan-out -------------------------------------------------------------------------
+
+    async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
+        await self.fanout.enqueue(ready)
+
+    async def send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:
+        await self.fanout.send_cancels(held, reason=reason)
+
+    async def job_ended(self, job_id: int) -> None:
+        await self.fanout.job_ended(job_id)
 
     async def publish(self, message: dict[str, Any]) -> None:
         """Tell the other coordinator processes (see `peers`)."""
-        await self.broker.publish(CHANNEL, {**message, "origin": self.process_id})
+        await self.fanout.publish(message)
 
-    def forget_plan(self, job_id: int) -> None:
-        self._plans.pop(job_id, None)
+    async def cancel_locally(self, node_id: int, task_id: int, reason: str) -> bool:
+        """Tell a node connected to this process to drop a task; False if it is not here."""
+        return await self.hub.cancel(node_id, task_id, reason)
+
+    async def on_peer_message(self, message: dict[str, Any]) -> None:
+        """Handle what another coordinator process published on the grid channel."""
+        await peers.on_message(self.context, self.plans, message)
 
 
 async def _compute(function: Callable[..., T], *args: Any, size: int) -> T:
