@@ -89,6 +89,8 @@ async def pair(
     finally:
         for m in monitors:
             await m.stop()
+        for grid in grids:
+            await grid.aclose()
         if second_broker is not broker:
             await second_broker.close()
         if second_store is not store:

@@ -57,6 +57,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
             for session in grid.hub.sessions():
                 with contextlib.suppress(Exception):
                     await session.close()
+            await grid.aclose()  # results already queued are committed before the store closes
             await grid.broker.close()
             await store.close()
 

@@ -103,6 +103,10 @@ class Grid:
             per_address_per_hour=settings.node_registrations_per_address_per_hour,
         )
 
+    async def aclose(self) -> None:
+        """Drain what this grid owns in the background (the group commit of results)."""
+        await self.results.aclose()
+
     # -- the context, for callers of the facade ------------------------------------------
 
     @property

@@ -2,14 +2,16 @@
 
 Where the store's commits are one at a time (SQLite: each waits for an fsync), results of
 all nodes that arrive while one commit is written go into the next one together (a
-group commit): the commit rate, not the result rate, then bounds the grid.
+group commit): the commit rate, not the result rate, then bounds the grid. The task that
+writes those commits is owned by `ResultPath`: `aclose` drains it on shutdown.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from idlegrid import protocol
@@ -24,6 +26,10 @@ from idlegrid.store.base import NewResult, ResultReceipt, TaskInput
 log = logging.getLogger(__name__)
 
 
+class ResultsClosed(RuntimeError):
+    """A result came after the result path was closed (the coordinator is stopping)."""
+
+
 class ResultPath:
     def __init__(
         self, ctx: Context, *, plans: Plans, verification: Verification, leases: Leases
@@ -36,10 +42,16 @@ class ResultPath:
         # task that writes the commits while there is any.
         self._queue: list[_PendingResults] = []
         self._committer: asyncio.Task[None] | None = None
+        # Calls being stored now (on either path), for aclose to wait for.
+        self._taking = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closed = False
 
     async def accept_result(self, session: NodeSession, msg: protocol.Result) -> ResultReceipt:
         """Take a node's result: check it, record it once, verify its shard."""
-        return (await self._take_results(session, [msg]))[0]
+        async with self._taken():
+            return (await self._take_results(session, [msg]))[0]
 
     async def accept_results(
         self, session: NodeSession, msgs: Sequence[protocol.Result]
@@ -50,20 +62,56 @@ class ResultPath:
         Where commits are one at a time, results of all nodes that arrive while one commit
         is written go into the next one together.
         """
-        store = self._ctx.store
-        if not store.serial_commits:
-            async with store.batch():
-                return await self._take_results(session, msgs)
-        pending = _PendingResults(session, msgs, asyncio.get_running_loop().create_future())
-        self._queue.append(pending)
-        if self._committer is None or self._committer.done():
-            self._committer = asyncio.create_task(self._commit_results(), name="results")
-        return await pending.receipts
+        async with self._taken():
+            store = self._ctx.store
+            if not store.serial_commits:
+                async with store.batch():
+                    return await self._take_results(session, msgs)
+            pending = _PendingResults(session, msgs, asyncio.get_running_loop().create_future())
+            self._queue.append(pending)
+            if self._committer is None or self._committer.done():
+                self._committer = asyncio.create_task(self._commit_results(), name="results")
+            return await pending.receipts
+
+    @contextlib.asynccontextmanager
+    async def _taken(self) -> AsyncIterator[None]:
+        """One call storing results: refused once closed, waited for by aclose."""
+        if self._closed:
+            raise ResultsClosed("the coordinator is stopping; send the results again later")
+        self._taking += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self._taking -= 1
+            if not self._taking:
+                self._idle.set()
+
+    async def aclose(self) -> None:
+        """Stop taking results; wait until those taken are stored (or failed).
+
+        The results of a caller that gave up waiting (its node went away) are still
+        committed: the committer is awaited too.
+        """
+        self._closed = True
+        await self._idle.wait()
+        committer, self._committer = self._committer, None
+        if committer is not None:
+            await asyncio.gather(committer, return_exceptions=True)
 
     async def _commit_results(self) -> None:
         while self._queue:
             group, self._queue = self._queue, []
-            await self._commit_group(group)
+            try:
+                await self._commit_group(group)
+            except asyncio.CancelledError:
+                # Cancelled mid-commit: whoever waits for a receipt must not wait forever
+                # (the node sends its unacknowledged results again).
+                stopped = ResultsClosed("the coordinator stopped before storing this result")
+                for pending in (*group, *self._queue):
+                    pending.fail(stopped)
+                self._queue = []
+                raise
 
     async def _commit_group(self, group: Sequence[_PendingResults]) -> None:
         store = self._ctx.store
