@@ -126,9 +126,11 @@ class ResultPath:
             for pending in group:
                 try:
                     async with store.batch():
-                        pending.done(await self._take_results(pending.session, pending.msgs))
+                        own = await self._take_results(pending.session, pending.msgs)
                 except Exception as exc:
                     pending.fail(exc)
+                    continue
+                pending.done(own)  # after its commit, not before: see accept_results
             return
         for pending, receipt in zip(group, receipts, strict=True):
             pending.done(receipt)
