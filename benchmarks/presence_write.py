@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from idlegrid.store import sql
+from idlegrid.store import nodes as store_nodes
 from idlegrid.store.sql import SqlStore
 
 TICK_S = 0.005
@@ -68,9 +68,11 @@ async def _tick(lags: list[float]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nodes", type=int, default=10_000)
-    parser.add_argument("--chunk", type=int, default=sql._TOUCH_CHUNK, help="0: one statement")
+    parser.add_argument(
+        "--chunk", type=int, default=store_nodes.TOUCH_CHUNK, help="0: one statement"
+    )
     args = parser.parse_args()
-    sql._TOUCH_CHUNK = args.chunk or args.nodes  # the module's setting, for this run
+    store_nodes.TOUCH_CHUNK = args.chunk or args.nodes  # the module's setting, for this run
     wall, lag = asyncio.run(measure(args.nodes))
     print(f"chunk: {args.chunk} wall_s: {wall:.3f} max_loop_lag_ms: {lag:.0f}")
 

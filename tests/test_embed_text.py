@@ -101,7 +101,7 @@ def test_split_accepts_strings_objects_blank_lines_crlf_and_bom() -> None:
 
 
 def test_texts_to_jsonl_round_trips_awkward_text() -> None:
-    texts = ["plain", "line\nbreak", "para\u2028separator", "ünïcödé 日本", ""]
+    texts = ["plain", "line\nbreak", "para\u2028separator", "ünïcödé 日本", " x "]
     (shard,) = KIND.split({"texts": texts_to_jsonl(texts)}, DEFAULT)
     assert _input_order(shard.payload) == texts
 
@@ -120,6 +120,8 @@ def test_texts_to_jsonl_refuses_non_strings() -> None:
         (b'"ok"\n{"text": 5}\n', "line 2: expected a string or an object with a 'text' string"),
         (b'"ok"\n["a list"]\n', "line 2: expected a string or an object with a 'text' string"),
         (b'"\\ud800"\n', "line 1: text contains an unpaired surrogate"),
+        (b'"ok"\n{"text": ""}\n', "line 2: the text is empty"),
+        (b'"   "\n', "line 1: the text is empty"),
     ],
 )
 def test_split_names_the_line_at_fault(blob: bytes, message: str) -> None:

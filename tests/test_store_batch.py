@@ -1,13 +1,15 @@
-"""`SqlStore.batch`: many calls, one transaction (SQLite); a pass-through on PostgreSQL."""
+"""`SqlStore.batch`: many calls, one transaction, on SQLite and on PostgreSQL."""
 
 from __future__ import annotations
+
+import asyncio
 
 import pytest
 from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import TaskState
-from idlegrid.store.base import ClaimMiss
+from idlegrid.store.base import Assignment, ClaimMiss, StoreConflict
 from idlegrid.store.sql import SqlStore
 
 
@@ -31,9 +33,7 @@ async def test_claims_and_results_in_a_batch_are_all_stored(store: SqlStore) -> 
         assert (await _task_row(store, entry.task_id)).state == TaskState.COMPLETED.value
 
 
-async def test_a_failed_batch_stores_nothing_on_sqlite(store: SqlStore) -> None:
-    if not store.is_sqlite:
-        pytest.skip("on PostgreSQL a batch is a pass-through: each call commits itself")
+async def test_a_failed_batch_stores_nothing(store: SqlStore) -> None:
     account = await _account(store)
     node = await _node(store, account)
     _, ready = await store.create_job(_job(account, shards=2), now=T0)
@@ -57,8 +57,6 @@ async def test_a_batch_with_only_reads_takes_no_write_lock(store: SqlStore) -> N
 
 
 async def test_nested_batches_share_the_outer_transaction(store: SqlStore) -> None:
-    if not store.is_sqlite:
-        pytest.skip("on PostgreSQL a batch is a pass-through")
     account = await _account(store)
     node = await _node(store, account)
     _, ready = await store.create_job(_job(account, shards=1), now=T0)
@@ -105,9 +103,9 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
 async def test_touch_nodes_writes_every_node_across_chunks(
     store: SqlStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from idlegrid.store import sql
+    from idlegrid.store import nodes as store_nodes
 
-    monkeypatch.setattr(sql, "_TOUCH_CHUNK", 2)
+    monkeypatch.setattr(store_nodes, "TOUCH_CHUNK", 2)
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(5)]
     await store.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
@@ -150,3 +148,65 @@ async def test_after_commit_runs_once_the_batch_committed_and_never_after_a_roll
         assert len(seen) == 2  # dropped with the batch
     await store.after_commit(lambda: note("outside"))  # no batch: at once
     assert seen[-1].startswith("outside")
+
+
+async def test_a_deadlocked_batch_raises_a_conflict_and_runs_again(store: SqlStore) -> None:
+    """Two batches claim two tasks in opposite orders: PostgreSQL aborts one of them."""
+    if store.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: its batches cannot deadlock")
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    # The job's first claim marks it running (a write both batches would queue behind).
+    await _try(store, ready.pop().task_id, nodes[0])
+    first_claims = [asyncio.Event(), asyncio.Event()]
+    attempts = [0, 0]
+
+    async def claim_both(side: int) -> list[Assignment | ClaimMiss]:
+        attempts[side] += 1
+        order = [ready[side].task_id, ready[1 - side].task_id]
+        claims = [await _try(store, order[0], nodes[side])]
+        first_claims[side].set()
+        await first_claims[1 - side].wait()  # each holds its first row when it asks for more
+        claims.append(await _try(store, order[1], nodes[side]))
+        return claims
+
+    outcomes = await asyncio.wait_for(
+        asyncio.gather(*(store.run_batch(lambda s=side: claim_both(s)) for side in (0, 1))),
+        timeout=30,
+    )
+    assert sorted(attempts) == [1, 2]  # one batch was aborted and ran again
+    won = [c for claims in outcomes for c in claims if isinstance(c, Assignment)]
+    assert sorted(c.task_id for c in won) == sorted(e.task_id for e in ready)
+    for entry in ready:
+        assert (await _task_row(store, entry.task_id)).state == TaskState.ASSIGNED.value
+
+
+async def test_a_batch_that_meets_a_deadlock_raises_store_conflict(store: SqlStore) -> None:
+    if store.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: its batches cannot deadlock")
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    # The job's first claim marks it running (a write both batches would queue behind).
+    await _try(store, ready.pop().task_id, nodes[0])
+    held = [asyncio.Event(), asyncio.Event()]
+
+    async def claim_both(side: int) -> None:
+        async with store.batch():
+            await _try(store, ready[side].task_id, nodes[side])
+            held[side].set()
+            await held[1 - side].wait()
+            await _try(store, ready[1 - side].task_id, nodes[side])
+
+    results = await asyncio.wait_for(
+        asyncio.gather(claim_both(0), claim_both(1), return_exceptions=True), timeout=30
+    )
+    assert sum(isinstance(r, StoreConflict) for r in results) == 1, results
+    assert sum(r is None for r in results) == 1, results
+
+
+async def _try(store: SqlStore, task_id: int, node: object) -> Assignment | ClaimMiss:
+    from test_store import _try_claim
+
+    return await _try_claim(store, task_id, node, lease_deadline=T0 + 100, now=T0)  # type: ignore[arg-type]

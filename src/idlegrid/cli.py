@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import os
 import signal
@@ -16,25 +14,12 @@ from typing import Any
 import click
 
 from idlegrid import __version__
-
-server_option = click.option(
-    "--server",
-    "-s",
-    envvar="IDLEGRID_SERVER",
-    default="http://127.0.0.1:8000",
-    show_default=True,
-    help="Coordinator URL (env IDLEGRID_SERVER).",
-)
-token_option = click.option(
-    "--token",
-    "-t",
-    envvar="IDLEGRID_TOKEN",
-    required=True,
-    help="Researcher API token (env IDLEGRID_TOKEN).",
-)
+from idlegrid.cli_researcher import COMMANDS
 
 
 def _setup_logging(level: str) -> None:
+    """Rich lines on a terminal, plain timestamped ones in a log file; Alembic's INFO
+    chatter (one line per migration step) only with --log-level debug."""
     from rich.console import Console
     from rich.logging import RichHandler
 
@@ -47,11 +32,40 @@ def _setup_logging(level: str) -> None:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)
+    if level.lower() != "debug":
+        logging.getLogger("alembic").setLevel(logging.WARNING)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Cli(click.Group):
+    """The `idlegrid` group: an expected failure ends in one line and exit code 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        from idlegrid.errors import explain
+
+        try:
+            return super().invoke(ctx)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
+        except Exception as exc:
+            message = explain(exc, server=_server_of(ctx))
+            if message is None or ctx.params.get("debug"):
+                raise
+            raise click.ClickException(message) from None
+
+
+def _server_of(ctx: click.Context) -> str:
+    return str(ctx.meta.get("idlegrid.server", ""))
+
+
+@click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="idlegrid")
-def main() -> None:
+@click.option(
+    "--debug",
+    is_flag=True,
+    envvar="IDLEGRID_DEBUG",
+    help="Show the full traceback of a failure (env IDLEGRID_DEBUG=1).",
+)
+def main(debug: bool) -> None:
     """idlegrid: turn idle machines into one pool for machine-learning work.
 
     Run a coordinator (`serve`), connect workers to it (`worker`), then submit jobs
@@ -132,7 +146,7 @@ def serve(
     max_blob_mb: float | None,
     log_level: str,
 ) -> None:
-    """Run the coordinator: REST API, node WebSocket and dashboard API.
+    """Run the coordinator: the REST API and the node WebSocket.
 
     On first start it creates an admin account and writes its API token to
     DATA_DIR/admin-token. Open /docs for the API reference.
@@ -252,17 +266,25 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
     "-s",
     "servers",
     multiple=True,
-    envvar="IDLEGRID_SERVERS",
+    envvar=["IDLEGRID_SERVERS", "IDLEGRID_SERVER"],
     default=["http://127.0.0.1:8000"],
     show_default=True,
-    help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, comma list).",
+    help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, a comma list, or "
+    "IDLEGRID_SERVER).",
 )
 @click.option(
     "--token",
     "-t",
     envvar="IDLEGRID_NODE_TOKEN",
-    required=True,
-    help="Node token (env IDLEGRID_NODE_TOKEN).",
+    default="",
+    help="Node token (env IDLEGRID_NODE_TOKEN; better than the flag, which `ps` shows).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="IDLEGRID_NODE_TOKEN_FILE",
+    default=None,
+    help="File holding the node token, readable by its owner only (chmod 600).",
 )
 @click.option(
     "--state-dir",
@@ -270,7 +292,7 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
     default=None,
     help="Node identity, blob cache, benchmark (default ~/.idlegrid/worker).",
 )
-@click.option("--name", default="", help="A name shown on the dashboard.")
+@click.option("--name", default="", help="The node's name in `GET /v1/nodes` (default: host).")
 @click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
 @click.option(
     "--prefetch",
@@ -292,6 +314,7 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
 def worker(
     servers: tuple[str, ...],
     token: str,
+    token_file: Path | None,
     state_dir: Path | None,
     name: str,
     slots: int,
@@ -306,7 +329,8 @@ def worker(
     """Run a worker node: probe and benchmark this machine, then take tasks.
 
     The worker connects out to the coordinator (works behind NAT), reconnects with
-    backoff when it goes away, and only runs built-in task kinds.
+    backoff when it goes away, and only runs built-in task kinds. Ctrl-C once: finish
+    the running tasks, then stop; twice: give them back to the coordinator and stop.
     """
     from idlegrid.settings import WorkerSettings
     from idlegrid.worker.daemon import Worker
@@ -315,7 +339,7 @@ def worker(
     expanded = tuple(part for s in servers for part in s.split(",") if part)
     settings = WorkerSettings.from_env(
         servers=expanded,
-        token=token,
+        token=_node_token(token, token_file),
         state_dir=state_dir,
         name=name or socket.gethostname(),
         slots=slots,
@@ -326,273 +350,86 @@ def worker(
         benchmark=benchmark,
         rebenchmark=rebenchmark,
     )
+    from idlegrid.worker.daemon import NodeRefused
+
     try:
         node = Worker(settings)
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None
-    asyncio.run(_run_worker(node))
+    try:
+        asyncio.run(_run_worker(node))
+    except NodeRefused as exc:
+        raise click.ClickException(f"{exc} (make one: idlegrid token create --node)") from None
+
+
+def _node_token(token: str, token_file: Path | None) -> str:
+    """The node token from the environment (or flag), else from a 0600 file."""
+    if not token and token_file is not None:
+        token = _read_secret(token_file)
+    if not token:
+        hint = ""
+        if os.environ.get("IDLEGRID_TOKEN"):
+            hint = " (IDLEGRID_TOKEN is a researcher's token; a worker reads IDLEGRID_NODE_TOKEN)"
+        raise click.UsageError(
+            "a node token is needed: set IDLEGRID_NODE_TOKEN or pass --token-file FILE"
+            f"{hint}; an admin makes one with: idlegrid token create --node --account NAME"
+        )
+    if token.startswith("igr_"):
+        raise click.UsageError(
+            "that is a researcher token (igr_...): a worker needs a node token (ign_...), "
+            "made with: idlegrid token create --node --account NAME"
+        )
+    return token
+
+
+def _read_secret(path: Path) -> str:
+    """A token file's content; refused when others may read it, as ssh does for keys."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise click.UsageError(
+            f"{path} is readable by others (mode {mode & 0o777:o}): chmod 600 {path}"
+        )
+    secret = path.read_text().strip()
+    if not secret:
+        raise click.UsageError(f"{path} is empty: it should hold a node token (ign_...)")
+    return secret
 
 
 async def _run_worker(node: Any) -> None:
+    """Run until stopped: the first SIGINT/SIGTERM finishes, the second gives back."""
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, node.stop)
-    await node.run()
+    owned: set[asyncio.Task[None]] = set()
+    asked = 0
 
-
-# -- researcher commands --------------------------------------------------------------------
-
-
-def _client(server: str, token: str) -> Any:
-    from idlegrid.client import Client
-
-    return Client(server, token)
-
-
-def _fail(exc: Exception) -> None:
-    raise click.ClickException(str(exc))
-
-
-@main.command()
-@click.argument("kind")
-@click.argument("inputs", nargs=-1)
-@click.option(
-    "--param",
-    "-p",
-    "params",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A setting of the kind, e.g. -p shard_size=128 (value parsed as JSON).",
-)
-@click.option("--replication", type=int, default=None, help="Replicas per shard.")
-@click.option("--priority", type=int, default=0, show_default=True)
-@click.option("--wait/--no-wait", default=False, help="Wait with a progress bar.")
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="With --wait: save the result here.",
-)
-@server_option
-@token_option
-def submit(
-    kind: str,
-    inputs: tuple[str, ...],
-    params: tuple[str, ...],
-    replication: int | None,
-    priority: int,
-    wait: bool,
-    output: Path | None,
-    server: str,
-    token: str,
-) -> None:
-    """Submit a job: KIND and its inputs as NAME=PATH (or just PATH for one input).
-
-    \b
-    idlegrid submit embed-text texts.jsonl --wait -o vectors.npy
-    idlegrid submit sleep -p tasks=20 -p seconds=0.5
-    """
-    from idlegrid.client import IdlegridError
-    from idlegrid.kinds import UnknownKind, get_kind
-
-    try:
-        names = get_kind(kind).input_names
-    except UnknownKind as exc:
-        raise click.BadParameter(str(exc), param_hint="KIND") from None
-    files = _input_files(inputs, names)
-    settings = {}
-    for item in params:
-        key, _, raw = item.partition("=")
-        try:
-            settings[key] = json.loads(raw)
-        except ValueError:
-            settings[key] = raw
-    try:
-        client = _client(server, token)
-        job = client.submit(
-            kind,
-            inputs={n: p.read_bytes() for n, p in files.items()},
-            params=settings,
-            replication=replication,
-            priority=priority,
-        )
-        click.echo(f"job {job.id} submitted")
-        if wait:
-            job.wait(progress=True)
-            if output:
-                output.write_bytes(job.result_bytes())
-                click.echo(f"result saved to {output}")
-    except (IdlegridError, OSError) as exc:
-        _fail(exc)
-
-
-def _input_files(inputs: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Path]:
-    files: dict[str, Path] = {}
-    for item in inputs:
-        name, sep, path = item.partition("=")
-        if not sep:
-            if len(names) != 1:
-                raise click.BadParameter(f"this kind takes inputs {list(names)}: use NAME=PATH")
-            name, path = names[0], item
-        files[name] = Path(path)
-    return files
-
-
-@main.command()
-@click.option("--limit", default=20, show_default=True)
-@server_option
-@token_option
-def jobs(limit: int, server: str, token: str) -> None:
-    """List your jobs, newest first."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table("id", "kind", "state", "shards", "items", "error")
-    try:
-        for job in _client(server, token).jobs(limit=limit):
-            table.add_row(
-                str(job["id"]),
-                job["kind"],
-                job["state"],
-                f"{job['shards_done']}/{job['shards_total']}",
-                str(job["items_total"]),
-                (job["error"] or "")[:60],
+    def on_signal() -> None:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            click.echo(
+                "finishing the running tasks, then stopping (Ctrl-C again: give them back "
+                "and stop now)",
+                err=True,
             )
-    except Exception as exc:
-        _fail(exc)
-    Console().print(table)
+            step = node.finish()
+        else:
+            click.echo("giving the running tasks back to the coordinator and stopping", err=True)
+            step = node.give_back_and_stop()
+        task = loop.create_task(step)
+        owned.add(task)
+        task.add_done_callback(owned.discard)
 
-
-@main.command()
-@click.argument("job_id", type=int)
-@click.option("--watch", is_flag=True, help="Follow progress until the job ends.")
-@click.option("--cancel", is_flag=True, help="Cancel the job.")
-@server_option
-@token_option
-def job(job_id: int, watch: bool, cancel: bool, server: str, token: str) -> None:
-    """Show one job with its shards; --watch follows it, --cancel stops it."""
-    from idlegrid.client import IdlegridError
-
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
     try:
-        handle = _client(server, token).job(job_id)
-        if cancel:
-            handle.cancel()
-        if watch:
-            handle.wait(progress=True)
-        info = handle.info(shards=True)
-    except IdlegridError as exc:
-        _fail(exc)
-    shards = info.pop("shards") or []
-    click.echo(json.dumps(info, indent=2))
-    for reason in info.get("waiting_for") or []:
-        click.echo(f"waiting for: {reason}")
-    click.echo(f"shards: {info['shard_counts']}")
-    for shard in shards[:50]:
-        click.echo(
-            f"  #{shard['index']:<5} {shard['state']:<9} items={shard['items']:<5} "
-            f"attempts={shard['attempts']} running={shard['live_tasks']} "
-            f"progress={shard['progress']:.0%}"
-        )
-    if len(shards) > 50:
-        click.echo(f"  ... {len(shards) - 50} more")
+        await node.run()
+    finally:
+        await asyncio.gather(*owned, return_exceptions=True)
 
 
-@main.command()
-@click.argument("job_id", type=int)
-@click.option("--watch", is_flag=True, help="Follow training with progress bars until it ends.")
-@click.option("--json", "as_json", is_flag=True, help="Print the metrics as JSON.")
-@server_option
-@token_option
-def metrics(job_id: int, watch: bool, as_json: bool, server: str, token: str) -> None:
-    """Per-round metrics of a training job (losses, bytes up and down, time, nodes)."""
-    from rich.console import Console
-    from rich.table import Table
+# -- researcher and admin commands (cli_researcher.py) --------------------------------------
 
-    from idlegrid.client import IdlegridError
-
-    try:
-        with _client(server, token) as client:
-            handle = client.job(job_id)
-            if watch:
-                with contextlib.suppress(IdlegridError):  # a failed job still has its metrics
-                    handle.wait(progress=True)
-            found = handle.metrics()
-    except IdlegridError as exc:
-        _fail(exc)
-    if as_json:
-        click.echo(json.dumps(found, indent=2))
-        return
-    table = Table("round", "state", "train loss", "eval loss", "updates", "nodes",
-                  "bytes up", "bytes down", "seconds", "closed by")  # fmt: skip
-    for row in found["rounds"]:
-        table.add_row(
-            str(row["round"]) + (" (final)" if row["final"] else ""),
-            row["state"],
-            _number(row["train_loss"]),
-            _number(row["eval_loss"]),
-            "" if row["updates"] is None else str(row["updates"]),
-            str(row["nodes"]),
-            _number(row["bytes_up"], "{:,}"),
-            _number(row["bytes_down"], "{:,}"),
-            _number(row["round_time_s"], "{:.1f}"),
-            row["closed_by"] or "",
-        )
-    Console().print(table)
-    click.echo(f"job {job_id} {found['state']}: {found['rounds_done']}/{found['rounds_total']} "
-               f"rounds, {found['bytes_up']:,} B up, {found['bytes_down']:,} B down")  # fmt: skip
-
-
-def _number(value: float | None, form: str = "{:.4f}") -> str:
-    return "" if value is None else form.format(value)
-
-
-@main.command()
-@click.argument("job_id", type=int)
-@click.option(
-    "--output",
-    "-o",
-    type=click.Path(path_type=Path),
-    required=True,
-    help="File to write (embed-text: a .npy float32 array).",
-)
-@server_option
-@token_option
-def results(job_id: int, output: Path, server: str, token: str) -> None:
-    """Download a completed job's result."""
-    from idlegrid.client import IdlegridError
-
-    try:
-        data = _client(server, token).job(job_id).result_bytes()
-    except IdlegridError as exc:
-        _fail(exc)
-    output.write_bytes(data)
-    click.echo(f"{len(data)} bytes written to {output}")
-
-
-@main.group()
-def token() -> None:
-    """Manage API and node tokens."""
-
-
-@token.command("create")
-@click.option("--node", "is_node", is_flag=True, help="A node token (for `idlegrid worker`).")
-@click.option("--account", default=None, help="Admin only: for this account (made if new).")
-@click.option("--label", default="", help="A note to remember the token by.")
-@server_option
-@token_option
-def token_create(is_node: bool, account: str | None, label: str, server: str, token: str) -> None:
-    """Create a token; it is shown once and stored only as a hash."""
-    from idlegrid.client import IdlegridError
-
-    try:
-        made = _client(server, token).create_token(
-            kind="node" if is_node else "api", label=label, account=account
-        )
-    except IdlegridError as exc:
-        _fail(exc)
-    click.echo(made["token"])
-    click.echo(f"({made['kind']} token for account {made['account']})", err=True)
+for _command in COMMANDS:
+    main.add_command(_command)
 
 
 @main.command()

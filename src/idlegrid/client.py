@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -22,6 +23,8 @@ import httpx
 import numpy as np
 
 from idlegrid.states import TERMINAL_JOB_STATES
+
+log = logging.getLogger(__name__)
 
 TERMINAL = frozenset(state.value for state in TERMINAL_JOB_STATES)
 
@@ -41,6 +44,14 @@ class IdlegridError(RuntimeError):
 
 class JobFailed(IdlegridError):
     pass
+
+
+class Unreachable(IdlegridError):
+    """The coordinator did not answer: not running, a wrong URL, or no network."""
+
+    def __init__(self, server: str, reason: str) -> None:
+        super().__init__(0, "unreachable", f"cannot reach the coordinator at {server}: {reason}")
+        self.server = server
 
 
 class Client:
@@ -75,17 +86,27 @@ class Client:
         self.close()
 
     def request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, path, **kwargs)
+        try:
+            response = self._http.request(method, path, **kwargs)
+        except httpx.TransportError as exc:
+            raise Unreachable(self.server, str(exc) or type(exc).__name__) from exc
         if response.status_code >= 400:
             raise _error(response)
         return response
+
+    def request_status(self, method: str, path: str) -> int:
+        """The status of a request whose answer may be an error (e.g. HEAD of a blob)."""
+        try:
+            return self._http.request(method, path).status_code
+        except httpx.TransportError as exc:
+            raise Unreachable(self.server, str(exc) or type(exc).__name__) from exc
 
     # -- blobs -----------------------------------------------------------------------------
 
     def upload(self, data: bytes) -> str:
         """Upload bytes as a content-addressed blob (skipped if already there)."""
         blob_hash = hashlib.sha256(data).hexdigest()
-        if self._http.head(f"/v1/blobs/{blob_hash}").status_code != 200:
+        if self.request_status("HEAD", f"/v1/blobs/{blob_hash}") != 200:
             self.request("PUT", f"/v1/blobs/{blob_hash}", content=data)
         return blob_hash
 
@@ -117,7 +138,12 @@ class Client:
         if replication is not None:
             body["replication"] = replication
         info = self.request("POST", "/v1/jobs", json=body).json()
-        return Job(self, info["id"], info)
+        job = Job(self, info["id"], info)
+        for warning in job.warnings:
+            # Logged, not warnings.warn: it shows on stderr in a plain script or notebook
+            # (logging's last-resort handler) and says it again for every job.
+            log.warning("job %s: %s", job.id, warning)
+        return job
 
     def submit_embeddings(
         self,
@@ -155,6 +181,18 @@ class Client:
     def nodes(self) -> list[dict[str, Any]]:
         return list(self.request("GET", "/v1/nodes").json())
 
+    def tokens(
+        self, *, account: str | None = None, all_accounts: bool = False, revoked: bool = False
+    ) -> list[dict[str, Any]]:
+        """Tokens (never their secrets): yours, or an account's or everyone's for admins."""
+        params: dict[str, Any] = {"all": all_accounts, "revoked": revoked}
+        if account:
+            params["account"] = account
+        return list(self.request("GET", "/v1/tokens", params=params).json())
+
+    def revoke_token(self, token_id: int) -> dict[str, Any]:
+        return dict(self.request("DELETE", f"/v1/tokens/{token_id}").json())
+
     def create_token(
         self, *, kind: str = "api", label: str = "", account: str | None = None
     ) -> dict[str, Any]:
@@ -180,6 +218,11 @@ class Job:
         return self._info
 
     @property
+    def warnings(self) -> list[str]:
+        """What the coordinator warned of at submission (why the job may wait), if any."""
+        return list((self._info or {}).get("warnings") or [])
+
+    @property
     def state(self) -> str:
         return str((self._info or self.info())["state"])
 
@@ -190,12 +233,18 @@ class Job:
     def wait(
         self, *, progress: bool = False, timeout: float | None = None, poll_s: float = 0.5
     ) -> dict[str, Any]:
-        """Block until the job ends; raise JobFailed if it failed or was cancelled."""
+        """Block until the job ends; raise JobFailed if it failed or was cancelled.
+
+        `progress`: show a bar (one line per change when stderr is not a terminal), with
+        the reason beside it whenever the job waits for something the fleet lacks.
+        """
+        from idlegrid.progress import JobProgress
+
         deadline = None if timeout is None else time.monotonic() + timeout
-        bar: _ProgressBar | _TrainingBar | None = None
+        bar: JobProgress | None = None
         if progress:
             training = (self._info or self.info())["kind"] == TRAINING_KIND
-            bar = _TrainingBar(self) if training else _ProgressBar(f"job {self.id}")
+            bar = JobProgress(self.id, metrics=self.metrics if training else None)
         try:
             while True:
                 info = self.info()
@@ -229,77 +278,6 @@ class Job:
         if "json" in media:
             return response.json()
         return response.content
-
-
-class _ProgressBar:
-    """A rich progress bar over shards done, with the job state as its description."""
-
-    def __init__(self, label: str) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self.label = label
-        self.progress = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            "shards",
-            TimeElapsedColumn(),
-            transient=False,
-        )
-        self.progress.start()
-        self.task = self.progress.add_task(label, total=None)
-
-    def update(self, info: dict[str, Any]) -> None:
-        self.progress.update(
-            self.task,
-            total=info["shards_total"],
-            completed=info["shards_done"],
-            description=f"{self.label} [{info['state']}]",
-        )
-
-    def close(self) -> None:
-        self.progress.stop()
-
-
-class _TrainingBar:
-    """Rich progress of a training job: rounds done, and the open round's updates."""
-
-    def __init__(self, job: Job) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        self.job = job
-        self.progress = Progress(
-            "[progress.description]{task.description}",
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            transient=False,
-        )
-        self.progress.start()
-        self.rounds = self.progress.add_task(f"job {job.id} rounds", total=None)
-        self.round = self.progress.add_task("round 0 updates", total=None)
-
-    def update(self, info: dict[str, Any]) -> None:
-        metrics = self.job.metrics()
-        loss = metrics.get("eval_loss")
-        tail = "" if loss is None else f" eval loss {loss:.4f}"
-        self.progress.update(
-            self.rounds,
-            total=metrics["rounds_total"],
-            completed=metrics["rounds_done"],
-            description=f"job {self.job.id} rounds [{info['state']}]{tail}",
-        )
-        current = metrics["rounds"][-1] if metrics["rounds"] else None
-        if current is not None and current["state"] == "open" and not current["final"]:
-            self.progress.update(
-                self.round,
-                total=current["updates_needed"],
-                completed=current["updates"],
-                description=f"round {current['round']} updates",
-            )
-
-    def close(self) -> None:
-        self.progress.stop()
 
 
 def _error(response: httpx.Response) -> IdlegridError:

@@ -227,8 +227,6 @@ class LocalGrid:
             "idlegrid",
             "worker",
             *server_args,
-            "--token",
-            token,
             "--state-dir",
             str(self.root / name),
             "--name",
@@ -248,7 +246,8 @@ class LocalGrid:
             stdout=self._log(f"{name}.log"),
             stderr=subprocess.STDOUT,
             text=True,
-            env=self.env,
+            # In the environment, not on the command line, where `ps` would show it.
+            env={**self.env, "IDLEGRID_NODE_TOKEN": token},
             start_new_session=True,
         )
         self.workers.append(proc)

@@ -41,6 +41,10 @@ class CoordinatorSettings:
     min_lease_s: float = 120.0
     lease_slack: float = 4.0
     monitor_interval_s: float = 1.0
+    # One process of several runs the grid-wide passes (lease expiry, top-up, late
+    # results, round timers, presence): the holder of a broker lease of this length,
+    # renewed every third of it. When it dies another takes over once the lease ran out.
+    leader_lease_s: float = 5.0
     # Tasks of one shard (all ever created: BOINC's max_total_results) before it fails.
     max_attempts: int = 10
     # Replicas per shard unless a job says otherwise; a quorum of two must agree.

@@ -113,3 +113,23 @@ async def test_messages_before_subscribing_are_not_delivered(broker: Broker) -> 
     async with broker.subscribe("nodes") as messages:
         await broker.publish("nodes", {"n": 2})
         assert await _next(messages) == {"n": 2}
+
+
+async def test_a_lease_has_one_holder_until_it_runs_out(broker: Broker) -> None:
+    assert await broker.hold_lease("monitor", "a", ttl_s=0.3)
+    assert not await broker.hold_lease("monitor", "b", ttl_s=0.3)
+    assert await broker.hold_lease("monitor", "a", ttl_s=0.3)  # renewed by its holder
+    assert await broker.hold_lease("other", "b", ttl_s=0.3)  # leases are by name
+    await asyncio.sleep(0.5)
+    assert await broker.hold_lease("monitor", "b", ttl_s=5)  # a's ran out
+    assert not await broker.hold_lease("monitor", "a", ttl_s=5)
+
+
+async def test_a_released_lease_is_free_at_once_and_only_its_holder_releases_it(
+    broker: Broker,
+) -> None:
+    assert await broker.hold_lease("monitor", "a", ttl_s=30)
+    await broker.release_lease("monitor", "b")  # not b's
+    assert not await broker.hold_lease("monitor", "b", ttl_s=30)
+    await broker.release_lease("monitor", "a")
+    assert await broker.hold_lease("monitor", "b", ttl_s=30)

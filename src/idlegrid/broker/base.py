@@ -56,6 +56,21 @@ class Broker(Protocol):
     async def connections(self) -> dict[int, str]:
         """Which process holds each connected node."""
 
+    # -- leadership ---------------------------------------------------------------------------
+
+    async def hold_lease(self, name: str, holder: str, *, ttl_s: float) -> bool:
+        """Take the lease `name` for `holder`, or renew it, for `ttl_s` seconds.
+
+        False while another holder's lease runs. A lease lost with the broker's contents
+        is taken again by whoever asks first: leadership saves work, it does not make
+        anything correct (the store's conditional updates do).
+        """
+        ...
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        """Give up the lease `name` if `holder` holds it."""
+        ...
+
     # -- messages between coordinator processes -----------------------------------------------
 
     async def publish(self, channel: str, payload: Mapping[str, Any]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -19,6 +20,7 @@ class MemoryBroker:
         self._seen: dict[int, float] = {}
         self._owners: dict[int, str] = {}
         self._subscribers: dict[str, set[asyncio.Queue[dict[str, Any]]]] = {}
+        self._leases: dict[str, tuple[str, float]] = {}  # name -> holder, until (monotonic)
 
     async def push_ready(self, entries: Sequence[ReadyTask]) -> None:
         newest = next(reversed(self._ready), 0)
@@ -72,6 +74,18 @@ class MemoryBroker:
 
     async def connections(self) -> dict[int, str]:
         return dict(self._owners)
+
+    async def hold_lease(self, name: str, holder: str, *, ttl_s: float) -> bool:
+        now = time.monotonic()
+        current = self._leases.get(name)
+        if current is not None and current[0] != holder and current[1] > now:
+            return False
+        self._leases[name] = (holder, now + ttl_s)
+        return True
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        if self._leases.get(name, ("", 0.0))[0] == holder:
+            del self._leases[name]
 
     async def publish(self, channel: str, payload: Mapping[str, Any]) -> None:
         message = json.loads(json.dumps(payload))  # what Redis would deliver: a copy

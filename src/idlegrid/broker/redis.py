@@ -61,6 +61,18 @@ end
 return 0
 """
 
+# Take a free lease, or renew one's own; the key expires with the lease (milliseconds).
+_HOLD = """
+local current = redis.call('GET', KEYS[1])
+if current and current ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+_LET_GO = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
 
 class RedisBroker:
     """The broker in Redis (`redis://` URL), for several coordinator processes."""
@@ -85,6 +97,8 @@ class RedisBroker:
         self._candidates = self.client.register_script(_CANDIDATES)
         self._seen_script = self.client.register_script(_SEEN)
         self._release = self.client.register_script(_RELEASE)
+        self._hold = self.client.register_script(_HOLD)
+        self._let_go = self.client.register_script(_LET_GO)
 
     # -- ready queue --------------------------------------------------------------------------
 
@@ -143,6 +157,15 @@ class RedisBroker:
     async def connections(self) -> dict[int, str]:
         owners: dict[Any, Any] = await self.client.hgetall(self._owners)  # type: ignore[misc]
         return {int(node_id): str(owner) for node_id, owner in owners.items()}
+
+    # -- leadership ---------------------------------------------------------------------------
+
+    async def hold_lease(self, name: str, holder: str, *, ttl_s: float) -> bool:
+        key = self.prefix + "lease:" + name
+        return bool(await self._hold(keys=[key], args=[holder, max(1, int(ttl_s * 1000))]))
+
+    async def release_lease(self, name: str, holder: str) -> None:
+        await self._let_go(keys=[self.prefix + "lease:" + name], args=[holder])
 
     # -- messages -----------------------------------------------------------------------------
 

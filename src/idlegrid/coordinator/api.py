@@ -121,7 +121,11 @@ class JobOut(BaseModel):
     waiting_for: list[str] = Field(
         default_factory=list,
         description="why the job cannot progress: no node can run it, or too few to "
-        "hold its replicas (single-job view only)",
+        "hold its replicas (single-job view and submission only)",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="at submission: what will keep the job waiting, with the fix",
     )
     result: str | None
     result_size: int | None
@@ -149,6 +153,17 @@ class TokenOut(BaseModel):
     kind: str
     account: str
     prefix: str
+    id: int
+
+
+class TokenListed(BaseModel):
+    id: int
+    account: str
+    kind: str
+    prefix: str
+    label: str
+    created_at: float
+    revoked_at: float | None
 
 
 class NodeOut(BaseModel):
@@ -191,7 +206,26 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
         raise ApiError(422, "invalid_params", _validation_message(exc)) from None
     except (InputError, JobInputError) as exc:
         raise ApiError(422, "invalid_input", str(exc)) from None
-    return await _job_out(grid, job, with_shards=False)
+    out = await _job_out(grid, job, with_shards=False)
+    out.waiting_for = await grid.waiting_for(job)
+    out.warnings = _submission_warnings(job, out.waiting_for)
+    return out
+
+
+def _submission_warnings(job: JobRecord, waiting_for: list[str]) -> list[str]:
+    """What the fleet lacks for a job just submitted, each with what to do about it."""
+    warnings = []
+    for reason in waiting_for:
+        if job.replication > 1 and reason.startswith(f"replication {job.replication} "):
+            reason += (
+                "; the job waits until enough such nodes connect. To run it on fewer, "
+                "submit with replication=1 (CLI: --replication 1), or give each "
+                "volunteer a node token on an account of their own"
+            )
+        else:
+            reason += "; the job waits until such a node connects"
+        warnings.append(reason)
+    return warnings
 
 
 @router.get("/jobs", response_model=list[JobOut], tags=["jobs"])
@@ -225,7 +259,7 @@ async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
     """The assembled result of a completed job (embed-text: a float32 .npy array)."""
     job = await _own_job(grid, token, job_id)
     if job.result_hash is None:
-        raise ApiError(409, "not_ready", f"job {job_id} is {job.state.value}; no result yet")
+        raise ApiError(409, "not_ready", _no_result(job))
     return Response(
         grid.blobs.read(job.result_hash),
         media_type=get_kind(job.kind).result_media_type,
@@ -240,6 +274,14 @@ async def job_metrics(job_id: int, token: Researcher, grid: GridDep) -> dict[str
     if not grid.rounds.drives(get_kind(job.kind)):
         raise ApiError(409, "not_training", f"job {job_id} is {job.kind}, not a training job")
     return await grid.rounds.metrics(job)
+
+
+def _no_result(job: JobRecord) -> str:
+    state = job.state.value
+    if state in ("queued", "running"):
+        return f"job {job.id} is {state}; no result yet"
+    reason = f": {job.error}" if job.error else ""
+    return f"job {job.id} is {state}{reason}; it has no result and will not get one"
 
 
 async def _own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
@@ -378,7 +420,7 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
                 assert account is not None
         account_id, account_name = account.id, account.name
     secret = new_token(body.kind)
-    await grid.store.add_token(
+    token_id = await grid.store.add_token(
         account_id,
         kind=body.kind,
         token_hash=hash_token(secret),
@@ -387,8 +429,53 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
         now=grid.clock(),
     )
     return TokenOut(
-        token=secret, kind=body.kind, account=account_name, prefix=display_prefix(secret)
+        token=secret,
+        kind=body.kind,
+        account=account_name,
+        prefix=display_prefix(secret),
+        id=token_id,
     )
+
+
+@router.get("/tokens", response_model=list[TokenListed], tags=["accounts"])
+async def list_tokens(
+    token: Researcher,
+    grid: GridDep,
+    account: Annotated[str | None, Query(max_length=100)] = None,
+    all_accounts: Annotated[bool, Query(alias="all")] = False,
+    revoked: bool = False,
+) -> list[TokenListed]:
+    """Your tokens (never their secrets); admins may ask for one account or all of them."""
+    account_id = await _token_scope(grid, token, account, all_accounts)
+    found = await grid.store.list_tokens(account_id, include_revoked=revoked)
+    return [TokenListed(**vars(record)) for record in found]
+
+
+@router.delete("/tokens/{token_id}", response_model=TokenListed, tags=["accounts"])
+async def revoke_token(token_id: int, token: Researcher, grid: GridDep) -> TokenListed:
+    """Revoke a token of yours (admins: anyone's). A node already connected with it keeps
+    its connection until it drops; it cannot connect again."""
+    account_id = None if token.is_admin else token.account_id
+    revoked = await grid.store.revoke_token(token_id, account_id=account_id, now=grid.clock())
+    if revoked is None:
+        raise ApiError(404, "not_found", f"no live token {token_id}")
+    return TokenListed(**vars(revoked))
+
+
+async def _token_scope(
+    grid: Grid, token: TokenInfo, account: str | None, all_accounts: bool
+) -> int | None:
+    """Whose tokens a listing shows: the caller's, or (admins only) another's or all."""
+    if not (all_accounts or account) or account == token.account_name:
+        return token.account_id
+    if not token.is_admin:
+        raise ApiError(403, "forbidden", "only admins can list other accounts' tokens")
+    if all_accounts:
+        return None
+    found = await grid.store.get_account(account or "")
+    if found is None:
+        raise ApiError(404, "not_found", f"no account {account!r}")
+    return found.id
 
 
 @router.get("/me", tags=["accounts"])

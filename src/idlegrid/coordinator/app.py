@@ -66,8 +66,12 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
         version=__version__,
         lifespan=lifespan,
         description="Jobs, blobs and results for researchers; a WebSocket for worker nodes.",
+        # Both default pages load their scripts from a CDN: /docs is served offline below.
+        docs_url=None,
+        redoc_url=None,
     )
     app.include_router(api.router)
+    _install_api_docs(app)
     _install_error_handlers(app)
     app.add_middleware(
         BodyLimit, default_limit=settings.max_request_bytes, blob_limit=settings.max_blob_bytes
@@ -88,6 +92,29 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
         await node_socket(websocket, websocket.app.state.grid)
 
     return app
+
+
+DOCS_ASSETS = "/docs/assets"
+
+
+def _install_api_docs(app: FastAPI) -> None:
+    """Swagger UI at /docs from the assets vendored by `swagger-ui-bundle`: no CDN, so
+    the reference works on a coordinator with no internet access."""
+    from fastapi.openapi.docs import get_swagger_ui_html
+    from fastapi.staticfiles import StaticFiles
+    from swagger_ui_bundle import swagger_ui_path
+
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def api_docs() -> Response:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - API reference",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
+        )
 
 
 async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:

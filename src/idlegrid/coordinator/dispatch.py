@@ -9,6 +9,7 @@ adaptive replication may let a trusted node's first replica run alone.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -47,21 +48,8 @@ class Dispatcher:
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
         async with session.fill_lock:
-            wanted = session.wants
-            claimed: list[Assignment] = []
             # The node's whole request in one transaction: one commit, not one per task.
-            async with self._ctx.store.batch():
-                while len(claimed) < wanted:
-                    many = await self._claim_many(session, wanted - len(claimed))
-                    if many:
-                        claimed += many
-                        continue
-                    assignment = await self._claim_one(session)
-                    if assignment is None and self._ctx.settings.backups:
-                        assignment = await self._matcher.claim_backup(session)
-                    if assignment is None:
-                        break
-                    claimed.append(assignment)
+            claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
             for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
@@ -70,6 +58,23 @@ class Dispatcher:
                 if not await session.send(_assign_message(assignment)):
                     break  # the lease runs out and the monitor requeues the task
         return len(claimed)
+
+    async def _claim(self, session: NodeSession) -> list[Assignment]:
+        """Claim what the node wants: many at once while it can, then one by one."""
+        wanted = session.wants
+        claimed: list[Assignment] = []
+        while len(claimed) < wanted:
+            many = await self._claim_many(session, wanted - len(claimed))
+            if many:
+                claimed += many
+                continue
+            assignment = await self._claim_one(session)
+            if assignment is None and self._ctx.settings.backups:
+                assignment = await self._matcher.claim_backup(session)
+            if assignment is None:
+                break
+            claimed.append(assignment)
+        return claimed
 
     async def fill_waiting(self) -> None:
         """Offer queued work to every connected node that asked for some."""

@@ -2,6 +2,9 @@
 
 Each pass looks at what is due in the store and broker and fixes it; calling one twice
 does nothing the second time. Tests call them one at a time; `Monitor.run` loops them.
+With several coordinator processes, the passes over the whole grid run in the one that
+holds the monitor lease (`leader.Leadership`); each process looks after its own
+connections.
 """
 
 from __future__ import annotations
@@ -10,10 +13,12 @@ import asyncio
 import contextlib
 import logging
 
+from idlegrid import faults
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.context import CHANNEL
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.heap import HeapKeeper
+from idlegrid.coordinator.leader import Leadership
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +30,17 @@ RESUBSCRIBE_S = 1.0
 async def expire_leases(grid: Grid) -> int:
     """Overdue tasks lose their lease; their shards get new tasks."""
     expired = await grid.store.expire_overdue(now=grid.clock())
+    if expired:
+        faults.point("monitor-expired")
     await grid.expire(expired, why="lease deadline passed")
     return len(expired)
 
 
-async def mark_silent_nodes_offline(grid: Grid) -> int:
-    """Nodes not heard from within the timeout go offline and lose their leases."""
+async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
+    """Nodes not heard from within the timeout go offline and lose their leases.
+
+    Every process closes its own connections to them; the `leader` also records it.
+    """
     now = grid.clock()
     silent = [
         node_id
@@ -38,16 +48,19 @@ async def mark_silent_nodes_offline(grid: Grid) -> int:
         if now - seen > grid.settings.node_timeout_s
     ]
     for node_id in silent:
-        log.info("node %s missed its heartbeats: offline", node_id)
         session = grid.hub.get(node_id)
         if session is not None:
             grid.hub.remove(session)
             await session.close()
+        if not leader:
+            continue
+        log.info("node %s missed its heartbeats: offline", node_id)
         await grid.store.set_node_offline(node_id, now=now)
         await grid.broker.forget_node(node_id)
-        await grid.expire(
-            await grid.store.expire_node_tasks(node_id, now=now), why=f"node {node_id} went silent"
-        )
+        expired = await grid.store.expire_node_tasks(node_id, now=now)
+        if expired:
+            faults.point("monitor-expired")
+        await grid.expire(expired, why=f"node {node_id} went silent")
     return len(silent)
 
 
@@ -102,11 +115,18 @@ async def close_due_rounds(grid: Grid) -> int:
 
 
 async def run_once(grid: Grid) -> None:
+    """One pass of the leader (or of the only process): the whole grid."""
     await check_broker(grid)
     await expire_leases(grid)
     await mark_silent_nodes_offline(grid)
     await finish_pending(grid)
     await close_due_rounds(grid)
+    offer_work(grid)
+
+
+async def run_local(grid: Grid) -> None:
+    """One pass of a process that does not lead: its own connections only."""
+    await mark_silent_nodes_offline(grid, leader=False)
     offer_work(grid)
 
 
@@ -116,20 +136,24 @@ class Monitor:
     def __init__(self, grid: Grid, *, tune_gc: bool = False) -> None:
         self.grid = grid
         self.tune_gc = tune_gc
+        self.leadership = Leadership(
+            grid.broker, grid.process_id, lease_s=grid.settings.leader_lease_s
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
 
     async def start(self) -> None:
+        await self.leadership.renew()
         await self._startup()
+        interval = self.grid.settings.monitor_interval_s
         self._tasks = [
-            asyncio.create_task(
-                self._loop(run_once, self.grid.settings.monitor_interval_s), name="monitor"
-            ),
-            asyncio.create_task(self._loop(record_presence, 10.0), name="presence"),
+            asyncio.create_task(self._lead(), name="leader"),
+            asyncio.create_task(self._loop(self._pass, interval), name="monitor"),
+            asyncio.create_task(self._loop(record_presence, 10.0, lead=True), name="presence"),
             asyncio.create_task(self._dispatch_loop(), name="dispatch"),
-            asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S), name="sync"),
+            asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S, lead=True), name="sync"),
             # Its first pass runs at start: shards a crash left short get their tasks.
-            asyncio.create_task(self._loop(top_up, SYNC_INTERVAL_S), name="top-up"),
+            asyncio.create_task(self._loop(top_up, SYNC_INTERVAL_S, lead=True), name="top-up"),
             asyncio.create_task(self._listen(), name="listen"),
         ]
         settings = self.grid.settings
@@ -151,7 +175,8 @@ class Monitor:
         for node in await self.grid.store.list_nodes():
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)
-        await finish_pending(self.grid)
+        if self.leadership.is_leader:
+            await finish_pending(self.grid)
 
     async def stop(self) -> None:
         self._stopping.set()
@@ -160,15 +185,40 @@ class Monitor:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._tasks = []
+        await self.leadership.release()
 
-    async def _loop(self, step, interval: float) -> None:  # type: ignore[no-untyped-def]
+    async def _pass(self, grid: Grid) -> None:
+        await (run_once if self.leadership.is_leader else run_local)(grid)
+
+    async def _lead(self) -> None:
         while not self._stopping.is_set():
-            try:
-                await step(self.grid)
-            except Exception:
-                log.exception("monitor pass %s failed", getattr(step, "__name__", step))
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), interval)
+                await asyncio.wait_for(self._stopping.wait(), self.leadership.renew_every_s)
+            if not self._stopping.is_set():
+                await self.leadership.renew()
+
+    async def _loop(self, step, interval: float, *, lead: bool = False) -> None:  # type: ignore[no-untyped-def]
+        """Run `step` every `interval` seconds (`lead`: only while this process leads)."""
+        while not self._stopping.is_set():
+            if self.leadership.is_leader or not lead:
+                try:
+                    await step(self.grid)
+                except Exception:
+                    log.exception("monitor pass %s failed", getattr(step, "__name__", step))
+            await self._wait(interval, lead=lead)
+
+    async def _wait(self, interval: float, *, lead: bool) -> None:
+        """Sleep `interval`; a leader's loop wakes early when this process starts to lead,
+        so a new leader runs the passes its predecessor left at once."""
+        leading = self.leadership.is_leader
+        deadline = asyncio.get_running_loop().time() + interval
+        while not self._stopping.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0 or (lead and not leading and self.leadership.is_leader):
+                return
+            nap = min(left, self.leadership.renew_every_s) if lead else left
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), nap)
 
     async def _listen(self) -> None:
         """Handle what the other coordinator processes publish, until stopped."""

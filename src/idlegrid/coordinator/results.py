@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -65,8 +66,7 @@ class ResultPath:
         async with self._taken():
             store = self._ctx.store
             if not store.serial_commits:
-                async with store.batch():
-                    return await self._take_results(session, msgs)
+                return await store.run_batch(functools.partial(self._take_results, session, msgs))
             pending = _PendingResults(session, msgs, asyncio.get_running_loop().create_future())
             self._queue.append(pending)
             if self._committer is None or self._committer.done():

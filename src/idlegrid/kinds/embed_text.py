@@ -186,6 +186,9 @@ def _parse_line(line: str, line_number: int) -> str:
         value = value.get("text")
     if not isinstance(value, str):
         raise InputError(f"line {line_number}: expected a string or an object with a 'text' string")
+    if not value.strip():
+        # An empty text has no meaning to embed: it is a slip in the input, not data.
+        raise InputError(f"line {line_number}: the text is empty")
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:

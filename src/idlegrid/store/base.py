@@ -1,8 +1,9 @@
 """The store interface: the durable truth of accounts, nodes, jobs, shards and tasks.
 
-Callers see plain frozen records, never rows or sessions. Every method is one
-transaction; the ones that change task or shard state are conditional updates, so they
-stay correct when several coordinator processes share one database.
+Records, errors, and the store's roles (small protocols) that `Store` combines. Callers
+see plain frozen records, never rows or sessions. Every method is one transaction; the
+ones that change task or shard state are conditional updates, so they stay correct when
+several coordinator processes share one database.
 """
 
 from __future__ import annotations
@@ -11,15 +12,22 @@ import enum
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 
+T = TypeVar("T")
+
 
 class AccountExists(ValueError):
     """`create_account` with a name that is taken (perhaps a moment ago, by another process)."""
+
+
+class StoreConflict(RuntimeError):
+    """The database aborted a batch to resolve a conflict with another transaction (a
+    deadlock): nothing of it was written, and running it again may succeed."""
 
 
 class RegistrationRefused(PermissionError):
@@ -42,6 +50,19 @@ class TokenInfo:
     account_name: str
     kind: Literal["api", "node"]
     is_admin: bool
+
+
+@dataclass(frozen=True)
+class TokenRecord:
+    """A token as listed: never its secret or hash, only the prefix it is shown by."""
+
+    id: int
+    account: str
+    kind: str
+    prefix: str
+    label: str
+    created_at: float
+    revoked_at: float | None
 
 
 @dataclass(frozen=True)
@@ -351,61 +372,69 @@ class RoundAdvance:
     to_cancel: list[NodeTask]
 
 
-class TrainingRoundStore(Protocol):
-    """The training rounds of `diloco-train` jobs (see coordinator/training.py)."""
+class StateCounts(NamedTuple):
+    """How many tasks and how many jobs are in each state (for metrics)."""
 
-    async def start_training(
-        self, job_id: int, first: NewRound, extra_shards: Sequence[NewShard], *, now: float
-    ) -> list[ReadyTask]: ...
-    async def training_rounds(self, job_id: int) -> list[RoundRecord]: ...
-    async def advance_round(
-        self,
-        job_id: int,
-        closing: int,
-        *,
-        metrics: dict[str, Any],
-        cancel_shards: Sequence[int],
-        next_round: NewRound,
-        shards: Sequence[NewShard],
-        now: float,
-    ) -> RoundAdvance: ...
-    async def finish_training(
-        self,
-        job_id: int,
-        final: int,
-        *,
-        metrics: dict[str, Any],
-        result_hash: str,
-        result_size: int,
-        now: float,
-    ) -> tuple[bool, list[NodeTask]]: ...
-    async def update_round_metrics(
-        self, job_id: int, round_number: int, values: dict[str, Any]
-    ) -> None: ...
-    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None: ...
-    async def due_rounds(self, *, now: float) -> list[tuple[int, int]]: ...
-    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic: ...
+    tasks: dict[str, int]
+    jobs: dict[str, int]
 
 
-class Store(TrainingRoundStore, Protocol):
-    """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
+class CreatedJob(NamedTuple):
+    job: JobRecord
+    ready: list[ReadyTask]  # its first tasks, for the ready queue
 
-    # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
-    serial_commits: bool
 
-    async def open(self) -> None: ...
-    async def close(self) -> None: ...
-    def batch(self) -> AbstractAsyncContextManager[None]:
-        """The calls made inside share one transaction (committed once, all or nothing)."""
+class HeldTask(NamedTuple):
+    """A task a node holds, with its shard."""
+
+    shard_id: int
+    task: NodeTask
+
+
+class Replenished(NamedTuple):
+    """What a top-up pass did."""
+
+    ready: list[ReadyTask]  # tasks it made, for the ready queue
+    failed_jobs: list[int]  # jobs it failed: a shard ran out of attempts
+    to_cancel: list[NodeTask]  # held tasks of those jobs, to tell their nodes
+
+
+class TrainingFinish(NamedTuple):
+    won: bool  # False: the job had ended already (another pass or process did it)
+    to_cancel: list[NodeTask]
+
+
+class DueRound(NamedTuple):
+    job_id: int
+    round_number: int
+
+
+@dataclass(frozen=True)
+class RunningTask:
+    """A live task of a shard that might straggle (see `DispatchStore.running_shards`)."""
+
+    task_id: int
+    shard_id: int
+    job_id: int
+    node_id: int
+    kind: str
+    items: int
+    cost_flops: float
+    assigned_at: float
+    # The holder's benchmark as it sent it (protocol.Benchmark fields).
+    node_benchmark: dict[str, Any]
+
+
+# -- the store's roles: each part of the coordinator needs only some of them -------------
+
+
+class AccountStore(Protocol):
+    """Accounts and their API and node tokens."""
+
+    async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord:
+        """A new account; `AccountExists` when the name is taken."""
         ...
 
-    async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
-        """Run `action` once the caller's writes are committed (at the end of a running
-        `batch`, never if it rolls back; at once outside one)."""
-        ...
-
-    # accounts and tokens
-    async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord: ...
     async def get_account(self, name: str) -> AccountRecord | None: ...
     async def account_by_id(self, account_id: int) -> AccountRecord | None: ...
     async def count_accounts(self) -> int: ...
@@ -413,8 +442,22 @@ class Store(TrainingRoundStore, Protocol):
         self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
     ) -> int: ...
     async def find_token(self, token_hash: str) -> TokenInfo | None: ...
+    async def list_tokens(
+        self, account_id: int | None, *, include_revoked: bool = False
+    ) -> list[TokenRecord]:
+        """Tokens of one account (None: every account), oldest first."""
+        ...
 
-    # nodes
+    async def revoke_token(
+        self, token_id: int, *, account_id: int | None, now: float
+    ) -> TokenRecord | None:
+        """Revoke a live token of `account_id` (None: of any account); None if no such."""
+        ...
+
+
+class NodeStore(Protocol):
+    """Nodes: registration, presence, what they hold, their trust."""
+
     async def register_node(
         self,
         account_id: int,
@@ -438,12 +481,16 @@ class Store(TrainingRoundStore, Protocol):
     async def touch_nodes(self, seen: dict[int, float]) -> None: ...
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
     async def node_tasks(self, node_id: int) -> list[NodeTask]: ...
-    async def state_counts(self) -> tuple[dict[str, int], dict[str, int]]:
+    async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
+    async def state_counts(self) -> StateCounts:
         """How many tasks and how many jobs are in each state (for metrics)."""
         ...
 
-    # jobs
-    async def create_job(self, job: NewJob, *, now: float) -> tuple[JobRecord, list[ReadyTask]]: ...
+
+class JobStore(Protocol):
+    """Jobs and their shards: create, read, end."""
+
+    async def create_job(self, job: NewJob, *, now: float) -> CreatedJob: ...
     async def get_job(self, job_id: int) -> JobRecord | None: ...
     async def list_jobs(
         self, account_id: int | None, *, limit: int, offset: int
@@ -457,7 +504,10 @@ class Store(TrainingRoundStore, Protocol):
     async def fail_job(self, job_id: int, *, error: str, now: float) -> list[NodeTask]: ...
     async def jobs_to_assemble(self) -> list[int]: ...
 
-    # tasks
+
+class DispatchStore(Protocol):
+    """Ready tasks and their claims, how a shard's replication changes, top-up."""
+
     async def ready_tasks(self, *, limit: int) -> list[ReadyTask]: ...
     async def claim_tasks(
         self, lease_deadlines: dict[int, float], claimer: Claimer, *, kind: str, now: float
@@ -500,12 +550,32 @@ class Store(TrainingRoundStore, Protocol):
         """One more replica for a shard whose `results_seen` results did not decide it."""
         ...
 
-    async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
-    async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
-        """Record whether a late result agreed with its shard's canonical one."""
+    async def replenish(self, *, now: float) -> Replenished:
+        """Create tasks for open shards short of replicas; fail shards out of attempts."""
         ...
 
-    async def late_results(self, *, limit: int) -> list[LateResult]: ...
+    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
+        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
+        ...
+
+    async def running_shards(self, *, limit: int) -> list[RunningTask]:
+        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
+        ...
+
+    async def add_backup_task(
+        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
+    ) -> Assignment | None:
+        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
+
+        None when the shard is decided, already has a backup or a ready task, is out of
+        attempts (`max_attempts`), or the node already holds or held a task of it.
+        """
+        ...
+
+
+class ResultStore(Protocol):
+    """What comes back from nodes: results, failures, missed leases."""
+
     async def accept_result(
         self,
         task_id: int,
@@ -532,6 +602,11 @@ class Store(TrainingRoundStore, Protocol):
     async def expire_overdue(self, *, now: float) -> list[NodeTask]: ...
     async def expire_task(self, task_id: int, *, now: float) -> list[NodeTask]: ...
     async def expire_node_tasks(self, node_id: int, *, now: float) -> list[NodeTask]: ...
+
+
+class VerificationStore(Protocol):
+    """Shards with results to judge, the verifier's decisions, late results."""
+
     async def shards_to_verify(self, *, limit: int) -> list[int]: ...
     async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None: ...
     async def shards_for_verify(self, shard_ids: Sequence[int]) -> dict[int, ShardForVerify]:
@@ -554,41 +629,74 @@ class Store(TrainingRoundStore, Protocol):
         fail_reason: str | None,
         now: float,
     ) -> DecisionOutcome: ...
-    async def replenish(
-        self, *, now: float
-    ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]: ...
-
-    # scheduling (issue 4): fair candidates, speculative backups
-    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
-        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
-        ...
-
-    async def running_shards(self, *, limit: int) -> list[RunningTask]:
-        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
-        ...
-
-    async def add_backup_task(
-        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
-    ) -> Assignment | None:
-        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
-
-        None when the shard is decided, already has a backup or a ready task, is out of
-        attempts (`max_attempts`), or the node already holds or held a task of it.
-        """
+    async def late_results(self, *, limit: int) -> list[LateResult]: ...
+    async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
+        """Record whether a late result agreed with its shard's canonical one."""
         ...
 
 
-@dataclass(frozen=True)
-class RunningTask:
-    """A live task of a shard that might straggle (see `Store.running_shards`)."""
+class TrainingRoundStore(Protocol):
+    """The training rounds of `diloco-train` jobs."""
 
-    task_id: int
-    shard_id: int
-    job_id: int
-    node_id: int
-    kind: str
-    items: int
-    cost_flops: float
-    assigned_at: float
-    # The holder's benchmark as it sent it (protocol.Benchmark fields).
-    node_benchmark: dict[str, Any]
+    async def start_training(
+        self, job_id: int, first: NewRound, extra_shards: Sequence[NewShard], *, now: float
+    ) -> list[ReadyTask]: ...
+    async def training_rounds(self, job_id: int) -> list[RoundRecord]: ...
+    async def advance_round(
+        self,
+        job_id: int,
+        closing: int,
+        *,
+        metrics: dict[str, Any],
+        cancel_shards: Sequence[int],
+        next_round: NewRound,
+        shards: Sequence[NewShard],
+        now: float,
+    ) -> RoundAdvance: ...
+    async def finish_training(
+        self,
+        job_id: int,
+        final: int,
+        *,
+        metrics: dict[str, Any],
+        result_hash: str,
+        result_size: int,
+        now: float,
+    ) -> TrainingFinish: ...
+    async def update_round_metrics(
+        self, job_id: int, round_number: int, values: dict[str, Any]
+    ) -> None: ...
+    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None: ...
+    async def due_rounds(self, *, now: float) -> list[DueRound]: ...
+    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic: ...
+
+
+class Store(
+    AccountStore,
+    NodeStore,
+    JobStore,
+    DispatchStore,
+    ResultStore,
+    VerificationStore,
+    TrainingRoundStore,
+    Protocol,
+):
+    """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
+
+    # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
+    serial_commits: bool
+
+    async def open(self) -> None: ...
+    async def close(self) -> None: ...
+    def batch(self) -> AbstractAsyncContextManager[None]:
+        """The calls made inside share one transaction (committed once, all or nothing)."""
+        ...
+
+    async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
+        """Run `action` once the caller's writes are committed (at the end of a running
+        `batch`, never if it rolls back; at once outside one)."""
+        ...
+
+    async def run_batch(self, work: Callable[[], Awaitable[T]]) -> T:
+        """`work()` in one `batch`, run again (a few times) when it met `StoreConflict`."""
+        ...

@@ -9,7 +9,7 @@ credit it grants commit together or not at all.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any
 
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -17,11 +17,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
 
-Verdict = Literal["valid", "unchecked", "invalid", "error"]
 DAY_S = 86_400.0
 
 
@@ -98,7 +98,7 @@ async def use_quota(
 
 async def apply_verdicts(
     conn: AsyncConnection,
-    verdicts: Iterable[tuple[int, Verdict]],
+    verdicts: Iterable[tuple[int, ResultVerdict]],
     *,
     settings: TrustSettings,
     now: float,
@@ -177,7 +177,7 @@ async def _judge_node(
     kind: str,
     backend: str,
     account_id: int,
-    verdicts: list[Verdict],
+    verdicts: list[ResultVerdict],
     *,
     settings: TrustSettings,
     now: float,

@@ -17,6 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState, TrainingRoundState, sources_of
 from idlegrid.store.base import (
+    DueRound,
     NewRound,
     NewShard,
     NodeTask,
@@ -24,7 +25,10 @@ from idlegrid.store.base import (
     RoundAdvance,
     RoundRecord,
     RoundTraffic,
+    TrainingFinish,
 )
+from idlegrid.store.jobs import cancel_live
+from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds
 
 _OPEN = TrainingRoundState.OPEN.value
@@ -38,12 +42,6 @@ class TrainingRoundsSql:
 
         def _tx(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
         def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-        async def _replenish_in(
-            self, conn: AsyncConnection, *, now: float, job_id: int | None
-        ) -> tuple[list[ReadyTask], list[int], list[NodeTask]]: ...
-        async def _cancel_live(
-            self, conn: AsyncConnection, where: Any, *, now: float
-        ) -> list[NodeTask]: ...
 
     async def start_training(
         self,
@@ -56,8 +54,8 @@ class TrainingRoundsSql:
         async with self._tx() as conn:
             await conn.execute(insert(training_rounds).values(**_round_values(job_id, first, now)))
             await _add_shards(conn, job_id, extra_shards)
-            ready, _, _ = await self._replenish_in(conn, now=now, job_id=job_id)
-        return ready
+            topped_up = await replenish(conn, now=now, job_id=job_id)
+        return topped_up.ready
 
     async def training_rounds(self, job_id: int) -> list[RoundRecord]:
         query = (
@@ -87,8 +85,8 @@ class TrainingRoundsSql:
                 insert(training_rounds).values(**_round_values(job_id, next_round, now))
             )
             await _add_shards(conn, job_id, shards)
-            ready, _, more = await self._replenish_in(conn, now=now, job_id=job_id)
-        return RoundAdvance(won=True, ready=ready, to_cancel=to_cancel + more)
+            more = await replenish(conn, now=now, job_id=job_id)
+        return RoundAdvance(won=True, ready=more.ready, to_cancel=to_cancel + more.to_cancel)
 
     async def finish_training(
         self,
@@ -99,17 +97,17 @@ class TrainingRoundsSql:
         result_hash: str,
         result_size: int,
         now: float,
-    ) -> tuple[bool, list[NodeTask]]:
+    ) -> TrainingFinish:
         """Close the last round and complete the job; its remaining tasks are cancelled."""
         async with self._tx() as conn:
             if not await _close(conn, job_id, final, metrics, now):
-                return False, []
+                return TrainingFinish(won=False, to_cancel=[])
             await conn.execute(
                 update(shards)
                 .where(shards.c.job_id == job_id, shards.c.state == ShardState.OPEN.value)
                 .values(state=ShardState.CANCELLED.value, finished_at=now)
             )
-            to_cancel = await self._cancel_live(conn, tasks.c.job_id == job_id, now=now)
+            to_cancel = await cancel_live(conn, tasks.c.job_id == job_id, now=now)
             completed = await conn.execute(
                 update(jobs)
                 .where(
@@ -123,7 +121,7 @@ class TrainingRoundsSql:
                     finished_at=now,
                 )
             )
-        return completed.rowcount == 1, to_cancel
+        return TrainingFinish(won=completed.rowcount == 1, to_cancel=to_cancel)
 
     async def update_round_metrics(
         self, job_id: int, round_number: int, values: dict[str, Any]
@@ -139,7 +137,7 @@ class TrainingRoundsSql:
                 .values(deadline=deadline)
             )
 
-    async def due_rounds(self, *, now: float) -> list[tuple[int, int]]:
+    async def due_rounds(self, *, now: float) -> list[DueRound]:
         query = (
             select(training_rounds.c.job_id, training_rounds.c.round)
             .join(jobs, jobs.c.id == training_rounds.c.job_id)
@@ -150,7 +148,7 @@ class TrainingRoundsSql:
             )
         )
         async with self._read() as conn:
-            return [(row.job_id, row.round) for row in (await conn.execute(query)).all()]
+            return [DueRound(row.job_id, row.round) for row in (await conn.execute(query)).all()]
 
     async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic:
         of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(shard_indexes)))
@@ -186,7 +184,7 @@ class TrainingRoundsSql:
             .where(of_round, shards.c.state == ShardState.OPEN.value)
             .values(state=ShardState.CANCELLED.value, finished_at=now)
         )
-        return await self._cancel_live(conn, tasks.c.shard_id.in_(list(ids)), now=now)
+        return await cancel_live(conn, tasks.c.shard_id.in_(list(ids)), now=now)
 
 
 def _round_is(job_id: int, round_number: int) -> Any:

@@ -15,6 +15,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
+from idlegrid.store import rows
 from idlegrid.store.base import Assignment, ReadyTask, RunningTask
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 
@@ -29,36 +30,14 @@ async def ready_heads(conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]
         func.row_number().over(partition_by=tasks.c.job_id, order_by=tasks.c.id).label("position")
     )
     ranked = (
-        select(
-            tasks.c.id,
-            tasks.c.shard_id,
-            tasks.c.job_id,
-            tasks.c.created_at,
-            jobs.c.kind,
-            jobs.c.priority,
-            shards.c.item_count,
-            shards.c.cost_flops,
-            position,
-        )
+        select(*rows.READY_COLUMNS, position)
         .join(jobs, jobs.c.id == tasks.c.job_id)
         .join(shards, shards.c.id == tasks.c.shard_id)
         .where(tasks.c.state == TaskState.READY.value)
         .subquery()
     )
     query = select(ranked).where(ranked.c.position <= per_job).order_by(ranked.c.id)
-    return [
-        ReadyTask(
-            task_id=row.id,
-            shard_id=row.shard_id,
-            job_id=row.job_id,
-            kind=row.kind,
-            priority=row.priority,
-            created_at=row.created_at,
-            items=row.item_count,
-            cost_flops=row.cost_flops,
-        )
-        for row in await conn.execute(query)
-    ]
+    return [rows.ready(row) for row in await conn.execute(query)]
 
 
 # Made once, not per query: an alias copies the table's columns and foreign keys into
@@ -206,9 +185,8 @@ async def add_backup_task(
     await conn.execute(
         update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
     )
-    key: Any = inserted.inserted_primary_key
     return Assignment(
-        task_id=int(key[0]),
+        task_id=rows.pk(inserted),
         shard_id=shard_id,
         job_id=job.id,
         shard_index=shard.idx,

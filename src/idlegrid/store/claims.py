@@ -1,0 +1,300 @@
+"""SQL of claims: a node takes ready tasks, atomically, within its trust and quota.
+
+Functions over an open connection; `SqlStore` wraps each in a transaction. A claim is a
+conditional update (`WHERE state = 'ready'`) checked by its row count, so two claims of
+one task, in one process or in several, cannot both win. Also here: how a shard's
+replication changes after its first claim (`run_alone`, `escalate`, `raise_target`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import case, exists, func, or_, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.trust import TrustSettings
+from idlegrid.states import JobState, ShardState, TaskState
+from idlegrid.store import ledger, rows
+from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
+from idlegrid.store.schema import jobs, nodes, shards, tasks
+
+# Another task of the same shard. Made once: an alias copies the table's columns and
+# foreign keys into reference cycles, garbage the collector would walk after every query.
+OTHER = tasks.alias("other")
+_RAN = rows.states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
+
+
+async def ready_tasks(conn: AsyncConnection, *, limit: int) -> list[ReadyTask]:
+    query = (
+        select(*rows.READY_COLUMNS)
+        .join(jobs, jobs.c.id == tasks.c.job_id)
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(tasks.c.state == TaskState.READY.value)
+        .order_by(tasks.c.id)
+        .limit(limit)
+    )
+    return [rows.ready(row) for row in await conn.execute(query)]
+
+
+async def standing(
+    conn: AsyncConnection, claimer: Claimer, kind: str, *, trust: TrustSettings, now: float
+) -> NodeTrust | ClaimMiss:
+    """The claimer's trust on `kind`, or why it may claim nothing now."""
+    suspended = (
+        await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == claimer.node_id))
+    ).scalar_one_or_none()
+    found = await ledger.load_trust(
+        conn, claimer.node_id, kind, claimer.backend, settings=trust, now=now
+    )
+    if suspended is not None or found.trust.suspended:
+        return ClaimMiss.SUSPENDED
+    if found.quota_used_today >= found.trust.daily_quota:
+        return ClaimMiss.QUOTA
+    return found
+
+
+async def claim_task(
+    conn: AsyncConnection,
+    task_id: int,
+    claimer: Claimer,
+    *,
+    kind: str,
+    lease_deadline: float,
+    distinct: Distinct | None,
+    trust: TrustSettings,
+    now: float,
+) -> Assignment | ClaimMiss:
+    """Claim one ready task, on the conditions `distinct` and the claimer's trust set."""
+    found = await standing(conn, claimer, kind, trust=trust, now=now)
+    if isinstance(found, ClaimMiss):
+        return found
+    if distinct is not None and rows.row_locks(conn):
+        # The "no replica on this node yet" check reads other rows: lock the shard
+        # so two claims of its replicas for one node cannot both pass it.
+        shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
+        await conn.execute(
+            select(shards.c.id)
+            .where(shards.c.id == shard_of_task.scalar_subquery())
+            .with_for_update()
+        )
+    where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
+    where += distinct_from(claimer, distinct)
+    if not trust_policy.is_trusted(found.trust, trust):
+        where.append(tasks.c.trusted_only.is_(False))
+    claimed = await conn.execute(
+        update(tasks).where(*where).values(**held_by(claimer, now), lease_deadline=lease_deadline)
+    )
+    if claimed.rowcount != 1:
+        state = (
+            await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
+        ).scalar_one_or_none()
+        return ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
+    await ledger.use_quota(
+        conn, claimer.node_id, kind, claimer.backend, used=found.quota_used_today, now=now
+    )
+    [row] = await assigned(conn, [task_id], now=now)
+    others_out = (
+        await conn.execute(
+            select(func.count()).where(
+                OTHER.c.shard_id == row.shard_id,
+                OTHER.c.id != task_id,
+                OTHER.c.node_id.is_not(None),
+            )
+        )
+    ).scalar_one()
+    first = others_out == 0 and row.mode is None
+    return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
+
+
+async def claim_tasks(
+    conn: AsyncConnection,
+    lease_deadlines: dict[int, float],
+    claimer: Claimer,
+    *,
+    kind: str,
+    trust: TrustSettings,
+    now: float,
+) -> list[Assignment] | ClaimMiss:
+    """Claim as many of these ready tasks (of one kind) as the claimer's quota allows."""
+    found = await standing(conn, claimer, kind, trust=trust, now=now)
+    if isinstance(found, ClaimMiss):
+        return found
+    room = found.trust.daily_quota - found.quota_used_today
+    wanted = sorted(lease_deadlines)[:room]
+    claimed = (
+        (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_(wanted), tasks.c.state == TaskState.READY.value)
+                .values(
+                    **held_by(claimer, now),
+                    lease_deadline=case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id),
+                )
+                .returning(tasks.c.id)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    if not claimed:
+        return []
+    await ledger.use_quota(
+        conn,
+        claimer.node_id,
+        kind,
+        claimer.backend,
+        used=found.quota_used_today,
+        count=len(claimed),
+        now=now,
+    )
+    found_rows = await assigned(conn, claimed, now=now)
+    return [rows.assignment(row, lease_deadlines[row.id], found.trust) for row in found_rows]
+
+
+def held_by(claimer: Claimer, now: float) -> dict[str, Any]:
+    """The values of a task claimed by `claimer` (its lease deadline aside)."""
+    return dict(
+        state=TaskState.ASSIGNED.value,
+        node_id=claimer.node_id,
+        account_id=claimer.account_id,
+        network=claimer.network,
+        backend=claimer.backend,
+        assigned_at=now,
+    )
+
+
+async def assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> list[Any]:
+    """Rows of `rows.ASSIGNED_COLUMNS` for tasks just claimed; their jobs start running."""
+    found = (
+        await conn.execute(
+            select(*rows.ASSIGNED_COLUMNS)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id.in_(list(task_ids)))
+            .order_by(tasks.c.id)
+        )
+    ).all()
+    await conn.execute(
+        update(jobs)
+        .where(
+            jobs.c.id.in_({row.job_id for row in found}),
+            jobs.c.state == JobState.QUEUED.value,
+        )
+        .values(state=JobState.RUNNING.value, started_at=now)
+    )
+    return list(found)
+
+
+def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
+    """Conditions for "no other replica of this shard on this node, account or network".
+
+    A node never runs two replicas of a shard, even after one failed (it may fail the
+    same way). Accounts and networks count only replicas that ran or run: a replica that
+    failed or expired on one of them does not bar its other nodes.
+    """
+    if distinct is None:
+        return []
+    same = [OTHER.c.node_id == claimer.node_id]
+    counted = OTHER.c.state.in_(_RAN)
+    if distinct.accounts:
+        same.append(counted & (OTHER.c.account_id == claimer.account_id))
+    if distinct.networks and claimer.network:
+        same.append(counted & (OTHER.c.network == claimer.network))
+    return [
+        ~exists().where(OTHER.c.shard_id == tasks.c.shard_id, OTHER.c.id != tasks.c.id, or_(*same))
+    ]
+
+
+async def run_alone(
+    conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool
+) -> list[int]:
+    """Let a trusted node's first replica decide the shard alone (or with one spot check).
+
+    Returns the ready tasks of the shard it cancelled; nothing when another replica is
+    already out or the shard's mode was already set.
+    """
+    changed = await conn.execute(
+        update(shards)
+        .where(
+            shards.c.id == shard_id,
+            shards.c.state == ShardState.OPEN.value,
+            shards.c.mode.is_(None),
+            ~exists().where(
+                OTHER.c.shard_id == shard_id,
+                OTHER.c.id != task_id,
+                OTHER.c.node_id.is_not(None),
+            ),
+        )
+        .values(
+            target=2 if spot_check else 1,
+            quorum=2 if spot_check else 1,
+            mode="spot" if spot_check else "alone",
+        )
+    )
+    if changed.rowcount != 1:
+        return []
+    ready = list(
+        (
+            await conn.execute(
+                select(tasks.c.id)
+                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
+                .order_by(tasks.c.id)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    keep, drop = (ready[:1], ready[1:]) if spot_check else ([], ready)
+    if keep:
+        await conn.execute(update(tasks).where(tasks.c.id == keep[0]).values(trusted_only=True))
+    if drop:
+        await conn.execute(
+            update(tasks)
+            .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
+            .values(state=TaskState.CANCELLED.value)
+        )
+        # Not attempts of the shard after all: its budget stays for real retries.
+        await conn.execute(
+            update(shards)
+            .where(shards.c.id == shard_id)
+            .values(attempts=shards.c.attempts - len(drop))
+        )
+    return drop
+
+
+async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> bool:
+    """A shard run alone (or spot-checked) goes back to full replication."""
+    changed = await conn.execute(
+        update(shards)
+        .where(
+            shards.c.id == shard_id,
+            shards.c.state == ShardState.OPEN.value,
+            shards.c.mode.in_(["alone", "spot"]),
+        )
+        .values(target=target, quorum=quorum, mode="escalated")
+    )
+    if changed.rowcount == 1:
+        # A spot check still waiting for a trusted node may go to anyone now.
+        await conn.execute(
+            update(tasks)
+            .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
+            .values(trusted_only=False)
+        )
+    return changed.rowcount == 1
+
+
+async def raise_target(conn: AsyncConnection, shard_id: int, *, results_seen: int) -> bool:
+    """One more result for an open shard whose results so far did not decide it."""
+    changed = await conn.execute(
+        update(shards)
+        .where(
+            shards.c.id == shard_id,
+            shards.c.state == ShardState.OPEN.value,
+            shards.c.target <= results_seen,
+        )
+        .values(target=shards.c.target + 1)
+    )
+    return changed.rowcount == 1

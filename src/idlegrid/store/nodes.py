@@ -1,0 +1,194 @@
+"""SQL of nodes: registration under Sybil limits, presence, and what a node holds.
+
+Functions over an open connection; `SqlStore` wraps each in a transaction.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from sqlalchemy import Float, bindparam, case, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.states import NodeState, TaskState
+from idlegrid.store import ledger, rows
+from idlegrid.store.base import (
+    NodeRecord,
+    NodeTask,
+    NodeTrust,
+    RegistrationLimits,
+    RegistrationRefused,
+    StateCounts,
+)
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, tasks
+
+HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
+TOUCH_CHUNK = 500  # nodes per presence statement
+
+
+async def register_node(
+    conn: AsyncConnection,
+    account_id: int,
+    node_key: str,
+    *,
+    values: dict[str, Any],
+    now: float,
+    limits: RegistrationLimits | None,
+) -> NodeRecord:
+    """Insert the node, or update it when its key is known; `values` are its columns."""
+    upsert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+    known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
+    if known is None and limits is not None:
+        await check_new_node(conn, account_id, values["address"], limits, now=now)
+    # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
+    inserted = await conn.execute(
+        upsert(nodes)
+        .values(
+            account_id=account_id,
+            node_key=node_key,
+            created_at=now,
+            connected_seconds=0.0,
+            **values,
+        )
+        .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
+    )
+    if inserted.rowcount != 1:
+        updated = await conn.execute(
+            update(nodes)
+            .where(nodes.c.node_key == node_key, nodes.c.account_id == account_id)
+            .values(**values)
+        )
+        if updated.rowcount != 1:
+            raise RegistrationRefused("this node key belongs to another account")
+    row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
+    return rows.node(row)
+
+
+async def check_new_node(
+    conn: AsyncConnection,
+    account_id: int,
+    address: str,
+    limits: RegistrationLimits,
+    *,
+    now: float,
+) -> None:
+    """Sybil limits on a new node (checked, not locked: two racing registrations
+    may both pass the last free place, which bounds the excess to the races)."""
+    flagged = (
+        await conn.execute(
+            select(accounts.c.flag_reason).where(
+                accounts.c.id == account_id, accounts.c.flagged_at.is_not(None)
+            )
+        )
+    ).first()
+    if flagged is not None:
+        raise RegistrationRefused(
+            f"this account is flagged ({flagged.flag_reason}); it cannot add nodes"
+        )
+
+    async def count(*where: Any) -> int:
+        query = select(func.count()).select_from(nodes).where(*where)
+        return int((await conn.execute(query)).scalar_one())
+
+    hour_ago = now - 3600.0
+    if await count(nodes.c.account_id == account_id) >= limits.max_nodes_per_account:
+        raise RegistrationRefused(
+            f"this account has {limits.max_nodes_per_account} nodes, the most allowed"
+        )
+    recent = await count(nodes.c.account_id == account_id, nodes.c.created_at > hour_ago)
+    if recent >= limits.per_account_per_hour:
+        raise RegistrationRefused(
+            f"this account registered {recent} nodes in the last hour "
+            f"(limit {limits.per_account_per_hour}); try again later"
+        )
+    if address:
+        recent = await count(nodes.c.address == address, nodes.c.created_at > hour_ago)
+        if recent >= limits.per_address_per_hour:
+            raise RegistrationRefused(
+                f"{recent} nodes registered from {address} in the last hour "
+                f"(limit {limits.per_address_per_hour}); try again later"
+            )
+
+
+async def set_node_offline(conn: AsyncConnection, node_id: int, *, now: float) -> None:
+    await conn.execute(
+        update(nodes)
+        .where(nodes.c.id == node_id, nodes.c.state == NodeState.ONLINE.value)
+        .values(state=NodeState.OFFLINE.value, last_seen_at=now)
+    )
+
+
+def _touch_statement() -> Any:
+    at = bindparam("at", type_=Float)
+    return (
+        update(nodes)
+        .where(nodes.c.id == bindparam("node"), nodes.c.last_seen_at < at)
+        .values(
+            # Gaps longer than a minute were time away, not uptime.
+            connected_seconds=nodes.c.connected_seconds
+            + case((at - nodes.c.last_seen_at > 60.0, 0.0), else_=at - nodes.c.last_seen_at),
+            last_seen_at=at,
+        )
+    )
+
+
+_TOUCH = _touch_statement()
+
+
+async def touch_nodes(conn: AsyncConnection, seen: dict[int, float]) -> None:
+    """Record last-seen times and add the time since the previous touch to uptime."""
+    # One statement executed for many rows: a fleet's presence in one round trip.
+    params = [{"node": node, "at": t} for node, t in seen.items()]
+    # In chunks: binding a whole fleet's rows at once would hold the event loop.
+    for start in range(0, len(params), TOUCH_CHUNK):
+        await conn.execute(_TOUCH, params[start : start + TOUCH_CHUNK])
+
+
+async def list_nodes(conn: AsyncConnection, account_id: int | None) -> list[NodeRecord]:
+    query = select(nodes).order_by(nodes.c.id)
+    if account_id is not None:
+        query = query.where(nodes.c.account_id == account_id)
+    return [rows.node(row) for row in await conn.execute(query)]
+
+
+async def node_tasks(conn: AsyncConnection, node_id: int) -> list[NodeTask]:
+    query = select(tasks.c.id, tasks.c.state).where(
+        tasks.c.node_id == node_id, tasks.c.state.in_(HELD)
+    )
+    found = (await conn.execute(query)).all()
+    return [NodeTask(task_id=r.id, node_id=node_id, state=TaskState(r.state)) for r in found]
+
+
+async def list_trust(
+    conn: AsyncConnection, node_id: int, *, now: float | None = None
+) -> list[NodeTrust]:
+    found = (
+        await conn.execute(
+            select(node_trust)
+            .where(node_trust.c.node_id == node_id)
+            .order_by(node_trust.c.kind, node_trust.c.backend)
+        )
+    ).all()
+    at = time.time() if now is None else now
+    return [
+        NodeTrust(
+            row.node_id, row.kind, row.backend, ledger.trust_of(row), ledger.used_today(row, at)
+        )
+        for row in found
+    ]
+
+
+async def state_counts(conn: AsyncConnection) -> StateCounts:
+    """Tasks and jobs counted by state (the metrics' gauges)."""
+    by_state = [
+        {
+            state: count
+            for state, count in (
+                await conn.execute(select(table.c.state, func.count()).group_by(table.c.state))
+            ).all()
+        }
+        for table in (tasks, jobs)
+    ]
+    return StateCounts(tasks=by_state[0], jobs=by_state[1])

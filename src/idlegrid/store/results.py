@@ -1,0 +1,173 @@
+"""SQL of what comes back from nodes: results recorded exactly once, failures, expiry.
+
+Functions over an open connection; `SqlStore` wraps each in a transaction. A result is
+taken only from the node that holds its task, once: a repeat with the same output is a
+duplicate, one with another output is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import bindparam, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.policy.trust import TrustSettings
+from idlegrid.states import ShardState, TaskState, check_transition
+from idlegrid.store import ledger, rows
+from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
+from idlegrid.store.nodes import HELD
+from idlegrid.store.schema import shards, tasks
+
+_TAKE = (
+    update(tasks)
+    .where(tasks.c.id == bindparam("b_task"))
+    .values(
+        state=TaskState.COMPLETED.value,
+        output_hash=bindparam("b_output_hash"),
+        output_size=bindparam("b_output_size"),
+        elapsed_s=bindparam("b_elapsed_s"),
+        finished_at=bindparam("b_now"),
+        outcome=bindparam("b_outcome"),
+    )
+)
+
+
+async def accept_results(
+    conn: AsyncConnection, node_id: int, results: Sequence[NewResult], *, now: float
+) -> list[ResultReceipt]:
+    """Record a node's results; one receipt for each, in order."""
+    if not results:
+        return []
+    # One read and one write for the batch. The rows are locked on PostgreSQL (in id
+    # order, so two batches cannot deadlock); SQLite holds its write lock meanwhile.
+    query = (
+        select(
+            tasks.c.id,
+            tasks.c.node_id,
+            tasks.c.state,
+            tasks.c.output_hash,
+            tasks.c.shard_id,
+            tasks.c.job_id,
+            shards.c.state.label("shard_state"),
+        )
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
+        .order_by(tasks.c.id)
+    )
+    if rows.row_locks(conn):
+        query = query.with_for_update(of=tasks)
+    found = {row.id: row for row in (await conn.execute(query)).all()}
+    receipts: list[ResultReceipt] = []
+    changes: list[dict[str, Any]] = []
+    taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
+    for result in results:
+        if result.task_id in taken:  # the same task twice in one batch
+            receipts.append(_repeat(result, taken[result.task_id]))
+            continue
+        row = found.get(result.task_id)
+        receipt = judge_result(row, result.task_id, node_id, result.output_hash)
+        if receipt is not None:
+            receipts.append(receipt)
+            continue
+        assert row is not None
+        shard_open = row.shard_state == ShardState.OPEN.value
+        check_transition(TaskState(row.state), TaskState.COMPLETED)
+        taken[result.task_id] = result.output_hash
+        changes.append(
+            {
+                "b_task": result.task_id,
+                "b_output_hash": result.output_hash,
+                "b_output_size": result.output_size,
+                "b_elapsed_s": result.elapsed_s,
+                "b_now": now,
+                "b_outcome": None if shard_open else "late",
+            }
+        )
+        receipts.append(
+            ResultReceipt(
+                "accepted" if shard_open else "late", shard_id=row.shard_id, job_id=row.job_id
+            )
+        )
+    if changes:
+        await conn.execute(_TAKE, changes)
+    return receipts
+
+
+def _repeat(result: NewResult, taken_hash: str) -> ResultReceipt:
+    if taken_hash == result.output_hash:
+        return ResultReceipt("duplicate")
+    return ResultReceipt("rejected", f"task {result.task_id} already reported another output")
+
+
+def judge_result(
+    row: Any | None, task_id: int, node_id: int, output_hash: str
+) -> ResultReceipt | None:
+    """Why a result cannot be taken as new, or None when it can."""
+    if row is None:
+        return ResultReceipt("rejected", f"unknown task {task_id}")
+    if row.node_id != node_id:
+        return ResultReceipt("rejected", f"task {task_id} is not held by this node")
+    state = TaskState(row.state)
+    if state == TaskState.COMPLETED:
+        if row.output_hash == output_hash:
+            return ResultReceipt("duplicate", shard_id=row.shard_id, job_id=row.job_id)
+        return ResultReceipt("rejected", f"task {task_id} already reported another output")
+    if state not in (TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.CANCELLED):
+        return ResultReceipt("rejected", f"task {task_id} is {state.value}")
+    return None
+
+
+async def task_inputs(
+    conn: AsyncConnection, task_ids: Sequence[int], node_id: int
+) -> dict[int, TaskInput]:
+    if not task_ids:
+        return {}
+    query = (
+        select(tasks.c.id, tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(tasks.c.id.in_(list(set(task_ids))), tasks.c.node_id == node_id)
+    )
+    found = (await conn.execute(query)).all()
+    return {
+        r.id: TaskInput(job_id=r.job_id, shard_id=r.shard_id, input_hash=r.input_hash)
+        for r in found
+    }
+
+
+async def record_failure(
+    conn: AsyncConnection,
+    task_id: int,
+    node_id: int,
+    *,
+    reason: str,
+    trust: TrustSettings,
+    now: float,
+) -> bool:
+    changed = await conn.execute(
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.node_id == node_id, tasks.c.state.in_(HELD))
+        .values(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
+    )
+    if changed.rowcount == 1:
+        await ledger.apply_verdicts(conn, [(task_id, "error")], settings=trust, now=now)
+    return changed.rowcount == 1
+
+
+async def expire(
+    conn: AsyncConnection, where: Any, *, trust: TrustSettings, now: float
+) -> list[NodeTask]:
+    """Expire the assigned tasks matching `where`: their nodes missed the lease."""
+    found = (await conn.execute(select(tasks.c.id, tasks.c.node_id).where(where))).all()
+    if not found:
+        return []
+    ids = [r.id for r in found]
+    await conn.execute(
+        update(tasks)
+        .where(tasks.c.id.in_(ids), tasks.c.state == TaskState.ASSIGNED.value)
+        .values(state=TaskState.EXPIRED.value)
+    )
+    # A missed deadline is an error of the node (BOINC counts it so too).
+    await ledger.apply_verdicts(conn, [(i, "error") for i in ids], settings=trust, now=now)
+    return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in found]

@@ -1,0 +1,318 @@
+"""SQL of verification: shards with results to judge, their decisions, late results.
+
+Functions over an open connection; `SqlStore` wraps them in transactions. The verifier
+(policy) decides from what `shards_for_verify` returns; `decide` records its decisions
+with a conditional update, so a decision that lost a race to another process changes
+nothing, and `policy.replication.decision_verdicts` says what each result earns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import and_, bindparam, func, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.policy import replication
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy.replication import ResultVerdict
+from idlegrid.policy.trust import TrustSettings
+from idlegrid.states import ShardState, TaskState
+from idlegrid.store import jobs as job_sql
+from idlegrid.store import ledger, rows
+from idlegrid.store.base import (
+    DecisionOutcome,
+    JobRecord,
+    LateResult,
+    NodeTask,
+    ShardDecision,
+    ShardForVerify,
+    ShardResult,
+)
+from idlegrid.store.schema import jobs, node_trust, shards, tasks
+
+_UNJUDGED_OR_LATE = tasks.c.outcome.is_(None) | (tasks.c.outcome == "late")
+
+
+async def shards_to_verify(conn: AsyncConnection, *, limit: int) -> list[int]:
+    query = (
+        select(tasks.c.shard_id)
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(
+            shards.c.state == ShardState.OPEN.value,
+            tasks.c.state == TaskState.COMPLETED.value,
+            tasks.c.outcome.is_(None),
+        )
+        .distinct()
+        .limit(limit)
+    )
+    return list((await conn.execute(query)).scalars().all())
+
+
+_RESULTS_WITH_TRUST = (
+    select(
+        tasks.c.id,
+        tasks.c.shard_id,
+        tasks.c.node_id,
+        tasks.c.output_hash,
+        tasks.c.output_size,
+        tasks.c.outcome,
+        node_trust.c.consecutive_valid,
+        node_trust.c.valid_total,
+        node_trust.c.invalid_total,
+        node_trust.c.error_total,
+        node_trust.c.recent_invalid,
+        node_trust.c.daily_quota,
+        node_trust.c.suspended,
+    )
+    .join(jobs, jobs.c.id == tasks.c.job_id)
+    .outerjoin(
+        node_trust,
+        and_(
+            node_trust.c.node_id == tasks.c.node_id,
+            node_trust.c.kind == jobs.c.kind,
+            node_trust.c.backend == func.coalesce(tasks.c.backend, "cpu"),
+        ),
+    )
+    .where(
+        tasks.c.state == TaskState.COMPLETED.value,
+        (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"),
+    )
+    .order_by(tasks.c.shard_id, tasks.c.finished_at, tasks.c.id)
+)
+
+
+async def shards_for_verify(
+    conn: AsyncConnection, shard_ids: Sequence[int], *, trust: TrustSettings
+) -> dict[int, ShardForVerify]:
+    """Each shard with its job and its results not found invalid, with their nodes' trust."""
+    ids = sorted(set(shard_ids))
+    if not ids:
+        return {}
+    shard_rows = (await conn.execute(select(shards).where(shards.c.id.in_(ids)))).all()
+    if not shard_rows:
+        return {}
+    job_of: dict[int, JobRecord] = {}
+    for job_id in sorted({row.job_id for row in shard_rows}):
+        job = await rows.job(conn, job_id, with_counts=False)
+        assert job is not None
+        job_of[job_id] = job
+    found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
+    by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
+    for r in found:
+        by_shard[r.shard_id].append(
+            ShardResult(
+                task_id=r.id,
+                node_id=r.node_id,
+                output_hash=r.output_hash,
+                output_size=r.output_size,
+                outcome=r.outcome,
+                trust=(
+                    ledger.trust_of(r)
+                    if r.valid_total is not None
+                    else trust_policy.new_trust(trust)
+                ),
+            )
+        )
+    return {
+        row.id: ShardForVerify(
+            shard=rows.shard(row), job=job_of[row.job_id], results=by_shard[row.id]
+        )
+        for row in shard_rows
+    }
+
+
+@dataclass
+class Decided:
+    """What `decide` changed: the shards it decided, their jobs, their tasks to cancel."""
+
+    won: set[int] = field(default_factory=set)
+    job_of: dict[int, int] = field(default_factory=dict)
+    to_cancel: dict[int, list[NodeTask]] = field(default_factory=dict)
+
+
+async def decide(
+    conn: AsyncConnection,
+    decisions: Sequence[ShardDecision],
+    *,
+    trust: TrustSettings,
+    now: float,
+) -> Decided:
+    """Record the verifier's decisions and the verdicts they give their results."""
+    # Undecided shards: only their invalid results are marked.
+    pending_invalid = [
+        t
+        for d in decisions
+        if d.canonical_task_id is None and d.fail_reason is None
+        for t in d.invalid
+    ]
+    await mark(conn, pending_invalid, "invalid")
+    verdicts: list[tuple[int, ResultVerdict]] = [(t, "invalid") for t in pending_invalid]
+    final = [d for d in decisions if d.canonical_task_id is not None or d.fail_reason is not None]
+    decided = Decided()
+    if final:
+        decided = await _take_final(conn, final, now=now)
+        taking = [d for d in final if d.shard_id in decided.won]
+        taking = list({d.shard_id: d for d in taking}.values())  # one per shard
+        # Only the decision that won marks results: a lost race leaves them to it.
+        await mark(conn, [t for d in taking for t in d.valid], "valid")
+        await mark(conn, [t for d in taking for t in d.invalid], "invalid")
+        for d in taking:
+            verdicts += replication.decision_verdicts(d.valid, d.invalid)
+    await ledger.apply_verdicts(conn, verdicts, settings=trust, now=now)
+    return decided
+
+
+async def _take_final(
+    conn: AsyncConnection, final: Sequence[ShardDecision], *, now: float
+) -> Decided:
+    """Close the shards of final decisions that are still open; cancel their live tasks."""
+    # Shards still open take their decision (locked on PostgreSQL, in id order):
+    # a decision that lost a race to another process changes nothing.
+    query = (
+        select(shards.c.id, shards.c.job_id)
+        .where(
+            shards.c.id.in_(sorted({d.shard_id for d in final})),
+            shards.c.state == ShardState.OPEN.value,
+        )
+        .order_by(shards.c.id)
+    )
+    if rows.row_locks(conn):
+        query = query.with_for_update()
+    job_of = {row.id: row.job_id for row in (await conn.execute(query)).all()}
+    taking = list({d.shard_id: d for d in final if d.shard_id in job_of}.values())
+    if not taking:
+        return Decided(job_of=job_of)
+    canonical = [d.canonical_task_id for d in taking if d.canonical_task_id]
+    outputs = {}
+    if canonical:
+        outputs = {
+            row.id: row
+            for row in (
+                await conn.execute(
+                    select(tasks.c.id, tasks.c.output_hash, tasks.c.output_size).where(
+                        tasks.c.id.in_(canonical)
+                    )
+                )
+            ).all()
+        }
+    await conn.execute(
+        _DECIDE_SHARD,
+        [_decided_shard(d, outputs.get(d.canonical_task_id or -1), now=now) for d in taking],
+    )
+    won = {d.shard_id for d in taking}
+    to_cancel: dict[int, list[NodeTask]] = {}
+    where = tasks.c.shard_id.in_(sorted(won))
+    for held in await job_sql.cancel_live_by_shard(conn, where, now=now):
+        to_cancel.setdefault(held.shard_id, []).append(held.task)
+    return Decided(won=won, job_of=job_of, to_cancel=to_cancel)
+
+
+_DECIDE_SHARD = (
+    update(shards)
+    .where(shards.c.id == bindparam("b_shard"))
+    .values(
+        state=bindparam("b_state"),
+        canonical_task_id=bindparam("b_canonical"),
+        output_hash=bindparam("b_output_hash"),
+        output_size=bindparam("b_output_size"),
+        error=bindparam("b_error"),
+        finished_at=bindparam("b_now"),
+    )
+)
+
+
+def _decided_shard(decision: ShardDecision, output: Any | None, *, now: float) -> dict[str, Any]:
+    """The bound values of one shard's decision in `_DECIDE_SHARD`."""
+    done = decision.canonical_task_id is not None
+    return {
+        "b_shard": decision.shard_id,
+        "b_state": (ShardState.DONE if done else ShardState.FAILED).value,
+        "b_canonical": decision.canonical_task_id,
+        "b_output_hash": output.output_hash if done and output is not None else None,
+        "b_output_size": output.output_size if done and output is not None else None,
+        "b_error": decision.fail_reason,
+        "b_now": now,
+    }
+
+
+async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dict[int, int]:
+    """Per job, its shards not done (jobs with none are absent)."""
+    if not job_ids:
+        return {}
+    query = (
+        select(shards.c.job_id, func.count().label("n"))
+        .where(shards.c.job_id.in_(sorted(set(job_ids))), shards.c.state != ShardState.DONE.value)
+        .group_by(shards.c.job_id)
+    )
+    return {row.job_id: row.n for row in (await conn.execute(query)).all()}
+
+
+def outcomes(
+    decisions: Sequence[ShardDecision], decided: Decided, open_left: dict[int, int]
+) -> list[DecisionOutcome]:
+    """One outcome per decision, in order; a shard decided twice in one call counts once."""
+    result = []
+    reported: set[int] = set()
+    for d in decisions:
+        if d.shard_id not in decided.won or d.shard_id in reported:
+            result.append(DecisionOutcome(decided=False, to_cancel=[], job_done=False))
+            continue
+        reported.add(d.shard_id)
+        result.append(
+            DecisionOutcome(
+                decided=True,
+                to_cancel=decided.to_cancel.get(d.shard_id, []),
+                job_done=open_left.get(decided.job_of[d.shard_id], 0) == 0,
+            )
+        )
+    return result
+
+
+async def late_results(conn: AsyncConnection, *, limit: int) -> list[LateResult]:
+    query = (
+        select(
+            tasks.c.id,
+            tasks.c.node_id,
+            tasks.c.output_hash,
+            tasks.c.job_id,
+            shards.c.output_hash.label("canonical_hash"),
+        )
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(
+            # Late, or taken while open by a verification that lost the race to decide.
+            _UNJUDGED_OR_LATE,
+            tasks.c.state == TaskState.COMPLETED.value,
+            shards.c.state == ShardState.DONE.value,
+        )
+        .order_by(tasks.c.id)
+        .limit(limit)
+    )
+    found = (await conn.execute(query)).all()
+    return [LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in found]
+
+
+async def judge_late(
+    conn: AsyncConnection, task_id: int, *, agrees: bool, trust: TrustSettings, now: float
+) -> None:
+    changed = await conn.execute(
+        update(tasks)
+        .where(
+            tasks.c.id == task_id,
+            _UNJUDGED_OR_LATE,
+            tasks.c.state == TaskState.COMPLETED.value,
+        )
+        .values(outcome="valid" if agrees else "invalid")
+    )
+    if changed.rowcount == 1:
+        verdict: ResultVerdict = "valid" if agrees else "invalid"
+        await ledger.apply_verdicts(conn, [(task_id, verdict)], settings=trust, now=now)
+
+
+async def mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
+    if task_ids:
+        await conn.execute(
+            update(tasks).where(tasks.c.id.in_(list(task_ids))).values(outcome=outcome)
+        )

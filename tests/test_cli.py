@@ -1,0 +1,242 @@
+"""The `idlegrid` command as a newcomer meets it, against a real coordinator on a socket
+(uvicorn in a thread): clear one-line errors, human output, the small messages."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+from click.testing import CliRunner, Result
+
+from idlegrid.cli import main
+from idlegrid.coordinator.app import create_app
+from idlegrid.settings import CoordinatorSettings
+
+
+@dataclass
+class Live:
+    url: str
+    admin_token: str
+
+    def run(self, *args: str, token: str | None = None) -> Result:
+        env = {"IDLEGRID_SERVER": self.url, "IDLEGRID_TOKEN": token or self.admin_token}
+        return CliRunner().invoke(main, list(args), env=env)
+
+
+@pytest.fixture
+def live(tmp_path: Path) -> Iterator[Live]:
+    settings = CoordinatorSettings(
+        data_dir=tmp_path / "coordinator", monitor_interval_s=3600.0, distinct_networks=False
+    )
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on")
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert server.started
+    try:
+        token = settings.admin_token_file.read_text().strip()
+        yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", token)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _dead_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"  # closed again: nobody listens
+
+
+def _one_line_error(result: Result) -> str:
+    assert result.exit_code != 0, result.output
+    assert "Traceback" not in result.output, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert len(lines) == 1, result.output
+    return lines[0]
+
+
+# -- expected failures: one line, a non-zero exit, the traceback only with --debug -------------
+
+
+@pytest.mark.parametrize("command", [["jobs"], ["submit", "sleep", "-p", "tasks=1"], ["job", "1"]])
+def test_an_unreachable_server_is_named_in_one_line(command: list[str]) -> None:
+    url = _dead_url()
+    result = CliRunner().invoke(main, [*command, "-s", url, "-t", "igr_x"])
+    line = _one_line_error(result)
+    assert f"cannot reach the coordinator at {url}" in line
+    assert result.exit_code == 1
+
+
+def test_debug_shows_the_traceback() -> None:
+    result = CliRunner().invoke(main, ["--debug", "jobs", "-s", _dead_url(), "-t", "igr_x"])
+    assert result.exit_code == 1
+    assert result.exception is not None and type(result.exception).__name__ == "Unreachable"
+
+
+def test_a_refused_token_says_what_to_check(live: Live) -> None:
+    line = _one_line_error(live.run("jobs", token="igr_not-a-token"))
+    assert "401 unauthorized: unknown or revoked token" in line and live.url in line
+    assert "IDLEGRID_TOKEN" in line
+
+
+def test_a_missing_input_file_is_one_line(live: Live, tmp_path: Path) -> None:
+    line = _one_line_error(live.run("submit", "embed-text", str(tmp_path / "nope.jsonl")))
+    assert line == f"Error: no such file or directory: {tmp_path / 'nope.jsonl'}"
+
+
+def test_a_full_disk_is_one_line(live: Live, monkeypatch: pytest.MonkeyPatch) -> None:
+    from idlegrid.client import Job
+
+    job_id = live.run("submit", "sleep", "-p", "tasks=1").output.split()[1]
+    # A finished job's bytes (no worker runs here), written where every write fails:
+    # /dev/full answers each one with ENOSPC.
+    monkeypatch.setattr(Job, "result_bytes", lambda self: b"result bytes")
+    line = _one_line_error(live.run("results", job_id, "-o", "/dev/full"))
+    assert line == (
+        "Error: no space left on the device to write /dev/full: free some space and try again"
+    )
+
+
+# -- the small messages --------------------------------------------------------------------
+
+
+def test_a_param_without_equals_names_the_form(live: Live) -> None:
+    result = live.run("submit", "sleep", "-p", "shard_size")
+    assert result.exit_code == 2
+    assert "expected KEY=VALUE, got 'shard_size'" in result.output
+
+
+def test_output_with_no_wait_is_refused(live: Live, tmp_path: Path) -> None:
+    result = live.run("submit", "sleep", "--no-wait", "-o", str(tmp_path / "out.json"))
+    assert result.exit_code == 2 and "drop --no-wait" in result.output
+
+
+def test_an_empty_text_is_refused_with_its_line(live: Live, tmp_path: Path) -> None:
+    texts = tmp_path / "texts.jsonl"
+    texts.write_text('"fine"\n{"text": ""}\n')
+    line = _one_line_error(live.run("submit", "embed-text", str(texts)))
+    assert "422 invalid_input: line 2: the text is empty" in line
+
+
+def test_a_cancelled_job_says_it_gets_no_result(live: Live, tmp_path: Path) -> None:
+    job_id = live.run("submit", "sleep", "-p", "tasks=1").output.split()[1]
+    assert live.run("job", job_id, "--cancel").exit_code == 0
+    line = _one_line_error(live.run("results", job_id, "-o", str(tmp_path / "r")))
+    assert f"job {job_id} is cancelled; it has no result and will not get one" in line
+
+
+def test_help_texts_promise_no_dashboard() -> None:
+    for command in ([], ["serve"], ["worker"], ["submit"], ["token", "create"]):
+        shown = CliRunner().invoke(main, [*command, "--help"])
+        assert shown.exit_code == 0 and "dashboard" not in shown.output.lower(), command
+
+
+# -- submission warnings and the job summary ------------------------------------------------
+
+
+def test_submit_warns_when_the_fleet_cannot_hold_the_replicas(live: Live) -> None:
+    result = live.run("submit", "sleep", "-p", "tasks=1", "--replication", "3")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("job ")
+    warnings = [line for line in result.output.splitlines() if line.startswith("warning: ")]
+    assert any("--replication 1" in w for w in warnings), result.output
+
+
+def test_job_prints_a_summary_and_json_on_request(live: Live) -> None:
+    job_id = live.run("submit", "sleep", "-p", "tasks=2", "--replication", "2").output.split()[1]
+    shown = live.run("job", job_id)
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[0] == f"job {job_id}: sleep, queued"
+    assert "0/2 shards (0%)" in lines[1] and "replication  2 per shard" in lines[2]
+    created = next(line for line in lines if line.strip().startswith("created"))
+    assert time.strftime("%Y-%m-%d") in created  # local time, not an epoch number
+    assert any(line.strip().startswith("waiting for: ") for line in lines), shown.output
+    raw = json.loads(live.run("job", job_id, "--json").output)
+    assert raw["id"] == int(job_id) and isinstance(raw["created_at"], float)
+
+
+def test_watch_when_piped_prints_one_line_per_change_with_the_reason(live: Live) -> None:
+    job_id = live.run("submit", "sleep", "-p", "tasks=1", "--replication", "2").output.split()[1]
+    # Ended from another thread a moment later, so the watch sees two states.
+    timer = threading.Timer(1.0, lambda: live.run("job", job_id, "--cancel"))
+    timer.start()
+    try:
+        watched = live.run("job", job_id, "--watch")
+    finally:
+        timer.join()
+    assert watched.exit_code == 1  # cancelled
+    progress = [line for line in watched.output.splitlines() if line.startswith("[")]
+    assert len(progress) == 2, watched.output
+    assert f"job {job_id} queued: 0/1 shards; waiting for: " in progress[0]
+    assert f"job {job_id} cancelled: 0/1 shards" in progress[1]
+
+
+# -- tokens ---------------------------------------------------------------------------------
+
+
+def test_token_create_list_and_revoke(live: Live) -> None:
+    made = live.run("token", "create", "--node", "--account", "alice", "--label", "laptop")
+    assert made.exit_code == 0, made.output
+    secret = made.output.splitlines()[0]
+    assert secret.startswith("ign_") and "node token 2 for account alice" in made.output
+    listed = live.run("token", "list", "--all")
+    assert "alice" in listed.output and "laptop" in listed.output and secret not in listed.output
+    assert all(len(line) <= 80 for line in listed.output.splitlines()), listed.output
+    revoked = live.run("token", "revoke", "2")
+    assert revoked.exit_code == 0 and "revoked node token 2" in revoked.output
+    assert json.loads(live.run("token", "list", "--account", "alice", "--json").output) == []
+
+
+# -- the worker's token --------------------------------------------------------------------
+
+
+def test_worker_says_which_variable_holds_its_token() -> None:
+    result = CliRunner().invoke(main, ["worker"], env={"IDLEGRID_TOKEN": "igr_x"})
+    assert result.exit_code == 2
+    assert "IDLEGRID_NODE_TOKEN" in result.output and "--token-file" in result.output
+    assert "Missing option" not in result.output
+
+
+def test_worker_refuses_a_researcher_token() -> None:
+    result = CliRunner().invoke(main, ["worker"], env={"IDLEGRID_NODE_TOKEN": "igr_x"})
+    assert result.exit_code == 2 and "a worker needs a node token (ign_...)" in result.output
+
+
+def test_worker_refuses_a_token_file_others_can_read(tmp_path: Path) -> None:
+    path = tmp_path / "node-token"
+    path.write_text("ign_secret\n")
+    path.chmod(0o644)
+    result = CliRunner().invoke(main, ["worker", "--token-file", str(path)], env={})
+    assert result.exit_code == 2 and f"chmod 600 {path}" in result.output
+
+
+def test_the_rounds_table_fits_80_columns_uncut() -> None:
+    import io
+
+    from rich.console import Console
+
+    from idlegrid import summary
+
+    row = {"round": 12, "final": False, "state": "closed", "train_loss": 2.345678,
+           "eval_loss": 2.456789, "updates": 16, "nodes": 16, "bytes_up": 123_456_789,
+           "bytes_down": 98_765_432, "round_time_s": 1234.5,
+           "closed_by": "min_updates"}  # fmt: skip
+    metrics = {"rounds": [row, {**row, "round": 13, "final": True, "closed_by": None}]}
+    out = io.StringIO()
+    Console(file=out, width=80).print(summary.rounds_table(metrics))
+    text = out.getvalue()
+    assert all(len(line) <= 80 for line in text.splitlines())
+    assert "…" not in text and "2.3457" in text and "123.5 MB" in text and "13 end" in text

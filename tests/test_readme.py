@@ -1,0 +1,131 @@
+"""The README's quickstart, run as written: its code blocks are read from README.md and
+run against a real coordinator and one real worker on this machine, with the example
+host, data directory and tokens put in. If the README changes, this runs the new text.
+
+Two deviations, both of setup and not of the commands: `idlegrid serve` is started by
+LocalGrid (the same command, on a free port), and the worker skips its benchmark.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from idlegrid.localgrid import LocalGrid
+
+pytestmark = pytest.mark.slow
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+EXAMPLE_URL = "http://coordinator.example:8000"
+
+
+def _section(title: str) -> str:
+    """The README's text from the heading that starts with `title` to the next heading."""
+    text = README.read_text()
+    start = text.index(f"## {title}")
+    found = re.search(r"\n#{2,} ", text[start + 1 :])
+    return text[start : start + 1 + found.start()] if found else text[start:]
+
+
+def _blocks(section: str, language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
+
+
+def _commands(block: str) -> list[str]:
+    """The block's command lines, comments and `pip install` (done here already) left out."""
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
+    return [line for line in lines if line and not line.startswith(("#", "pip install"))]
+
+
+def _bash(command: str, env: dict[str, str], cwd: Path, timeout: float = 180) -> str:
+    done = subprocess.run(
+        ["bash", "-ec", command], env=env, cwd=cwd, capture_output=True, text=True,
+        timeout=timeout,
+    )  # fmt: skip
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    assert "Traceback" not in done.stderr, done.stderr
+    return done.stdout
+
+
+def test_the_quickstart_finishes_with_one_worker(tmp_path: Path) -> None:
+    section = _section("Quickstart")
+    serve, admin, volunteer, shell = _blocks(section, "bash")
+    (sdk,) = _blocks(section, "python")
+    assert "idlegrid serve" in serve
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    shim = bin_dir / "idlegrid"  # what `pip install` puts on PATH, and .venv/bin/idlegrid
+    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m idlegrid "$@"\n')
+    shim.chmod(0o755)
+    with LocalGrid(tmp_path / "grid") as grid:
+        data_dir = str(grid.data_dir)
+        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(tmp_path)}
+        env.pop("IDLEGRID_TOKEN", None)
+
+        def put_in(command: str) -> str:
+            return (
+                command.replace(EXAMPLE_URL, grid.url)
+                .replace("/var/lib/idlegrid", data_dir)
+                .replace(".venv/bin/idlegrid", "idlegrid")
+            )
+
+        # The admin's shell: exports, then the volunteer's and the researcher's tokens.
+        script = "\n".join(put_in(c) for c in _commands(admin))
+        printed = _bash(script + '\necho "$IDLEGRID_TOKEN" > admin.seen', env, tmp_path)
+        researcher_token = next(line for line in printed.splitlines() if line.startswith("igr_"))
+        assert (tmp_path / "alice.token").read_text().startswith("ign_")
+        # The volunteer: the token into a 0600 file, then the worker from it.
+        *setup, worker_line = _commands(volunteer)
+        _bash("\n".join(put_in(c) for c in setup), env, tmp_path)
+        assert (tmp_path / ".idlegrid-token").stat().st_mode & 0o777 == 0o600
+        worker = subprocess.Popen(
+            ["bash", "-c", "exec " + put_in(worker_line) + " --no-benchmark --state-dir w"],
+            env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        try:
+            grid.wait_for_nodes(1)
+            researcher = {**env, "IDLEGRID_SERVER": grid.url, "IDLEGRID_TOKEN": researcher_token}
+            (tmp_path / "texts.jsonl").write_text('"a first text"\n{"text": "a second"}\n')
+            for command in _commands(shell):
+                _bash(put_in(command), researcher, tmp_path)
+            assert np.load(tmp_path / "vectors.npy").shape == (2, 384)
+            code = put_in(sdk).replace('token="igr_..."', f'token="{researcher_token}"')
+            code += "\nassert vectors.shape == (2, 384), vectors.shape\n"
+            _bash(f"{sys.executable} - <<'EOF'\n{code}\nEOF", researcher, tmp_path)
+            with grid.client() as admin_client:
+                assert len(admin_client.nodes()) == 1
+        finally:
+            worker.terminate()
+            output, _ = worker.communicate(timeout=60)
+        assert worker.returncode == 0, output
+        assert "done in" in output and "Traceback" not in output, output
+
+
+def test_the_quickstart_credits_alice_not_admin(tmp_path: Path) -> None:
+    """The node token of the quickstart is on the volunteer's account."""
+    admin = _blocks(_section("Quickstart"), "bash")[1]
+    assert "token create --node --account alice" in admin
+    with LocalGrid(tmp_path) as grid:
+        grid.start_worker("w", kinds="sleep", benchmark=False, account="alice")
+        grid.wait_for_nodes(1)
+        with grid.client() as client:
+            client.submit("sleep", params={"tasks": 1, "seconds": 0.1}, replication=1).wait(
+                timeout=60
+            )
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if any(n["name"] == "w" for n in client.nodes()):
+                    break
+                time.sleep(0.1)
+        alice = grid.create_token(account="alice")["token"]
+        from idlegrid.client import Client
+
+        with Client(grid.url, alice) as as_alice:
+            assert [n["name"] for n in as_alice.nodes()] == ["w"]
