@@ -142,6 +142,8 @@ async def serve_nodes(spec: dict[str, Any]) -> None:
                 name=node["name"],
                 kinds=("vectors",),
                 benchmark=False,
+                dedicated=True,
+                control_port=-1,
             ),
             node["strategy"],
             node["seed"],

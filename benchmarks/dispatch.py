@@ -2,9 +2,12 @@
 
     .venv/bin/python benchmarks/dispatch.py [--tasks 2000] [--workers 2] [--slots 8]
         [--prefetch 8] [--kind noop] [--redis redis://127.0.0.1:6379/0]
+        [--database postgresql://postgres@127.0.0.1:5432/test]
 
 Grid: a `LocalGrid` (one `idlegrid serve` process, SQLite store with synchronous=FULL,
-in-process broker) and `--workers` `idlegrid worker` processes with `--slots` slots each
+in-process broker; with `--database`, production mode instead: PostgreSQL in a fresh
+schema and the `--redis` Redis under a fresh key prefix, both removed afterwards) and
+`--workers` `idlegrid worker` processes with `--slots` slots each
 and a work buffer of `--prefetch` tasks each (`idlegrid worker --prefetch`),
 over real WebSockets, with leases, result checks and verification at replication 1 (arq
 has no redundancy). After a warm-up job the script submits one job of `--tasks` no-op
@@ -31,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+import uuid
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -199,6 +203,27 @@ def _timestamp(value: datetime) -> float:
     return value.timestamp()
 
 
+async def _drop_production(
+    *, database: str, database_schema: str, redis: str, redis_prefix: str
+) -> None:
+    """Remove the benchmark's PostgreSQL schema and Redis keys."""
+    import asyncpg
+    import redis.asyncio as aioredis
+
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{database_schema}" CASCADE')
+    finally:
+        await conn.close()
+    client = aioredis.Redis.from_url(redis)
+    try:
+        keys = [key async for key in client.scan_iter(match=redis_prefix + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
+
+
 # -- both ------------------------------------------------------------------------------------
 
 
@@ -217,6 +242,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
     parser.add_argument(
+        "--database",
+        default="",
+        help="PostgreSQL URL: run the grid in production mode (with --redis as its broker)",
+    )
+    parser.add_argument(
         "--coordinator-env",
         action="append",
         default=[],
@@ -232,11 +262,20 @@ def main() -> None:
     print(
         f"{args.tasks} no-op tasks per round, replication 1 on the grid "
         f"(kind {args.kind}, {args.workers} workers x {args.slots} slots, prefetch "
-        f"{args.prefetch}; SQLite store); "
+        f"{args.prefetch}; {'PostgreSQL + Redis' if args.database else 'SQLite'} store); "
         "one arq worker (defaults, max_jobs=10) on the local Redis",
         flush=True,
     )
     grid_rates, arq_rates = [], []
+    production: dict[str, str] = {}
+    if args.database:
+        schema = f"bench_{uuid.uuid4().hex[:12]}"
+        production = dict(
+            database=args.database,
+            database_schema=schema,
+            redis=args.redis,
+            redis_prefix=f"idlegrid-bench:{schema}:",
+        )
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-dispatch-") as tmp,
         LocalGrid(
@@ -244,6 +283,7 @@ def main() -> None:
             heartbeat_s=15.0,
             node_timeout_s=45.0,
             extra_env=dict(item.split("=", 1) for item in args.coordinator_env),
+            **production,
         ) as grid,
     ):
         for i in range(args.workers):
@@ -273,6 +313,8 @@ def main() -> None:
                 f"({arq_s:.2f} s, {arq_cpu[-1]:.2f} CPU ms a job)",
                 flush=True,
             )
+    if production:
+        asyncio.run(_drop_production(**production))
     if args.skip_arq:
         return
     grid_rate, arq_rate = statistics.median(grid_rates), statistics.median(arq_rates)

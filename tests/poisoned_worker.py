@@ -59,7 +59,8 @@ def main() -> None:
     args = parser.parse_args()
     settings = WorkerSettings(
         servers=(args.server,), token=args.token, state_dir=args.state_dir, name=args.name,
-        kinds=("diloco-train",), benchmark=False, threads=1,
+        kinds=("diloco-train",), benchmark=False, threads=1, dedicated=True,
+        control_port=-1,
     )  # fmt: skip
     asyncio.run(PoisonedWorker(settings, args.scale).run())
 

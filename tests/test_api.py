@@ -291,7 +291,7 @@ def test_sleep_job_lifecycle_view(api: Api) -> None:
     created = api.submit(alice, kind="sleep", params={"tasks": 3, "seconds": 0}, priority=5)
     assert created["state"] == "queued" and created["kind"] == "sleep"
     assert (created["shards_total"], created["items_total"], created["priority"]) == (3, 3, 5)
-    assert created["params"] == {"tasks": 3, "seconds": 0.0, "backend": ""}
+    assert created["params"] == {"tasks": 3, "seconds": 0.0, "backend": "", "hashes": 0}
     assert created["progress"] == 0.0 and created["result"] is None
     job = api.job(alice, created["id"])
     assert [s["index"] for s in job["shards"]] == [0, 1, 2]

@@ -137,12 +137,6 @@ def test_a_cancelled_job_says_it_gets_no_result(live: Live, tmp_path: Path) -> N
     assert f"job {job_id} is cancelled; it has no result and will not get one" in line
 
 
-def test_help_texts_promise_no_dashboard() -> None:
-    for command in ([], ["serve"], ["worker"], ["submit"], ["token", "create"]):
-        shown = CliRunner().invoke(main, [*command, "--help"])
-        assert shown.exit_code == 0 and "dashboard" not in shown.output.lower(), command
-
-
 # -- submission warnings and the job summary ------------------------------------------------
 
 

@@ -218,7 +218,7 @@ def test_no_import_cycle_between_modules() -> None:
 
 
 def test_kinds_import_ml_libraries_only_inside_functions() -> None:
-    heavy = ("torch", "sentence_transformers", "transformers")
+    heavy = ("torch", "sentence_transformers", "transformers", "onnxruntime")
     offenders = [
         f"{module} imports {imported.name} at module level (line {imported.line})"
         for module, path in _files("kinds")
@@ -231,7 +231,8 @@ def test_kinds_import_ml_libraries_only_inside_functions() -> None:
 def test_coordinator_runs_without_torch() -> None:
     code = (
         "import sys; import idlegrid.coordinator.app, idlegrid.client, idlegrid.cli; "
-        "assert 'torch' not in sys.modules and 'sentence_transformers' not in sys.modules"
+        "assert 'torch' not in sys.modules and 'sentence_transformers' not in sys.modules; "
+        "assert 'onnxruntime' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -268,7 +268,7 @@ def test_errors_after_hello_leave_the_connection_working(
     job = api.submit(researcher, kind="sleep", params={"tasks": 1})
     # The node asked for work before there was any: the dispatch loop brings it.
     assign = node.expect("assign", job_id=job["id"], shard_index=0, kind="sleep")
-    assert assign["params"] == {"tasks": 1, "seconds": 0.0, "backend": ""}
+    assert assign["params"] == {"tasks": 1, "seconds": 0.0, "backend": "", "hashes": 0}
 
 
 def test_full_happy_path(api: Api, connect: Any, researcher: str) -> None:

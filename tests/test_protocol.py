@@ -27,6 +27,7 @@ from idlegrid.protocol import (
     Result,
     ResultAck,
     Results,
+    Status,
     TaskProgress,
     Welcome,
     parse_node_message,
@@ -87,6 +88,8 @@ NODE_MESSAGES: list[BaseModel] = [
     Heartbeat(seq=12, sent_at=8123.25),
     Ready(free_slots=2),
     Ready(free_slots=0),
+    Status(state="paused", reason="paused: user active 3 s ago"),
+    Status(state="running"),
     Result(task_id=7, output=HASH, output_size=123, elapsed_s=1.5, metrics={"items_per_s": 9.0}),
     Failure(task_id=7, reason="out of memory", retryable=False),
     Results(
@@ -99,6 +102,7 @@ NODE_MESSAGES: list[BaseModel] = [
 
 SERVER_MESSAGES: list[BaseModel] = [
     Welcome(node_id=1, heartbeat_interval_s=15.0, server_time=NOW, drop=[5, 6]),
+    Welcome(node_id=1, heartbeat_interval_s=15.0, server_time=NOW, credit=12.5),
     Assign(
         task_id=1,
         job_id=2,
@@ -134,7 +138,9 @@ def test_server_messages_round_trip(message: BaseModel) -> None:
 def test_every_message_type_is_covered() -> None:
     node_types = {type(m).__name__ for m in NODE_MESSAGES}
     server_types = {type(m).__name__ for m in SERVER_MESSAGES}
-    assert node_types == {"Hello", "Heartbeat", "Ready", "Result", "Results", "Failure"}
+    assert node_types == {
+        "Hello", "Heartbeat", "Status", "Ready", "Result", "Results", "Failure",
+    }  # fmt: skip
     assert server_types == {"Welcome", "Assign", "ResultAck", "HeartbeatAck", "Cancel", "Error"}
     assert {m.type for m in NODE_MESSAGES} == protocol.NODE_TYPES  # type: ignore[attr-defined]
 

@@ -108,6 +108,19 @@ NEEDS = [
         {"onnx_providers": frozenset({"CUDAExecutionProvider"})},
         ["has no ONNX execution provider of CUDAExecutionProvider"],
     ),
+    ("onnx-opset-loaded", _node(onnx_opset=21), {"min_onnx_opset": 21}, []),
+    (
+        "onnx-opset-too-new",
+        _node(onnx_opset=17),
+        {"min_onnx_opset": 21},
+        ["has no ONNX Runtime that loads opset 21"],
+    ),
+    (
+        "onnx-opset-unreported",
+        LAPTOP,
+        {"min_onnx_opset": 7},
+        ["has no ONNX Runtime that loads opset 7"],
+    ),
     (
         "several-missed",
         LAPTOP,

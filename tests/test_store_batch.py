@@ -210,3 +210,35 @@ async def _try(store: SqlStore, task_id: int, node: object) -> Assignment | Clai
     from test_store import _try_claim
 
     return await _try_claim(store, task_id, node, lease_deadline=T0 + 100, now=T0)  # type: ignore[arg-type]
+
+
+async def test_claims_skip_tasks_another_batch_is_claiming(store: SqlStore) -> None:
+    """A claim does not wait for a task another open transaction holds (PostgreSQL)."""
+    if store.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a second batch waits for the first")
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    await _try(store, ready.pop().task_id, nodes[0])  # the job runs: no job-row write below
+    holding, done = asyncio.Event(), asyncio.Event()
+
+    async def hold_first() -> None:
+        async with store.batch():
+            await _try(store, ready[0].task_id, nodes[0])
+            holding.set()
+            await done.wait()
+
+    holder = asyncio.create_task(hold_first())
+    await holding.wait()
+    try:
+        claimed = await asyncio.wait_for(
+            store.claim_tasks(
+                {e.task_id: T0 + 100 for e in ready}, _claimer(nodes[1]), kind="sleep", now=T0
+            ),
+            timeout=10,
+        )
+    finally:
+        done.set()
+        await holder
+    assert not isinstance(claimed, ClaimMiss)
+    assert [c.task_id for c in claimed] == [ready[1].task_id]

@@ -59,6 +59,8 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
                 slots=4,
                 kinds=("noop",),
                 benchmark=False,
+                dedicated=True,
+                control_port=-1,
             )
         )
         worker.hardware = HardwareProfile()  # no probe: this test is about the protocol
@@ -119,6 +121,8 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
                 prefetch=3,
                 kinds=("sleep",),
                 benchmark=False,
+                dedicated=True,
+                control_port=-1,
             )
         )
         worker.hardware = HardwareProfile()

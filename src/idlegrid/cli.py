@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
 import signal
 import socket
@@ -15,25 +14,7 @@ import click
 
 from idlegrid import __version__
 from idlegrid.cli_researcher import COMMANDS
-
-
-def _setup_logging(level: str) -> None:
-    """Rich lines on a terminal, plain timestamped ones in a log file; Alembic's INFO
-    chatter (one line per migration step) only with --log-level debug."""
-    from rich.console import Console
-    from rich.logging import RichHandler
-
-    handler: logging.Handler
-    if sys.stderr.isatty():
-        handler = RichHandler(console=Console(stderr=True), show_path=False)
-        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    else:  # log files: one plain line per record
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=level.upper(), handlers=[handler])
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    if level.lower() != "debug":
-        logging.getLogger("alembic").setLevel(logging.WARNING)
+from idlegrid.logs import setup_logging as _setup_logging
 
 
 class _Cli(click.Group):
@@ -257,173 +238,75 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
     click.echo("the database is at the newest migration")
 
 
+@main.command("web-account")
+@click.argument("name")
+@click.option(
+    "--role",
+    type=click.Choice(["volunteer", "researcher", "admin"]),
+    default="researcher",
+    show_default=True,
+)
+@click.option("--email", default=None, help="Its email address (it may sign in with it too).")
+@click.option(
+    "--password-file",
+    type=click.File("r"),
+    default=None,
+    help="Read the password from this file ('-': standard input); else prompt.",
+)
+@click.option(
+    "--data-dir",
+    type=click.Path(path_type=Path),
+    envvar="IDLEGRID_DATA_DIR",
+    default=Path("./idlegrid-data"),
+    show_default=True,
+)
+@click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="", help="Database URL.")
+def web_account(
+    name: str,
+    role: str,
+    email: str | None,
+    password_file: Any,
+    data_dir: Path,
+    database: str,
+) -> None:
+    """Give an account (made if missing) a dashboard password and a role.
+
+    The operator's way in: e.g. `idlegrid web-account admin --role admin` lets the
+    bootstrap admin sign in to the dashboard.
+    """
+    from idlegrid.dashboard.accounts import set_login
+    from idlegrid.settings import CoordinatorSettings
+    from idlegrid.store import open_store
+
+    if password_file is not None:
+        password = password_file.readline().rstrip("\n")
+    else:
+        password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
+    settings = CoordinatorSettings.from_env(data_dir=data_dir, database_url=database or None)
+    if not settings.database_url:
+        data_dir.mkdir(parents=True, exist_ok=True)
+
+    async def run() -> None:
+        store = open_store(settings.database)
+        try:
+            await store.open()
+            await set_login(store, name, email=email, password=password, role=role)  # type: ignore[arg-type]
+        finally:
+            await store.close()
+
+    try:
+        asyncio.run(run())
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(f"{name} may sign in to the dashboard as a {role}")
+
+
 # -- worker ---------------------------------------------------------------------------------
 
 
-@main.command()
-@click.option(
-    "--server",
-    "-s",
-    "servers",
-    multiple=True,
-    envvar=["IDLEGRID_SERVERS", "IDLEGRID_SERVER"],
-    default=["http://127.0.0.1:8000"],
-    show_default=True,
-    help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, a comma list, or "
-    "IDLEGRID_SERVER).",
-)
-@click.option(
-    "--token",
-    "-t",
-    envvar="IDLEGRID_NODE_TOKEN",
-    default="",
-    help="Node token (env IDLEGRID_NODE_TOKEN; better than the flag, which `ps` shows).",
-)
-@click.option(
-    "--token-file",
-    type=click.Path(path_type=Path, dir_okay=False),
-    envvar="IDLEGRID_NODE_TOKEN_FILE",
-    default=None,
-    help="File holding the node token, readable by its owner only (chmod 600).",
-)
-@click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    help="Node identity, blob cache, benchmark (default ~/.idlegrid/worker).",
-)
-@click.option("--name", default="", help="The node's name in `GET /v1/nodes` (default: host).")
-@click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
-@click.option(
-    "--prefetch",
-    default=0,
-    show_default=True,
-    help="Tasks to hold beyond the slots, started when one frees (for short tasks).",
-)
-@click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
-@click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")
-@click.option("--threads", default=0, help="Torch threads (default: cores / slots).")
-@click.option(
-    "--benchmark/--no-benchmark",
-    default=True,
-    show_default=True,
-    help="Benchmark at registration (cached per hardware).",
-)
-@click.option("--rebenchmark", is_flag=True, help="Run the benchmark again.")
-@click.option("--log-level", default="info", show_default=True)
-def worker(
-    servers: tuple[str, ...],
-    token: str,
-    token_file: Path | None,
-    state_dir: Path | None,
-    name: str,
-    slots: int,
-    prefetch: int,
-    kinds: str,
-    device: str,
-    threads: int,
-    benchmark: bool,
-    rebenchmark: bool,
-    log_level: str,
-) -> None:
-    """Run a worker node: probe and benchmark this machine, then take tasks.
+from idlegrid.worker.commands import worker  # noqa: E402  (its own module: a command group)
 
-    The worker connects out to the coordinator (works behind NAT), reconnects with
-    backoff when it goes away, and only runs built-in task kinds. Ctrl-C once: finish
-    the running tasks, then stop; twice: give them back to the coordinator and stop.
-    """
-    from idlegrid.settings import WorkerSettings
-    from idlegrid.worker.daemon import Worker
-
-    _setup_logging(log_level)
-    expanded = tuple(part for s in servers for part in s.split(",") if part)
-    settings = WorkerSettings.from_env(
-        servers=expanded,
-        token=_node_token(token, token_file),
-        state_dir=state_dir,
-        name=name or socket.gethostname(),
-        slots=slots,
-        prefetch=prefetch,
-        kinds=tuple(k for k in kinds.split(",") if k) or None,
-        device=device or None,
-        threads=threads or None,
-        benchmark=benchmark,
-        rebenchmark=rebenchmark,
-    )
-    from idlegrid.worker.daemon import NodeRefused
-
-    try:
-        node = Worker(settings)
-    except ValueError as exc:
-        raise click.UsageError(str(exc)) from None
-    try:
-        asyncio.run(_run_worker(node))
-    except NodeRefused as exc:
-        raise click.ClickException(f"{exc} (make one: idlegrid token create --node)") from None
-
-
-def _node_token(token: str, token_file: Path | None) -> str:
-    """The node token from the environment (or flag), else from a 0600 file."""
-    if not token and token_file is not None:
-        token = _read_secret(token_file)
-    if not token:
-        hint = ""
-        if os.environ.get("IDLEGRID_TOKEN"):
-            hint = " (IDLEGRID_TOKEN is a researcher's token; a worker reads IDLEGRID_NODE_TOKEN)"
-        raise click.UsageError(
-            "a node token is needed: set IDLEGRID_NODE_TOKEN or pass --token-file FILE"
-            f"{hint}; an admin makes one with: idlegrid token create --node --account NAME"
-        )
-    if token.startswith("igr_"):
-        raise click.UsageError(
-            "that is a researcher token (igr_...): a worker needs a node token (ign_...), "
-            "made with: idlegrid token create --node --account NAME"
-        )
-    return token
-
-
-def _read_secret(path: Path) -> str:
-    """A token file's content; refused when others may read it, as ssh does for keys."""
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise click.UsageError(
-            f"{path} is readable by others (mode {mode & 0o777:o}): chmod 600 {path}"
-        )
-    secret = path.read_text().strip()
-    if not secret:
-        raise click.UsageError(f"{path} is empty: it should hold a node token (ign_...)")
-    return secret
-
-
-async def _run_worker(node: Any) -> None:
-    """Run until stopped: the first SIGINT/SIGTERM finishes, the second gives back."""
-    loop = asyncio.get_running_loop()
-    owned: set[asyncio.Task[None]] = set()
-    asked = 0
-
-    def on_signal() -> None:
-        nonlocal asked
-        asked += 1
-        if asked == 1:
-            click.echo(
-                "finishing the running tasks, then stopping (Ctrl-C again: give them back "
-                "and stop now)",
-                err=True,
-            )
-            step = node.finish()
-        else:
-            click.echo("giving the running tasks back to the coordinator and stopping", err=True)
-            step = node.give_back_and_stop()
-        task = loop.create_task(step)
-        owned.add(task)
-        task.add_done_callback(owned.discard)
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        await node.run()
-    finally:
-        await asyncio.gather(*owned, return_exceptions=True)
+main.add_command(worker)
 
 
 # -- researcher and admin commands (cli_researcher.py) --------------------------------------
@@ -433,7 +316,16 @@ for _command in COMMANDS:
 
 
 @main.command()
+@click.option(
+    "--kind",
+    type=click.Choice(["embed-text", "onnx-infer"]),
+    default="embed-text",
+    show_default=True,
+    help="embed-text: paragraphs through all-MiniLM-L6-v2; onnx-infer: images through a "
+    "small convolutional network on ONNX Runtime.",
+)
 @click.option("--texts", default=2000, show_default=True, help="Texts to embed.")
+@click.option("--images", default=500, show_default=True, help="Images (onnx-infer).")
 @click.option(
     "--workers", default=0, help="Local worker processes (default: as many as replication)."
 )
@@ -441,17 +333,44 @@ for _command in COMMANDS:
     "--replication", default=3, show_default=True, help="Replicas per shard, verified by quorum."
 )
 @click.option("--shard-size", default=128, show_default=True)
-def demo(texts: int, workers: int, replication: int, shard_size: int) -> None:
-    """Run the whole grid on this machine: a coordinator, workers, an embedding job.
+@click.option(
+    "--keep", is_flag=True, help="Keep the grid running for the dashboard; Ctrl-C stops it."
+)
+def demo(
+    kind: str,
+    texts: int,
+    images: int,
+    workers: int,
+    replication: int,
+    shard_size: int,
+    keep: bool,
+) -> None:
+    """Run the whole grid on this machine: a coordinator, workers, a real job.
 
     Each worker is a volunteer with its own account; every shard runs on `replication`
-    of them and a quorum decides its result. Embeds paragraphs of the standard library's
-    docstrings, checks every vector against a local reference (cosine >= 0.999), prints
-    the throughput and the credit each node earned, and stops everything it started.
+    of them and a quorum decides its result. embed-text embeds paragraphs of the standard
+    library's docstrings and checks every vector against a local reference (cosine >=
+    0.999); onnx-infer runs drawn images (PNG and JPEG files) through a convolutional
+    network and checks every row against ONNX Runtime run here. Both print the
+    throughput and stop everything they started.
     """
-    from idlegrid.demo import run_demo
+    from idlegrid.demo import run_demo, run_onnx_demo
 
-    sys.exit(run_demo(texts=texts, workers=workers, replication=replication, shard_size=shard_size))
+    if kind == "onnx-infer":
+        sys.exit(
+            run_onnx_demo(
+                images=images, workers=workers, replication=replication, shard_size=shard_size
+            )
+        )
+    sys.exit(
+        run_demo(
+            texts=texts,
+            workers=workers,
+            replication=replication,
+            shard_size=shard_size,
+            keep=keep,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -93,11 +93,17 @@ def submit(
     server: str,
     token: str,
 ) -> None:
-    """Submit a job: KIND and its inputs as NAME=PATH (or just PATH for one input).
+    """Submit a job: KIND and its inputs as NAME=PATH, or PATHs in the kind's input order.
 
     \b
     idlegrid submit embed-text texts.jsonl --wait -o vectors.npy
     idlegrid submit sleep -p tasks=20 -p seconds=0.5
+    idlegrid submit onnx-infer model.onnx data.safetensors --wait -o out.safetensors
+    idlegrid submit onnx-infer model.onnx photos/ --wait -o out.safetensors \\
+        -p 'preprocess={"crop": [224, 224], "resize": 256, "mean": [0.485, 0.456, 0.406],
+                        "std": [0.229, 0.224, 0.225]}'
+
+    A folder as onnx-infer's data is its .jpg/.jpeg/.png files, in name order.
     """
     from idlegrid.kinds import UnknownKind, get_kind
 
@@ -109,7 +115,7 @@ def submit(
         raise click.BadParameter(str(exc), param_hint="KIND") from None
     files = _input_files(inputs, names)
     settings = _parse_params(params)
-    data = {name: path.read_bytes() for name, path in files.items()}
+    data = {name: _input_bytes(path) for name, path in files.items()}
     client = _client(server, token)
     job = client.submit(
         kind, inputs=data, params=settings, replication=replication, priority=priority
@@ -156,14 +162,33 @@ def _parse_params(params: tuple[str, ...]) -> dict[str, Any]:
     return settings
 
 
+def _input_bytes(path: Path) -> bytes:
+    """A file's bytes; a folder is its images, zipped in name order (with a progress bar)."""
+    if not path.is_dir():
+        return path.read_bytes()
+    from rich.progress import Progress
+
+    from idlegrid.kinds.onnx_data import IMAGE_SUFFIXES, zip_files
+
+    found = sorted(p for p in path.iterdir() if p.name.lower().endswith(IMAGE_SUFFIXES))
+    if not found:
+        raise click.BadParameter(f"{path} holds no .jpg, .jpeg or .png file")
+    with Progress() as progress:
+        bar = progress.add_task(f"reading {len(found)} images", total=len(found))
+        return zip_files(found, on_file=lambda: progress.advance(bar))
+
+
 def _input_files(inputs: tuple[str, ...], names: tuple[str, ...]) -> dict[str, Path]:
+    positional = [item for item in inputs if "=" not in item]
+    if (positional and len(positional) != len(inputs)) or len(positional) > len(names):
+        raise click.BadParameter(
+            f"this kind takes inputs {list(names)}: give them in that order, or as NAME=PATH"
+        )
+    if positional:
+        return {name: Path(item) for name, item in zip(names, positional, strict=False)}
     files: dict[str, Path] = {}
     for item in inputs:
-        name, sep, path = item.partition("=")
-        if not sep:
-            if len(names) != 1:
-                raise click.BadParameter(f"this kind takes inputs {list(names)}: use NAME=PATH")
-            name, path = names[0], item
+        name, _, path = item.partition("=")
         if name not in names:
             raise click.BadParameter(f"unknown input {name!r}; this kind takes {list(names)}")
         files[name] = Path(path)

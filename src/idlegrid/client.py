@@ -172,6 +172,61 @@ class Client:
             priority=priority,
         )
 
+    def submit_onnx(
+        self,
+        model: bytes | str | Path,
+        inputs: Mapping[str, np.ndarray] | np.ndarray | bytes | str | Path,
+        *,
+        outputs: Iterable[str] | None = None,
+        batch_size: int | None = None,
+        shard_size: int | None = None,
+        providers: Iterable[str] | None = None,
+        tolerances: Mapping[str, Mapping[str, float | None]] | None = None,
+        replication: int | None = None,
+        priority: int = 0,
+    ) -> Job:
+        """Run an ONNX model over arrays: {input name: array} (rows first), one array for a
+        one-input model, or a .npy / safetensors file. `job.result()` is {output: array},
+        rows in input order."""
+        data = _dataset_bytes(inputs)
+        params = _onnx_params(outputs, batch_size, shard_size, providers, tolerances)
+        return self.submit(
+            "onnx-infer",
+            inputs={"model": _read(model), "data": data},
+            params=params,
+            replication=replication,
+            priority=priority,
+        )
+
+    def submit_images(
+        self,
+        model: bytes | str | Path,
+        image_paths: Iterable[str | Path],
+        *,
+        preprocess: Mapping[str, Any],
+        outputs: Iterable[str] | None = None,
+        batch_size: int | None = None,
+        shard_size: int | None = None,
+        providers: Iterable[str] | None = None,
+        tolerances: Mapping[str, Mapping[str, float | None]] | None = None,
+        replication: int | None = None,
+        priority: int = 0,
+    ) -> Job:
+        """Run an ONNX model over JPEG/PNG files, decoded on the workers as `preprocess`
+        says (crop, resize, mean, std, layout, color). `job.result()` is {output: array}
+        with one row per image, in the order of `image_paths`."""
+        from idlegrid.kinds.onnx_data import zip_files
+
+        params = _onnx_params(outputs, batch_size, shard_size, providers, tolerances)
+        params["preprocess"] = dict(preprocess)
+        return self.submit(
+            "onnx-infer",
+            inputs={"model": _read(model), "data": zip_files([Path(p) for p in image_paths])},
+            params=params,
+            replication=replication,
+            priority=priority,
+        )
+
     def job(self, job_id: int) -> Job:
         return Job(self, job_id)
 
@@ -270,14 +325,53 @@ class Job:
         return self.client.request("GET", f"/v1/jobs/{self.id}/result").content
 
     def result(self) -> Any:
-        """The job's result: a numpy array for embed-text, parsed JSON for JSON kinds."""
+        """The job's result: a numpy array for embed-text, {output name: array} for
+        onnx-infer, parsed JSON for JSON kinds."""
         response = self.client.request("GET", f"/v1/jobs/{self.id}/result")
         media = response.headers.get("content-type", "")
         if "npy" in media:
             return np.load(io.BytesIO(response.content), allow_pickle=False)
+        if "safetensors" in media:
+            from safetensors.numpy import load
+
+            return dict(load(response.content))
         if "json" in media:
             return response.json()
         return response.content
+
+
+def _read(source: bytes | str | Path) -> bytes:
+    return source if isinstance(source, bytes) else Path(source).read_bytes()
+
+
+def _dataset_bytes(inputs: Mapping[str, np.ndarray] | np.ndarray | bytes | str | Path) -> bytes:
+    """The onnx-infer `data` blob: safetensors of named arrays, or .npy of one array."""
+    if isinstance(inputs, bytes | str | Path):
+        return _read(inputs)
+    if isinstance(inputs, np.ndarray):
+        buffer = io.BytesIO()
+        np.save(buffer, inputs, allow_pickle=False)
+        return buffer.getvalue()
+    from safetensors.numpy import save
+
+    return save({name: np.ascontiguousarray(array) for name, array in inputs.items()})
+
+
+def _onnx_params(
+    outputs: Iterable[str] | None,
+    batch_size: int | None,
+    shard_size: int | None,
+    providers: Iterable[str] | None,
+    tolerances: Mapping[str, Mapping[str, float | None]] | None,
+) -> dict[str, Any]:
+    given = {
+        "outputs": list(outputs) if outputs is not None else None,
+        "batch_size": batch_size,
+        "shard_size": shard_size,
+        "providers": list(providers) if providers is not None else None,
+        "tolerances": {k: dict(v) for k, v in tolerances.items()} if tolerances else None,
+    }
+    return {key: value for key, value in given.items() if value is not None}
 
 
 def _error(response: httpx.Response) -> IdlegridError:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import secrets
+import signal
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -14,8 +18,14 @@ from idlegrid.localgrid import LocalGrid
 COSINE_FLOOR = 0.999
 
 
-def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> int:
-    """Run the demo; return the process exit code (0 when every row checked out)."""
+def run_demo(
+    *, texts: int, workers: int, replication: int, shard_size: int, keep: bool = False
+) -> int:
+    """Run the demo; return the process exit code (0 when every row checked out).
+
+    `keep`: leave the coordinator and workers running after the job, print the
+    dashboard's URL and a demo sign-in, and stop everything on Ctrl-C.
+    """
     console = Console()
     from idlegrid.corpus import stdlib_paragraphs
 
@@ -66,7 +76,37 @@ def run_demo(*, texts: int, workers: int, replication: int, shard_size: int) -> 
             f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
             f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"
         )
-    return _check(console, corpus, vectors)
+        code = _check(console, corpus, vectors)
+        if keep:
+            _keep_running(console, grid)
+    console.print("all processes stopped")
+    return code
+
+
+def _keep_running(console: Console, grid: LocalGrid) -> None:
+    """Make a demo sign-in, print where the dashboard is, and wait for Ctrl-C."""
+    password = secrets.token_urlsafe(12)
+    subprocess.run(
+        [sys.executable, "-m", "idlegrid", "web-account", "demo", "--role", "admin"]
+        + ["--password-file", "-", "--data-dir", str(grid.data_dir)],
+        input=password + "\n",
+        text=True,
+        check=True,
+        env=grid.env,
+        capture_output=True,
+    )
+    console.print(
+        f"dashboard: [bold]{grid.url}/[/]  sign in as [bold]demo[/] / [bold]{password}[/]"
+    )
+    console.print("the coordinator and workers keep running; press Ctrl-C to stop them")
+    try:
+        while True:
+            time.sleep(1.0)
+            grid._check_alive()
+    except KeyboardInterrupt:
+        # A second Ctrl-C must not cut the orderly stop short (it escalates by itself).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        console.print("stopping")
 
 
 def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
@@ -87,5 +127,95 @@ def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
         f"check: {vectors.shape[0]} rows, min cosine vs reference {worst:.6f} "
         f"(floor {COSINE_FLOOR}) {verdict}"
     )
+    return 0 if ok else 1
+
+
+def run_onnx_demo(*, images: int, workers: int, replication: int, shard_size: int) -> int:
+    """The image flow end to end: a small convolutional network built here, drawn images
+    as files, workers that decode them with Pillow and run ONNX Runtime; every row is
+    checked against ONNX Runtime in this process. Returns the exit code."""
+    from idlegrid.kinds import onnx_examples
+
+    console = Console()
+    workers = max(workers, replication)
+    model = onnx_examples.conv_net()
+    with (
+        tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp,
+        LocalGrid(Path(tmp), replication=replication) as grid,
+    ):
+        paths = _draw_images(Path(tmp) / "images", images)
+        console.print(f"{len(paths)} images drawn in {paths[0].parent}; model: conv_net (ONNX)")
+        console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
+        for i in range(workers):
+            grid.start_worker(f"worker-{i + 1}", kinds="onnx-infer", threads=1)
+        with console.status(f"waiting for {workers} workers to benchmark and connect"):
+            grid.wait_for_nodes(workers)
+        with grid.client() as client:
+            for node in client.nodes():
+                providers = node["hardware"].get("onnx_providers", [])
+                console.print(f"  node {node['id']} {node['name']}: providers {providers}")
+            started = time.perf_counter()
+            job = client.submit_images(
+                model, paths, preprocess=onnx_examples.IMAGENET_PREPROCESS, shard_size=shard_size
+            )
+            job.wait(progress=True)
+            result = job.result()
+            elapsed = time.perf_counter() - started
+            status = job.info()
+        console.print(
+            f"grid: {len(paths)} images in {elapsed:.1f} s with {workers} workers, "
+            f"{status['shards_total']} shards, {status['tasks_completed']} tasks "
+            f"(effective replication {status['effective_replication']})"
+        )
+        return _check_onnx(console, model, paths, result)
+
+
+def _draw_images(folder: Path, count: int) -> list[Path]:
+    from idlegrid.kinds.onnx_examples import images
+
+    folder.mkdir(parents=True)
+    paths = []
+    for index, blob in enumerate(images(count, seed=11)):
+        kind = "jpg" if index % 3 == 0 else "png"
+        path = folder / f"picture-{index:05d}.{kind}"
+        if kind == "jpg":  # some JPEGs too: both decoders run on the workers
+            from io import BytesIO
+
+            from PIL import Image
+
+            buffer = BytesIO()
+            Image.open(BytesIO(blob)).convert("RGB").save(buffer, format="JPEG", quality=90)
+            blob = buffer.getvalue()
+        path.write_bytes(blob)
+        paths.append(path)
+    return paths
+
+
+def _check_onnx(
+    console: Console, model: bytes, paths: list[Path], result: dict[str, np.ndarray]
+) -> int:
+    import onnxruntime as ort
+
+    from idlegrid.kinds import onnx_data
+    from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree, distances
+    from idlegrid.kinds.onnx_examples import IMAGENET_PREPROCESS
+
+    spec = onnx_data.Preprocess.model_validate(IMAGENET_PREPROCESS)
+    batch = onnx_data.decode_batch(
+        onnx_data.load_images(onnx_data.zip_files(paths)), spec, "float32"
+    )
+    session = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    names = [output.name for output in session.get_outputs()]
+    reference = dict(zip(names, session.run(names, {"image": batch}), strict=True))
+    ok = True
+    for name in names:
+        agree = arrays_agree(result[name], reference[name], Tolerance())
+        relative, cosine_gap = distances(result[name], reference[name])
+        console.print(
+            f"check {name}: {result[name].shape[0]} rows vs local ONNX Runtime, "
+            f"max row-relative diff {relative:.1e}, max 1-cos {cosine_gap:.1e} "
+            + ("[green]OK" if agree else "[red]FAILED")
+        )
+        ok = ok and agree
     console.print("all processes stopped")
     return 0 if ok else 1

@@ -213,14 +213,17 @@ class LocalGrid:
         benchmark: bool = True,
         extra: tuple[str, ...] = (),
         servers: Sequence[str] = (),
+        dedicated: bool = True,
         account: str | None = None,
+        token: str | None = None,
     ) -> subprocess.Popen[str]:
         """Start a worker; `servers`: the coordinators it tries in turn (default: the first).
 
-        It runs for the volunteer account `account` (default: one named after the worker).
+        It runs for the volunteer account `account` (default: one named after the worker),
+        or with `token`, a node token made elsewhere (the dashboard's "add a node").
         """
         server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
-        token = self.volunteer_token(account or f"volunteer-{name}")
+        token = token or self.volunteer_token(account or f"volunteer-{name}")
         args = [
             sys.executable,
             "-m",
@@ -233,6 +236,10 @@ class LocalGrid:
             name,
             "--slots",
             str(slots),
+            # A test grid on one machine computes whatever its owner is doing (dedicated).
+            *(["--dedicated"] if dedicated else []),
+            "--control-port",
+            "0",
             *extra,
         ]
         if kinds:

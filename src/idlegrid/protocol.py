@@ -45,6 +45,8 @@ class HardwareProfile(BaseModel):
     disk_free_mb: int | None = Field(default=None, ge=0)
     # Execution providers of the node's ONNX Runtime; empty when it has none.
     onnx_providers: list[str] = Field(default_factory=list, max_length=32)
+    # Newest default-domain ONNX opset that runtime loads; None: no runtime, or not said.
+    onnx_opset: int | None = Field(default=None, ge=1, le=1000)
 
     @property
     def backends(self) -> frozenset[str]:
@@ -99,6 +101,20 @@ class Heartbeat(_Message):
     sent_at: float = 0.0
 
 
+class Status(_Message):
+    """The node's owner took the machine back (`paused`) or left it (`running`).
+
+    Sent when the worker's idle policy changes its answer, with the policy's reason
+    ("paused: user active 3 s ago"). A paused node's tasks are suspended, not lost; it
+    asks for no work until it says `running` again, and gives a suspended task back (a
+    retryable `failure`) once the task could no longer finish within its lease.
+    """
+
+    type: Literal["status"] = "status"
+    state: Literal["running", "paused"]
+    reason: str = Field(default="", max_length=300)
+
+
 class Ready(_Message):
     """The node has `free_slots` free and would like that many tasks."""
 
@@ -143,6 +159,8 @@ class Welcome(_Message):
     server_time: datetime
     # Of the tasks the node said it holds, those it should drop (unknown, done, not its).
     drop: list[int] = Field(default_factory=list)
+    # Credit the node has earned so far (validated work), shown on its local page.
+    credit: float | None = None
 
 
 class BlobRef(BaseModel):
@@ -202,7 +220,7 @@ class Error(_Message):
 
 
 NodeMessage = Annotated[
-    Hello | Heartbeat | Ready | Result | Results | Failure, Field(discriminator="type")
+    Hello | Heartbeat | Status | Ready | Result | Results | Failure, Field(discriminator="type")
 ]
 ServerMessage = Annotated[
     Welcome | Assign | ResultAck | HeartbeatAck | Cancel | Error, Field(discriminator="type")
@@ -210,7 +228,7 @@ ServerMessage = Annotated[
 
 _node_adapter: TypeAdapter[NodeMessage] = TypeAdapter(NodeMessage)
 _server_adapter: TypeAdapter[ServerMessage] = TypeAdapter(ServerMessage)
-NODE_TYPES = frozenset({"hello", "heartbeat", "ready", "result", "results", "failure"})
+NODE_TYPES = frozenset({"hello", "heartbeat", "status", "ready", "result", "results", "failure"})
 
 
 class ProtocolError(ValueError):
@@ -224,7 +242,7 @@ class ProtocolError(ValueError):
 
 def parse_node_message(
     frame: str | bytes,
-) -> Hello | Heartbeat | Ready | Result | Results | Failure:
+) -> Hello | Heartbeat | Status | Ready | Result | Results | Failure:
     """Parse one frame from a node, or raise ProtocolError with a readable reason."""
     import json
 

@@ -93,6 +93,19 @@ class CoordinatorSettings:
     gc_young_s: float = 1.0
     gc_freeze_s: float = 30.0
     gc_full_s: float = 3600.0
+    # The web dashboard (src/idlegrid/dashboard): anyone may sign up when open (else an
+    # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
+    web_open_signup: bool = True
+    web_session_s: float = 14 * 86_400.0
+    # Failed sign-ins per account name and per address within web_signin_window_s, past
+    # which sign-in waits (per coordinator process).
+    web_signin_failures_per_account: int = 5
+    web_signin_failures_per_address: int = 20
+    web_signin_window_s: float = 900.0
+    # Bytes a researcher's uploads from the browser may take in all.
+    web_upload_quota_bytes: int = 1024 * MIB
+    # The statistics exports (users, teams, nodes) are written this often.
+    web_export_interval_s: float = 86_400.0
 
     @property
     def database(self) -> str:
@@ -158,6 +171,33 @@ class WorkerSettings:
     # Simulates a slower machine (tests, benchmarks): tasks of the `sleep` kind take this
     # many times longer and the benchmark figures sent to the coordinator are divided by it.
     slowdown: float = 1.0
+    # The idle policy (policy.idle; docs/worker.md). A dedicated machine computes always,
+    # at full speed, whatever the probes read (tests, benchmarks, servers lent whole).
+    dedicated: bool = False
+    cpu_mode: str = "idle"  # always | idle | never
+    gpu_mode: str = "idle"
+    idle_after_s: float = 180.0
+    cpu_cores: int = 0  # while idle; 0: all
+    cpu_percent: float = 100.0
+    memory_percent: float = 90.0
+    in_use_cpu_cores: int = 0  # while in use (mode always)
+    in_use_cpu_percent: float = 50.0
+    in_use_memory_percent: float = 50.0
+    suspend_cpu_usage: float = 25.0
+    exclusive_apps: tuple[str, ...] = ()
+    pause_on_battery: bool = True
+    min_battery_percent: float = 0.0
+    windows: str = ""  # e.g. "18:00-08:00; sat,sun 00:00-24:00"
+    max_cpu_temp_c: float = 0.0
+    when_unknown: str = "in-use"
+    # Idle probes to use, by name (`idlegrid worker --show-idle` lists them); empty: all
+    # of this platform's, most exact first.
+    idle_probes: tuple[str, ...] = ()
+    # A suspended task is given back after this long paused (or sooner, when its lease
+    # could no longer be met).
+    give_back_after_s: float = 600.0
+    # The local control page on 127.0.0.1: this port, 0 any free one, -1 none.
+    control_port: int = 7390
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

@@ -327,6 +327,9 @@ async def _job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     )
 
 
+job_out = _job_out  # the dashboard's job pages show the same figures
+
+
 def _task_progress(grid: Grid) -> dict[int, float]:
     progress: dict[int, float] = {}
     for session in grid.hub.sessions():

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from idlegrid import __version__
+from idlegrid import __version__, dashboard
 from idlegrid.blobs import BlobStore
 from idlegrid.broker import open_broker
 from idlegrid.coordinator import api, metrics
@@ -49,10 +49,15 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
         )
         monitor = Monitor(grid, tune_gc=owns_process)
         await monitor.start()
+        exporter = dashboard.Exporter(
+            store, settings.data_dir, interval_s=settings.web_export_interval_s
+        )
+        await exporter.start()
         app.state.grid = grid
         try:
             yield
         finally:
+            await exporter.stop()
             await monitor.stop()
             for session in grid.hub.sessions():
                 with contextlib.suppress(Exception):
@@ -72,6 +77,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     )
     app.include_router(api.router)
     _install_api_docs(app)
+    dashboard.mount(app, settings)
     _install_error_handlers(app)
     app.add_middleware(
         BodyLimit, default_limit=settings.max_request_bytes, blob_limit=settings.max_blob_bytes
@@ -156,6 +162,8 @@ def _install_error_handlers(app: FastAPI) -> None:
         for err in exc.errors()[:5]:
             where = ".".join(str(p) for p in err.get("loc", ()))
             parts.append(f"{where}: {err.get('msg')}")
+        if dashboard.wants_html(request):
+            return await dashboard.error_page(request, 422, "; ".join(parts))
         return api.error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)
@@ -163,11 +171,16 @@ def _install_error_handlers(app: FastAPI) -> None:
         code = {404: "not_found", 405: "method_not_allowed", 413: "too_large"}.get(
             exc.status_code, "http_error"
         )
+        if dashboard.wants_html(request):
+            return await dashboard.error_page(request, exc.status_code, str(exc.detail))
         return api.error_response(exc.status_code, code, str(exc.detail))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Any:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
+        if dashboard.wants_html(request):
+            message = "The page could not be made; the coordinator logged why. Try again soon."
+            return await dashboard.error_page(request, 500, message)
         return api.error_response(500, "internal", "internal error; the coordinator logged it")
 
 

@@ -37,6 +37,7 @@ def node_view(
         accelerator_memory_mb=max((gpu.memory_mb for gpu in hardware.gpus), default=0),
         disk_free_mb=hardware.disk_free_mb,
         onnx_providers=frozenset(hardware.onnx_providers),
+        onnx_opset=hardware.onnx_opset,
         kind_rates=dict(benchmark.kind_rates),
     )
 
@@ -65,6 +66,9 @@ class NodeSession:
     # Its credibility (policy.trust) as of its last claim: the scheduler's reliability.
     reliability: float | None = None
     requested: int = 0
+    # The owner's machine is in use (the worker's `status`): its tasks are suspended.
+    paused: bool = False
+    status_reason: str = ""
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)

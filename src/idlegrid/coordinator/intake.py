@@ -49,7 +49,7 @@ class Intake:
         kind = get_kind(kind_name)
         parsed = kind.parse_params(params)
         self._check_inputs(kind, inputs)
-        specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
+        parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
         shards = [
             NewShard(
                 index=s.index,
@@ -102,10 +102,13 @@ class Intake:
 
     def _split(
         self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str]
-    ) -> list[tuple[ShardSpec, str]]:
+    ) -> tuple[KindParams, list[tuple[ShardSpec, str]]]:
+        """The job's params with what the kind derives from its inputs, and its shards
+        with their payloads stored."""
         blobs = self._ctx.blobs
         data = {name: blobs.read(blob_hash) for name, blob_hash in inputs.items()}
-        return [(spec, blobs.put(spec.payload)) for spec in kind.split(data, params)]
+        params = kind.derive_params(data, params)
+        return params, [(spec, blobs.put(spec.payload)) for spec in kind.split(data, params)]
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing:

@@ -148,6 +148,7 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
             heartbeat_interval_s=grid.settings.heartbeat_interval_s,
             server_time=datetime.now(UTC),
             drop=sorted(drop),
+            credit=node.credit.total,
         )
     )
     log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots, kinds)
@@ -225,6 +226,10 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
                 if p.task_id in session.shard_of
             }
             await session.send(protocol.HeartbeatAck(seq=seq, sent_at=sent_at))
+        case protocol.Status(state=state, reason=reason):
+            session.paused, session.status_reason = state == "paused", reason
+            session.requested = 0 if session.paused else session.requested
+            log.info("node %s %s: %s", session.node_id, state, reason)
         case protocol.Ready(free_slots=free):
             session.requested = free
             await grid.fill(session)

@@ -15,12 +15,20 @@ from idlegrid.kinds.base import (
 from idlegrid.kinds.diloco import DilocoKind
 from idlegrid.kinds.embed_text import EmbedTextKind
 from idlegrid.kinds.noop import NoopKind
+from idlegrid.kinds.onnx_infer import OnnxInferKind
 from idlegrid.kinds.sleep import SleepKind
 from idlegrid.kinds.vectors import VectorsKind
 
 KINDS: dict[str, TaskKind] = {
     kind.name: kind
-    for kind in (DilocoKind(), EmbedTextKind(), NoopKind(), SleepKind(), VectorsKind())
+    for kind in (
+        DilocoKind(),
+        EmbedTextKind(),
+        NoopKind(),
+        OnnxInferKind(),
+        SleepKind(),
+        VectorsKind(),
+    )
 }
 
 

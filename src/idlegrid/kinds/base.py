@@ -53,6 +53,8 @@ class Requirements:
     min_disk_mb: int = 0
     # ONNX Runtime execution providers the kind can use; empty means any (or none needed).
     onnx_providers: frozenset[str] = frozenset()
+    # Newest default-domain ONNX opset the node's ONNX Runtime must load; 0: no need.
+    min_onnx_opset: int = 0
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,11 @@ class TaskKind(ABC):
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""
         return self.params_model.model_validate(dict(raw or {}))
+
+    def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
+        """Settings that follow from the inputs, fixed once at submission and stored with
+        the job, so that `requirements(params)` needs no blob (e.g. a model's size)."""
+        return params
 
     @abstractmethod
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:

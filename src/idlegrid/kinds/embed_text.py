@@ -17,15 +17,17 @@ import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import Field
 
+from idlegrid.kinds import embed_onnx
 from idlegrid.kinds.base import (
     Cancelled,
     InputError,
     KindParams,
+    Requirements,
     RunContext,
     ShardSpec,
     TaskKind,
@@ -62,6 +64,11 @@ class EmbedTextParams(KindParams):
         default=True,
         description="scale every embedding to unit length; false gives the raw mean-pooled vectors",
     )
+    runtime: Literal["torch", "onnx"] = Field(
+        default="torch",
+        description="torch (sentence-transformers) or onnx (the same weights exported to "
+        "ONNX once per worker, run by ONNX Runtime); results agree under `compare`",
+    )
 
 
 class EmbedTextKind(TaskKind):
@@ -87,10 +94,22 @@ class EmbedTextKind(TaskKind):
             for index, start in enumerate(range(0, len(texts), params.shard_size))
         ]
 
+    def requirements(self, params: KindParams) -> Requirements:
+        assert isinstance(params, EmbedTextParams)
+        if params.runtime == "onnx":
+            from idlegrid.kinds.onnx_runtime import PREFERENCE
+
+            return Requirements(onnx_providers=frozenset(PREFERENCE))
+        return Requirements()
+
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
         assert isinstance(params, EmbedTextParams)
         texts = _payload_texts(payload)
-        encoder = _encoder(ctx.device)
+        encoder: _Encoder | embed_onnx.OnnxEncoder
+        if params.runtime == "onnx":
+            encoder = embed_onnx.encoder(ctx.threads)
+        else:
+            encoder = _encoder(ctx.device)
         # Longest first, as sentence-transformers' encode does: batches of similar length
         # pad little (twice the throughput on real paragraphs). Rows go back in input order.
         order = sorted(range(len(texts)), key=lambda i: -len(texts[i]))

@@ -29,6 +29,12 @@ class SleepParams(KindParams):
         pattern=r"^(|cpu|cuda|rocm|mps)$",
         description="only nodes with this backend may run it (tests of hardware filters)",
     )
+    hashes: int = Field(
+        default=0,
+        ge=0,
+        le=10**9,
+        description="SHA-256 rounds per shard after the sleep: busy CPU (tests of pausing)",
+    )
 
 
 class SleepKind(TaskKind):
@@ -44,7 +50,9 @@ class SleepKind(TaskKind):
         return [
             ShardSpec(
                 index=i,
-                payload=json.dumps({"index": i, "seconds": params.seconds}).encode(),
+                payload=json.dumps(
+                    {"index": i, "seconds": params.seconds, "hashes": params.hashes}
+                ).encode(),
                 items=1,
                 # Nominal: a 1-GFLOPS node sleeps `seconds`; the lease and the scheduler's
                 # time estimates scale with the node's benchmark from this.
@@ -68,8 +76,10 @@ class SleepKind(TaskKind):
             if ctx.is_cancelled():
                 raise Cancelled()
             time.sleep(min(left, 0.05))
+        rounds = int(spec.get("hashes", 0))
+        chain = _chain(spec["index"], rounds, ctx) if rounds else None
         ctx.report_progress(1.0)
-        return _digest(spec["index"])
+        return _digest(spec["index"], chain)
 
     def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
         try:
@@ -84,6 +94,28 @@ class SleepKind(TaskKind):
         return json.dumps([json.loads(o) for o in outputs]).encode()
 
 
-def _digest(index: int) -> bytes:
+def _digest(index: int, chain: str | None = None) -> bytes:
     digest = hashlib.sha256(f"sleep:{index}".encode()).hexdigest()
-    return json.dumps({"index": index, "digest": digest}).encode()
+    out: dict[str, object] = {"index": index, "digest": digest}
+    if chain is not None:
+        out["chain"] = chain
+    return json.dumps(out).encode()
+
+
+def hash_chain(index: int, rounds: int) -> str:
+    """SHA-256 applied `rounds` times from the shard's index: what a busy shard returns."""
+    value = f"sleep:{index}".encode()
+    for _ in range(rounds):
+        value = hashlib.sha256(value).digest()
+    return value.hex()
+
+
+def _chain(index: int, rounds: int, ctx: RunContext) -> str:
+    value = f"sleep:{index}".encode()
+    for done in range(rounds):
+        if done % 20_000 == 0:
+            if ctx.is_cancelled():
+                raise Cancelled()
+            ctx.report_progress(done / rounds)
+        value = hashlib.sha256(value).digest()
+    return value.hex()

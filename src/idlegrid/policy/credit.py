@@ -52,3 +52,19 @@ def recent_average(totals: CreditTotals, *, now: float, half_life_s: float = WEE
 def _decay(totals: CreditTotals, now: float, half_life_s: float) -> float:
     elapsed = max(0.0, now - totals.updated_at)
     return totals.decayed * 0.5 ** (elapsed / half_life_s)
+
+
+NO_RANK = -1e18  # rank_key of no credit at all (the column default)
+
+
+def rank_key(totals: CreditTotals, *, half_life_s: float = WEEK_S) -> float:
+    """A number that orders totals by recent average credit, the same at every moment.
+
+    Every row's decayed sum shrinks by the same factor as time passes, so ln(decayed at
+    now) = ln(decayed) - (now - updated_at) ln 2 / half_life orders rows as ln(decayed) +
+    updated_at ln 2 / half_life does, without `now`: a leaderboard by recent average is
+    an index scan, however long ago each row last earned credit.
+    """
+    if totals.decayed <= 0.0:
+        return NO_RANK
+    return math.log(totals.decayed) + totals.updated_at * math.log(2) / half_life_s

@@ -4,7 +4,7 @@ A node that asks for work is matched against the ready candidates in two steps:
 
 1. **Hard filters** (`can_run`, `unmet_needs`): the node offers the kind and meets every
    field of the task's `Requirements` (memory, accelerator and backend, GPU memory,
-   minimum benchmark, free disk, ONNX execution providers). A node never gets a task it
+   minimum benchmark, free disk, ONNX execution providers and opset). A node never gets a task it
    cannot run.
 2. **Weighted score** (`score_terms`, `score`): the sum of these terms, each weight a
    setting (`CoordinatorSettings.sched_*`), with `expected_s` the task's expected run
@@ -60,6 +60,8 @@ class NodeView:
     # None: the node did not report it (an older worker).
     disk_free_mb: int | None = None
     onnx_providers: frozenset[str] = frozenset()
+    # Newest default-domain opset its ONNX Runtime loads; None: not reported.
+    onnx_opset: int | None = None
     # Measured items per second per kind (its benchmark).
     kind_rates: Mapping[str, float] = field(default_factory=dict)
     # Trust in the node's results, 0..1 (fed by the grid's `node_reliability` hook).
@@ -137,6 +139,8 @@ def unmet_needs(node: NodeView, kind: str, needs: Requirements) -> list[str]:
         reasons.append(f"has under {needs.min_disk_mb} MB of free disk")
     if needs.onnx_providers and not (needs.onnx_providers & node.onnx_providers):
         reasons.append(f"has no ONNX execution provider of {_names(needs.onnx_providers)}")
+    if needs.min_onnx_opset and (node.onnx_opset or 0) < needs.min_onnx_opset:
+        reasons.append(f"has no ONNX Runtime that loads opset {needs.min_onnx_opset}")
     return reasons
 
 

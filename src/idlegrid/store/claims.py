@@ -124,11 +124,17 @@ async def claim_tasks(
         return found
     room = found.trust.daily_quota - found.quota_used_today
     wanted = sorted(lease_deadlines)[:room]
+    ready = [tasks.c.id.in_(wanted), tasks.c.state == TaskState.READY.value]
+    if rows.row_locks(conn):
+        # Tasks another process is claiming right now are skipped, not waited for: its
+        # transaction may be a whole batch long, and they will be its tasks anyway.
+        free = select(tasks.c.id).where(*ready).with_for_update(skip_locked=True)
+        ready.append(tasks.c.id.in_(free.scalar_subquery()))
     claimed = (
         (
             await conn.execute(
                 update(tasks)
-                .where(tasks.c.id.in_(wanted), tasks.c.state == TaskState.READY.value)
+                .where(*ready)
                 .values(
                     **held_by(claimer, now),
                     lease_deadline=case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id),

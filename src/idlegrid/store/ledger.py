@@ -19,8 +19,9 @@ from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
+from idlegrid.store import stats
 from idlegrid.store.base import NodeTrust
-from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, teams
 
 DAY_S = 86_400.0
 
@@ -169,6 +170,12 @@ async def apply_verdicts(
         await grant(conn, nodes, node_id, amount, now=now)
     for account_id, amount in per_account.items():
         await grant(conn, accounts, account_id, amount, now=now)
+    # The dashboard's aggregates, in the same transaction: no page reads the task table.
+    work = [
+        stats.Earned(row.node_id, row.account_id, row.cost_flops, amount) for row, amount in earned
+    ]
+    for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
+        await grant(conn, teams, team_id, amount, now=now)
 
 
 async def _judge_node(
@@ -247,6 +254,7 @@ async def grant(
             credit_total=totals.total,
             credit_decayed=totals.decayed,
             credit_updated_at=totals.updated_at,
+            credit_rank=credit_policy.rank_key(totals),
         )
     )
 

@@ -23,6 +23,7 @@ from sqlalchemy import (
 )
 
 metadata = MetaData()
+NO_RANK = -1e18  # policy.credit.rank_key of no credit at all
 
 
 def _credit_columns() -> list[Column]:  # type: ignore[type-arg]
@@ -31,6 +32,10 @@ def _credit_columns() -> list[Column]:  # type: ignore[type-arg]
         Column("credit_total", Double, nullable=False, default=0.0, server_default="0"),
         Column("credit_decayed", Double, nullable=False, default=0.0, server_default="0"),
         Column("credit_updated_at", Double, nullable=False, default=0.0, server_default="0"),
+        # Orders rows by recent average credit at any moment (policy.credit.rank_key).
+        Column("credit_rank", Double, nullable=False, default=NO_RANK, server_default=str(NO_RANK)),
+        # Results that earned credit (validated, or accepted alone from a trusted node).
+        Column("validated_total", Integer, nullable=False, default=0, server_default="0"),
     ]
 
 
@@ -46,6 +51,18 @@ accounts = Table(
     Column("flagged_at", Double, nullable=True),
     Column("flag_reason", Text, nullable=True),
     *_credit_columns(),
+    # Web dashboard: who may sign in with a password, and what they may see.
+    Column("email", String(254), nullable=True),
+    Column("password_hash", Text, nullable=True),
+    # "volunteer", "researcher" or "admin" (an admin has is_admin too). Accounts made
+    # through the API are researchers, as they always were; web sign-ups are volunteers.
+    Column("role", String(16), nullable=False, default="researcher", server_default="researcher"),
+    Column("disabled_at", Double, nullable=True),
+    Column("team_id", Integer, nullable=True),
+    Index("ux_accounts_email", "email", unique=True),
+    Index("ix_accounts_credit_total", "credit_total"),
+    Index("ix_accounts_credit_rank", "credit_rank"),
+    Index("ix_accounts_team_credit", "team_id", "credit_total"),
 )
 
 tokens = Table(
@@ -85,6 +102,8 @@ nodes = Table(
     *_credit_columns(),
     Index("ix_nodes_account_created", "account_id", "created_at"),
     Index("ix_nodes_address_created", "address", "created_at"),
+    Index("ix_nodes_credit_total", "credit_total"),
+    Index("ix_nodes_credit_rank", "credit_rank"),
 )
 
 jobs = Table(
@@ -219,4 +238,71 @@ training_rounds = Table(
     Column("metrics", JSON, nullable=False),
     UniqueConstraint("job_id", "round", name="uq_training_rounds_job_round"),
     Index("ix_training_rounds_due", "state", "deadline"),
+)
+
+# -- web dashboard ---------------------------------------------------------------------
+
+teams = Table(
+    "teams",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("name", String(100), nullable=False, unique=True),
+    Column("description", Text, nullable=False, default=""),
+    Column("founder_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("members", Integer, nullable=False, default=0),
+    Column("created_at", Double, nullable=False),
+    # Credit its members earned while they were members.
+    *_credit_columns(),
+    Index("ix_teams_credit_total", "credit_total"),
+    Index("ix_teams_credit_rank", "credit_rank"),
+)
+
+# A signed-in browser: the cookie holds a random secret, this table only its SHA-256.
+web_sessions = Table(
+    "web_sessions",
+    metadata,
+    Column("id", String(64), primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("csrf", String(64), nullable=False),
+    Column("created_at", Double, nullable=False),
+    Column("expires_at", Double, nullable=False),
+    Index("ix_web_sessions_account", "account_id"),
+)
+
+# Files a researcher uploads from the browser, chunk by chunk, into the blob store.
+uploads = Table(
+    "uploads",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("name", String(200), nullable=False),
+    Column("purpose", String(16), nullable=False),  # "texts", "dataset" or "weights"
+    Column("size", Integer, nullable=False),
+    Column("received", Integer, nullable=False, default=0),
+    Column("state", String(16), nullable=False),  # "partial" or "done"
+    Column("blob_hash", String(64), nullable=True),
+    Column("created_at", Double, nullable=False),
+    Column("finished_at", Double, nullable=True),
+    Index("ix_uploads_account", "account_id", "id"),
+)
+
+# Validated work per hour of the whole grid, and per day of each node: what the status
+# page and the charts read, kept up to date by the ledger as credit is granted.
+grid_hourly = Table(
+    "grid_hourly",
+    metadata,
+    Column("hour", Integer, primary_key=True),  # hours since the epoch (UTC)
+    Column("validated", Integer, nullable=False, default=0),
+    Column("flops", Double, nullable=False, default=0.0),
+    Column("credit", Double, nullable=False, default=0.0),
+)
+
+node_daily = Table(
+    "node_daily",
+    metadata,
+    Column("node_id", Integer, ForeignKey("nodes.id"), primary_key=True),
+    Column("day", Integer, primary_key=True),  # days since the epoch (UTC)
+    Column("validated", Integer, nullable=False, default=0),
+    Column("flops", Double, nullable=False, default=0.0),
+    Column("credit", Double, nullable=False, default=0.0),
 )

@@ -66,6 +66,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
+from idlegrid.store.web import DashboardSql
 from idlegrid.store.writelock import WriteLock, urgent
 
 # PostgreSQL aborts one side of a deadlock (40P01) or a serialization conflict (40001);
@@ -123,7 +124,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore(TrainingRoundsSql):
+class SqlStore(TrainingRoundsSql, DashboardSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(

@@ -1,9 +1,12 @@
 """The worker daemon: connect out to a coordinator, take tasks, run them, report results.
 
 Tasks belong to the worker, not to a connection: when the coordinator goes away, running
-tasks go on, finished results wait in the outbox, and the worker reconnects with
-exponential backoff and jitter, tells the coordinator what it holds, and delivers them.
-The ML work runs in a thread pool, so heartbeats keep flowing while it computes.
+tasks go on, finished results wait in the outbox (on disk, so a restart keeps them), and
+the worker reconnects with exponential backoff and jitter, tells the coordinator what it
+holds, and delivers them. The ML work runs in child processes (worker/runner.py), so
+heartbeats keep flowing while it computes and a crashing kind cannot take the daemon
+down. The governor (worker/governor.py) suspends those processes whenever the idle
+policy says the owner needs the machine.
 """
 
 from __future__ import annotations
@@ -14,13 +17,11 @@ import hashlib
 import importlib.util
 import json
 import logging
+import multiprocessing
 import os
-import random
 import secrets
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,21 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
-from idlegrid.kinds import KINDS, Cancelled, RunContext, get_kind
+from idlegrid.kinds import KINDS, Cancelled
+from idlegrid.policy.idle import Action
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
+from idlegrid.worker.governor import Governor, idle_settings
+from idlegrid.worker.held import RunningTask
+from idlegrid.worker.idle import IdleSource, default_probes
+from idlegrid.worker.idle.system import Sensors
+from idlegrid.worker.outbox import Outbox
+from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec
+from idlegrid.worker.stepping import Stepping
+from idlegrid.worker.transfers import Transfers, backoff_delay
 
 log = logging.getLogger(__name__)
 
-UPLOADED_MEMORY = 10_000  # output digests remembered per connection
 # Control messages are small JSON: per-message deflate would cost CPU on both ends and a
 # zlib context per connection (tens of KiB each, times every node at the coordinator).
 WS_OPTIONS: dict[str, Any] = {
@@ -55,7 +64,16 @@ def available_kinds() -> list[str]:
         kinds.append("embed-text")
     if importlib.util.find_spec("torch"):
         kinds.append("diloco-train")
+    if all(importlib.util.find_spec(m) for m in ("onnxruntime", "PIL")):
+        kinds.append("onnx-infer")
     return [k for k in kinds if k in KINDS]
+
+
+async def in_child_process(function: Any, *args: Any) -> Any:
+    """`function(*args)` in a fresh (spawned) process, so what it imports stays there."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(1, mp_context=context) as pool:
+        return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 
 
 def ws_url(server: str) -> str:
@@ -63,11 +81,6 @@ def ws_url(server: str) -> str:
     if base.startswith("https://"):
         return "wss://" + base.removeprefix("https://") + "/v1/nodes/ws"
     return "ws://" + base.removeprefix("http://") + "/v1/nodes/ws"
-
-
-def backoff_delay(attempt: int, *, base: float, cap: float) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
-    return random.uniform(0, min(cap, base * 2 ** min(attempt, 30)))
 
 
 def node_key(state_dir: Path) -> str:
@@ -81,17 +94,7 @@ def node_key(state_dir: Path) -> str:
     return key
 
 
-@dataclass
-class RunningTask:
-    assign: protocol.Assign
-    cancel: threading.Event = field(default_factory=threading.Event)
-    progress: float = 0.0
-    started: float = field(default_factory=time.monotonic)
-    # When it got a slot (None while it waits in the prefetch buffer).
-    started_at: float | None = None
-
-
-class Worker:
+class Worker(Stepping, Transfers):
     def __init__(self, settings: WorkerSettings) -> None:
         if not settings.token:
             raise ValueError("a node token is needed (IDLEGRID_NODE_TOKEN or --token-file)")
@@ -102,11 +105,44 @@ class Worker:
             raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
         self.key = node_key(settings.state_dir)
         self.cache = BlobCache(settings.state_dir / "blobs")
-        self.pool = ThreadPoolExecutor(settings.slots, thread_name_prefix="task")
-        # Held tasks beyond the slots (the prefetch buffer) wait here for a slot.
-        self._slots = asyncio.Semaphore(settings.slots)
+        cores = os.cpu_count() or 1
+        threads = settings.threads or max(1, cores // settings.slots)
+        self.hosts = [
+            TaskHost(name=f"idlegrid-task-{slot}", threads=threads)
+            for slot in range(settings.slots)
+        ]
+        # Held tasks beyond the slots (the prefetch buffer) wait here for a free process.
+        self._free_hosts: asyncio.Queue[TaskHost] = asyncio.Queue()
+        for host in self.hosts:
+            self._free_hosts.put_nowait(host)
         self.running: dict[int, RunningTask] = {}
-        self.outbox: dict[int, protocol.Result | protocol.Failure] = {}
+        self.outbox = Outbox(settings.state_dir / "outbox")
+        probes = [] if settings.dedicated else default_probes(settings.state_dir)
+        if settings.idle_probes:
+            known = {probe.name for probe in probes}
+            unknown = sorted(set(settings.idle_probes) - known)
+            if unknown and not settings.dedicated:
+                raise ValueError(
+                    f"idle_probes: unknown {unknown}; this machine has {sorted(known)}"
+                )
+            probes = [probe for probe in probes if probe.name in settings.idle_probes]
+        policy = idle_settings(settings)  # raises SettingError (a ValueError) by name
+        self.sensors = Sensors(
+            IdleSource(probes),
+            self.own_pids,
+            exclusive_apps=policy.exclusive_apps,
+            want_temperature=bool(policy.max_cpu_temp_c),
+        )
+        self.governor = Governor(
+            policy,
+            self.sensors,
+            self.hosts,
+            gpu=(settings.device or "cpu") != "cpu",
+            state_dir=settings.state_dir,
+            on_change=self._on_policy_change,
+        )
+        self.credit: float | None = None
+        self._threads = threads
         self._task_runs: set[asyncio.Task[None]] = set()
         self._ws: ClientConnection | None = None
         self._http: httpx.AsyncClient | None = None
@@ -133,11 +169,13 @@ class Worker:
         """Probe hardware and run (or reuse) the benchmark before registering."""
         from idlegrid.worker import benchmark, hardware
 
-        self.hardware = await asyncio.to_thread(hardware.probe, self.settings.state_dir)
+        # In a child process: listing GPUs and benchmarking import torch (~200 MB), which
+        # the daemon itself never needs; only task processes load it.
+        self.hardware = await in_child_process(hardware.probe, self.settings.state_dir)
         self.device = self.settings.device or hardware.best_device(self.hardware)
-        self._set_threads()
+        self.governor.gpu = self.device != "cpu"
         if self.settings.benchmark:
-            self.benchmark = await asyncio.to_thread(
+            self.benchmark = await in_child_process(
                 benchmark.load_or_run,
                 self.settings.state_dir,
                 self.hardware,
@@ -155,14 +193,6 @@ class Worker:
             [g.name for g in self.hardware.gpus],
             self.benchmark.model_dump(),
         )
-
-    def _set_threads(self) -> None:
-        cores = os.cpu_count() or 1
-        threads = self.settings.threads or max(1, cores // self.settings.slots)
-        if "embed-text" in self.kinds:
-            import torch
-
-            torch.set_num_threads(threads)
 
     def stop(self) -> None:
         self._stop.set()
@@ -208,6 +238,8 @@ class Worker:
         attempt = 0  # tries since the last session that got a welcome: sets the backoff
         servers = list(self.settings.servers)
         turn = 0
+        governing = asyncio.create_task(self.governor.run(), name="governor")
+        serving = await self._start_control_page()
         try:
             while not self._stop.is_set():
                 # Each try goes to the next server: a dead coordinator costs one try.
@@ -233,6 +265,10 @@ class Worker:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._stop.wait(), delay)
         finally:
+            governing.cancel()
+            await asyncio.gather(governing, return_exceptions=True)
+            if serving is not None:
+                await serving.close()
             await self._shutdown()
 
     async def _shutdown(self) -> None:
@@ -240,8 +276,9 @@ class Worker:
             task.cancel.set()
         for run in list(self._task_runs):
             run.cancel()
+        for host in self.hosts:
+            host.stop()  # a task process ends with its daemon; its task is not reported
         await asyncio.gather(*self._task_runs, return_exceptions=True)
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
     # -- one connection ----------------------------------------------------------------------
 
@@ -252,6 +289,7 @@ class Worker:
             connect(ws_url(server), **WS_OPTIONS) as ws,
         ):
             welcome = await self._hello(ws, server)
+            self.credit = welcome.credit
             # Blob downloads name the node, so the coordinator knows what it holds.
             http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
@@ -265,6 +303,7 @@ class Worker:
                 for task_id in welcome.drop:
                     self._drop(task_id, "the coordinator does not hold it")
                 await self._deliver_many(list(self.outbox))
+                await self._send_status()
                 await self._send_ready()
                 async for frame in ws:
                     await self._on_frame(frame)
@@ -310,6 +349,7 @@ class Worker:
             ]
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
             self._heartbeat_seq += 1
+            await self._give_back_paused()
             await self._send(
                 protocol.Heartbeat(
                     load=load,
@@ -333,6 +373,9 @@ class Worker:
         if self._finishing:
             self._stop_if_done()
             return
+        decision = self.governor.decision
+        if decision is None or not decision.take_work or self.governor.action() is Action.PAUSE:
+            return  # the owner needs the machine: no new work until the policy says run
         capacity = self.settings.slots + self.settings.prefetch
         free = capacity - len(self.running) - len(self._unreported)
         # With a work buffer, ask when half of it is free, not after every task: every
@@ -387,17 +430,25 @@ class Worker:
         if task is not None:
             log.info("task %s cancelled: %s", task_id, reason)
             task.cancel.set()
+            if task.host is not None:
+                task.host.cancel()
         self.outbox.pop(task_id, None)
 
     async def _execute(self, task_id: int) -> None:
         task = self.running[task_id]
         assign = task.assign
         try:
-            async with self._slots:
+            host = await self._free_hosts.get()
+            try:
                 if task.cancel.is_set():
                     return  # cancelled while it waited in the buffer
-                task.started = task.started_at = time.monotonic()
+                await self.governor.may_run.wait()  # a paused machine starts nothing
+                task.host, task.started = host, time.monotonic()
+                task.started_at = task.started
                 output = await self._compute(task)
+            finally:
+                task.host = None
+                self._free_hosts.put_nowait(host)
             if task.cancel.is_set():
                 return
             digest = hashlib.sha256(output).hexdigest()
@@ -414,6 +465,9 @@ class Worker:
             return
         except asyncio.CancelledError:
             raise
+        except TaskFailed as exc:
+            log.warning("task %s (%s) failed: %s", task_id, assign.kind, exc)
+            self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=str(exc)[:2000])
         except Exception as exc:
             log.info("%s failed after %.1f s: %s", _task_name(assign),
                      time.monotonic() - task.started, _reason(exc))  # fmt: skip
@@ -421,6 +475,8 @@ class Worker:
             self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=_reason(exc))
         finally:
             self.running.pop(task_id, None)
+            if not self.running:
+                self.governor.finished()
         await self._report(task_id)
 
     async def _report(self, task_id: int) -> None:
@@ -446,70 +502,19 @@ class Worker:
 
     async def _compute(self, task: RunningTask) -> bytes:
         assign = task.assign
-        data = await self._with_connection(lambda http: self.cache.get(http, assign.input.hash))
-        kind = get_kind(assign.kind)
-        params = kind.parse_params(assign.params)
-        loop = asyncio.get_running_loop()
-        ctx = RunContext(
+        assert task.host is not None
+        data = await self._fetch(assign.input.hash)
+        spec = TaskSpec(
+            task_id=assign.task_id,
+            kind=assign.kind,
+            params=dict(assign.params),
+            payload=data,
             device=self.device,
-            threads=self.settings.threads or 1,
-            report_progress=lambda fraction: setattr(task, "progress", float(fraction)),
-            is_cancelled=task.cancel.is_set,
+            threads=self.settings.threads or self._threads,
             slowdown=self.settings.slowdown,
-            fetch=lambda blob_hash: self._fetch_from_thread(blob_hash, loop),
         )
-        return await loop.run_in_executor(self.pool, kind.run, data, params, ctx)
-
-    def _fetch_from_thread(self, blob_hash: str, loop: asyncio.AbstractEventLoop) -> bytes:
-        """A blob through the cache, for a kind's `run` in the task thread pool."""
-        fetching = self._with_connection(lambda http: self.cache.get(http, blob_hash))
-        return asyncio.run_coroutine_threadsafe(fetching, loop).result()
-
-    async def _upload(self, digest: str, output: bytes) -> None:
-        if digest in self._uploaded:
-            return  # blobs are content-addressed and never deleted: it is still there
-
-        async def put(http: httpx.AsyncClient) -> None:
-            if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
-                response = await http.put(f"/v1/blobs/{digest}", content=output)
-                response.raise_for_status()
-
-        await self._with_connection(put)
-        if len(self._uploaded) >= UPLOADED_MEMORY:
-            self._uploaded.clear()
-        self._uploaded.add(digest)
-
-    async def _with_connection(self, call):  # type: ignore[no-untyped-def]
-        """Run an HTTP call against the current coordinator, waiting out disconnects.
-
-        While there is no session the call waits for the next one (and runs as soon as it
-        is up, not at the next backoff step); failures on a live session back off.
-        """
-        attempt = 0
-        while True:
-            if self._stop.is_set():
-                raise asyncio.CancelledError()
-            http = self._http
-            if http is None:
-                await self._wait_online()
-                continue
-            try:
-                return await call(http)
-            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
-                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
-                    raise
-                log.info("blob transfer failed (%s); retrying", exc)
-            await asyncio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
-            attempt += 1
-
-    async def _wait_online(self) -> None:
-        """Until a session is up or the daemon stops, whichever comes first."""
-        waits = [asyncio.ensure_future(event.wait()) for event in (self._online, self._stop)]
-        try:
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for wait in waits:
-                wait.cancel()
+        progress = lambda fraction: setattr(task, "progress", fraction)  # noqa: E731
+        return await task.host.run(spec, fetch=self._fetch, progress=progress)
 
     async def _deliver_many(self, task_ids: list[int]) -> None:
         """Results in `results` frames (one commit each at the coordinator), failures alone."""

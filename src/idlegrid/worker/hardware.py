@@ -39,6 +39,7 @@ def probe(disk_path: Path | None = None) -> HardwareProfile:
         torch_version=torch_version,
         disk_free_mb=disk_free_mb(disk_path or Path.home()),
         onnx_providers=onnx_providers(),
+        onnx_opset=onnx_opset(),
     )
 
 
@@ -60,6 +61,48 @@ def onnx_providers() -> list[str]:
     except Exception:  # absent or broken: either way this node runs no ONNX kind
         return []
     return [str(name)[:_MAX_TEXT] for name in onnxruntime.get_available_providers()][:32]
+
+
+def onnx_opset(highest: int = 64) -> int | None:
+    """Newest default-domain opset this machine's ONNX Runtime loads (None without one).
+
+    ONNX Runtime has no call that tells; it refuses to load a model stamped with an opset
+    it does not know, so a one-node model is loaded at each candidate (a binary search,
+    milliseconds in all).
+    """
+    try:
+        import onnxruntime
+    except Exception:  # absent or broken: no ONNX kind runs here
+        return None
+    if not _loads_opset(onnxruntime, 7):
+        return None
+    low, high = 7, highest  # low loads; find the last that does
+    while low < high:
+        middle = (low + high + 1) // 2
+        if _loads_opset(onnxruntime, middle):
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _loads_opset(onnxruntime: ModuleType, opset: int) -> bool:
+    from onnx import TensorProto, helper
+
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 7  # old enough for every runtime this kind supports
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        onnxruntime.InferenceSession(
+            model.SerializeToString(), sess_options=options, providers=["CPUExecutionProvider"]
+        )
+    except Exception:  # the runtime's own error type: "opset N is not supported"
+        return False
+    return True
 
 
 def best_device(profile: HardwareProfile) -> str:

@@ -1,0 +1,142 @@
+"""onnx-infer throughput through the grid versus raw ONNX Runtime in one process.
+
+    PYTHONPATH=src python benchmarks/onnx_overhead.py [--rows 20000] [--rounds 2]
+
+The same model (a dense network built in code, `onnx_examples.mlp`, wide enough that the
+arithmetic dominates) and the same rows go through (a) one `InferenceSession.run` per
+batch in this process, with as many threads as the worker uses, and (b) a `LocalGrid`: a
+coordinator on SQLite in a temporary directory and one worker process on every core,
+reached through the SDK (`submit_onnx`, `wait`, `result`). A grid round is timed from
+submit (upload included) to the result downloaded and parsed; the worker's start-up
+happens before the first round, and a warm-up job loads the model into its session
+cache. Rounds alternate (raw, grid, raw, grid, ...) so that noise from other tenants of
+the machine hits both sides alike; figures are medians. The last line is `ratio: X.XX`,
+grid throughput over raw throughput (1.00: the grid costs nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime as ort
+
+from idlegrid.client import Client
+from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
+from idlegrid.kinds.onnx_examples import mlp
+from idlegrid.localgrid import LocalGrid
+
+FEATURES = 256
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, default=20_000, help="rows (default 20000)")
+    parser.add_argument("--rounds", type=int, default=2, help="raw/grid pairs (default 2)")
+    parser.add_argument("--shard-size", type=int, default=2000, help="rows per shard")
+    parser.add_argument("--batch-size", type=int, default=256, help="rows per model run")
+    parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
+    parser.add_argument("--layers", type=int, default=4, help="dense layers")
+    args = parser.parse_args(argv)
+    if min(args.rows, args.rounds, args.shard_size, args.batch_size, args.hidden) < 1:
+        parser.error("--rows, --rounds, --shard-size, --batch-size, --hidden must be >= 1")
+    if args.layers < 2:
+        parser.error("--layers must be >= 2")
+    return args
+
+
+def raw_run(session: ort.InferenceSession, rows: np.ndarray, batch_size: int) -> np.ndarray:
+    """What a researcher without the grid would do: batches through one session."""
+    return np.concatenate(
+        [
+            session.run(["y"], {"x": rows[start : start + batch_size]})[0]
+            for start in range(0, len(rows), batch_size)
+        ]
+    )
+
+
+def grid_run(
+    client: Client, model: bytes, rows: np.ndarray, args: argparse.Namespace
+) -> tuple[Any, list[float]]:
+    """The grid's result, and the seconds of its three legs: submit (upload and split),
+    run (until the job is done), fetch (download and parse the result)."""
+    marks = [time.perf_counter()]
+    job = client.submit_onnx(
+        model, {"x": rows}, batch_size=args.batch_size, shard_size=args.shard_size, replication=1
+    )
+    marks.append(time.perf_counter())
+    job.wait(poll_s=0.1)
+    marks.append(time.perf_counter())
+    result = job.result()["y"]
+    marks.append(time.perf_counter())
+    return result, [later - earlier for earlier, later in zip(marks, marks[1:], strict=False)]
+
+
+def _rounds(
+    client: Client,
+    session: ort.InferenceSession,
+    model: bytes,
+    rng: np.random.Generator,
+    args: argparse.Namespace,
+) -> tuple[list[float], list[float]]:
+    raw_s, grid_s = [], []
+    for index in range(args.rounds):
+        # New rows every round: blobs are stored by hash and would be found again.
+        rows = rng.standard_normal((args.rows, FEATURES), np.float32)
+        started = time.perf_counter()
+        reference = raw_run(session, rows, args.batch_size)
+        raw_s.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        result, legs = grid_run(client, model, rows, args)
+        grid_s.append(time.perf_counter() - started)
+        if not arrays_agree(result, reference, Tolerance()):
+            raise SystemExit("the grid's result does not match raw ONNX Runtime")
+        print(
+            f"round {index + 1}: raw {args.rows / raw_s[-1]:8.0f} rows/s "
+            f"({raw_s[-1]:.2f} s), grid {args.rows / grid_s[-1]:8.0f} rows/s "
+            f"({grid_s[-1]:.2f} s: submit {legs[0]:.2f}, run {legs[1]:.2f}, fetch {legs[2]:.2f}), "
+            f"ratio {raw_s[-1] / grid_s[-1]:.2f}"
+        )
+    return raw_s, grid_s
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    cores = os.cpu_count() or 1
+    hidden, layers = args.hidden, args.layers
+    model = mlp(features=FEATURES, hidden=hidden, outputs=64, layers=layers, seed=1)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = cores  # the worker's default: every core for one slot
+    options.inter_op_num_threads = 1
+    session = ort.InferenceSession(model, sess_options=options, providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(0)
+    flops = 2 * args.rows * (FEATURES * hidden + (layers - 2) * hidden**2 + hidden * 64)
+    print(
+        f"model: mlp {FEATURES}-{hidden}x{layers - 1}-64, {len(model) / 2**20:.1f} MiB; "
+        f"{args.rows} rows ({flops / 1e9:.0f} GFLOP), shards of {args.shard_size}, "
+        f"batches of {args.batch_size}, {cores} cores"
+    )
+    with (
+        tempfile.TemporaryDirectory(prefix="idlegrid-bench-") as tmp,
+        LocalGrid(Path(tmp), replication=1) as grid,
+    ):
+        grid.start_worker("worker", kinds="onnx-infer", benchmark=False)
+        grid.wait_for_nodes(1, timeout=600)
+        with grid.client() as client:
+            grid_run(client, model, rng.standard_normal((64, FEATURES), np.float32), args)
+            raw_s, grid_s = _rounds(client, session, model, rng, args)
+    raw, on_grid = statistics.median(raw_s), statistics.median(grid_s)
+    print(f"raw: {args.rows / raw:.0f} rows/s, grid: {args.rows / on_grid:.0f} rows/s (medians)")
+    print(f"ratio: {raw / on_grid:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

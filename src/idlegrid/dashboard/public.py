@@ -1,0 +1,202 @@
+"""Pages anyone may read: project status, leaderboards, teams, profiles, exports."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, Response
+
+from idlegrid.dashboard import exports
+from idlegrid.dashboard.pages import (
+    Csrf,
+    PageError,
+    SignedIn,
+    Viewer,
+    dashboard_of,
+    grid_of,
+    page_bounds,
+    redirect,
+    render,
+    store_of,
+)
+from idlegrid.store import stats, web
+
+router = APIRouter()
+DAY_S = 86_400
+TEAM_NAME = re.compile(r"\S(.{0,98}\S)?")
+BOARD_TITLES = {"accounts": "Volunteers", "teams": "Teams", "nodes": "Nodes"}
+PageNumber = Annotated[int, Query(ge=1, le=100_000)]
+PerPage = Annotated[int, Query(ge=1, le=100)]
+
+
+@router.get("/", response_class=HTMLResponse)
+async def status_page(request: Request) -> Response:
+    now = grid_of(request).clock()
+    status = await store_of(request).web_read(stats.grid_status, now=now)
+    flops_24h = status.flops_since(now - DAY_S)
+    top = await store_of(request).web_read(
+        stats.leaderboard, "accounts", order="recent", limit=5, offset=0
+    )
+    return await render(
+        request,
+        "status.html",
+        fleet=status,
+        tflops_24h=flops_24h / DAY_S / 1e12,
+        validated_24h=status.validated_since(now - DAY_S),
+        top=top,
+        charts=status_charts(status, now=now),
+    )
+
+
+def status_charts(status: stats.GridStatus, *, now: float) -> dict[str, Any]:
+    """The status page's series; each x axis spans its whole period, not only its data."""
+    return {
+        "daily": {
+            "range": [now - 30 * DAY_S, now + DAY_S],
+            "x": [p.start for p in status.daily],
+            "validated": [p.validated for p in status.daily],
+        },
+        "hourly": {
+            "range": [now - 2 * DAY_S, now + 3600],
+            "x": [p.start for p in status.hourly],
+            "tflops": [round(p.flops / 3600 / 1e12, 6) for p in status.hourly],
+        },
+    }
+
+
+@router.get("/leaderboard/{board}", response_class=HTMLResponse)
+async def leaderboard(
+    request: Request,
+    board: Literal["accounts", "teams", "nodes"],
+    sort: Literal["total", "recent"] = "total",
+    page: PageNumber = 1,
+    per_page: PerPage = 50,
+) -> Response:
+    limit, offset = page_bounds(page, per_page)
+    rows = await store_of(request).web_read(
+        stats.leaderboard, board, order=sort, limit=limit + 1, offset=offset
+    )
+    return await render(
+        request,
+        "leaderboard.html",
+        board=board,
+        title=BOARD_TITLES[board],
+        sort=sort,
+        rows=rows[:limit],
+        page=offset // limit + 1,
+        per_page=limit,
+        has_next=len(rows) > limit,
+    )
+
+
+@router.get("/users/{account_id}", response_class=HTMLResponse)
+async def profile(request: Request, account_id: int) -> Response:
+    store = store_of(request)
+    account = await store.web_read(web.account_by_id, account_id)
+    if account is None:
+        raise PageError(404, "There is no such volunteer.")
+    standing = await store.web_read(stats.standing, "accounts", account.id)
+    nodes = await grid_of(request).store.list_nodes(account.id)
+    return await render(request, "profile.html", account=account, standing=standing, nodes=nodes)
+
+
+# -- teams ---------------------------------------------------------------------------------
+
+
+@router.get("/teams", response_class=HTMLResponse)
+async def teams_page(
+    request: Request, q: Annotated[str, Query(max_length=100)] = "", page: PageNumber = 1
+) -> Response:
+    limit, offset = page_bounds(page, 50)
+    store = store_of(request)
+    found = await store.web_read(web.search_teams, q.strip(), limit=50) if q.strip() else None
+    rows = await store.web_read(
+        stats.leaderboard, "teams", order="total", limit=limit + 1, offset=offset
+    )
+    return await render(
+        request,
+        "teams.html",
+        q=q,
+        found=found,
+        rows=rows[:limit],
+        page=offset // limit + 1,
+        has_next=len(rows) > limit,
+    )
+
+
+@router.get("/teams/new", response_class=HTMLResponse)
+async def new_team_page(request: Request, session: SignedIn) -> Response:
+    return await render(request, "team_new.html", values={}, error=None)
+
+
+@router.post("/teams/new", response_class=HTMLResponse, dependencies=[Csrf])
+async def create_team(
+    request: Request,
+    session: SignedIn,
+    name: Annotated[str, Form(max_length=200)],
+    description: Annotated[str, Form(max_length=5000)] = "",
+) -> Response:
+    name, description = name.strip(), description.strip()
+    error = None
+    if not TEAM_NAME.fullmatch(name):
+        error = "Choose a team name of 1 to 100 characters."
+    elif len(description) > 2000:
+        error = "Keep the description under 2,000 characters."
+    else:
+        try:
+            team_id = await store_of(request).web_write(
+                web.create_team,
+                name,
+                description=description,
+                founder_id=session.account.id,
+                now=grid_of(request).clock(),
+            )
+        except (web.TeamExists, web.Conflict):
+            error = "A team of that name exists; join it or choose another name."
+        else:
+            return redirect(request, f"/teams/{team_id}", flash="Your team is made; you are in it.")
+    values = {"name": name, "description": description}
+    return await render(request, "team_new.html", status=422, values=values, error=error)
+
+
+@router.get("/teams/{team_id}", response_class=HTMLResponse)
+async def team_page(request: Request, team_id: int, session: Viewer) -> Response:
+    store = store_of(request)
+    team = await store.web_read(web.get_team, team_id)
+    if team is None:
+        raise PageError(404, f"There is no team {team_id}.")
+    members = await store.web_read(stats.team_members, team_id, limit=100)
+    standing = await store.web_read(stats.standing, "teams", team_id)
+    return await render(request, "team.html", team=team, members=members, standing=standing)
+
+
+@router.post("/teams/{team_id}/join", dependencies=[Csrf])
+async def join_team(request: Request, team_id: int, session: SignedIn) -> Response:
+    if not await store_of(request).web_write(web.join_team, session.account.id, team_id):
+        raise PageError(404, f"There is no team {team_id}.")
+    return redirect(request, f"/teams/{team_id}", flash="You joined the team.")
+
+
+@router.post("/teams/leave", dependencies=[Csrf])
+async def leave_team(request: Request, session: SignedIn) -> Response:
+    await store_of(request).web_write(web.leave_team, session.account.id)
+    return redirect(request, "/teams", flash="You left your team.")
+
+
+# -- statistics exports --------------------------------------------------------------------
+
+
+@router.get("/stats", response_class=HTMLResponse)
+async def exports_page(request: Request) -> Response:
+    files = exports.listing(dashboard_of(request).settings.data_dir)
+    return await render(request, "exports.html", files=files)
+
+
+@router.get("/stats/{name}")
+async def export_file(request: Request, name: str) -> Response:
+    path = exports.path_of(dashboard_of(request).settings.data_dir, name)
+    if path is None:
+        raise PageError(404, "There is no such export (yet: they are written once a day).")
+    return FileResponse(path, media_type="application/gzip", filename=name)

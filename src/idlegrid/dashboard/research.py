@@ -1,0 +1,375 @@
+"""A researcher's pages: files (chunked uploads), submitting jobs, following them."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from idlegrid.blobs import BlobError
+from idlegrid.coordinator.api import job_out
+from idlegrid.coordinator.grid import JobInputError
+from idlegrid.dashboard.pages import (
+    Csrf,
+    PageError,
+    Researcher,
+    dashboard_of,
+    grid_of,
+    page_bounds,
+    redirect,
+    render,
+    store_of,
+)
+from idlegrid.kinds import InputError, get_kind
+from idlegrid.kinds.diloco import corpus_dataset_blob
+from idlegrid.store import uploads
+from idlegrid.store.base import JobRecord
+from idlegrid.store.web import WebSession
+
+router = APIRouter(prefix="/research")
+CHUNK_BYTES = 4 * 1024 * 1024
+STALE_UPLOAD_S = 3600.0
+TERMINAL = ("completed", "failed", "cancelled")
+
+
+def _json_error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": "upload", "message": message}, status_code=status)
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+@router.get("/files", response_class=HTMLResponse)
+async def files_page(request: Request, session: Researcher) -> Response:
+    store = store_of(request)
+    files = await store.web_read(uploads.list_uploads, session.account.id)
+    used = await store.web_read(uploads.used_bytes, session.account.id)
+    return await render(
+        request,
+        "files.html",
+        files=files,
+        used=used,
+        quota=dashboard_of(request).settings.web_upload_quota_bytes,
+        max_file=grid_of(request).blobs.max_bytes,
+        chunk=_chunk_bytes(request),
+    )
+
+
+class UploadStart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(min_length=1, max_length=200)
+    purpose: Literal["texts", "dataset", "weights"]
+    size: int = Field(ge=1)
+
+
+def _chunk_bytes(request: Request) -> int:
+    # Under the request body limit, which every path but /v1/blobs/ has.
+    return min(CHUNK_BYTES, dashboard_of(request).settings.max_request_bytes)
+
+
+def _tmp(request: Request, upload_id: int) -> Path:
+    return grid_of(request).blobs.tmp_path(f"upload-{upload_id}")
+
+
+@router.post("/uploads", dependencies=[Csrf])
+async def start_upload(request: Request, session: Researcher) -> Response:
+    try:
+        body = UploadStart.model_validate(await request.json())
+    except (ValidationError, ValueError) as exc:
+        return _json_error(422, f"bad upload request: {exc}")
+    limit = grid_of(request).blobs.max_bytes
+    if body.size > limit:
+        return _json_error(413, f"this file is over the {limit:,}-byte limit of one file")
+    now = grid_of(request).clock()
+    try:
+        upload_id, stale = await store_of(request).web_write(
+            uploads.start_upload,
+            session.account.id,
+            name=body.name,
+            purpose=body.purpose,
+            size=body.size,
+            quota_bytes=dashboard_of(request).settings.web_upload_quota_bytes,
+            now=now,
+            stale_before=now - STALE_UPLOAD_S,
+        )
+    except uploads.OverQuota as exc:
+        return _json_error(413, str(exc))
+    for old in stale:
+        _tmp(request, old).unlink(missing_ok=True)
+    _tmp(request, upload_id).touch()
+    return JSONResponse({"id": upload_id, "chunk_size": _chunk_bytes(request)}, status_code=201)
+
+
+@router.put("/uploads/{upload_id}", dependencies=[Csrf])
+async def put_chunk(
+    request: Request, upload_id: int, session: Researcher, offset: Annotated[int, Query(ge=0)]
+) -> Response:
+    """One chunk at `offset`; chunks come in order, each under the request size limit."""
+    store = store_of(request)
+    upload = await store.web_read(uploads.get_upload, upload_id, session.account.id)
+    if upload is None or upload.state != "partial":
+        return _json_error(404, f"no upload {upload_id} in progress")
+    data = await request.body()
+    if offset != upload.received or offset + len(data) > upload.size:
+        return _json_error(409, f"expected the chunk at offset {upload.received}")
+    await asyncio.to_thread(_write_at, _tmp(request, upload_id), offset, data)
+    if not await store.web_write(
+        uploads.advance, upload_id, session.account.id, offset=offset, length=len(data)
+    ):
+        return _json_error(409, "another chunk arrived at that offset first")
+    return JSONResponse({"received": offset + len(data)})
+
+
+def _write_at(path: Path, offset: int, data: bytes) -> None:
+    with open(path, "r+b") as handle:
+        handle.seek(offset)
+        handle.write(data)
+
+
+@router.post("/uploads/{upload_id}/finish", dependencies=[Csrf])
+async def finish_upload(request: Request, upload_id: int, session: Researcher) -> Response:
+    store = store_of(request)
+    upload = await store.web_read(uploads.get_upload, upload_id, session.account.id)
+    if upload is None or upload.state != "partial" or upload.received != upload.size:
+        return _json_error(409, "the upload is not complete")
+    blobs = grid_of(request).blobs
+    try:
+        blob_hash = await asyncio.to_thread(
+            blobs.put_file, _tmp(request, upload_id), size=upload.size
+        )
+    except (BlobError, OSError) as exc:
+        await store.web_write(uploads.delete_upload, upload_id, session.account.id)
+        return _json_error(422, f"the file could not be stored: {exc}")
+    await store.web_write(
+        uploads.finish_upload,
+        upload_id,
+        session.account.id,
+        blob_hash=blob_hash,
+        now=grid_of(request).clock(),
+    )
+    return JSONResponse({"hash": blob_hash, "size": upload.size})
+
+
+@router.post("/uploads/{upload_id}/abort", dependencies=[Csrf])
+async def abort_upload(request: Request, upload_id: int, session: Researcher) -> Response:
+    """Drop an upload that failed or was cancelled: its row and its partial file."""
+    upload = await store_of(request).web_read(uploads.get_upload, upload_id, session.account.id)
+    if upload is not None and upload.state == "partial":
+        await store_of(request).web_write(uploads.delete_upload, upload_id, session.account.id)
+        _tmp(request, upload_id).unlink(missing_ok=True)
+    return Response(status_code=204)
+
+
+@router.post("/files/{upload_id}/delete", dependencies=[Csrf])
+async def delete_file(request: Request, upload_id: int, session: Researcher) -> Response:
+    if not await store_of(request).web_write(uploads.delete_upload, upload_id, session.account.id):
+        raise PageError(404, f"You have no file {upload_id}.")
+    return redirect(request, "/research/files", flash="File removed from your list.")
+
+
+# -- jobs ----------------------------------------------------------------------------------
+
+
+@router.get("/jobs", response_class=HTMLResponse)
+async def jobs_page(
+    request: Request, session: Researcher, page: Annotated[int, Query(ge=1, le=10_000)] = 1
+) -> Response:
+    limit, offset = page_bounds(page, 50)
+    grid = grid_of(request)
+    jobs = await grid.store.list_jobs(session.account.id, limit=limit + 1, offset=offset)
+    views = [await job_out(grid, job, with_shards=False) for job in jobs[:limit]]
+    return await render(request, "jobs.html", jobs=views, page=page, has_next=len(jobs) > limit)
+
+
+@router.get("/jobs/new", response_class=HTMLResponse)
+async def new_job_page(
+    request: Request,
+    session: Researcher,
+    kind: Literal["embed-text", "diloco-train"] = "embed-text",
+) -> Response:
+    return await _new_job(request, session, kind, error=None, values={})
+
+
+async def _new_job(
+    request: Request,
+    session: WebSession,
+    kind: str,
+    *,
+    error: str | None,
+    values: dict[str, Any],
+    status: int = 200,
+) -> HTMLResponse:
+    files = await store_of(request).web_read(uploads.list_uploads, session.account.id)
+    return await render(
+        request, "job_new.html", status=status, kind=kind, files=files, error=error, values=values
+    )
+
+
+@router.post("/jobs/new/embed-text", response_class=HTMLResponse, dependencies=[Csrf])
+async def submit_embed(
+    request: Request,
+    session: Researcher,
+    texts: Annotated[int, Form()],
+    shard_size: Annotated[int, Form(ge=1, le=10_000)] = 256,
+    replication: Annotated[int, Form(ge=0, le=16)] = 0,
+    priority: Annotated[int, Form(ge=-100, le=100)] = 0,
+) -> Response:
+    values = {"texts": texts, "shard_size": shard_size, "replication": replication}
+    upload = await _own_file(request, session, texts)
+    if upload is None:
+        error = "Choose one of your uploaded JSONL files."
+        return await _new_job(
+            request, session, "embed-text", error=error, values=values, status=422
+        )
+    return await _submit(
+        request,
+        session,
+        "embed-text",
+        inputs={"texts": upload},
+        params={"shard_size": shard_size},
+        replication=replication or None,
+        priority=priority,
+        values=values,
+    )
+
+
+@router.post("/jobs/new/diloco-train", response_class=HTMLResponse, dependencies=[Csrf])
+async def submit_diloco(
+    request: Request,
+    session: Researcher,
+    dataset: Annotated[str, Form(max_length=20)],
+    architecture: Annotated[Literal["transformer-lm", "mlp", "cnn"], Form()],
+    rounds: Annotated[int, Form(ge=1, le=10_000)] = 10,
+    workers: Annotated[int, Form(ge=1, le=1000)] = 4,
+    inner_steps: Annotated[int, Form(ge=1, le=100_000)] = 50,
+    batch_size: Annotated[int, Form(ge=1, le=4096)] = 16,
+    inner_lr: Annotated[float, Form(gt=0, le=1)] = 1e-3,
+    outer_lr: Annotated[float, Form(gt=0, le=10)] = 0.7,
+    compression: Annotated[Literal["int8", "int4", "sign", "topk", "none"], Form()] = "int8",
+    priority: Annotated[int, Form(ge=-100, le=100)] = 0,
+) -> Response:
+    values = {"dataset": dataset, "architecture": architecture, "rounds": rounds}
+    if dataset == "corpus":
+        blob = grid_of(request).blobs.put(corpus_dataset_blob())
+    else:
+        found = await _own_file(request, session, int(dataset)) if dataset.isdigit() else None
+        if found is None:
+            error = "Choose the built-in corpus or one of your uploaded datasets."
+            return await _new_job(
+                request, session, "diloco-train", error=error, values=values, status=422
+            )
+        blob = found
+    params = {
+        "architecture": architecture,
+        "rounds": rounds,
+        "workers": workers,
+        "inner": {"steps": inner_steps, "batch_size": batch_size, "lr": inner_lr},
+        "outer": {"lr": outer_lr},
+        "upload": {"method": compression},
+        "download": {"method": compression},
+    }
+    return await _submit(
+        request,
+        session,
+        "diloco-train",
+        inputs={"dataset": blob},
+        params=params,
+        replication=None,
+        priority=priority,
+        values=values,
+    )
+
+
+async def _own_file(request: Request, session: WebSession, upload_id: int) -> str | None:
+    upload = await store_of(request).web_read(uploads.get_upload, upload_id, session.account.id)
+    return upload.blob_hash if upload is not None and upload.state == "done" else None
+
+
+async def _submit(
+    request: Request,
+    session: WebSession,
+    kind: str,
+    *,
+    inputs: dict[str, str],
+    params: dict[str, Any],
+    replication: int | None,
+    priority: int,
+    values: dict[str, Any],
+) -> Response:
+    grid = grid_of(request)
+    try:
+        job = await grid.submit_job(
+            account_id=session.account.id,
+            kind_name=kind,
+            inputs=inputs,
+            params=params,
+            replication=replication,
+            priority=priority,
+        )
+    except ValidationError as exc:
+        error = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
+    except (InputError, JobInputError) as exc:
+        error = str(exc)
+    else:
+        return redirect(request, f"/research/jobs/{job.id}", flash=f"Job {job.id} submitted.")
+    return await _new_job(request, session, kind, error=error, values=values, status=422)
+
+
+async def own_job(request: Request, session: WebSession, job_id: int) -> JobRecord:
+    job = await grid_of(request).store.get_job(job_id)
+    # Another researcher's job is indistinguishable from a missing one.
+    if job is None or (job.account_id != session.account.id and not session.account.is_admin):
+        raise PageError(404, f"There is no job {job_id}.")
+    return job
+
+
+async def _job_context(request: Request, job: JobRecord) -> dict[str, Any]:
+    grid = grid_of(request)
+    view = await job_out(grid, job, with_shards=True)
+    training = None
+    if grid.rounds.drives(get_kind(job.kind)):
+        training = await grid.rounds.metrics(job)
+    return {"job": view, "training": training, "live": view.state not in TERMINAL}
+
+
+@router.get("/jobs/{job_id}", response_class=HTMLResponse)
+async def job_page(request: Request, job_id: int, session: Researcher) -> Response:
+    job = await own_job(request, session, job_id)
+    return await render(request, "job.html", **await _job_context(request, job))
+
+
+@router.get("/jobs/{job_id}/progress", response_class=HTMLResponse)
+async def job_progress(request: Request, job_id: int, session: Researcher) -> Response:
+    """The live part of the job page, polled every two seconds while the job runs."""
+    job = await own_job(request, session, job_id)
+    return await render(request, "_job_progress.html", **await _job_context(request, job))
+
+
+@router.post("/jobs/{job_id}/cancel", dependencies=[Csrf])
+async def cancel_job(request: Request, job_id: int, session: Researcher) -> Response:
+    job = await own_job(request, session, job_id)
+    if job.state.value not in TERMINAL:
+        await grid_of(request).cancel_job(job_id)
+    return redirect(request, f"/research/jobs/{job_id}", flash=f"Job {job_id} is cancelled.")
+
+
+@router.get("/jobs/{job_id}/result")
+async def job_result(request: Request, job_id: int, session: Researcher) -> Response:
+    job = await own_job(request, session, job_id)
+    if job.result_hash is None:
+        raise PageError(409, f"Job {job_id} is {job.state.value}; it has no result yet.")
+    kind = get_kind(job.kind)
+    suffix = ".npy" if kind.result_media_type == "application/x-npy" else ".safetensors"
+    path = grid_of(request).blobs.path(job.result_hash)
+    return Response(
+        await asyncio.to_thread(path.read_bytes),
+        media_type=kind.result_media_type,
+        headers={
+            "Content-Disposition": f'attachment; filename="job-{job_id}-result{suffix}"',
+            "X-Idlegrid-Sha256": job.result_hash,
+        },
+    )

@@ -1,0 +1,507 @@
+"""SQL of the web dashboard: password accounts, browser sessions, tokens, teams, admin.
+
+Module functions over an `AsyncConnection`, like store/ledger.py. `DashboardSql` (mixed
+into `SqlStore`) runs any of them, or of store/stats.py and store/uploads.py, in a read
+or a write transaction: `await store.web_read(stats.leaderboard, "accounts", ...)`, so
+the dashboard names what it wants without holding a connection or writing SQL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
+
+from sqlalchemy import delete, func, insert, or_, select, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.policy.credit import CreditTotals
+from idlegrid.states import LIVE_TASK_STATES
+from idlegrid.store.base import AccountExists
+from idlegrid.store.schema import accounts, node_trust, nodes, tasks, teams, tokens, web_sessions
+
+P = ParamSpec("P")
+R = TypeVar("R")
+Role = Literal["volunteer", "researcher", "admin"]
+ROLES: tuple[Role, ...] = ("volunteer", "researcher", "admin")
+
+
+class Conflict(ValueError):
+    """A write lost a race for a unique name (an account, an email, a team)."""
+
+
+class DashboardStore(Protocol):
+    """What the dashboard needs of a store: a function of this package run in a transaction."""
+
+    async def web_read(
+        self,
+        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
+        /,
+        *a: P.args,
+        **k: P.kwargs,
+    ) -> R: ...
+    async def web_write(
+        self,
+        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
+        /,
+        *a: P.args,
+        **k: P.kwargs,
+    ) -> R: ...
+
+
+class DashboardSql:
+    """The dashboard's two methods of `SqlStore`."""
+
+    if TYPE_CHECKING:  # provided by SqlStore
+
+        def _tx(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
+        def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
+
+    async def web_read(
+        self,
+        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
+        /,
+        *a: P.args,
+        **k: P.kwargs,
+    ) -> R:
+        """`fn(connection, ...)` on a read connection (no write lock on SQLite)."""
+        async with self._read() as conn:
+            return await fn(conn, *a, **k)
+
+    async def web_write(
+        self,
+        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
+        /,
+        *a: P.args,
+        **k: P.kwargs,
+    ) -> R:
+        """`fn(connection, ...)` in one write transaction, committed when it returns.
+
+        A unique key another transaction took meanwhile raises `Conflict` (rolled back).
+        """
+        try:
+            async with self._tx() as conn:
+                return await fn(conn, *a, **k)
+        except IntegrityError as exc:
+            raise Conflict("taken a moment ago; try another name") from exc
+
+
+# -- accounts ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WebAccount:
+    id: int
+    name: str
+    email: str | None
+    role: Role
+    password_hash: str | None
+    created_at: float
+    disabled_at: float | None
+    team_id: int | None
+    flagged_at: float | None
+    flag_reason: str | None
+    credit: CreditTotals
+    validated: int
+
+    @property
+    def is_admin(self) -> bool:
+        return self.role == "admin"
+
+    @property
+    def is_researcher(self) -> bool:
+        """Researchers (and admins) upload data and submit jobs from the browser."""
+        return self.role in ("researcher", "admin")
+
+
+def _web_account(row: Any) -> WebAccount:
+    return WebAccount(
+        id=row.id,
+        name=row.name,
+        email=row.email,
+        role="admin" if row.is_admin else row.role,
+        password_hash=row.password_hash,
+        created_at=row.created_at,
+        disabled_at=row.disabled_at,
+        team_id=row.team_id,
+        flagged_at=row.flagged_at,
+        flag_reason=row.flag_reason,
+        credit=CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at),
+        validated=row.validated_total,
+    )
+
+
+async def create_account(
+    conn: AsyncConnection, name: str, *, email: str, password_hash: str, role: Role, now: float
+) -> int:
+    """A new password account; `AccountExists` names what is taken (name or email)."""
+    taken = await conn.execute(
+        select(accounts.c.name, accounts.c.email).where(
+            or_(func.lower(accounts.c.name) == name.lower(), accounts.c.email == email)
+        )
+    )
+    for row in taken.all():
+        what = "username" if row.name.lower() == name.lower() else "email address"
+        raise AccountExists(f"that {what} is taken")
+    # A concurrent sign-up that took it a moment ago: `web_write` raises `Conflict`.
+    result = await conn.execute(
+        insert(accounts).values(
+            name=name,
+            email=email,
+            password_hash=password_hash,
+            role=role,
+            is_admin=role == "admin",
+            created_at=now,
+        )
+    )
+    return int(result.inserted_primary_key[0])  # type: ignore[index]
+
+
+async def account_by_login(conn: AsyncConnection, login: str) -> WebAccount | None:
+    """The account a sign-in names, by username (any case) or email address."""
+    login = login.strip()
+    column = accounts.c.email if "@" in login else func.lower(accounts.c.name)
+    row = (await conn.execute(select(accounts).where(column == login.lower()))).first()
+    return _web_account(row) if row else None
+
+
+async def account_by_id(conn: AsyncConnection, account_id: int) -> WebAccount | None:
+    row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).first()
+    return _web_account(row) if row else None
+
+
+async def account_by_name(conn: AsyncConnection, name: str) -> WebAccount | None:
+    row = (await conn.execute(select(accounts).where(accounts.c.name == name))).first()
+    return _web_account(row) if row else None
+
+
+async def set_password(
+    conn: AsyncConnection, account_id: int, password_hash: str, *, keep_session: str | None
+) -> None:
+    """Change a password and end every other browser session of the account."""
+    await conn.execute(
+        update(accounts).where(accounts.c.id == account_id).values(password_hash=password_hash)
+    )
+    query = delete(web_sessions).where(web_sessions.c.account_id == account_id)
+    if keep_session is not None:
+        query = query.where(web_sessions.c.id != keep_session)
+    await conn.execute(query)
+
+
+async def set_login(
+    conn: AsyncConnection,
+    name: str,
+    *,
+    email: str | None,
+    password_hash: str,
+    role: Role,
+    now: float,
+) -> int:
+    """Give an account (made if missing) a password and a role: the operator's way in."""
+    row = (await conn.execute(select(accounts.c.id).where(accounts.c.name == name))).first()
+    values = {"password_hash": password_hash, "role": role, "is_admin": role == "admin"}
+    if email is not None:
+        values["email"] = email.lower()
+    if row is None:
+        result = await conn.execute(insert(accounts).values(name=name, created_at=now, **values))
+        return int(result.inserted_primary_key[0])  # type: ignore[index]
+    await conn.execute(update(accounts).where(accounts.c.id == row.id).values(**values))
+    return int(row.id)
+
+
+async def set_role(conn: AsyncConnection, account_id: int, role: Role) -> bool:
+    result = await conn.execute(
+        update(accounts)
+        .where(accounts.c.id == account_id)
+        .values(role=role, is_admin=role == "admin")
+    )
+    return bool(result.rowcount)
+
+
+async def set_disabled(
+    conn: AsyncConnection, account_id: int, *, disabled: bool, now: float
+) -> bool:
+    """Disable an account (its sessions end, its tokens are revoked), or enable it again."""
+    result = await conn.execute(
+        update(accounts)
+        .where(accounts.c.id == account_id)
+        .values(disabled_at=now if disabled else None)
+    )
+    if disabled:
+        await conn.execute(delete(web_sessions).where(web_sessions.c.account_id == account_id))
+        await conn.execute(
+            update(tokens)
+            .where(tokens.c.account_id == account_id, tokens.c.revoked_at.is_(None))
+            .values(revoked_at=now)
+        )
+    return bool(result.rowcount)
+
+
+async def clear_flag(conn: AsyncConnection, account_id: int) -> bool:
+    result = await conn.execute(
+        update(accounts)
+        .where(accounts.c.id == account_id)
+        .values(flagged_at=None, flag_reason=None)
+    )
+    return bool(result.rowcount)
+
+
+async def list_accounts(
+    conn: AsyncConnection, *, search: str, flagged: bool, limit: int, offset: int
+) -> list[WebAccount]:
+    """Accounts for the admin page, newest first; `search` matches a name's start."""
+    query = select(accounts).order_by(accounts.c.id.desc()).limit(limit).offset(offset)
+    if search:
+        query = query.where(accounts.c.name.startswith(search, autoescape=True))
+    if flagged:
+        query = query.where(accounts.c.flagged_at.is_not(None))
+    return [_web_account(row) for row in (await conn.execute(query)).all()]
+
+
+# -- browser sessions ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WebSession:
+    id: str  # SHA-256 of the cookie's secret
+    account: WebAccount
+    csrf: str
+    expires_at: float
+
+
+async def create_session(
+    conn: AsyncConnection, session_id: str, account_id: int, *, csrf: str, now: float, ttl_s: float
+) -> None:
+    await conn.execute(
+        insert(web_sessions).values(
+            id=session_id, account_id=account_id, csrf=csrf, created_at=now, expires_at=now + ttl_s
+        )
+    )
+
+
+async def find_session(conn: AsyncConnection, session_id: str, *, now: float) -> WebSession | None:
+    """A live session of an enabled account, or None."""
+    query = (
+        select(accounts, web_sessions.c.csrf, web_sessions.c.expires_at)
+        .join(web_sessions, web_sessions.c.account_id == accounts.c.id)
+        .where(
+            web_sessions.c.id == session_id,
+            web_sessions.c.expires_at > now,
+            accounts.c.disabled_at.is_(None),
+        )
+    )
+    row = (await conn.execute(query)).first()
+    if row is None:
+        return None
+    return WebSession(session_id, _web_account(row), row.csrf, row.expires_at)
+
+
+async def end_session(conn: AsyncConnection, session_id: str, *, now: float) -> None:
+    """Sign out; expired sessions of anyone are swept on the way."""
+    await conn.execute(
+        delete(web_sessions).where(
+            or_(web_sessions.c.id == session_id, web_sessions.c.expires_at <= now)
+        )
+    )
+
+
+# -- tokens --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    id: int
+    kind: str
+    prefix: str
+    label: str
+    created_at: float
+    revoked_at: float | None
+
+
+async def list_tokens(conn: AsyncConnection, account_id: int) -> list[TokenRow]:
+    query = (
+        select(tokens)
+        .where(tokens.c.account_id == account_id)
+        .order_by(tokens.c.revoked_at.is_not(None), tokens.c.id.desc())
+        .limit(200)
+    )
+    return [
+        TokenRow(r.id, r.kind, r.prefix, r.label, r.created_at, r.revoked_at)
+        for r in (await conn.execute(query)).all()
+    ]
+
+
+async def revoke_token(
+    conn: AsyncConnection, account_id: int, token_id: int, *, now: float
+) -> bool:
+    """Revoke one of the account's own tokens; False if it has no such live token."""
+    result = await conn.execute(
+        update(tokens)
+        .where(
+            tokens.c.id == token_id,
+            tokens.c.account_id == account_id,
+            tokens.c.revoked_at.is_(None),
+        )
+        .values(revoked_at=now)
+    )
+    return bool(result.rowcount)
+
+
+# -- teams ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TeamRecord:
+    id: int
+    name: str
+    description: str
+    founder_id: int
+    members: int
+    created_at: float
+    credit: CreditTotals
+    validated: int
+
+
+class TeamExists(ValueError):
+    """A team name that is taken."""
+
+
+async def create_team(
+    conn: AsyncConnection, name: str, *, description: str, founder_id: int, now: float
+) -> int:
+    """A new team; its founder leaves any team they were in and joins it."""
+    taken = await conn.execute(select(teams.c.id).where(func.lower(teams.c.name) == name.lower()))
+    if taken.first() is not None:
+        raise TeamExists(f"a team named {name!r} exists")
+    result = await conn.execute(
+        insert(teams).values(
+            name=name, description=description, founder_id=founder_id, created_at=now
+        )
+    )
+    team_id = int(result.inserted_primary_key[0])  # type: ignore[index]
+    await join_team(conn, founder_id, team_id)
+    return team_id
+
+
+async def get_team(conn: AsyncConnection, team_id: int) -> TeamRecord | None:
+    row = (await conn.execute(select(teams).where(teams.c.id == team_id))).first()
+    if row is None:
+        return None
+    return TeamRecord(
+        row.id,
+        row.name,
+        row.description,
+        row.founder_id,
+        row.members,
+        row.created_at,
+        CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at),
+        row.validated_total,
+    )
+
+
+async def join_team(conn: AsyncConnection, account_id: int, team_id: int) -> bool:
+    """Move an account into a team (out of its old one); False if there is no such team."""
+    if (await conn.execute(select(teams.c.id).where(teams.c.id == team_id))).first() is None:
+        return False
+    await leave_team(conn, account_id)
+    await conn.execute(update(accounts).where(accounts.c.id == account_id).values(team_id=team_id))
+    await conn.execute(
+        update(teams).where(teams.c.id == team_id).values(members=teams.c.members + 1)
+    )
+    return True
+
+
+async def leave_team(conn: AsyncConnection, account_id: int) -> None:
+    """Leave the account's team, if any; the credit earned in it stays with the team."""
+    row = (
+        await conn.execute(select(accounts.c.team_id).where(accounts.c.id == account_id))
+    ).first()
+    if row is None or row.team_id is None:
+        return
+    await conn.execute(update(accounts).where(accounts.c.id == account_id).values(team_id=None))
+    await conn.execute(
+        update(teams).where(teams.c.id == row.team_id).values(members=teams.c.members - 1)
+    )
+
+
+async def search_teams(conn: AsyncConnection, prefix: str, *, limit: int) -> list[TeamRecord]:
+    query = (
+        select(teams.c.id)
+        .where(teams.c.name.startswith(prefix, autoescape=True))
+        .order_by(teams.c.name)
+        .limit(limit)
+    )
+    found = []
+    for (team_id,) in (await conn.execute(query)).all():
+        team = await get_team(conn, team_id)
+        if team is not None:
+            found.append(team)
+    return found
+
+
+# -- nodes ---------------------------------------------------------------------------------
+
+
+async def live_tasks(conn: AsyncConnection, node_ids: list[int]) -> dict[int, int]:
+    """Tasks each node holds now (an index lookup per node, never a scan of tasks)."""
+    if not node_ids:
+        return {}
+    query = (
+        select(tasks.c.node_id, func.count())
+        .where(
+            tasks.c.node_id.in_(node_ids),
+            tasks.c.state.in_([s.value for s in LIVE_TASK_STATES if s.value != "ready"]),
+        )
+        .group_by(tasks.c.node_id)
+    )
+    return {int(node): int(n) for node, n in (await conn.execute(query)).all()}
+
+
+async def set_suspended(
+    conn: AsyncConnection, node_id: int, *, suspended: bool, now: float
+) -> bool:
+    """An admin suspends a node (it gets no tasks) or lifts a suspension (its trust's
+    suspension and recent invalid results are cleared, so it starts again on probation)."""
+    result = await conn.execute(
+        update(nodes).where(nodes.c.id == node_id).values(suspended_at=now if suspended else None)
+    )
+    if not suspended:
+        await conn.execute(
+            update(node_trust)
+            .where(node_trust.c.node_id == node_id)
+            .values(suspended=False, recent_invalid=0, consecutive_valid=0, updated_at=now)
+        )
+    return bool(result.rowcount)
+
+
+async def list_all_nodes(
+    conn: AsyncConnection, *, suspended: bool, limit: int, offset: int
+) -> list[tuple[int, str, int, str, str, float | None]]:
+    """Nodes for the admin page: id, name, owner id and name, state, suspended at."""
+    query = (
+        select(
+            nodes.c.id,
+            nodes.c.name,
+            nodes.c.account_id,
+            accounts.c.name.label("owner"),
+            nodes.c.state,
+            nodes.c.suspended_at,
+        )
+        .join(accounts, accounts.c.id == nodes.c.account_id)
+        .order_by(nodes.c.id.desc())
+        .limit(limit)
+        .offset(offset)
+    )
+    if suspended:
+        query = query.where(nodes.c.suspended_at.is_not(None))
+    return [tuple(row) for row in (await conn.execute(query)).all()]  # type: ignore[misc]
+
+
+async def validated_counts(conn: AsyncConnection, node_ids: list[int]) -> dict[int, int]:
+    """Results of each node that earned credit."""
+    if not node_ids:
+        return {}
+    query = select(nodes.c.id, nodes.c.validated_total).where(nodes.c.id.in_(node_ids))
+    return {int(node): int(n) for node, n in (await conn.execute(query)).all()}

@@ -1,0 +1,426 @@
+"""`idlegrid worker`: run the daemon, or talk to the one running on this machine.
+
+    idlegrid worker --server URL --token T        run a worker node (the daemon)
+    idlegrid worker --show-idle                   each idle probe and its reading
+    idlegrid worker status | pause | resume | finish | snooze
+    idlegrid worker install | uninstall           autostart as a service
+    idlegrid worker idle-helper                   the user-session idle helper
+
+The subcommands reach the daemon through its control page (127.0.0.1, the token file in
+the state directory). Only click is imported here: the daemon loads when it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+DEFAULT_STATE_DIR = Path.home() / ".idlegrid" / "worker"
+
+state_dir_option = click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    envvar="IDLEGRID_STATE_DIR",
+    help="Node identity, blob cache, benchmark, controls (default ~/.idlegrid/worker).",
+)
+
+
+def _policy_options(command: Any) -> Any:
+    """The idle policy's flags (each also an IDLEGRID_* variable; docs/worker.md)."""
+    options = [
+        click.option("--dedicated", is_flag=True, default=None,
+                     help="Compute always at full speed, whatever the machine is doing."),
+        click.option("--cpu-mode", type=click.Choice(["always", "idle", "never"]), default=None,
+                     help="When to use the CPU (default idle)."),
+        click.option("--gpu-mode", type=click.Choice(["always", "idle", "never"]), default=None,
+                     help="When to use the GPU (default idle)."),
+        click.option("--idle-after", "idle_after_s", type=float, default=None,
+                     help="Seconds without input before the machine counts as idle (180)."),
+        click.option("--cpu-cores", type=int, default=None, help="Cores tasks may use (0: all)."),
+        click.option("--cpu-percent", type=float, default=None,
+                     help="CPU time of those cores while idle, 1-100 (100)."),
+        click.option("--in-use-cpu-percent", type=float, default=None,
+                     help="CPU time while in use, with --cpu-mode always (50)."),
+        click.option("--memory-percent", type=float, default=None,
+                     help="RAM tasks may hold while idle, percent (90)."),
+        click.option("--suspend-cpu-usage", type=float, default=None,
+                     help="Pause while other programs use more CPU than this percent (25)."),
+        click.option("--exclusive-app", "exclusive_apps", multiple=True,
+                     help="Pause while a program of this name runs (repeat)."),
+        click.option("--run-on-battery", is_flag=True, default=None,
+                     help="Do not pause on battery."),
+        click.option("--min-battery-percent", type=float, default=None,
+                     help="On battery, pause below this charge."),
+        click.option("--windows", default=None,
+                     help='Allowed times, e.g. "18:00-08:00; sat,sun 00:00-24:00".'),
+        click.option("--max-cpu-temp", "max_cpu_temp_c", type=float, default=None,
+                     help="Pause at or above this CPU temperature, °C."),
+        click.option("--idle-probe", "idle_probes", multiple=True,
+                     help="Use only this idle probe (repeat; see --show-idle)."),
+        click.option("--control-port", type=int, default=None,
+                     help="Local control page port (7390; 0: any free; -1: none)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+@click.group(invoke_without_command=True)
+@click.option(
+    "--server",
+    "-s",
+    "servers",
+    multiple=True,
+    envvar=["IDLEGRID_SERVERS", "IDLEGRID_SERVER"],
+    default=["http://127.0.0.1:8000"],
+    show_default=True,
+    help="Coordinator URL; repeat for fail-over (env IDLEGRID_SERVERS, a comma list, or "
+    "IDLEGRID_SERVER).",
+)
+@click.option(
+    "--token",
+    "-t",
+    envvar="IDLEGRID_NODE_TOKEN",
+    default=None,
+    help="Node token (env IDLEGRID_NODE_TOKEN; better than the flag, which `ps` shows).",
+)
+@click.option(
+    "--token-file",
+    type=click.Path(path_type=Path, dir_okay=False),
+    envvar="IDLEGRID_NODE_TOKEN_FILE",
+    default=None,
+    help="File holding the node token, readable by its owner only (chmod 600).",
+)
+@state_dir_option
+@click.option("--name", default="", help="The node's name in `GET /v1/nodes` (default: host).")
+@click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
+@click.option(
+    "--prefetch",
+    default=0,
+    show_default=True,
+    help="Tasks to hold beyond the slots, started when one frees (for short tasks).",
+)
+@click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
+@click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")
+@click.option("--threads", default=0, help="Torch threads (default: cores / slots).")
+@click.option(
+    "--benchmark/--no-benchmark",
+    default=True,
+    show_default=True,
+    help="Benchmark at registration (cached per hardware).",
+)
+@click.option("--rebenchmark", is_flag=True, help="Run the benchmark again.")
+@click.option("--show-idle", is_flag=True, help="Print each idle probe and its reading, then exit.")
+@_policy_options
+@click.option("--log-level", default="info", show_default=True)
+@click.pass_context
+def worker(ctx: click.Context, **options: Any) -> None:
+    """Run a worker node: probe and benchmark this machine, then take tasks when idle.
+
+    The worker connects out to the coordinator (works behind NAT), reconnects with
+    backoff when it goes away, runs only built-in task kinds, and steps aside (suspends
+    its tasks) as soon as the owner uses the machine. Ctrl-C once: finish the running
+    tasks, then stop; twice: give them back to the coordinator and stop. Subcommands talk
+    to a running one.
+    """
+    if ctx.invoked_subcommand is not None:
+        ctx.obj = options
+        return
+    if options.pop("show_idle"):
+        _show_idle(options["state_dir"] or DEFAULT_STATE_DIR)
+        return
+    _run_daemon(options)
+
+
+def _settings(options: dict[str, Any]) -> Any:
+    from idlegrid.settings import WorkerSettings
+
+    servers = tuple(part for s in options["servers"] for part in s.split(",") if part)
+    battery = options["run_on_battery"]
+    return WorkerSettings.from_env(
+        servers=servers,
+        token=options["token"],
+        state_dir=options["state_dir"],
+        name=options["name"] or socket.gethostname(),
+        slots=options["slots"],
+        prefetch=options["prefetch"],
+        kinds=tuple(k for k in options["kinds"].split(",") if k) or None,
+        device=options["device"] or None,
+        threads=options["threads"] or None,
+        benchmark=options["benchmark"],
+        rebenchmark=options["rebenchmark"],
+        pause_on_battery=None if battery is None else not battery,
+        exclusive_apps=tuple(options["exclusive_apps"]) or None,
+        idle_probes=tuple(options["idle_probes"]) or None,
+        **{
+            name: options[name]
+            for name in (
+                "dedicated",
+                "cpu_mode",
+                "gpu_mode",
+                "idle_after_s",
+                "cpu_cores",
+                "cpu_percent",
+                "in_use_cpu_percent",
+                "memory_percent",
+                "suspend_cpu_usage",
+                "min_battery_percent",
+                "windows",
+                "max_cpu_temp_c",
+                "control_port",
+            )
+        },  # fmt: skip
+    )
+
+
+def _run_daemon(options: dict[str, Any]) -> None:
+    from idlegrid.logs import setup_logging
+    from idlegrid.worker.daemon import NodeRefused, Worker
+
+    token_file = options.pop("token_file")
+    if not options["token"] and token_file is None:
+        options["token"] = _installed_token(options["state_dir"] or DEFAULT_STATE_DIR)
+    options["token"] = _node_token(options["token"] or "", token_file)
+    setup_logging(options["log_level"])
+    try:
+        node = Worker(_settings(options))
+    except ValueError as exc:  # SettingError too: it names the setting
+        raise click.UsageError(str(exc)) from None
+    try:
+        asyncio.run(_serve(node))
+    except NodeRefused as exc:
+        raise click.ClickException(f"{exc} (make one: idlegrid token create --node)") from None
+
+
+def _node_token(token: str, token_file: Path | None) -> str:
+    """The node token from the environment (or flag), else from a 0600 file."""
+    if not token and token_file is not None:
+        token = _read_secret(token_file)
+    if not token:
+        hint = ""
+        if os.environ.get("IDLEGRID_TOKEN"):
+            hint = " (IDLEGRID_TOKEN is a researcher's token; a worker reads IDLEGRID_NODE_TOKEN)"
+        raise click.UsageError(
+            "a node token is needed: set IDLEGRID_NODE_TOKEN or pass --token-file FILE"
+            f"{hint}; an admin makes one with: idlegrid token create --node --account NAME"
+        )
+    if token.startswith("igr_"):
+        raise click.UsageError(
+            "that is a researcher token (igr_...): a worker needs a node token (ign_...), "
+            "made with: idlegrid token create --node --account NAME"
+        )
+    return token
+
+
+def _read_secret(path: Path) -> str:
+    """A token file's content; refused when others may read it, as ssh does for keys."""
+    mode = path.stat().st_mode
+    if mode & 0o077:
+        raise click.UsageError(
+            f"{path} is readable by others (mode {mode & 0o777:o}): chmod 600 {path}"
+        )
+    secret = path.read_text().strip()
+    if not secret:
+        raise click.UsageError(f"{path} is empty: it should hold a node token (ign_...)")
+    return secret
+
+
+def _installed_token(state_dir: Path) -> str | None:
+    """The token `idlegrid worker install` kept in the state directory, if any."""
+    from idlegrid.worker.service import TOKEN_FILE
+
+    try:
+        return (state_dir / TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
+
+
+async def _serve(node: Any) -> None:
+    """Run until stopped: the first SIGINT/SIGTERM finishes, the second gives back."""
+    loop = asyncio.get_running_loop()
+    owned: set[asyncio.Task[None]] = set()
+    asked = 0
+
+    def on_signal() -> None:
+        nonlocal asked
+        asked += 1
+        if asked == 1:
+            click.echo(
+                "finishing the running tasks, then stopping (Ctrl-C again: give them back "
+                "and stop now)",
+                err=True,
+            )
+            step = node.finish()
+        else:
+            click.echo("giving the running tasks back to the coordinator and stopping", err=True)
+            step = node.give_back_and_stop()
+        task = loop.create_task(step)
+        owned.add(task)
+        task.add_done_callback(owned.discard)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    try:
+        await node.run()
+    finally:
+        await asyncio.gather(*owned, return_exceptions=True)
+
+
+def _show_idle(state_dir: Path) -> None:
+    from idlegrid.worker.idle import IdleSource, default_probes
+
+    source = IdleSource(default_probes(state_dir))
+    for reading in source.read_all():
+        value = f"idle {reading.idle_s:.1f} s" if reading.idle_s is not None else "cannot tell"
+        click.echo(
+            f"{reading.probe:<20} {value}" + (f"  ({reading.detail})" if reading.detail else "")
+        )
+    chosen = source.read()
+    click.echo(f"using: {chosen.probe}" if chosen.idle_s is not None else "using: none")
+
+
+# -- talking to the running daemon ----------------------------------------------------------
+
+
+def _state_dir(ctx: click.Context) -> Path:
+    return (ctx.obj or {}).get("state_dir") or DEFAULT_STATE_DIR
+
+
+def _call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+    import httpx
+
+    from idlegrid.worker.control import ADDRESS_FILE, TOKEN_FILE
+
+    try:
+        url = json.loads((state_dir / ADDRESS_FILE).read_text())["url"]
+        token = (state_dir / TOKEN_FILE).read_text().strip()
+    except (OSError, ValueError, KeyError):
+        raise click.ClickException(f"no worker has run with state directory {state_dir}") from None
+    try:
+        response = httpx.request(
+            method, url.rstrip("/") + path, json=body,
+            headers={"Authorization": f"Bearer {token}"}, timeout=10,
+        )  # fmt: skip
+    except httpx.TransportError as exc:
+        raise click.ClickException(f"the worker at {url} does not answer: {exc}") from None
+    data = response.json()
+    if response.status_code != 200:
+        raise click.ClickException(data.get("error", response.text))
+    return data
+
+
+def _print_status(status: dict[str, Any]) -> None:
+    click.echo(f"{status['state']}: {status['reason']}")
+    idle = status["idle"]
+    seconds = "cannot tell" if idle["seconds"] is None else f"idle {idle['seconds']:.0f} s"
+    click.echo(f"idle detection: {idle['probe']} ({seconds})")
+    for task in status["tasks"]:
+        click.echo(
+            f"  task {task['task_id']} ({task['kind']}, job {task['job_id']}): "
+            f"{task['state']}, {100 * task['progress']:.0f}%"
+        )
+    credit = "unknown" if status["credit"] is None else f"{status['credit']:.2f}"
+    click.echo(
+        f"completed {status['completed']}, waiting to report {status['outbox']}, credit {credit}"
+    )
+
+
+@worker.command()
+@click.option("--json", "as_json", is_flag=True, help="The raw JSON status.")
+@click.pass_context
+def status(ctx: click.Context, as_json: bool) -> None:
+    """The running worker's state, its reason, and its tasks."""
+    state_dir = _state_dir(ctx)
+    data = _call(state_dir, "GET", "/api/status")
+    if as_json:
+        click.echo(json.dumps(data, indent=2))
+        return
+    _print_status(data)
+    from idlegrid.worker.control import ADDRESS_FILE, TOKEN_FILE
+
+    url = json.loads((state_dir / ADDRESS_FILE).read_text())["url"]
+    token = (state_dir / TOKEN_FILE).read_text().strip()
+    click.echo(f"control page: {url}?token={token}")
+
+
+def _action(name: str, help_text: str) -> None:
+    @worker.command(name=name, help=help_text)
+    @click.pass_context
+    def command(ctx: click.Context) -> None:
+        data = _call(_state_dir(ctx), "POST", f"/api/{name}", {})
+        click.echo(f"{data['state']}: {data['reason']}")
+
+
+_action("pause", "Pause now: running tasks are suspended, not lost.")
+_action("resume", "Resume: compute again whenever the policy allows.")
+_action("finish", "Finish the current tasks, take no new ones, then pause.")
+
+
+@worker.command()
+@click.option("--minutes", default=60.0, show_default=True)
+@click.pass_context
+def snooze(ctx: click.Context, minutes: float) -> None:
+    """Pause for a while (an hour by default), then go back to the policy."""
+    data = _call(_state_dir(ctx), "POST", "/api/snooze", {"seconds": minutes * 60})
+    click.echo(f"{data['state']}: {data['reason']}")
+
+
+@worker.command(name="idle-helper")
+@click.option("--interval", default=1.0, show_default=True, help="Seconds between readings.")
+@click.pass_context
+def idle_helper(ctx: click.Context, interval: float) -> None:
+    """Run in the owner's session: write its idle time for a worker running as a service."""
+    from idlegrid.worker.idle import IdleSource, default_probes
+    from idlegrid.worker.idle.desktop import HelperFileProbe, write_helper_reading
+
+    state_dir = _state_dir(ctx)
+    probes = [p for p in default_probes(state_dir) if not isinstance(p, HelperFileProbe)]
+    source = IdleSource(probes)
+    click.echo(f"writing idle readings to {state_dir}", err=True)
+    while True:
+        reading = source.read()
+        if reading.idle_s is not None:
+            write_helper_reading(state_dir, reading.idle_s, reading.probe)
+        time.sleep(interval)
+
+
+@worker.command()
+@click.option("--system", is_flag=True, help="A system service (root) instead of the user's.")
+@click.option("--dry-run", is_flag=True, help="Print the files; install nothing.")
+@click.pass_context
+def install(ctx: click.Context, system: bool, dry_run: bool) -> None:
+    """Install and start the worker as a service with these options (systemd, launchd,
+    Task Scheduler)."""
+    from idlegrid.worker import service
+
+    options = dict(ctx.obj or {})
+    options["token"] = _node_token(options.get("token") or "", options.pop("token_file", None))
+    try:
+        done = service.install(options, system=system, dry_run=dry_run, platform=sys.platform)
+    except service.ServiceError as exc:
+        raise click.ClickException(str(exc)) from None
+    for line in done:
+        click.echo(line)
+
+
+@worker.command()
+@click.option("--system", is_flag=True, help="The system service instead of the user's.")
+def uninstall(system: bool) -> None:
+    """Stop and remove the worker service."""
+    from idlegrid.worker import service
+
+    try:
+        for line in service.uninstall(system=system, platform=sys.platform):
+            click.echo(line)
+    except service.ServiceError as exc:
+        raise click.ClickException(str(exc)) from None

@@ -1,0 +1,322 @@
+"""The worker's local control page and JSON API, on 127.0.0.1 only.
+
+Like Folding@home's client page: the state and its reason, the tasks and their progress,
+the hardware, the benchmark and the credit, with pause, resume, finish, snooze and the
+settings an owner changes most. It is a few routes over h11 (which httpx already brings)
+rather than a web framework, to keep the idle daemon small.
+
+Who may use it: requests from loopback only, with a `Host` of this machine (a web page
+elsewhere cannot reach it by DNS rebinding), and with the token kept in `control-token`
+in the state directory, readable by its owner only. A browser brings the token once
+(`/?token=...`, which `idlegrid worker status` prints) and keeps it in a strict
+same-site cookie; the CLI sends it as a bearer header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from idlegrid.policy.idle import SettingError
+from idlegrid.worker.control_page import PAGE
+
+if TYPE_CHECKING:
+    import asyncio
+    from collections.abc import Mapping
+
+    from idlegrid import protocol
+    from idlegrid.settings import WorkerSettings
+    from idlegrid.worker.governor import Governor
+    from idlegrid.worker.idle.system import Sensors
+
+
+class Worker(Protocol):
+    """What the page reads of the daemon (`worker.daemon.Worker`), which starts it."""
+
+    settings: WorkerSettings
+    governor: Governor
+    sensors: Sensors
+    running: Mapping[int, Any]  # task id -> the daemon's RunningTask
+    outbox: Any
+    completed: int
+    hardware: protocol.HardwareProfile | None
+    benchmark: protocol.Benchmark
+    device: str
+    credit: float | None
+    _online: asyncio.Event
+
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "control-token"
+ADDRESS_FILE = "control.json"
+COOKIE = "idlegrid_control"
+MAX_BODY = 64 * 1024
+
+
+def control_token(state_dir: Path) -> str:
+    """The page's token, made once, in a file only its owner can read."""
+    path = state_dir / TOKEN_FILE
+    if path.is_file():
+        return path.read_text().strip()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    return token
+
+
+@dataclass(frozen=True)
+class Reply:
+    status: int
+    body: bytes
+    content_type: str = "application/json"
+    headers: tuple[tuple[str, str], ...] = ()
+
+
+def json_reply(status: int, value: object) -> Reply:
+    return Reply(status, json.dumps(value).encode())
+
+
+class ControlPage:
+    def __init__(self, worker: Worker, *, port: int, host: str = "127.0.0.1") -> None:
+        self.worker = worker
+        self.host = host
+        self.wanted_port = port
+        self.port = 0
+        self.token = control_token(worker.settings.state_dir)
+        self._server: asyncio.Server | None = None
+        self._connections: set[asyncio.Task[None]] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/"
+
+    async def start(self) -> None:
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.wanted_port)
+        except OSError as exc:  # the port is taken (another worker): any free one
+            log.warning("control page: port %s: %s; using a free port", self.wanted_port, exc)
+            self._server = await asyncio.start_server(self._serve, self.host, 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        address = self.worker.settings.state_dir / ADDRESS_FILE
+        address.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
+        log.info("control page: %s (token in %s)", self.url, self.worker.settings.state_dir)
+
+    async def close(self) -> None:
+        """Stop listening, and end open (keep-alive) connections: their handlers return."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self._connections):
+            connection.cancel()
+        await asyncio.gather(*self._connections, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await self._server.wait_closed()
+
+    # -- HTTP --------------------------------------------------------------------------------
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        # Owned here, cancelled and awaited by close(); the cancellation ends this handler
+        # quietly (asyncio.start_server would log a handler task that ended cancelled).
+        task = asyncio.current_task()
+        assert task is not None
+        self._connections.add(task)
+        try:
+            await self._converse(reader, writer)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._connections.discard(task)
+
+    async def _converse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        conn = h11.Connection(h11.SERVER)
+        try:
+            while True:
+                request, body = await self._read_request(conn, reader)
+                if request is None:
+                    break
+                reply = self._refused(peer, request) or await self._route(request, body)
+                writer.write(_encode(conn, reply))
+                await writer.drain()
+                if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
+                    break
+                conn.start_next_cycle()
+        except (h11.RemoteProtocolError, ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _read_request(
+        self, conn: h11.Connection, reader: asyncio.StreamReader
+    ) -> tuple[h11.Request | None, bytes]:
+        request: h11.Request | None = None
+        body = bytearray()
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                data = await asyncio.wait_for(reader.read(65536), 30)
+                conn.receive_data(data)
+                continue
+            if isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                body += event.data
+                if len(body) > MAX_BODY:
+                    raise h11.RemoteProtocolError("body too large")
+            elif isinstance(event, h11.EndOfMessage):
+                return request, bytes(body)
+            elif isinstance(event, h11.ConnectionClosed):
+                return None, b""
+
+    def _refused(self, peer: Any, request: h11.Request) -> Reply | None:
+        """403 for anyone but this machine, 401 without the token."""
+        address = peer[0] if isinstance(peer, tuple) else ""
+        try:
+            loopback = ipaddress.ip_address(address).is_loopback
+        except ValueError:
+            loopback = False
+        if not loopback:
+            return json_reply(403, {"error": "the control page answers this machine only"})
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in request.headers}
+        host = headers.get("host", "").rsplit(":", 1)[0].strip("[]")
+        if host not in {"127.0.0.1", "localhost", "::1"}:
+            return json_reply(403, {"error": f"unexpected Host {host!r}"})
+        target = urlsplit(request.target.decode("latin-1"))
+        offered = _offered_token(headers, target.query)
+        if offered is None or not hmac.compare_digest(offered, self.token):
+            return json_reply(401, {"error": "a control token is required"})
+        return None
+
+    async def _route(self, request: h11.Request, body: bytes) -> Reply:
+        method = request.method.decode()
+        target = urlsplit(request.target.decode("latin-1"))
+        path = target.path
+        if method == "GET" and path == "/":
+            if "token" in parse_qs(target.query):  # keep it in a cookie, off the address bar
+                cookie = f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/"
+                return Reply(303, b"", "text/plain", (("Location", "/"), ("Set-Cookie", cookie)))
+            return Reply(200, PAGE.encode(), "text/html; charset=utf-8")
+        if method == "GET" and path == "/api/status":
+            return json_reply(200, status_of(self.worker))
+        if method == "POST" and path.startswith("/api/"):
+            return await self._act(path.removeprefix("/api/"), body)
+        return json_reply(404, {"error": f"no {method} {path}"})
+
+    async def _act(self, action: str, body: bytes) -> Reply:
+        governor = self.worker.governor
+        try:
+            values = json.loads(body) if body.strip() else {}
+            if not isinstance(values, dict):
+                raise SettingError("the body must be a JSON object")
+            match action:
+                case "pause":
+                    governor.pause()
+                case "resume":
+                    governor.resume()
+                case "finish":
+                    governor.finish()
+                case "snooze":
+                    governor.snooze(float(values.get("seconds", 3600)))
+                case "settings":
+                    governor.change(values)
+                case _:
+                    return json_reply(404, {"error": f"no action {action!r}"})
+        except (SettingError, ValueError, TypeError) as exc:
+            return json_reply(400, {"error": str(exc)})
+        await governor.step()  # the answer shows the state the action made
+        return json_reply(200, status_of(self.worker))
+
+
+def _offered_token(headers: dict[str, str], query: str) -> str | None:
+    authorization = headers.get("authorization", "")
+    if authorization.lower().startswith("bearer "):
+        return authorization[7:].strip()
+    for part in headers.get("cookie", "").split(";"):
+        name, _, value = part.strip().partition("=")
+        if name == COOKIE:
+            return value
+    tokens = parse_qs(query).get("token")
+    return tokens[0] if tokens else None
+
+
+def _encode(conn: h11.Connection, reply: Reply) -> bytes:
+    headers = [
+        ("Content-Type", reply.content_type),
+        ("Content-Length", str(len(reply.body))),
+        ("Cache-Control", "no-store"),
+        ("X-Frame-Options", "DENY"),
+        ("Content-Security-Policy", "default-src 'self'; style-src 'unsafe-inline'; "
+         "script-src 'unsafe-inline'; frame-ancestors 'none'"),
+        *reply.headers,
+    ]  # fmt: skip
+    out = conn.send(h11.Response(status_code=reply.status, headers=headers)) or b""
+    out += conn.send(h11.Data(data=reply.body)) or b""
+    out += conn.send(h11.EndOfMessage()) or b""
+    return out
+
+
+def status_of(worker: Worker) -> dict[str, Any]:
+    """What the page and `idlegrid worker status` show."""
+    governor = worker.governor
+    decision = governor.decision
+    idle = worker.sensors.last_idle
+    settings = governor.settings
+    now = asyncio.get_running_loop().time()
+    return {
+        "state": "paused" if governor.action().value == "pause" else governor.action().value,
+        "reason": decision.reason if decision else "starting",
+        "idle": {"probe": idle.probe, "seconds": idle.idle_s, "detail": idle.detail},
+        "controls": {
+            "paused": governor.owner.paused,
+            "finishing": governor.owner.finishing,
+            "snooze_until": governor.owner.snooze_until,
+        },
+        "settings": {
+            "cpu_mode": str(settings.cpu_mode),
+            "gpu_mode": str(settings.gpu_mode),
+            "cpu_percent": settings.idle.cpu_percent,
+            "in_use_cpu_percent": settings.in_use.cpu_percent,
+            "windows": governor.owner.overrides.get("windows", worker.settings.windows),
+            "idle_after_s": settings.idle_after_s,
+        },
+        "tasks": [
+            {
+                "task_id": task_id,
+                "kind": task.assign.kind,
+                "job_id": task.assign.job_id,
+                "progress": round(task.progress, 4),
+                "state": _task_state(task, now),
+            }
+            for task_id, task in worker.running.items()
+        ],
+        "completed": worker.completed,
+        "outbox": len(worker.outbox),
+        "hardware": worker.hardware.model_dump() if worker.hardware else None,
+        "benchmark": worker.benchmark.model_dump(),
+        "device": worker.device,
+        "credit": worker.credit,
+        "connected": worker._online.is_set(),
+    }
+
+
+def _task_state(task: Any, now: float) -> str:
+    if task.host is None:
+        return "waiting"
+    return "suspended" if task.host.suspended else "running"

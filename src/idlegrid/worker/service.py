@@ -1,0 +1,293 @@
+"""Install the worker to start by itself: systemd on Linux, launchd on macOS, Task
+Scheduler on Windows. The files are made by pure functions (unit-tested on every
+platform); `install` writes them and asks the platform's manager to start them.
+
+The node token is never on a command line (where `ps` shows it): `install` writes it to
+`node-token` in the state directory, readable by its owner only, and the worker reads it
+from there.
+
+The systemd unit runs at nice 10 and the idle I/O class, and has no PrivateTmp (or
+DynamicUser, which implies it): a private /tmp hides /tmp/.X11-unix, and with it the X
+server that the XScreenSaver probe asks. The user unit runs as the volunteer, in their
+session's environment; the system unit as a dedicated `idlegrid` account in the `input`
+group, so the input-device probe can read keyboards and mice.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+UNIT = "idlegrid-worker.service"
+LAUNCHD_LABEL = "org.idlegrid.worker"
+TASK_NAME = "idlegrid-worker"
+TOKEN_FILE = "node-token"
+SYSTEM_USER = "idlegrid"
+SYSTEM_STATE_DIR = Path("/var/lib/idlegrid-worker")
+# Options that go into the service's command line when the volunteer gave them.
+PASSED_OPTIONS = (
+    "name", "slots", "prefetch", "kinds", "device", "threads", "cpu_mode", "gpu_mode",
+    "idle_after_s", "cpu_cores", "cpu_percent", "in_use_cpu_percent", "memory_percent",
+    "suspend_cpu_usage", "min_battery_percent", "windows", "max_cpu_temp_c", "control_port",
+)  # fmt: skip
+FLAG_NAMES = {"idle_after_s": "--idle-after", "max_cpu_temp_c": "--max-cpu-temp"}
+
+
+class ServiceError(Exception):
+    """Installing or removing the service failed; the message says what to do."""
+
+
+def worker_command() -> list[str]:
+    """How to start `idlegrid worker` again: this Python, or this one-file binary."""
+    if getattr(sys, "frozen", False):  # the PyInstaller build: the binary is the worker
+        return [sys.executable]
+    return [sys.executable, "-m", "idlegrid", "worker"]
+
+
+def daemon_arguments(options: dict[str, Any]) -> list[str]:
+    """The worker's flags from the options the volunteer gave `install`."""
+    args: list[str] = []
+    for server in options.get("servers") or ():
+        args += ["--server", server]
+    for name in PASSED_OPTIONS:
+        value = options.get(name)
+        if value is None or value == "" or (value == 0 and name != "control_port"):
+            continue
+        args += [FLAG_NAMES.get(name, "--" + name.replace("_", "-")), str(value)]
+    for app in options.get("exclusive_apps") or ():
+        args += ["--exclusive-app", app]
+    if options.get("dedicated"):
+        args.append("--dedicated")
+    if options.get("run_on_battery"):
+        args.append("--run-on-battery")
+    return args
+
+
+# -- the files ---------------------------------------------------------------------------
+
+
+def systemd_unit(command: Sequence[str], *, system: bool, state_dir: Path) -> str:
+    account = (
+        f"User={SYSTEM_USER}\nGroup={SYSTEM_USER}\nSupplementaryGroups=input\n"
+        f"StateDirectory={SYSTEM_STATE_DIR.name}\n"
+        if system
+        else ""
+    )
+    return f"""[Unit]
+Description=idlegrid worker: computes for a grid while this machine is idle
+Documentation=https://github.com/idlegrid/idlegrid/blob/main/docs/worker.md
+After=network-online.target
+Wants=network-online.target
+
+[Service]
+Type=simple
+{account}ExecStart={shlex.join([*command, "--state-dir", str(state_dir)])}
+Environment=PYTHONUNBUFFERED=1
+Nice=10
+IOSchedulingClass=idle
+Restart=on-failure
+RestartSec=10
+# SIGTERM to the daemon, which ends its task processes; SIGKILL to what is left.
+KillMode=mixed
+TimeoutStopSec=30
+NoNewPrivileges=yes
+# No PrivateTmp=: a private /tmp hides /tmp/.X11-unix from the XScreenSaver probe.
+
+[Install]
+WantedBy={"multi-user.target" if system else "default.target"}
+"""
+
+
+def launchd_plist(command: Sequence[str], *, state_dir: Path, log_dir: Path) -> str:
+    arguments = "\n".join(
+        f"    <string>{escape(part)}</string>" for part in [*command, "--state-dir", str(state_dir)]
+    )
+    return f"""<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
+<plist version="1.0">
+<dict>
+  <key>Label</key>
+  <string>{LAUNCHD_LABEL}</string>
+  <key>ProgramArguments</key>
+  <array>
+{arguments}
+  </array>
+  <key>RunAtLoad</key>
+  <true/>
+  <key>KeepAlive</key>
+  <dict>
+    <key>SuccessfulExit</key>
+    <false/>
+  </dict>
+  <key>ProcessType</key>
+  <string>Background</string>
+  <key>Nice</key>
+  <integer>10</integer>
+  <key>LowPriorityIO</key>
+  <true/>
+  <key>StandardOutPath</key>
+  <string>{escape(str(log_dir / "worker.log"))}</string>
+  <key>StandardErrorPath</key>
+  <string>{escape(str(log_dir / "worker.log"))}</string>
+</dict>
+</plist>
+"""
+
+
+def task_scheduler_xml(command: Sequence[str], *, state_dir: Path, user: str) -> str:
+    """A logon task in the volunteer's own session, so GetLastInputInfo sees their input
+    (a session-0 service would need `idlegrid worker idle-helper` in the session)."""
+    parts = [*command, "--state-dir", str(state_dir)]
+    program, arguments = parts[0], parts[1:]
+    args = subprocess.list2cmdline(arguments)
+    return f"""<?xml version="1.0" encoding="UTF-16"?>
+<Task version="1.2" xmlns="http://schemas.microsoft.com/windows/2004/02/mit/task">
+  <RegistrationInfo>
+    <Description>idlegrid worker: computes for a grid while this machine is idle</Description>
+  </RegistrationInfo>
+  <Triggers>
+    <LogonTrigger>
+      <Enabled>true</Enabled>
+      <UserId>{escape(user)}</UserId>
+    </LogonTrigger>
+  </Triggers>
+  <Principals>
+    <Principal id="Author">
+      <UserId>{escape(user)}</UserId>
+      <LogonType>InteractiveToken</LogonType>
+      <RunLevel>LeastPrivilege</RunLevel>
+    </Principal>
+  </Principals>
+  <Settings>
+    <MultipleInstancesPolicy>IgnoreNew</MultipleInstancesPolicy>
+    <DisallowStartIfOnBatteries>false</DisallowStartIfOnBatteries>
+    <StopIfGoingOnBatteries>false</StopIfGoingOnBatteries>
+    <ExecutionTimeLimit>PT0S</ExecutionTimeLimit>
+    <Priority>7</Priority>
+    <RestartOnFailure>
+      <Interval>PT1M</Interval>
+      <Count>999</Count>
+    </RestartOnFailure>
+  </Settings>
+  <Actions Context="Author">
+    <Exec>
+      <Command>{escape(program)}</Command>
+      <Arguments>{escape(args)}</Arguments>
+    </Exec>
+  </Actions>
+</Task>
+"""
+
+
+# -- install and uninstall ---------------------------------------------------------------
+
+
+def write_token(state_dir: Path, token: str) -> Path:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path = state_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(token + "\n")
+    os.chmod(path, 0o600)
+    return path
+
+
+def install(
+    options: dict[str, Any], *, system: bool, dry_run: bool, platform: str = sys.platform
+) -> list[str]:
+    """Write the service file (and the token), enable and start it; lines to print."""
+    arguments = daemon_arguments(options)
+    command = [*worker_command(), *arguments]
+    if system:
+        state_dir = SYSTEM_STATE_DIR
+    else:
+        state_dir = Path(options.get("state_dir") or Path.home() / ".idlegrid" / "worker")
+    state_dir = state_dir.expanduser().resolve()
+    if platform.startswith("linux"):
+        path = _systemd_path(system)
+        text = systemd_unit(command, system=system, state_dir=state_dir)
+        steps: tuple[list[str], ...] = (
+            _systemctl(system, "daemon-reload"),
+            _systemctl(system, "enable", "--now", UNIT),
+        )
+    elif platform == "darwin":
+        if system:
+            raise ServiceError("on macOS the worker installs as the user's launchd agent only")
+        path = Path.home() / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        text = launchd_plist(command, state_dir=state_dir, log_dir=state_dir)
+        steps = (["launchctl", "bootstrap", f"gui/{os.getuid()}", str(path)],)
+    elif platform == "win32":
+        path = state_dir / f"{TASK_NAME}.xml"
+        user = os.environ.get("USERDOMAIN", "") + "\\" + os.environ.get("USERNAME", "")
+        text = task_scheduler_xml(command, state_dir=state_dir, user=user)
+        steps = (["schtasks", "/Create", "/TN", TASK_NAME, "/XML", str(path), "/F"],)
+    else:
+        raise ServiceError(f"no service manager known for {platform}")
+    if dry_run:
+        return [f"# {path}", text, *(f"# then: {shlex.join(step)}" for step in steps)]
+    if system and platform.startswith("linux"):
+        _ensure_system_user()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-16" if platform == "win32" else "utf-8")
+    token_path = write_token(state_dir, options["token"])
+    if system and platform.startswith("linux"):
+        shutil.chown(token_path, SYSTEM_USER, SYSTEM_USER)
+    for step in steps:
+        _run(step)
+    return [f"wrote {path}", f"wrote {token_path}", f"started {TASK_NAME}"]
+
+
+def uninstall(*, system: bool, platform: str = sys.platform) -> list[str]:
+    """Stop and remove the service (the state directory, with the node's identity, stays)."""
+    if platform.startswith("linux"):
+        path = _systemd_path(system)
+        _run(_systemctl(system, "disable", "--now", UNIT), check=False)
+        path.unlink(missing_ok=True)
+        _run(_systemctl(system, "daemon-reload"), check=False)
+    elif platform == "darwin":
+        path = Path.home() / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        _run(["launchctl", "bootout", f"gui/{os.getuid()}/{LAUNCHD_LABEL}"], check=False)
+        path.unlink(missing_ok=True)
+    elif platform == "win32":
+        path = Path(TASK_NAME)
+        _run(["schtasks", "/Delete", "/TN", TASK_NAME, "/F"], check=False)
+    else:
+        raise ServiceError(f"no service manager known for {platform}")
+    return [f"removed {path}"]
+
+
+def _systemd_path(system: bool) -> Path:
+    if system:
+        return Path("/etc/systemd/system") / UNIT
+    config = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return config / "systemd" / "user" / UNIT
+
+
+def _systemctl(system: bool, *args: str) -> list[str]:
+    return ["systemctl", *([] if system else ["--user"]), *args]
+
+
+def _ensure_system_user() -> None:
+    if os.geteuid() != 0:
+        raise ServiceError("installing the system service needs root (sudo)")
+    if subprocess.run(["id", SYSTEM_USER], capture_output=True).returncode != 0:
+        _run(["useradd", "--system", "--home-dir", str(SYSTEM_STATE_DIR), "--shell",
+              "/usr/sbin/nologin", "--groups", "input", SYSTEM_USER])  # fmt: skip
+
+
+def _run(command: list[str], *, check: bool = True) -> None:
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        if check:
+            raise ServiceError(f"{command[0]} is not installed here") from None
+        return
+    if check and done.returncode != 0:
+        raise ServiceError(f"{shlex.join(command)} failed: {done.stderr.strip() or done.stdout}")

@@ -1,0 +1,85 @@
+"""Blob transfers of the worker daemon: through the cache, over the current session.
+
+A transfer that meets a disconnect waits for the next session (and runs as soon as it
+is up, not at its next backoff step); failures on a live session back off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+
+import httpx
+
+from idlegrid.worker.cache import BlobCache
+
+log = logging.getLogger(__name__)
+
+UPLOADED_MEMORY = 10_000  # output digests remembered per connection
+
+
+def backoff_delay(attempt: int, *, base: float, cap: float) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, base * 2**attempt)]."""
+    return random.uniform(0, min(cap, base * 2 ** min(attempt, 30)))
+
+
+class Transfers:
+    """Mixed into Worker; the attributes below are the Worker's."""
+
+    cache: BlobCache
+    _http: httpx.AsyncClient | None
+    _online: asyncio.Event
+    _stop: asyncio.Event
+    _uploaded: set[str]
+
+    async def _fetch(self, blob_hash: str) -> bytes:
+        """A blob through the cache (a task's input, or one a kind asks for while it runs)."""
+        data: bytes = await self._with_connection(lambda http: self.cache.get(http, blob_hash))
+        return data
+
+    async def _upload(self, digest: str, output: bytes) -> None:
+        if digest in self._uploaded:
+            return  # blobs are content-addressed and never deleted: it is still there
+
+        async def put(http: httpx.AsyncClient) -> None:
+            if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
+                response = await http.put(f"/v1/blobs/{digest}", content=output)
+                response.raise_for_status()
+
+        await self._with_connection(put)
+        if len(self._uploaded) >= UPLOADED_MEMORY:
+            self._uploaded.clear()
+        self._uploaded.add(digest)
+
+    async def _with_connection(self, call):  # type: ignore[no-untyped-def]
+        """Run an HTTP call against the current coordinator, waiting out disconnects.
+
+        While there is no session the call waits for the next one (and runs as soon as it
+        is up, not at the next backoff step); failures on a live session back off.
+        """
+        attempt = 0
+        while True:
+            if self._stop.is_set():
+                raise asyncio.CancelledError()
+            http = self._http
+            if http is None:
+                await self._wait_online()
+                continue
+            try:
+                return await call(http)
+            except (httpx.TransportError, httpx.HTTPStatusError) as exc:
+                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code < 500:
+                    raise
+                log.info("blob transfer failed (%s); retrying", exc)
+            await asyncio.sleep(backoff_delay(attempt, base=0.2, cap=5.0))
+            attempt += 1
+
+    async def _wait_online(self) -> None:
+        """Until a session is up or the daemon stops, whichever comes first."""
+        waits = [asyncio.ensure_future(event.wait()) for event in (self._online, self._stop)]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()

@@ -1,0 +1,53 @@
+"""embed-text through ONNX Runtime: the packaged weights exported once, cached by hash,
+agreeing with the torch path under the kind's own compare."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from idlegrid.corpus import stdlib_paragraphs
+from idlegrid.kinds import embed_onnx
+from idlegrid.kinds.base import RunContext, Verdict
+from idlegrid.kinds.embed_text import (
+    EmbedTextKind,
+    EmbedTextParams,
+    parse_embeddings,
+    row_cosines,
+    texts_to_jsonl,
+)
+from idlegrid.kinds.onnx_infer import OnnxInferKind
+
+KIND = EmbedTextKind()
+
+
+def test_the_onnx_runtime_needs_a_node_with_onnx_runtime() -> None:
+    assert KIND.requirements(EmbedTextParams()).onnx_providers == frozenset()
+    needs = KIND.requirements(EmbedTextParams(runtime="onnx"))
+    assert "CPUExecutionProvider" in needs.onnx_providers
+
+
+@pytest.mark.slow
+def test_onnx_export_agrees_with_torch_and_is_cached_by_hash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("IDLEGRID_ONNX_CACHE", str(tmp_path))
+    monkeypatch.setattr(embed_onnx, "_encoders", {})
+    texts = stdlib_paragraphs(48) + ["", "a", "word " * 400]  # empty, short, truncated
+    outputs = {}
+    for runtime in ("torch", "onnx"):
+        params = EmbedTextParams(shard_size=64, batch_size=16, runtime=runtime)
+        shard = KIND.split({"texts": texts_to_jsonl(texts)}, params)[0]
+        outputs[runtime] = KIND.run(shard.payload, params, RunContext(threads=2))
+        KIND.check_output(shard.payload, outputs[runtime], params)
+    exported = list(tmp_path.glob("minilm-*.onnx"))
+    assert len(exported) == 1 and exported[0] == embed_onnx.exported_model()
+    assert KIND.compare(outputs["torch"], outputs["onnx"], EmbedTextParams()) is Verdict.AGREE
+    torch_rows, onnx_rows = parse_embeddings(outputs["torch"]), parse_embeddings(outputs["onnx"])
+    assert float(row_cosines(torch_rows, onnx_rows).min()) > 1 - 1e-9
+    # The export is a standard-ops model a researcher could submit to onnx-infer as well.
+    facts = OnnxInferKind().derive_params(
+        {"model": exported[0].read_bytes()}, OnnxInferKind().parse_params({})
+    )
+    assert facts.model_facts is not None  # type: ignore[attr-defined]
