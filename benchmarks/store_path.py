@@ -150,7 +150,7 @@ async def measure(url: str, broker: Broker, root: Path, args: argparse.Namespace
                 )
         raise AssertionError("unreachable")
     finally:
-        await grid.aclose() if hasattr(grid, "aclose") else None
+        await grid.aclose()
         await store.close()
         if schema:
             await _drop_schema(url, schema)

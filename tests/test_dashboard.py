@@ -11,7 +11,8 @@ from typing import Any
 import pytest
 from conftest import Api, bearer, off_loop
 from fastapi.testclient import TestClient
-from test_node_socket import WS, Node
+from helpers import NODE_WS as WS
+from helpers import SocketNode as Node
 
 from idlegrid.coordinator.app import create_app
 from idlegrid.dashboard import exports

@@ -20,6 +20,7 @@ from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.results import ResultsClosed
 from idlegrid.kinds.noop import OUTPUT
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.sql import SqlStore
@@ -42,13 +43,15 @@ class Node(FakeNode):
 
 @pytest.fixture
 async def grid(store: SqlStore, tmp_path: Path) -> Iterator[Grid]:  # type: ignore[misc]
-    yield Grid(
+    grid = Grid(
         settings=CoordinatorSettings(data_dir=tmp_path / "coordinator"),
         store=store,
         broker=MemoryBroker(),
         blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
         clock=lambda: T0,
     )
+    yield grid
+    await grid.aclose()
 
 
 async def _node(grid: Grid, account_id: int, key: str, tasks: int) -> Node:
@@ -168,3 +171,23 @@ async def test_a_retried_group_counts_each_result_once(
     assert grid.counters.verified["valid"] == 3
     assert second.session.tasks_returned == 3 and not second.session.live
     assert first.session.tasks_returned == 0 and len(first.session.live) == 3
+
+
+async def test_closing_the_grid_stores_the_results_it_took_and_refuses_later_ones(
+    grid: Grid,
+) -> None:
+    first, second, job_id = await _two_nodes_with_work(grid)
+    storing = [
+        asyncio.create_task(grid.accept_results(node.session, node.results_for(grid)))
+        for node in (first, second)
+    ]
+    await asyncio.sleep(0)  # both taken: queued for the group commit, or storing
+    await grid.aclose()
+    assert all(task.done() for task in storing)  # aclose waited for them
+    receipts = [task.result() for task in storing]
+    assert [r.status for rs in receipts for r in rs] == ["accepted"] * 6
+    job = await grid.store.get_job(job_id)
+    assert job is not None and job.state.value == "completed"
+    with pytest.raises(ResultsClosed, match="stopping"):
+        await grid.accept_results(first.session, first.results_for(grid))
+    await grid.aclose()  # closing twice is harmless

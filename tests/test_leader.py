@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 from conftest import off_loop
-from test_production import _query, _wait_until
+from helpers import wait_until
+from test_production import _query
 
 from idlegrid.localgrid import LocalGrid
 
@@ -78,12 +79,16 @@ def test_the_leader_dies_and_another_process_leads_within_a_few_seconds(
     grid.add_coordinator()
     first = grid.coordinator
     assert first is not None
-    _wait_until(lambda: _lease_holder_pid(redis_url, redis_prefix) == first.pid, 10, "a leader")
+    wait_until(
+        lambda: _lease_holder_pid(redis_url, redis_prefix) == first.pid, "a leader", timeout_s=10
+    )
     [second] = grid.others.values()
     killed_at = time.monotonic()
     grid.kill_coordinator(grid.url)
-    _wait_until(
-        lambda: _lease_holder_pid(redis_url, redis_prefix) == second.pid, 10, "a new leader"
+    wait_until(
+        lambda: _lease_holder_pid(redis_url, redis_prefix) == second.pid,
+        "a new leader",
+        timeout_s=10,
     )
     # The lease runs out (LEASE_S) and the survivor renews every third of it.
     assert time.monotonic() - killed_at < LEASE_S + 2.0
@@ -97,7 +102,9 @@ def test_a_leader_killed_mid_pass_leaves_nothing_undone_and_nothing_done_twice(
     del grid.env["IDLEGRID_FAULTS"]
     leader = grid.coordinator
     assert leader is not None
-    _wait_until(lambda: _lease_holder_pid(redis_url, redis_prefix) == leader.pid, 10, "a leader")
+    wait_until(
+        lambda: _lease_holder_pid(redis_url, redis_prefix) == leader.pid, "a leader", timeout_s=10
+    )
     survivor_url = grid.add_coordinator()
     [survivor] = grid.others.values()
     silent = grid.start_worker("silent", kinds="sleep", benchmark=False, slots=2)
@@ -106,22 +113,24 @@ def test_a_leader_killed_mid_pass_leaves_nothing_undone_and_nothing_done_twice(
     tasks = 6
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": tasks, "seconds": 2})
-    _wait_until(lambda: _count(grid, "state = 'assigned'") == 2, 30, "the node's two tasks")
+    wait_until(
+        lambda: _count(grid, "state = 'assigned'") == 2, "the node's two tasks", timeout_s=30
+    )
     held = _query(grid, "SELECT id, shard_id, node_id FROM tasks WHERE state = 'assigned'")
     os.kill(silent.pid, signal.SIGSTOP)  # no more heartbeats: it goes silent
     try:
         # The leader expires its tasks, and dies with the expiry committed.
         assert leader.wait(timeout=30) == -signal.SIGKILL
-        _wait_until(
+        wait_until(
             lambda: _lease_holder_pid(redis_url, redis_prefix) == survivor.pid,
-            10,
             "the survivor leads",
+            timeout_s=10,
         )
         # The new leader tops the expired shards up; a healthy node finishes the job.
         grid.start_worker(
             "healthy", kinds="sleep", benchmark=False, slots=tasks, servers=[survivor_url]
         )
-        _wait_until(lambda: _job_state(grid, job.id) == "completed", 120, "the job")
+        wait_until(lambda: _job_state(grid, job.id) == "completed", "the job", timeout_s=120)
         # Checked while the silent node is still stopped (its late results would count).
         # Its tasks expired, then were cancelled when their replacements decided the shards.
         [node_id] = {row["node_id"] for row in held}

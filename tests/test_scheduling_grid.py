@@ -37,12 +37,14 @@ async def grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Grid]:
         distinct_networks=False,
     )
     broker = MemoryBroker()
-    yield Grid(
+    grid = Grid(
         settings=settings,
         store=store,
         broker=broker,
         blobs=BlobStore(tmp_path / "blobs", max_bytes=2**20),
     )
+    yield grid
+    await grid.aclose()
     await broker.close()
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from idlegrid.training import aggregate as agg
-from idlegrid.training import rounds
+from idlegrid.training import closing
 from idlegrid.training.compression import Compression, decode
 from idlegrid.training.outer import OuterSettings, apply_update
 
@@ -103,17 +103,17 @@ def test_weighted_mean_and_refusals() -> None:
 
 
 def _close(
-    state: rounds.RoundState, updates: list[rounds.Update], **kw: bool
-) -> rounds.ClosedRound:
-    return rounds.close_round(
+    state: closing.RoundState, updates: list[closing.Update], **kw: bool
+) -> closing.ClosedRound:
+    return closing.close_round(
         state, updates, rule=agg.Aggregation(), outer=OuterSettings(),
         download=Compression(method="int8"), **kw,
     )  # fmt: skip
 
 
 def test_closing_a_round_moves_the_weights_by_the_published_update() -> None:
-    state = rounds.initial_state(np.ones(300, dtype=np.float32))
-    updates = [rounds.Update(np.full(300, 0.1, np.float32), 0, loss) for loss in (2.0, 4.0)]
+    state = closing.initial_state(np.ones(300, dtype=np.float32))
+    updates = [closing.Update(np.full(300, 0.1, np.float32), 0, loss) for loss in (2.0, 4.0)]
     closed = _close(state, updates)
     assert closed.state.round == 1 and closed.train_loss == pytest.approx(3.0)
     assert np.array_equal(closed.state.weights, apply_update(state.weights, closed.message))
@@ -122,23 +122,23 @@ def test_closing_a_round_moves_the_weights_by_the_published_update() -> None:
 
 
 def test_late_updates_are_dropped_unless_the_round_is_asynchronous() -> None:
-    state = rounds.RoundState(5, np.zeros(10, np.float32), np.zeros(10, np.float32))
-    late = [rounds.Update(np.ones(10, np.float32), 3)]
+    state = closing.RoundState(5, np.zeros(10, np.float32), np.zeros(10, np.float32))
+    late = [closing.Update(np.ones(10, np.float32), 3)]
     assert not np.any(_close(state, late).state.weights)
     moved = _close(state, late, asynchronous=True).state.weights
     assert np.all(moved < 0)
-    future = [rounds.Update(np.ones(10, np.float32), 6)]
+    future = [closing.Update(np.ones(10, np.float32), 6)]
     assert not np.any(_close(state, future, asynchronous=True).state.weights)
 
 
 def test_a_round_without_updates_still_advances() -> None:
-    state = rounds.initial_state(np.ones(10, dtype=np.float32))
+    state = closing.initial_state(np.ones(10, dtype=np.float32))
     closed = _close(state, [])
     assert closed.state.round == 1 and np.array_equal(closed.state.weights, state.weights)
 
 
 def test_task_seeds_differ_by_round_and_shard_and_repeat_for_replicas() -> None:
-    seeds = {rounds.task_seed(7, r, s) for r in range(20) for s in range(20)}
+    seeds = {closing.task_seed(7, r, s) for r in range(20) for s in range(20)}
     assert len(seeds) == 400
-    assert rounds.task_seed(7, 3, 4) == rounds.task_seed(7, 3, 4)
-    assert 0 <= rounds.task_seed(7, 3, 4) < 2**63
+    assert closing.task_seed(7, 3, 4) == closing.task_seed(7, 3, 4)
+    assert 0 <= closing.task_seed(7, 3, 4) < 2**63

@@ -151,6 +151,7 @@ async def harness(store: SqlStore, tmp_path: Path) -> Iterator[Harness]:  # type
     )
     account = await store.create_account("alice", is_admin=False, now=T0)
     yield Harness(grid, now, account.id)
+    await grid.aclose()
 
 
 async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(

@@ -13,7 +13,7 @@ from helpers import run_python
 from pydantic import ValidationError
 
 from idlegrid.kinds import Cancelled, InputError, RunContext, Verdict, diloco, get_kind
-from idlegrid.training import compression, corpus, models, rounds, tasks
+from idlegrid.training import closing, compression, corpus, models, tasks
 from idlegrid.training.data import ExampleData
 from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
 
@@ -51,7 +51,7 @@ def _run(payload: bytes, params: diloco.DilocoParams, **ctx: Any) -> bytes:
 def test_the_kind_is_registered_and_importing_it_needs_no_torch() -> None:
     assert isinstance(KIND, diloco.DilocoKind)
     code = (
-        "import sys, idlegrid.kinds, idlegrid.training.simulate, idlegrid.training.worker; "
+        "import sys, idlegrid.kinds, idlegrid.training.simulate, idlegrid.training.runner; "
         "assert 'torch' not in sys.modules"
     )
     run_python(code, timeout_s=60)
@@ -86,7 +86,7 @@ def test_split_makes_round_zero_from_the_seed() -> None:
     assert {t.round for t in decoded} == {0} and len({t.seed for t in decoded}) == 2
     assert all(t.target.digest == digest(weights) for t in decoded)
     # No weights travel: nodes draw them from the seed, or fetch the checkpoint.
-    keyframe = sha256(diloco.checkpoint(params, rounds.initial_state(weights))).hexdigest()
+    keyframe = sha256(diloco.checkpoint(params, closing.initial_state(weights))).hexdigest()
     assert all(t.weights is None and t.init_seed == params.seed for t in decoded)
     assert all(t.keyframe_blob == keyframe for t in decoded)
     resolved = tasks.resolve_weights(decoded[0], lambda _: None, initialize=lambda seed: (
@@ -132,12 +132,12 @@ def test_assemble_closes_round_zero_into_safetensors_weights() -> None:
     blob = KIND.assemble(outputs, params)
     spec = models.flat_spec(params.architecture, params.model_settings())
     weights = weights_from_safetensors(blob, spec)
-    state = rounds.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(diloco.initial_weights(params))
     updates = [
-        rounds.Update(compression.decode(r.update), 0, r.loss_mean)  # type: ignore[arg-type]
+        closing.Update(compression.decode(r.update), 0, r.loss_mean)  # type: ignore[arg-type]
         for r in map(tasks.decode_result, outputs)
     ]
-    expected = rounds.close_round(
+    expected = closing.close_round(
         state, updates, rule=params.aggregation, outer=params.outer, download=params.download
     )
     assert np.array_equal(weights, expected.state.weights)
@@ -148,12 +148,12 @@ def test_round_one_needs_only_the_update_on_a_node_that_ran_round_zero() -> None
     params = _params()
     payloads = _round0(params)
     outputs = [_run(p, params) for p in payloads]
-    state = rounds.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(diloco.initial_weights(params))
     updates = [
-        rounds.Update(compression.decode(r.update), 0)  # type: ignore[arg-type]
+        closing.Update(compression.decode(r.update), 0)  # type: ignore[arg-type]
         for r in map(tasks.decode_result, outputs)
     ]
-    closed = rounds.close_round(
+    closed = closing.close_round(
         state, updates, rule=params.aggregation, outer=params.outer, download=params.download
     )
     link = tasks.Link(tasks.WeightsRef(0, state.digest), closed.message)
@@ -230,14 +230,14 @@ def test_a_malformed_payload_is_an_input_error_and_cancel_stops_a_task() -> None
 
 
 def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
-    from idlegrid.training import worker
+    from idlegrid.training import runner
     from idlegrid.training.worker_state import WorkerState
 
     params = _params()
-    state = rounds.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(diloco.initial_weights(params))
     update = np.full(state.weights.size, 1e-3, np.float32)
-    closed = rounds.close_round(
-        state, [rounds.Update(update, 0)], rule=params.aggregation, outer=params.outer,
+    closed = closing.close_round(
+        state, [closing.Update(update, 0)], rule=params.aggregation, outer=params.outer,
         download=params.download,
     )  # fmt: skip
     blobs = {"ab" * 32: diloco.checkpoint(params, closed.state)}
@@ -246,7 +246,7 @@ def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
     task = diloco.round_task(params, closed.state, train, 1, stream="job-1", chain=(link,),
                              keyframe_blob="ab" * 32)  # fmt: skip
     newcomer = WorkerState()
-    result = worker.run_task(task, params.train_spec(), newcomer, fetch=blobs.__getitem__)
+    result = runner.run_task(task, params.train_spec(), newcomer, fetch=blobs.__getitem__)
     assert result.weights_digest == closed.state.digest
     assert newcomer.weights(closed.state.digest) is not None
 

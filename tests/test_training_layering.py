@@ -10,7 +10,7 @@ from helpers import run_python
 
 TRAINING = Path(__file__).resolve().parents[1] / "src" / "idlegrid" / "training"
 # Policy: plain values in, decisions out; the coordinator runs these.
-PURE = ("aggregate", "compression", "flat", "outer", "rounds", "tasks", "verify", "data",
+PURE = ("aggregate", "compression", "flat", "outer", "closing", "tasks", "verify", "data",
         "corpus", "worker_state", "schedule")  # fmt: skip
 SERVER = ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker", "idlegrid.worker",
           "fastapi", "starlette", "sqlalchemy", "websockets")  # fmt: skip

@@ -76,6 +76,8 @@ async def pair(
     finally:
         for m in monitors:
             await m.stop()
+        for grid in grids:
+            await grid.aclose()
         if second_broker is not broker:
             await second_broker.close()
         if second_store is not store:
@@ -96,7 +98,7 @@ async def _subscriptions(broker: Broker, expected: int) -> bool:
 
 async def _node(pair: Pair, grid: Grid, key: str, *, slots: int = 1) -> FakeNode:
     node = await fake_node(grid.store, pair.account.id, key, now=grid.clock(), slots=slots)
-    await peers.attach(grid, node.session)
+    await peers.attach(grid.context, node.session)
     return node
 
 
@@ -138,7 +140,8 @@ async def test_a_node_that_moved_is_let_go_by_its_old_process(pair: Pair) -> Non
     await eventually(lambda: first.closed, "the old session to close")
     assert pair.a.hub.get(first.session.node_id) is None
     assert (await pair.a.broker.connections()) == {second.session.node_id: pair.b.process_id}
-    assert not await peers.detach(pair.a, first.session)  # its socket ending changes nothing
+    # Its socket ending changes nothing.
+    assert not await peers.detach(pair.a.context, first.session)
 
 
 async def test_no_shard_gets_more_replicas_than_it_needs(pair: Pair) -> None:

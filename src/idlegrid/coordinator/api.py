@@ -13,7 +13,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from idlegrid.blobs import BlobError, is_blob_hash
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
-from idlegrid.coordinator.grid import Grid, JobInputError
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.intake import JobInputError
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average

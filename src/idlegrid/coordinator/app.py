@@ -62,6 +62,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
             for session in grid.hub.sessions():
                 with contextlib.suppress(Exception):
                     await session.close()
+            await grid.aclose()  # results already queued are committed before the store closes
             await grid.broker.close()
             await store.close()
 
@@ -89,7 +90,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     @app.get("/metrics", tags=["meta"], response_class=Response)
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus metrics of this coordinator process (text exposition format)."""
-        text = await metrics.render(request.app.state.grid)
+        text = await metrics.render(request.app.state.grid.context)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     @app.websocket("/v1/nodes/ws")

@@ -150,3 +150,12 @@ class Hub:
             del self._sessions[session.node_id]
             return True
         return False
+
+    async def cancel(self, node_id: int, task_id: int, reason: str) -> bool:
+        """Tell a node connected to this process to drop a task; False if it is not here."""
+        session = self._sessions.get(node_id)
+        if session is None:
+            return False
+        session.forget_task(task_id)
+        await session.send(protocol.Cancel(task_id=task_id, reason=reason))
+        return True

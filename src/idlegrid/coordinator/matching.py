@@ -1,25 +1,31 @@
 """The scheduler's I/O side: what the pure policy is fed, and what its decisions do.
 
-`Matcher` belongs to a `Grid`. It turns ready-queue entries into scheduler candidates
-(with the job's requirements, the account's fair-share factor and the job's inputs for
-locality), keeps the fair-share usage ledger, finds speculative backup copies for idle
-nodes, and says why a job is waiting (`waiting_for`).
+`Matcher` turns ready-queue entries into scheduler candidates (with the job's
+requirements, the account's fair-share factor and the job's inputs for locality), keeps
+the fair-share usage ledger, finds speculative backup copies for idle nodes, and says why
+a job is waiting (`waiting_for`). `Shares` maps the configured shares of accounts to ids.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from idlegrid import protocol
+from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession, node_view
+from idlegrid.coordinator.leases import lease_for
+from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.policy import fairshare, scheduler
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.base import Assignment, JobRecord, NodeRecord, ReadyTask, RunningTask
-
-if TYPE_CHECKING:
-    from idlegrid.coordinator.grid import Grid, JobPlan
+from idlegrid.store.base import (
+    Assignment,
+    JobRecord,
+    NodeRecord,
+    ReadyTask,
+    RunningTask,
+    Store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,37 +62,60 @@ def holder_view(benchmark: dict[str, object]) -> scheduler.NodeView:
     return node_view(0, (), protocol.HardwareProfile(), parsed)
 
 
-class Matcher:
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
-        self.weights = weights_from(grid.settings)
-        self.usage = fairshare.UsageLedger(half_life_s=grid.settings.fair_share_half_life_s)
+def node_reliability(session: NodeSession) -> float:
+    """How far the scheduler trusts this node's results, 0..1 (0.5: nothing known).
+
+    Its credibility (policy.trust) on the kind of its last claim, as of that claim;
+    unknown until its first claim.
+    """
+    return session.reliability if session.reliability is not None else 0.5
+
+
+class Shares:
+    """Fair shares of accounts by id, from the configured shares by account name."""
+
+    def __init__(self, store: Store, configured: Mapping[str, float]) -> None:
+        self._store = store
         self.share_of: dict[int, float] = {}  # account id -> share, as names resolve
-        self._unresolved = dict(grid.settings.shares)
+        self._unresolved = dict(configured)
+
+    async def resolve(self) -> None:
+        """Map configured account names to ids (accounts may be created later)."""
+        for name, share in list(self._unresolved.items()):
+            account = await self._store.get_account(name)
+            if account is not None:
+                self.share_of[account.id] = share
+                del self._unresolved[name]
+
+
+class Matcher:
+    def __init__(self, ctx: Context, *, plans: Plans, shares: Shares) -> None:
+        self._ctx = ctx
+        self._plans = plans
+        self._shares = shares
+        self.weights = weights_from(ctx.settings)
+        self.usage = fairshare.UsageLedger(half_life_s=ctx.settings.fair_share_half_life_s)
         self._heads: tuple[float, list[ReadyTask]] = (float("-inf"), [])
         self._running: tuple[float, list[RunningTask]] = (float("-inf"), [])
         self._usage_at: tuple[float, dict[int, float]] = (float("-inf"), {})
         # job id -> {shard id: the node that holds state for that shard} (affinity)
         self._preferred: dict[int, dict[int, int]] = {}
 
-    # -- candidates --------------------------------------------------------------------
+    @property
+    def share_of(self) -> Mapping[int, float]:
+        """Account id -> configured share, for the accounts that exist."""
+        return self._shares.share_of
 
-    async def resolve_shares(self) -> None:
-        """Map configured account names to ids (accounts may be created later)."""
-        for name, share in list(self._unresolved.items()):
-            account = await self.grid.store.get_account(name)
-            if account is not None:
-                self.share_of[account.id] = share
-                del self._unresolved[name]
+    # -- candidates --------------------------------------------------------------------
 
     async def entries(self, limit: int) -> list[ReadyTask]:
         """Ready-queue entries to rank: the oldest, plus every job's first few."""
-        entries = await self.grid.broker.ready_candidates(limit=limit)
+        entries = await self._ctx.broker.ready_candidates(limit=limit)
         if len(entries) < limit:
             return entries
-        now = self.grid.clock()
+        now = self._ctx.clock()
         if now - self._heads[0] > SCAN_TTL_S:
-            self._heads = (now, await self.grid.store.ready_heads(per_job=HEADS_PER_JOB))
+            self._heads = (now, await self._ctx.store.ready_heads(per_job=HEADS_PER_JOB))
         seen = {entry.task_id for entry in entries}
         return entries + [head for head in self._heads[1] if head.task_id not in seen]
 
@@ -102,7 +131,7 @@ class Matcher:
     def candidate(self, entry: ReadyTask, plan: JobPlan, *, now: float) -> scheduler.Candidate:
         if self._usage_at[0] != now:  # one snapshot per claim, not per candidate
             self._usage_at = (now, self.usage.snapshot(now=now))
-        fair = fairshare.factor(self._usage_at[1], self.share_of, plan.account_id)
+        fair = fairshare.factor(self._usage_at[1], self._shares.share_of, plan.account_id)
         return scheduler.Candidate(
             task_id=entry.task_id,
             job_id=entry.job_id,
@@ -146,13 +175,13 @@ class Matcher:
 
     async def claim_backup(self, session: NodeSession) -> Assignment | None:
         """Give an idle node a copy of a straggling shard near its job's end, if worth it."""
-        now = self.grid.clock()
+        now = self._ctx.clock()
         if now - self._running[0] > SCAN_TTL_S:
-            found = await self.grid.store.running_shards(limit=RUNNING_SCAN_LIMIT)
+            found = await self._ctx.store.running_shards(limit=RUNNING_SCAN_LIMIT)
             self._running = (now, found)
         running = await self._running_shards(session, self._running[1], now=now)
-        view = session.view_now(reliability=self.grid.node_reliability(session))
-        settings = self.grid.settings
+        view = session.view_now(reliability=node_reliability(session))
+        settings = self._ctx.settings
         pick = scheduler.pick_backup(
             view,
             running,
@@ -162,8 +191,8 @@ class Matcher:
         )
         if pick is None:
             return None
-        lease = self.grid.lease_for(view, pick.kind, items=pick.items, cost_flops=pick.cost_flops)
-        assignment = await self.grid.store.add_backup_task(
+        lease = lease_for(settings, view, pick.kind, items=pick.items, cost_flops=pick.cost_flops)
+        assignment = await self._ctx.store.add_backup_task(
             pick.shard_id, session.node_id, lease_deadline=now + lease, now=now
         )
         at, rows = self._running
@@ -175,7 +204,7 @@ class Matcher:
                 assignment.task_id,
                 session.node_id,
             )
-            self.grid.counters.backups += 1
+            self._ctx.counters.backups += 1
         return assignment
 
     async def _running_shards(
@@ -183,10 +212,10 @@ class Matcher:
     ) -> list[scheduler.RunningShard]:
         out = []
         for row in rows:
-            plan = await self.grid.plan(row.job_id)
+            plan = await self._plans.get(row.job_id)
             if plan is None or row.node_id == session.node_id:
                 continue
-            holder = self.grid.hub.get(row.node_id)
+            holder = self._ctx.hub.get(row.node_id)
             view = holder.view if holder is not None else holder_view(row.node_benchmark)
             expected = scheduler.expected_seconds(
                 view, row.kind, items=row.items, cost_flops=row.cost_flops
@@ -218,11 +247,11 @@ class Matcher:
         """
         if job.state.value not in ("queued", "running"):
             return []
-        plan = await self.grid.plan(job.id)
+        plan = await self._plans.get(job.id)
         if plan is None:
             return []
         views = []
-        for node in nodes if nodes is not None else await self.grid.store.list_nodes():
+        for node in nodes if nodes is not None else await self._ctx.store.list_nodes():
             try:
                 hardware = protocol.HardwareProfile.model_validate(node.hardware)
                 bench = protocol.Benchmark.model_validate(node.benchmark)

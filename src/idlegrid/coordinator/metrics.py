@@ -6,29 +6,11 @@ processes); gauges from the store and the broker describe the whole grid.
 
 from __future__ import annotations
 
-from collections import Counter
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
+from idlegrid.coordinator.context import Context
 from idlegrid.states import JobState, TaskState
-
-if TYPE_CHECKING:
-    from idlegrid.coordinator.grid import Grid
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RECEIPTS = ("accepted", "late", "duplicate", "rejected")
-
-
-@dataclass
-class Counters:
-    """What this process counted: results by receipt, verdicts, lease expiries."""
-
-    results: Counter[str] = field(default_factory=Counter)
-    verified: Counter[str] = field(default_factory=Counter)
-    # Adaptive replication: shards run alone, alone with a spot check, escalated back.
-    alone: Counter[str] = field(default_factory=Counter)
-    lease_expiries: int = 0
-    backups: int = 0  # speculative backup tasks handed out
 
 
 class _Exposition:
@@ -49,27 +31,27 @@ def _by(label: str, values: dict[str, int], keys: tuple[str, ...]) -> dict[str, 
     return {f'{{{label}="{key}"}}': float(values.get(key, 0)) for key in keys}
 
 
-async def render(grid: Grid) -> str:
+async def render(ctx: Context) -> str:
     """The metrics page of this process."""
-    tasks, jobs = await grid.store.state_counts()
+    tasks, jobs = await ctx.store.state_counts()
     out = _Exposition()
     out.metric(
         "idlegrid_connected_nodes",
         "gauge",
         "Nodes connected to this coordinator process.",
-        {"": len(grid.hub)},
+        {"": len(ctx.hub)},
     )
     out.metric(
         "idlegrid_grid_connected_nodes",
         "gauge",
         "Nodes connected to any coordinator process of the grid.",
-        {"": len(await grid.broker.connections())},
+        {"": len(await ctx.broker.connections())},
     )
     out.metric(
         "idlegrid_ready_queue_depth",
         "gauge",
         "Tasks in the broker's ready queue.",
-        {"": await grid.broker.ready_count()},
+        {"": await ctx.broker.ready_count()},
     )
     out.metric(
         "idlegrid_tasks",
@@ -83,7 +65,7 @@ async def render(grid: Grid) -> str:
         "Jobs in the store by state.",
         _by("state", jobs, tuple(s.value for s in JobState)),
     )
-    counters = grid.counters
+    counters = ctx.counters
     out.metric(
         "idlegrid_results_total",
         "counter",

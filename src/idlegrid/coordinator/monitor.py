@@ -15,7 +15,8 @@ import logging
 
 from idlegrid import faults
 from idlegrid.coordinator import peers
-from idlegrid.coordinator.grid import CHANNEL, Grid
+from idlegrid.coordinator.context import CHANNEL
+from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.heap import HeapKeeper
 from idlegrid.coordinator.leader import Leadership
 
@@ -89,7 +90,7 @@ async def check_broker(grid: Grid) -> bool:
     if not await grid.broker.needs_rebuild():
         return False
     log.warning("the broker lost its ready queue; rebuilding it from the store")
-    await peers.recover_broker(grid)
+    await peers.recover_broker(grid.context)
     return True
 
 
@@ -226,7 +227,7 @@ class Monitor:
                 async with self.grid.broker.subscribe(CHANNEL) as messages:
                     async for message in messages:
                         try:
-                            await peers.on_message(self.grid, message)
+                            await self.grid.on_peer_message(message)
                         except Exception:
                             log.exception("handling broker message %s failed", message)
             except Exception:

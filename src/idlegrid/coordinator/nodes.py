@@ -46,7 +46,7 @@ async def node_socket(websocket: WebSocket, grid: Grid) -> None:
         await _error(websocket, "out_of_order", f"no hello within {HELLO_TIMEOUT_S:.0f} s")
         await websocket.close(code=CLOSE_POLICY)
     finally:
-        if session is not None and await peers.detach(grid, session):
+        if session is not None and await peers.detach(grid.context, session):
             log.info("node %s disconnected", session.node_id)
 
 
@@ -141,7 +141,7 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         ),
     )
     drop = await _reconcile(grid, session, set(hello.running))
-    await peers.attach(grid, session)
+    await peers.attach(grid.context, session)
     await session.send(
         protocol.Welcome(
             node_id=node.id,
@@ -184,7 +184,7 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
             text = await _receive(websocket)
             if text is None:
                 continue
-            await peers.heard_from(grid, session)
+            await peers.heard_from(grid.context, session)
             try:
                 msg = protocol.parse_node_message(text)
             except protocol.ProtocolError as exc:

@@ -111,7 +111,7 @@ async def suspend(
 @router.get("/metrics", response_class=HTMLResponse)
 async def metrics_page(request: Request, session: Admin) -> Response:
     """The Prometheus figures of this process, as a table a person reads."""
-    text = await metrics.render(grid_of(request))
+    text = await metrics.render(grid_of(request).context)
     return await render(request, "admin_metrics.html", families=parse_exposition(text))
 
 

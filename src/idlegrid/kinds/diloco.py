@@ -9,7 +9,7 @@ character corpus built into idlegrid, so no data bytes travel (`corpus_dataset_b
 A shard is one worker's part of the training data; a task trains on it for H AdamW steps
 from the round's global weights (see `training.tasks` for the payload and result bytes).
 `split` makes round 0's training shards from the seed; the coordinator's round driver
-(`coordinator/training.py`) closes each round with `training.rounds.close_round` and
+(`coordinator/round_driver.py`) closes each round with `training.closing.close_round` and
 opens the next with `round_shards`: round t's shards have indexes t*(workers+1) + s, and
 index t*(workers+1) + workers is the evaluation of round t's weights on the held-out
 split (every `eval_every` rounds, and after the last). `assemble` alone (no driver)
@@ -47,7 +47,7 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
-from idlegrid.training import corpus, models, rounds, tasks, verify, worker
+from idlegrid.training import closing, corpus, models, runner, tasks, verify
 from idlegrid.training import data as datasets
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, method_of
@@ -97,9 +97,9 @@ class DilocoParams(KindParams):
             raise ValueError("inner.first_step is set per task, not per job")
         return self
 
-    def train_spec(self) -> worker.TrainSpec:
+    def train_spec(self) -> runner.TrainSpec:
         """What every task of this job shares, for the worker side."""
-        return worker.TrainSpec(
+        return runner.TrainSpec(
             self.architecture, self.model_settings(), self.inner, self.upload, self.eval_batches
         )
 
@@ -130,7 +130,7 @@ class DilocoKind(TaskKind):
             raise InputError("asynchronous mode: the round driver drops late updates; "
                              "set asynchronous=false")  # fmt: skip
         train, _ = read_dataset(inputs["dataset"])
-        state = rounds.initial_state(initial_weights(params))
+        state = closing.initial_state(initial_weights(params))
         stream = stream_id(params, inputs["dataset"])
         # Nodes draw round 0's weights from the seed as the coordinator did; the keyframe
         # (stored by the round driver) is the fallback if their numpy draws differently.
@@ -179,7 +179,7 @@ class DilocoKind(TaskKind):
             return blob
 
         try:
-            result = worker.run_task(
+            result = runner.run_task(
                 task, params.train_spec(), WORKER_STATE,
                 device=ctx.device, on_step=_progress(ctx, params.inner.round_steps(task.round)),
                 fetch=None if ctx.fetch is None else fetch,
@@ -208,9 +208,9 @@ class DilocoKind(TaskKind):
 
     def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
         assert isinstance(params, DilocoParams)
-        state = rounds.initial_state(initial_weights(params))
+        state = closing.initial_state(initial_weights(params))
         updates = [_update_of(output, state) for output in outputs]
-        closed = rounds.close_round(
+        closed = closing.close_round(
             state, updates, rule=params.aggregation, outer=params.outer, download=params.download
         )
         return checkpoint(params, closed.state, train_loss=closed.train_loss)
@@ -278,7 +278,7 @@ def _split_off(data: datasets.Dataset, cut: int) -> tuple[datasets.Dataset, data
 
 def round_task(
     params: DilocoParams,
-    state: rounds.RoundState,
+    state: closing.RoundState,
     train: tasks.DataRef,
     shard: int,
     *,
@@ -294,7 +294,7 @@ def round_task(
         stream=stream,
         round=state.round,
         shard=shard,
-        seed=rounds.task_seed(params.seed, state.round, shard),
+        seed=closing.task_seed(params.seed, state.round, shard),
         target=tasks.WeightsRef(state.round, state.digest),
         data=tasks.shard_ref(train, shard, params.workers),
         weights=state.weights if inline else None,
@@ -306,7 +306,7 @@ def round_task(
 
 def round_shards(
     params: DilocoParams,
-    state: rounds.RoundState,
+    state: closing.RoundState,
     data: tuple[tasks.DataRef, tasks.DataRef],
     *,
     stream: str,
@@ -352,7 +352,7 @@ def round_shards(
 
 def eval_shard(
     params: DilocoParams,
-    state: rounds.RoundState,
+    state: closing.RoundState,
     held_out: tasks.DataRef,
     *,
     stream: str,
@@ -370,7 +370,7 @@ def eval_shard(
         stream=stream,
         round=state.round,
         shard=params.workers,
-        seed=rounds.task_seed(params.seed, state.round, params.workers),
+        seed=closing.task_seed(params.seed, state.round, params.workers),
         target=tasks.WeightsRef(state.round, state.digest),
         data=held_out,
         keyframe_blob=keyframe_blob,
@@ -391,7 +391,7 @@ def eval_shard(
 MOMENTUM_FORMAT = "idlegrid/diloco-momentum"
 
 
-def momentum_blob(state: rounds.RoundState) -> bytes:
+def momentum_blob(state: closing.RoundState) -> bytes:
     """The outer optimizer's state of a round (momentum, download residual): safetensors."""
     arrays = {"momentum": np.asarray(state.momentum, dtype=np.float32)}
     if state.download_residual is not None:
@@ -399,14 +399,14 @@ def momentum_blob(state: rounds.RoundState) -> bytes:
     return pack(arrays, {"format": MOMENTUM_FORMAT, "round": state.round})
 
 
-def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) -> rounds.RoundState:
+def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) -> closing.RoundState:
     """A round's state back from its checkpoint and momentum blobs."""
     spec = models.flat_spec(params.architecture, params.model_settings())
     weights = weights_from_safetensors(checkpoint_blob, spec).astype(np.float32)
     arrays, header = unpack(momentum)
     if header.get("format") != MOMENTUM_FORMAT:
         raise ContainerError(f"not a {MOMENTUM_FORMAT} container")
-    return rounds.RoundState(
+    return closing.RoundState(
         int(header["round"]), weights, arrays["momentum"], arrays.get("download_residual")
     )
 
@@ -419,7 +419,7 @@ def train_flops(params: DilocoParams, round_number: int) -> float:
     return float(6 * count * per_example * params.inner.batch_size * steps)
 
 
-def checkpoint(params: DilocoParams, state: rounds.RoundState, **metrics: float) -> bytes:
+def checkpoint(params: DilocoParams, state: closing.RoundState, **metrics: float) -> bytes:
     """Safetensors of a round's global weights, with round, digest and metrics as metadata."""
     spec = models.flat_spec(params.architecture, params.model_settings())
     metadata = {"architecture": params.architecture, "round": state.round,
@@ -427,14 +427,14 @@ def checkpoint(params: DilocoParams, state: rounds.RoundState, **metrics: float)
     return weights_to_safetensors(state.weights, spec, metadata)
 
 
-def _update_of(output: bytes, state: rounds.RoundState) -> rounds.Update:
+def _update_of(output: bytes, state: closing.RoundState) -> closing.Update:
     try:
         result = tasks.decode_result(output)
     except ContainerError as exc:
         raise InputError(f"output: {exc}") from None
     if result.update is None or result.weights_digest != state.digest:
         raise InputError("assemble closes round 0 only: an output is not a round-0 update")
-    return rounds.Update(decode(result.update), result.round, result.loss_mean)
+    return closing.Update(decode(result.update), result.round, result.loss_mean)
 
 
 def output_problem(

@@ -13,12 +13,10 @@ input order. The job's result is a safetensors file, one array per output.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
-from pydantic import Field
 
 from idlegrid.kinds import onnx_data
 from idlegrid.kinds.base import (
@@ -30,33 +28,18 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
-from idlegrid.kinds.onnx_compare import Tolerance, compare_outputs
-from idlegrid.kinds.onnx_data import Preprocess
+from idlegrid.kinds.onnx_compare import compare_outputs
 from idlegrid.kinds.onnx_model import ModelFacts, TensorFacts, inspect_model
 from idlegrid.kinds.onnx_runtime import PREFERENCE, Sessions
+from idlegrid.kinds.onnx_shard import (
+    OnnxInferParams,
+    model_facts,
+    payload_header,
+    requested_outputs,
+)
 from idlegrid.training.flat import ContainerError, pack, unpack
 
 _sessions = Sessions()
-
-
-class OnnxInferParams(KindParams):
-    shard_size: int = Field(default=256, ge=1, le=100_000, description="rows per shard")
-    batch_size: int = Field(default=32, ge=1, le=4096, description="rows per model run")
-    outputs: tuple[str, ...] = Field(
-        default=(), max_length=32, description="model outputs to return; empty: all"
-    )
-    preprocess: Preprocess | None = Field(
-        default=None, description="how images become the model input (image datasets only)"
-    )
-    tolerances: dict[str, Tolerance] = Field(
-        default_factory=dict, max_length=32, description="per output; unnamed outputs: defaults"
-    )
-    providers: tuple[str, ...] = Field(
-        default=(), max_length=8, description="execution providers allowed; empty: any"
-    )
-    optimization: Literal["disable", "basic", "extended", "all"] = "all"
-    # Filled in by the coordinator from the model at submission (whatever was sent).
-    model_facts: ModelFacts | None = None
 
 
 class OnnxInferKind(TaskKind):
@@ -105,9 +88,9 @@ class OnnxInferKind(TaskKind):
 
     def check_output(self, payload: bytes, output: bytes, params: KindParams) -> None:
         assert isinstance(params, OnnxInferParams)
-        header = _payload_header(payload)
+        header = payload_header(payload)
         arrays, meta = parse_output(output)
-        facts = _facts(params)
+        facts = model_facts(params)
         wanted = requested_outputs(facts, params)
         if sorted(arrays) != sorted(wanted):
             raise InputError(f"output has arrays {sorted(arrays)}, expected {sorted(wanted)}")
@@ -131,14 +114,14 @@ class OnnxInferKind(TaskKind):
         self, payloads: Sequence[bytes], outputs: Sequence[bytes], params: KindParams
     ) -> bytes:
         assert isinstance(params, OnnxInferParams)
-        headers = [_payload_header(p) for p in payloads]
+        headers = [payload_header(p) for p in payloads]
         parsed = [parse_output(o) for o in outputs]
         expected = 0
         for header in headers:
             if header["start"] != expected:
                 raise InputError("shards do not cover the dataset's rows in order")
             expected += header["rows"]
-        names = requested_outputs(_facts(params), params)
+        names = requested_outputs(model_facts(params), params)
         result = {name: np.concatenate([arrays[name] for arrays, _ in parsed]) for name in names}
         providers: dict[str, int] = {}
         for _, meta in parsed:
@@ -157,17 +140,6 @@ def _input(inputs: Mapping[str, bytes], name: str) -> bytes:
     if name not in inputs:
         raise InputError(f"missing input {name!r}")
     return inputs[name]
-
-
-def _facts(params: OnnxInferParams) -> ModelFacts:
-    if params.model_facts is None:
-        raise InputError("the job has no model facts (it was not submitted through split)")
-    return params.model_facts
-
-
-def requested_outputs(facts: ModelFacts, params: OnnxInferParams) -> list[str]:
-    """Names of the outputs a shard returns: those asked for, else all of the model's."""
-    return list(params.outputs) or [o.name for o in facts.outputs]
 
 
 def _check_params(facts: ModelFacts, params: OnnxInferParams) -> None:
@@ -272,37 +244,6 @@ def _shard(
 
 
 # -- payloads and outputs ----------------------------------------------------------------
-
-
-def parse_payload(payload: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """A shard payload's arrays and header (model hash, start, rows, image names)."""
-    try:
-        arrays, header = unpack(payload)
-    except ContainerError as exc:
-        raise InputError(f"shard payload: {exc}") from None
-    _check_header(header)
-    return arrays, header
-
-
-def _payload_header(payload: bytes) -> dict[str, Any]:
-    from idlegrid.training.flat import read_metadata
-
-    try:
-        header = json.loads(read_metadata(payload).get("idlegrid", "{}"))
-    except (ContainerError, ValueError) as exc:
-        raise InputError(f"shard payload: {exc}") from None
-    _check_header(header)
-    return dict(header)
-
-
-def _check_header(header: Any) -> None:
-    if not (
-        isinstance(header, dict)
-        and isinstance(header.get("model"), str)
-        and isinstance(header.get("start"), int)
-        and isinstance(header.get("rows"), int)
-    ):
-        raise InputError("shard payload header needs model, start and rows")
 
 
 def parse_output(output: bytes) -> tuple[dict[str, np.ndarray], dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -15,10 +15,13 @@ from idlegrid.kinds.onnx_runtime import (
     choose_providers,
     runtime_version,
 )
+from idlegrid.kinds.onnx_shard import (
+    OnnxInferParams,
+    model_facts,
+    parse_payload,
+    requested_outputs,
+)
 from idlegrid.training.flat import pack
-
-if TYPE_CHECKING:
-    from idlegrid.kinds.onnx_infer import OnnxInferParams
 
 
 class ProviderUnavailable(RuntimeError):
@@ -29,10 +32,8 @@ def run_shard(
     payload: bytes, params: OnnxInferParams, ctx: RunContext, sessions: Sessions
 ) -> bytes:
     """The output bytes of one shard: requested outputs, rows in payload order."""
-    from idlegrid.kinds.onnx_infer import _facts, parse_payload, requested_outputs
-
     arrays, header = parse_payload(payload)
-    facts = _facts(params)
+    facts = model_facts(params)
     providers = choose_providers(available_providers(), params.providers)
     if not providers:
         raise ProviderUnavailable(

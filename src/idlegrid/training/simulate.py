@@ -5,9 +5,9 @@ one contiguous shard of the training text, for the same number of inner steps pe
 
 - DiLoCo: every round each simulated worker gets a real task payload (round 0's carries
   the weights; later ones only the previous round's compressed outer update, which the
-  worker applies to its cached weights), runs `worker.run_task` as a node would, and
+  worker applies to its cached weights), runs `runner.run_task` as a node would, and
   sends back a real result blob; the coordinator closes the round with
-  `rounds.close_round`. Bytes are the lengths of those blobs, per worker.
+  `closing.close_round`. Bytes are the lengths of those blobs, per worker.
 - Synchronous: one AdamW step per step on the K workers' batches together (the same
   gradient as averaging K per-worker gradients). A ring all-reduce moves 2(K-1)/K of the
   fp32 gradient bytes per worker per step; that is what is counted (a lower bound: a
@@ -35,14 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.training import corpus, models, rounds, tasks
+from idlegrid.training import closing, corpus, models, tasks
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode
 from idlegrid.training.data import TokenData
 from idlegrid.training.flat import digest
 from idlegrid.training.inner import InnerSettings, run_lr
 from idlegrid.training.outer import OuterSettings
-from idlegrid.training.worker import TrainSpec, run_task
+from idlegrid.training.runner import TrainSpec, run_task
 from idlegrid.training.worker_state import WorkerState
 
 ARCHITECTURE = "transformer-lm"
@@ -145,7 +145,7 @@ def evaluate(setup: Setup, weights: np.ndarray) -> float:
 def run_diloco(setup: Setup, progress: Progress = print) -> Report:
     """DiLoCo rounds through real payload and result blobs; bytes per worker counted."""
     started = time.perf_counter()
-    state = rounds.initial_state(models.init_weights(ARCHITECTURE, setup.model, setup.seed))
+    state = closing.initial_state(models.init_weights(ARCHITECTURE, setup.model, setup.seed))
     nodes = [WorkerState() for _ in range(setup.workers)]
     train = tasks.CorpusSlice("train", 0, len(corpus.train_tokens()))
     sent, received = np.zeros(setup.workers, np.int64), np.zeros(setup.workers, np.int64)
@@ -169,7 +169,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
             output = tasks.encode_result(result)
             sent[shard] += len(output)
             updates.append(_update(output))
-        closed = rounds.close_round(
+        closed = closing.close_round(
             state, updates, rule=setup.aggregation, outer=setup.outer, download=setup.download
         )
         chain = (tasks.Link(tasks.WeightsRef(state.round, state.digest), closed.message),)
@@ -186,7 +186,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
 
 def _task(
     setup: Setup,
-    state: rounds.RoundState,
+    state: closing.RoundState,
     train: tasks.CorpusSlice,
     shard: int,
     chain: tuple[tasks.Link, ...],
@@ -196,7 +196,7 @@ def _task(
         stream="simulation",
         round=state.round,
         shard=shard,
-        seed=rounds.task_seed(setup.seed, state.round, shard),
+        seed=closing.task_seed(setup.seed, state.round, shard),
         target=tasks.WeightsRef(state.round, state.digest),
         data=tasks.shard_ref(train, shard, setup.workers),
         weights=state.weights if not chain else None,
@@ -204,10 +204,10 @@ def _task(
     )
 
 
-def _update(output: bytes) -> rounds.Update:
+def _update(output: bytes) -> closing.Update:
     result = tasks.decode_result(output)
     assert result.update is not None
-    return rounds.Update(decode(result.update), result.round, result.loss_mean)
+    return closing.Update(decode(result.update), result.round, result.loss_mean)
 
 
 def run_sync(setup: Setup, progress: Progress = print) -> Report:

@@ -5,7 +5,7 @@ that produced it) plus its shards: one training task per worker-shard and, every
 `eval_every` rounds, one evaluation task of round t's weights on the held-out split. When
 `min_updates` training shards have a canonical update (verified like any shard, with the
 job's replication), or the round's timer ran out with at least one, the driver closes the
-round with `training.rounds.close_round` (numpy; the coordinator never imports torch),
+round with `training.closing.close_round` (numpy; the coordinator never imports torch),
 checkpoints the new weights and momentum as safetensors blobs, cancels the round's
 unfinished tasks (their late updates are dropped: this driver is synchronous), and opens
 round t+1, whose payloads carry the compressed update by reference and the checkpoint
@@ -23,10 +23,13 @@ import logging
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from idlegrid.coordinator.context import Context, FanOut
+from idlegrid.coordinator.matching import Matcher
+from idlegrid.coordinator.plans import Plans
 from idlegrid.kinds import ShardSpec, TaskKind
 from idlegrid.kinds.diloco import (
     DilocoKind,
@@ -42,12 +45,9 @@ from idlegrid.kinds.diloco import (
 )
 from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
 from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
-from idlegrid.training import rounds, tasks
+from idlegrid.training import closing, tasks
 from idlegrid.training.compression import decode, encode_message
 from idlegrid.training.schedule import Close, close_decision, finish_decision
-
-if TYPE_CHECKING:
-    from idlegrid.coordinator.grid import Grid
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,11 @@ class Training:
 
 
 class RoundDriver:
-    def __init__(self, grid: Grid) -> None:
-        self.grid = grid
+    def __init__(self, ctx: Context, *, fanout: FanOut, plans: Plans, matcher: Matcher) -> None:
+        self._ctx = ctx
+        self._fanout = fanout
+        self._plans = plans
+        self._matcher = matcher
         self._jobs: dict[int, Training] = {}
         self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -87,7 +90,7 @@ class RoundDriver:
     async def start(self, job: JobRecord) -> None:
         """Open round 0 of a job just created (its training shards came from `split`)."""
         training = await self._training(job.id)
-        state = rounds.initial_state(initial_weights(training.params))
+        state = closing.initial_state(initial_weights(training.params))
         checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
         specs = []
         if training.params.eval_every and training.params.rounds:
@@ -96,9 +99,9 @@ class RoundDriver:
                                 keyframe_blob=checkpoint_hash,
                                 init_seed=training.params.seed)]  # fmt: skip
         first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
-        now = self.grid.clock()
-        ready = await self.grid.store.start_training(job.id, first, await self._put(specs), now=now)
-        await self.grid.enqueue(ready)
+        now = self._ctx.clock()
+        ready = await self._ctx.store.start_training(job.id, first, await self._put(specs), now=now)
+        await self._fanout.enqueue(ready)
 
     async def progress(self, job_id: int) -> None:
         """A shard of the job was decided: record evaluations, close the round if due."""
@@ -107,7 +110,7 @@ class RoundDriver:
 
     async def close_due(self) -> int:
         """Monitor pass: close (or extend) every open round whose timer ran out."""
-        due = await self.grid.store.due_rounds(now=self.grid.clock())
+        due = await self._ctx.store.due_rounds(now=self._ctx.clock())
         for job_id, _ in due:
             async with self._locks[job_id]:
                 await self._step(job_id, timer=True)
@@ -116,8 +119,8 @@ class RoundDriver:
     async def metrics(self, job: JobRecord) -> dict[str, Any]:
         """Per-round metrics of a training job (the body of GET /v1/jobs/{id}/metrics)."""
         training = await self._training(job.id)
-        records = await self.grid.store.training_rounds(job.id)
-        shards = {s.index: s for s in await self.grid.store.list_shards(job.id)}
+        records = await self._ctx.store.training_rounds(job.id)
+        shards = {s.index: s for s in await self._ctx.store.list_shards(job.id)}
         rows = [_round_out(r, shards, training) for r in records]
         return {
             "job_id": job.id,
@@ -136,22 +139,22 @@ class RoundDriver:
     def forget(self, job_id: int) -> None:
         self._jobs.pop(job_id, None)
         self._locks.pop(job_id, None)
-        self.grid.matcher.forget_preferences(job_id)
+        self._matcher.forget_preferences(job_id)
 
     # -- one step ----------------------------------------------------------------------------
 
     async def _step(self, job_id: int, *, timer: bool) -> None:
-        job = await self.grid.store.get_job(job_id)
+        job = await self._ctx.store.get_job(job_id)
         if job is None or job.state in TERMINAL_JOB_STATES:
             return
         training = await self._training(job_id)
-        records = await self.grid.store.training_rounds(job_id)
-        shards = {s.index: s for s in await self.grid.store.list_shards(job_id)}
+        records = await self._ctx.store.training_rounds(job_id)
+        shards = {s.index: s for s in await self._ctx.store.list_shards(job_id)}
         await self._record_evaluations(job_id, records, shards)
         if not records or records[-1].state != TrainingRoundState.OPEN:
             return
         current = records[-1]
-        expired = timer and self.grid.clock() >= current.deadline
+        expired = timer and self._ctx.clock() >= current.deadline
         if current.final:
             # Earlier rounds' evaluations still running are waited for (or the timer).
             pending = [r.eval_shard for r in records if r.eval_shard is not None
@@ -166,8 +169,8 @@ class RoundDriver:
         )
         if decision == Close.EXTEND:
             log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
-            deadline = self.grid.clock() + training.params.round_timeout_s
-            await self.grid.store.extend_round(job_id, current.round, deadline=deadline)
+            deadline = self._ctx.clock() + training.params.round_timeout_s
+            await self._ctx.store.extend_round(job_id, current.round, deadline=deadline)
         elif decision != Close.WAIT:
             await self._close(job_id, training, records, shards, done, decision)
 
@@ -185,14 +188,14 @@ class RoundDriver:
         next_state = closed.state
         final = next_state.round >= training.params.rounds
         checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, next_state)
-        update_hash = await asyncio.to_thread(self.grid.blobs.put, encode_message(closed.message))
+        update_hash = await asyncio.to_thread(self._ctx.blobs.put, encode_message(closed.message))
         chain = _chain(records, update_hash)
         specs = await asyncio.to_thread(
             round_shards, training.params, next_state, training.data, stream=training.stream,
             chain=chain, keyframe_blob=checkpoint_hash, final=final,
         )  # fmt: skip
-        now = self.grid.clock()
-        traffic = await self.grid.store.round_traffic(job_id, _indexes(current))
+        now = self._ctx.clock()
+        traffic = await self._ctx.store.round_traffic(job_id, _indexes(current))
         evaluation = await asyncio.to_thread(self._evaluation, _done(shards, current.eval_shard))
         if evaluation is not None:  # finished already: its fetches count here
             fetched += evaluation[1]
@@ -207,7 +210,7 @@ class RoundDriver:
             "max_suspicion": max(closed.suspicion, default=0.0),
         }
         open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
-        advance = await self.grid.store.advance_round(
+        advance = await self._ctx.store.advance_round(
             job_id, current.round, metrics=metrics, cancel_shards=open_left,
             next_round=self._new_round(training, next_state, checkpoint_hash, momentum_hash,
                                        update_hash, final=final),
@@ -217,10 +220,10 @@ class RoundDriver:
             return
         log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
                  job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
-        await self.grid._send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
+        await self._fanout.send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
         if training.params.inner.keep_state and not final:
             await self._prefer_holders(job_id, training, done)
-        await self.grid.enqueue(advance.ready)
+        await self._fanout.enqueue(advance.ready)
 
     async def _prefer_holders(
         self, job_id: int, training: Training, done: Sequence[ShardRecord]
@@ -229,21 +232,19 @@ class RoundDriver:
         was just taken, which holds s's AdamW moments (`inner.keep_state`)."""
         holders = {}
         for shard in done:
-            found = await self.grid.store.shard_for_verify(shard.id)
+            found = await self._ctx.store.shard_for_verify(shard.id)
             results = found.results if found is not None else []
             taken = [r.node_id for r in results if r.output_hash == shard.output_hash]
             if taken:
                 holders[shard.index + training.stride] = taken[0]
-        shards = await self.grid.store.list_shards(job_id)
-        self.grid.matcher.prefer(
-            job_id, {s.id: holders[s.index] for s in shards if s.index in holders}
-        )
+        shards = await self._ctx.store.list_shards(job_id)
+        self._matcher.prefer(job_id, {s.id: holders[s.index] for s in shards if s.index in holders})
 
     async def _finish(
         self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
     ) -> None:
-        now = self.grid.clock()
-        traffic = await self.grid.store.round_traffic(job_id, _indexes(final))
+        now = self._ctx.clock()
+        traffic = await self._ctx.store.round_traffic(job_id, _indexes(final))
         evaluation = await asyncio.to_thread(self._evaluation, _done(shards, final.eval_shard))
         metrics = {
             "bytes_up": traffic.output_bytes,
@@ -252,16 +253,16 @@ class RoundDriver:
             "round_time_s": now - final.opened_at,
             "eval_loss": evaluation[0] if evaluation else None,
         }
-        size = self.grid.blobs.size(final.checkpoint_hash)
-        completed, to_cancel = await self.grid.store.finish_training(
+        size = self._ctx.blobs.size(final.checkpoint_hash)
+        completed, to_cancel = await self._ctx.store.finish_training(
             job_id, final.round, metrics=metrics, result_hash=final.checkpoint_hash,
             result_size=size, now=now,
         )  # fmt: skip
-        await self.grid._send_cancels(to_cancel, reason=f"job {job_id} finished training")
+        await self._fanout.send_cancels(to_cancel, reason=f"job {job_id} finished training")
         if completed:
             log.info("job %s trained %s rounds; eval loss %s", job_id, final.round,
                      metrics["eval_loss"])  # fmt: skip
-            await self.grid._job_ended(job_id)
+            await self._fanout.job_ended(job_id)
         self.forget(job_id)
 
     async def _record_evaluations(
@@ -280,42 +281,42 @@ class RoundDriver:
                     values["bytes_down"] = (record.metrics.get("bytes_down", 0)
                                             + evaluation[1] + evaluation[2])  # fmt: skip
                     values["bytes_up"] = record.metrics.get("bytes_up", 0) + evaluation[3]
-                await self.grid.store.update_round_metrics(job_id, record.round, values)
+                await self._ctx.store.update_round_metrics(job_id, record.round, values)
 
     # -- blocking helpers (run in a thread) --------------------------------------------------
 
     def _aggregate(
         self, training: Training, current: RoundRecord, done: Sequence[ShardRecord]
-    ) -> tuple[rounds.ClosedRound, int]:
+    ) -> tuple[closing.ClosedRound, int]:
         params = training.params
         state = read_state(
             params,
-            self.grid.blobs.read(current.checkpoint_hash),
-            self.grid.blobs.read(current.momentum_hash),
+            self._ctx.blobs.read(current.checkpoint_hash),
+            self._ctx.blobs.read(current.momentum_hash),
         )
         updates, fetched = [], 0
         for shard in done:
             assert shard.output_hash is not None
-            result = tasks.decode_result(self.grid.blobs.read(shard.output_hash))
+            result = tasks.decode_result(self._ctx.blobs.read(shard.output_hash))
             assert result.update is not None  # check_output accepted it
-            updates.append(rounds.Update(decode(result.update), result.round, result.loss_mean))
+            updates.append(closing.Update(decode(result.update), result.round, result.loss_mean))
             fetched += result.fetched_bytes
-        closed = rounds.close_round(
+        closed = closing.close_round(
             state, updates, rule=params.aggregation, outer=params.outer, download=params.download
         )
         return closed, fetched
 
-    def _save(self, training: Training, state: rounds.RoundState) -> tuple[str, str]:
+    def _save(self, training: Training, state: closing.RoundState) -> tuple[str, str]:
         weights = checkpoint(training.params, state)
-        return self.grid.blobs.put(weights), self.grid.blobs.put(momentum_blob(state))
+        return self._ctx.blobs.put(weights), self._ctx.blobs.put(momentum_blob(state))
 
     def _evaluation(self, shard: ShardRecord | None) -> tuple[float, int, int, int] | None:
         """(held-out loss, bytes fetched, payload bytes, result bytes) of an eval shard."""
         if shard is None or shard.output_hash is None:
             return None
-        output = self.grid.blobs.read(shard.output_hash)
+        output = self._ctx.blobs.read(shard.output_hash)
         result = tasks.decode_result(output)
-        payload = self.grid.blobs.size(shard.input_hash)
+        payload = self._ctx.blobs.size(shard.input_hash)
         return result.loss_mean, result.fetched_bytes, payload, len(output)
 
     async def _put(self, specs: Sequence[ShardSpec]) -> list[NewShard]:
@@ -323,7 +324,7 @@ class RoundDriver:
             return [
                 NewShard(
                     index=spec.index,
-                    input_hash=self.grid.blobs.put(spec.payload),
+                    input_hash=self._ctx.blobs.put(spec.payload),
                     input_size=len(spec.payload),
                     items=spec.items,
                     cost_flops=spec.cost_flops,
@@ -336,7 +337,7 @@ class RoundDriver:
     def _new_round(
         self,
         training: Training,
-        state: rounds.RoundState,
+        state: closing.RoundState,
         checkpoint_hash: str,
         momentum_hash: str,
         update_hash: str | None,
@@ -355,17 +356,17 @@ class RoundDriver:
             first_shard=state.round * training.stride,
             train_shards=0 if final else params.workers,
             eval_shard=state.round * training.stride + params.workers if with_eval else None,
-            deadline=self.grid.clock() + params.round_timeout_s,
+            deadline=self._ctx.clock() + params.round_timeout_s,
         )
 
     async def _training(self, job_id: int) -> Training:
         found = self._jobs.get(job_id)
         if found is None:
-            plan = await self.grid.plan(job_id)
-            job = await self.grid.store.get_job(job_id)
+            plan = await self._plans.get(job_id)
+            job = await self._ctx.store.get_job(job_id)
             assert plan is not None and job is not None
             assert isinstance(plan.params, DilocoParams)
-            dataset = await asyncio.to_thread(self.grid.blobs.read, job.inputs["dataset"])
+            dataset = await asyncio.to_thread(self._ctx.blobs.read, job.inputs["dataset"])
             found = Training(plan.params, read_dataset(dataset), stream_id(plan.params, dataset))
             self._jobs[job_id] = found
         return found

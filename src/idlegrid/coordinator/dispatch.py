@@ -1,0 +1,252 @@
+"""Dispatch: fill a node's free slots with the best tasks it can run, claimed atomically.
+
+The scheduler (pure) ranks the queue's candidates for the node; the store claims them
+(one replica per node, account and network for replicated jobs; a daily quota per
+kind); the node hears `assign` for each claim once it committed. Replication-1 tasks of
+one kind are claimed many in one statement; replicated ones one at a time, where
+adaptive replication may let a trusted node's first replica run alone.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+
+from idlegrid import protocol
+from idlegrid.coordinator.context import Context
+from idlegrid.coordinator.hub import NodeSession
+from idlegrid.coordinator.leases import lease_seconds
+from idlegrid.coordinator.matching import Matcher, node_reliability
+from idlegrid.coordinator.peers import unless_broker_away
+from idlegrid.coordinator.plans import JobPlan, Plans
+from idlegrid.policy import scheduler
+from idlegrid.policy import trust as trust_policy
+from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, ReadyTask
+
+log = logging.getLogger(__name__)
+
+CANDIDATES_PER_CLAIM = 64
+# A node whose quota is used up, or that is suspended, asks the store again after this.
+CLAIM_BACKOFF_S = 60.0
+# With nothing queued, this many idle nodes (the fastest) are offered backup copies.
+BACKUP_OFFERS_PER_PASS = 4
+
+
+class Dispatcher:
+    def __init__(self, ctx: Context, *, plans: Plans, matcher: Matcher) -> None:
+        self._ctx = ctx
+        self._plans = plans
+        self._matcher = matcher
+        settings = ctx.settings
+        self._distinct = Distinct(
+            accounts=settings.distinct_accounts, networks=settings.distinct_networks
+        )
+
+    async def fill(self, session: NodeSession) -> int:
+        """Give a node as many tasks as it wants and can run; return how many it got."""
+        async with session.fill_lock:
+            # The node's whole request in one transaction: one commit, not one per task.
+            claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
+            for assignment in claimed:  # committed: the node must hear of each one
+                session.live.add(assignment.task_id)
+                session.shard_of[assignment.task_id] = assignment.shard_id
+                session.requested -= 1
+            for assignment in claimed:
+                if not await session.send(_assign_message(assignment)):
+                    break  # the lease runs out and the monitor requeues the task
+        return len(claimed)
+
+    async def _claim(self, session: NodeSession) -> list[Assignment]:
+        """Claim what the node wants: many at once while it can, then one by one."""
+        wanted = session.wants
+        claimed: list[Assignment] = []
+        while len(claimed) < wanted:
+            many = await self._claim_many(session, wanted - len(claimed))
+            if many:
+                claimed += many
+                continue
+            assignment = await self._claim_one(session)
+            if assignment is None and self._ctx.settings.backups:
+                assignment = await self._matcher.claim_backup(session)
+            if assignment is None:
+                break
+            claimed.append(assignment)
+        return claimed
+
+    async def fill_waiting(self) -> None:
+        """Offer queued work to every connected node that asked for some."""
+        broker, hub = self._ctx.broker, self._ctx.hub
+        # A fleet of idle nodes all want work: don't visit each one for an empty queue;
+        # only the fastest few of them, which may take a backup copy of a straggler.
+        if await broker.ready_count() == 0:
+            if self._ctx.settings.backups:
+                idle = sorted(
+                    (s for s in hub.sessions() if s.wants > 0),
+                    key=lambda s: -s.view.gflops,
+                )
+                for session in idle[:BACKUP_OFFERS_PER_PASS]:
+                    await self.fill(session)
+            return
+        for session in hub.sessions():
+            got_none = session.wants > 0 and not await self.fill(session)
+            if got_none and await broker.ready_count() == 0:
+                return
+
+    async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
+        """Claim up to `wanted` of the best tasks for the node at once, while they are of
+        replication-1 jobs and of one kind.
+
+        One statement for them all (the daily quota is per kind); tasks of replicated
+        jobs, whose claims check the distinct-replica rules and may run alone, are left
+        to `_claim_one`, as is everything ranked below the first of them.
+        """
+        if wanted < 1 or time.monotonic() < session.idle_until:
+            return []
+        now = self._ctx.clock()
+        by_id, ranked = await self._ranked(session, now=now)
+        if not ranked:
+            return []
+        kind = ranked[0].kind
+        picked: list[int] = []
+        for candidate in ranked:
+            if self._plans.loaded(candidate.job_id).replication != 1 or candidate.kind != kind:
+                break
+            picked.append(candidate.task_id)
+            if len(picked) == wanted:
+                break
+        if not picked:
+            return []
+        settings = self._ctx.settings
+        claimed = await self._ctx.store.claim_tasks(
+            {t: now + lease_seconds(settings, session, by_id[t]) for t in picked},
+            _claimer(session),
+            kind=kind,
+            now=now,
+        )
+        if isinstance(claimed, ClaimMiss):
+            _back_off(session, claimed)
+            return []
+        for claim in claimed:
+            self._note_claim(session, claim, by_id[claim.task_id], now=now)
+        await self._drop_from_queue(picked, claimed)
+        return claimed
+
+    async def _drop_from_queue(self, picked: Sequence[int], claimed: Sequence[Assignment]) -> None:
+        """Out of the queue: the claimed, and those another claim took first.
+
+        The store tries the lowest ids first (as many as the node's quota allows), so an
+        unclaimed id below a claimed one was tried and gone; one above may not have been.
+        """
+        taken = [claim.task_id for claim in claimed]
+        last, held = max(taken, default=0), set(taken)
+        gone = [t for t in picked if t not in held and t < last]
+        for task_id in gone:
+            self._matcher.forget_entry(task_id)
+        with unless_broker_away("discarding claimed tasks"):
+            await self._ctx.broker.discard(taken + gone)
+
+    async def _ranked(
+        self, session: NodeSession, *, now: float
+    ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate]]:
+        """The queue's candidates this node can run, best first, and the entries by id.
+
+        Entries of jobs that ended leave the queue on the way.
+        """
+        entries = await self._matcher.entries(CANDIDATES_PER_CLAIM)
+        candidates = []
+        for entry in entries:
+            plan = await self._plans.get(entry.job_id)
+            if plan is None:
+                await self._ctx.broker.discard([entry.task_id])
+                continue
+            candidates.append(self._matcher.candidate(entry, plan, now=now))
+        view = session.view_now(reliability=node_reliability(session))
+        ranked = scheduler.rank(view, candidates, now=now, weights=self._matcher.weights)
+        return {entry.task_id: entry for entry in entries}, ranked
+
+    def _note_claim(
+        self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float
+    ) -> None:
+        plan = self._plans.loaded(entry.job_id)
+        self._matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
+        session.reliability = trust_policy.credibility(claim.trust, self._ctx.settings.trust)
+
+    async def _claim_one(self, session: NodeSession) -> Assignment | None:
+        if time.monotonic() < session.idle_until:
+            return None  # its quota is used up, or it is suspended: ask again later
+        now = self._ctx.clock()
+        by_id, ranked = await self._ranked(session, now=now)
+        claimer = _claimer(session)
+        for candidate in ranked:
+            entry = by_id[candidate.task_id]
+            plan = self._plans.loaded(entry.job_id)
+            claim = await self._ctx.store.claim_task(
+                entry.task_id,
+                claimer,
+                kind=entry.kind,
+                now=now,
+                lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
+                distinct=self._distinct if plan.replication > 1 else None,
+            )
+            if isinstance(claim, Assignment):
+                self._note_claim(session, claim, entry, now=now)
+                # The claim is committed: the node must hear of it even if the broker is
+                # away (a later claim discards the stale entry).
+                with unless_broker_away("discarding a claimed task"):
+                    await self._ctx.broker.discard([entry.task_id])
+                    await self._maybe_alone(plan, claim)
+                return claim
+            if claim is ClaimMiss.GONE:
+                self._matcher.forget_entry(entry.task_id)
+                await self._ctx.broker.discard([entry.task_id])
+            elif claim in (ClaimMiss.QUOTA, ClaimMiss.SUSPENDED):
+                _back_off(session, claim)
+                return None
+        return None
+
+    async def _maybe_alone(self, plan: JobPlan, claim: Assignment) -> None:
+        """Adaptive replication: a trusted node's first replica may run unreplicated.
+
+        BOINC's rule (policy.trust.may_run_alone), decided when the first replica of a
+        shard is handed out; a share of such shards keeps one replica for a spot check by
+        a second trusted node. The node is not told: it cannot cheat only when alone.
+        """
+        if plan.replication < 2 or not claim.first_replica:
+            return
+        trust, draw = self._ctx.settings.trust, self._ctx.random
+        if not trust_policy.may_run_alone(claim.trust, trust, draw=draw.random()):
+            return
+        spot = trust_policy.needs_spot_check(trust, draw=draw.random())
+        dropped = await self._ctx.store.run_alone(claim.shard_id, claim.task_id, spot_check=spot)
+        if dropped:
+            await self._ctx.broker.discard(dropped)
+            self._ctx.counters.alone["spot" if spot else "alone"] += 1
+
+
+def _back_off(session: NodeSession, miss: ClaimMiss) -> None:
+    log.info("node %s gets no tasks for now: %s", session.node_id, miss.value)
+    session.idle_until = time.monotonic() + CLAIM_BACKOFF_S
+
+
+def _claimer(session: NodeSession) -> Claimer:
+    return Claimer(
+        node_id=session.node_id,
+        account_id=session.account_id,
+        network=session.network,
+        backend=session.backend,
+    )
+
+
+def _assign_message(assignment: Assignment) -> protocol.Assign:
+    return protocol.Assign(
+        task_id=assignment.task_id,
+        job_id=assignment.job_id,
+        shard_index=assignment.shard_index,
+        kind=assignment.kind,
+        params=assignment.params,
+        input=protocol.BlobRef(hash=assignment.input_hash, size=assignment.input_size),
+        lease_deadline=datetime.fromtimestamp(assignment.lease_deadline, UTC),
+    )

@@ -1,0 +1,194 @@
+"""Verification: a shard's results in, its decision out, and a finished job assembled.
+
+The verifier (pure policy) compares the results of a shard with the kind's `compare`,
+weighted by each node's credibility; the store records the decision once (one decision
+wins any race). A shard its results did not decide gets more replicas; results that came
+after their shard was decided are judged against the canonical one (`judge_late`).
+When every shard of a job is decided, the kind's `assemble` builds the job's result;
+training jobs are the round driver's to finish.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from idlegrid.coordinator.context import Context, FanOut
+from idlegrid.coordinator.leases import Leases
+from idlegrid.coordinator.plans import JobPlan, Plans
+from idlegrid.coordinator.round_driver import RoundDriver
+from idlegrid.kinds import Verdict
+from idlegrid.policy import trust as trust_policy
+from idlegrid.policy import verifier
+from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
+
+log = logging.getLogger(__name__)
+
+INLINE_BYTES = 64 * 1024  # see compute
+T = TypeVar("T")
+
+
+async def compute(function: Callable[..., T], *args: Any, size: int) -> T:
+    """`function(*args)` in a thread, or on the loop when its data is small enough that the
+    thread hop would cost more than the call (no-op and sleep outputs, tiny shards)."""
+    if size <= INLINE_BYTES:
+        return function(*args)
+    return await asyncio.to_thread(function, *args)
+
+
+class Verification:
+    def __init__(
+        self,
+        ctx: Context,
+        *,
+        fanout: FanOut,
+        plans: Plans,
+        rounds: RoundDriver,
+        leases: Leases,
+    ) -> None:
+        self._ctx = ctx
+        self._fanout = fanout
+        self._plans = plans
+        self._rounds = rounds
+        self._leases = leases
+
+    async def verify_shards(self, shard_ids: Sequence[int]) -> None:
+        """Verify several shards: one read of their results, one write of the decisions."""
+        store = self._ctx.store
+        found = await store.shards_for_verify(shard_ids)
+        decided: list[tuple[ShardForVerify, JobPlan, verifier.Decision]] = []
+        for shard_id in dict.fromkeys(shard_ids):
+            item = found.get(shard_id)
+            if item is None or not item.results:
+                continue
+            plan = await self._plans.get(item.job.id)
+            assert plan is not None
+            decided.append((item, plan, await self._decide(item, plan)))
+        outcomes = await store.decide_shards(
+            [
+                ShardDecision(
+                    item.shard.id,
+                    decision.canonical,
+                    decision.valid,
+                    decision.invalid,
+                    decision.fail_reason,
+                )
+                for item, _, decision in decided
+            ],
+            now=self._ctx.clock(),
+        )
+        to_assemble: dict[int, None] = {}
+        short = False
+        for (item, plan, decision), outcome in zip(decided, outcomes, strict=True):
+            await store.after_commit(
+                functools.partial(self._shard_decided, item.shard.id, outcome, decision)
+            )
+            if outcome.job_done or (outcome.decided and self._rounds.drives(plan.kind)):
+                to_assemble[item.job.id] = None
+            elif not outcome.decided:
+                await self._undecided(item, plan)
+                short = True
+        for job_id in to_assemble:
+            await self.assemble(job_id)
+        if short:
+            await self._leases.replenish()
+
+    async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
+        blobs, trust = self._ctx.blobs, self._ctx.settings.trust
+        outputs = [(r.task_id, blobs.read(r.output_hash)) for r in found.results]
+        credibility = {r.task_id: trust_policy.credibility(r.trust, trust) for r in found.results}
+        return await compute(
+            functools.partial(
+                verifier.decide,
+                min_quorum=found.shard.quorum,
+                credibility=credibility,
+                min_credibility=(
+                    trust_policy.required_credibility_alone(trust)
+                    if found.shard.mode == "alone"
+                    else trust_policy.required_credibility(trust, plan.replication)
+                ),
+            ),
+            outputs,
+            lambda a, b: plan.kind.compare(a, b, plan.params),
+            size=sum(len(output) for _, output in outputs),
+        )
+
+    async def _undecided(self, found: ShardForVerify, plan: JobPlan) -> None:
+        """A shard its results did not decide: escalate it or raise its target."""
+        shard, store = found.shard, self._ctx.store
+        # The spot check disagreed (or the lone node lost its credibility): back to full
+        # replication; the quorum then says who was wrong.
+        if (
+            shard.mode in ("alone", "spot")
+            and len(found.results) >= shard.target
+            and await store.escalate(shard.id, target=plan.replication, quorum=plan.min_quorum)
+        ):
+            self._ctx.counters.alone["escalated"] += 1
+        elif shard.quorum == 1 and len(found.results) >= shard.target:
+            # A lone result without the credibility to stand (its node was caught or
+            # suspended meanwhile): one more replica, as BOINC raises a target.
+            await store.raise_target(shard.id, results_seen=len(found.results))
+
+    async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
+        """Check results that came after their shard was decided against its canonical
+        result: they count for or against their node's trust (and earn credit if valid).
+
+        `task_ids`: only these (a node's batch); None: any, oldest first (the monitor).
+        """
+        store, blobs = self._ctx.store, self._ctx.blobs
+        late = await store.late_results(limit=limit, task_ids=task_ids)
+        for result in late:
+            plan = await self._plans.get(result.job_id)
+            agrees = False
+            if plan is not None and result.canonical_hash is not None:
+                canonical = blobs.read(result.canonical_hash)
+                output = blobs.read(result.output_hash)
+                verdict = await asyncio.to_thread(plan.kind.compare, canonical, output, plan.params)
+                agrees = verdict == Verdict.AGREE
+            await store.judge_late(result.task_id, agrees=agrees, now=self._ctx.clock())
+            self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
+        return len(late)
+
+    async def _shard_decided(
+        self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
+    ) -> None:
+        """After a decision committed: cancel the shard's other replicas, count verdicts."""
+        await self._fanout.send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
+        self._count_verdicts(outcome.decided, decision)
+
+    def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
+        # The store marks results only for the decision that won (or an undecided one).
+        verified = self._ctx.counters.verified
+        if decided:
+            verified["valid"] += len(decision.valid)
+        if decided or (decision.canonical is None and decision.fail_reason is None):
+            verified["invalid"] += len(decision.invalid)
+
+    async def assemble(self, job_id: int) -> None:
+        """Build and store a finished job's result from its canonical outputs."""
+        plan = await self._plans.get(job_id)
+        assert plan is not None
+        if self._rounds.drives(plan.kind):  # its rounds decide when it is done
+            await self._rounds.progress(job_id)
+            return
+        store = self._ctx.store
+        hashes = await store.canonical_outputs(job_id)
+        inputs = [shard.input_hash for shard in await store.list_shards(job_id)]
+        result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
+        if await store.complete_job(
+            job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
+        ):
+            log.info("job %s completed (%d bytes)", job_id, size)
+        await self._fanout.job_ended(job_id)
+
+    def _assemble(
+        self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]
+    ) -> tuple[str, int]:
+        blobs = self._ctx.blobs
+        result = plan.kind.assemble_with_inputs(
+            [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
+        )
+        return blobs.put(result), len(result)
