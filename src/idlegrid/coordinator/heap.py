@@ -28,7 +28,7 @@ state nets to zero: each heartbeat makes about 17 objects (the parsed message, t
 coroutines and future of the connection's next receive) that live until that
 connection's next heartbeat and then free the previous ones. So automatic young passes
 came seldom, each walking every survivor since the last one: at 10,000 nodes 60,000 to
-125,000 objects (the probe in docs/benchmarks.md), 0.15 to 0.45 s a pass, with no
+125,000 objects (the probe in docs/benchmarks-history.md), 0.15 to 0.45 s a pass, with no
 heartbeat answered meanwhile. A pass every second walks one second's survivors (about
 11,000 objects at 667 heartbeats a second) and moves them to generation 2, which no
 automatic pass walks; the next freeze takes them out of every later pass.

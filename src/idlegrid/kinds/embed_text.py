@@ -85,8 +85,8 @@ class EmbedTextKind(TaskKind):
             raise InputError("missing input 'texts' (JSON Lines of strings)")
         texts = parse_jsonl(inputs["texts"])
         # Shards hold texts of similar length (longest first), as sentence-transformers'
-        # own encode sorts before batching: batches then pad little. Measured in
-        # docs/benchmarks.md: contiguous shards of 256 pushed 19% more padded tokens
+        # own encode sorts before batching: batches then pad little. Measured (see
+        # docs/benchmarks-history.md): contiguous shards of 256 pushed 19% more padded tokens
         # through the model. `ids` put the rows back in input order when assembling.
         order = sorted(range(len(texts)), key=lambda i: (-len(texts[i]), i))
         return [

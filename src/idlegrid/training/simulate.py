@@ -52,7 +52,7 @@ ARCHITECTURE = "transformer-lm"
 class Setup:
     """One comparison: model, workers, rounds, and DiLoCo's settings."""
 
-    # The defaults are the settings tuned in docs/benchmarks.md ("DiLoCo simulation"):
+    # The defaults are the settings tuned in docs/benchmarks-history.md ("DiLoCo simulation"):
     # 60 rounds of H = 100 (6,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
     # cosine decay over the run, AdamW moments kept per shard between rounds, outer
     # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2.

@@ -237,7 +237,7 @@ class Worker(Stepping, Transfers):
         """Serve until `stop()`: connect, work, reconnect when the connection drops."""
         if self.hardware is None:
             await self.prepare()
-        attempt = 0  # tries since the last session that got a welcome: sets the backoff
+        attempt = 0  # tries since the last connection that got a welcome: sets the backoff
         servers = list(self.settings.servers)
         turn = 0
         governing = asyncio.create_task(self.governor.run(), name="governor")

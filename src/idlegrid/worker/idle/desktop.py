@@ -81,7 +81,7 @@ class _LastInputInfo(ctypes.Structure):
 
 
 class WindowsLastInputProbe:
-    """user32's GetLastInputInfo against GetTickCount (this session's input only)."""
+    """user32's GetLastInputInfo against GetTickCount (input of its own logon session only)."""
 
     name = "windows-last-input"
 
