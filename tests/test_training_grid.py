@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 from helpers import wait_until
@@ -76,7 +77,10 @@ def test_training_through_workers_lowers_the_eval_loss(grid: LocalGrid) -> None:
     # update per node (about a quarter of the fp32 weights), never the weights.
     assert rounds[0]["bytes_down"] < fp32_weights / 10
     assert all(r["bytes_down"] < 2 * fp32_weights / 3 for r in rounds[1:-1])
-    assert isinstance(result, bytes) and rounds[-1]["checkpoint"] == result_hash
+    # The result is the trained weights, parsed from safetensors: one array per parameter.
+    assert rounds[-1]["checkpoint"] == result_hash
+    assert isinstance(result, dict) and all(isinstance(a, np.ndarray) for a in result.values())
+    assert sum(a.size for a in result.values()) == models.parameter_count("transformer-lm", config)
     shown = CliRunner().invoke(main, ["metrics", str(job.id), "--watch", "--server", grid.url,
                                       "--token", grid.admin_token])  # fmt: skip
     assert shown.exit_code == 0, shown.output

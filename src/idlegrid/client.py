@@ -326,7 +326,8 @@ class Job:
 
     def result(self) -> Any:
         """The job's result: a numpy array for embed-text, {output name: array} for
-        onnx-infer, parsed JSON for JSON kinds."""
+        onnx-infer, {parameter name: array} (the trained weights) for diloco-train, parsed
+        JSON for JSON kinds."""
         response = self.client.request("GET", f"/v1/jobs/{self.id}/result")
         media = response.headers.get("content-type", "")
         if "npy" in media:
