@@ -1,23 +1,31 @@
-"""Heartbeat monitor at fleet scale: N simulated nodes against one coordinator process.
+"""Heartbeat monitor at fleet scale: N simulated nodes against coordinator processes.
 
     .venv/bin/python benchmarks/fleet.py [--nodes 10000] [--window 60] [--interval 15]
         [--connect-rate 250] [--coordinator-env IDLEGRID_X=Y ...]
+        [--coordinators 3 [--database postgresql://...] [--redis redis://...]]
 
 One process simulates the fleet: N WebSocket connections on loopback to one `idlegrid
-serve` subprocess (SQLite store, in-process broker: the embedded default). Each node does
-what a worker does: a real `hello` with a node token (hardware, benchmark, slots,
-kinds), waits for `welcome`, says `ready` (an idle worker asks for work), then sends a
-`heartbeat` every interval, with the worker's WebSocket ping settings. Each node starts at
-a random phase of the interval and every period is jittered by +-5%, as connection
-times spread real workers' heartbeats. The coordinator answers each heartbeat with a
-`heartbeat_ack` echoing its `sent_at`; the node's round trip is now - sent_at.
+serve` subprocess (SQLite store, in-process broker: the embedded default), or with
+`--coordinators K` to K of them in production mode (PostgreSQL and Redis: one fresh
+schema and one fresh key prefix, both removed afterwards), the nodes spread round-robin
+over them, as a load balancer spreads a real fleet. Each node does what a worker does: a
+real `hello` with a node token (hardware, benchmark, slots, kinds), waits for `welcome`,
+says `ready` (an idle worker asks for work), then sends a `heartbeat` every interval,
+with the worker's WebSocket ping settings. Each node starts at a random phase of the
+interval and every period is jittered by +-5%, as connection times spread real workers'
+heartbeats. The coordinator answers each heartbeat with a `heartbeat_ack` echoing its
+`sent_at`; the node's round trip is now - sent_at.
 
-The open-files limit is raised to the hard limit first, so the coordinator subprocess
-inherits it, as a deployment raises it for its service. Nodes connect gradually
-(`--connect-rate` per second; each hello is a store write), then after `--settle` seconds
-the script measures over `--window` seconds: the coordinator process's CPU time (user +
-system, psutil) over wall time, in percent of one core, and the p50/p99 of the heartbeat
-round trips acknowledged in the window. The last line is `nodes: N cpu: X% p99_ms: Y`.
+The open-files limit is raised to the hard limit first, so the coordinator subprocesses
+inherit it, as a deployment raises it for its service. Nodes connect gradually
+(`--connect-rate` per second, at most `--pending` awaiting their welcome; each hello is a
+store write), then after `--settle` seconds the script measures over `--window` seconds:
+each coordinator process's CPU time (user + system, psutil) over wall time, in percent of
+one core, and the p50/p99 of the heartbeat round trips acknowledged in the window. The
+last line is `nodes: N cpu: X% p99_ms: Y`, where X is the busiest coordinator's share of
+a core; the line before it gives each coordinator's, the simulator's own, and with
+several coordinators PostgreSQL's and Redis's (all their processes on this machine,
+whoever they serve).
 
 The nodes belong to a dedicated account `fleet` (a node token the admin makes for it);
 `--coordinator-env` passes settings to the coordinator, e.g. a per-account node cap.
@@ -35,8 +43,10 @@ import resource
 import statistics
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import websockets
@@ -155,15 +165,19 @@ async def watch_loop_lag(lags: list[float], tick: float = 0.05) -> None:
         lags.append((time.monotonic() - before - tick) * 1000)
 
 
-async def connect_fleet(fleet: Fleet, url: str, token: str, nodes: int, rate: float) -> None:
-    """Open `nodes` connections at about `rate` per second, at most `rate` awaiting welcome."""
+async def connect_fleet(
+    fleet: Fleet, urls: list[str], token: str, nodes: int, rate: float, pending_max: int
+) -> None:
+    """Open `nodes` connections at about `rate` per second, at most `pending_max` awaiting
+    welcome; node i goes to coordinator i mod len(urls)."""
     run = os.urandom(3).hex()
-    pending = asyncio.Semaphore(max(1, int(rate)))
+    pending = asyncio.Semaphore(max(1, pending_max))
     pending_welcomes: list[asyncio.Task[None]] = []
     started = time.monotonic()
     for index in range(nodes):
         await pending.acquire()
         admitted = asyncio.Event()
+        url = urls[index % len(urls)]
         task = asyncio.create_task(run_node(fleet, url, hello_frame(token, index, run), admitted))
         fleet.tasks.add(task)
         task.add_done_callback(fleet.tasks.discard)
@@ -191,10 +205,16 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
-async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> str:
+async def measure(
+    args: argparse.Namespace, urls: list[str], token: str, pids: dict[str, list[int]]
+) -> str:
+    """Connect the fleet, then measure one window; `pids`: the processes whose CPU counts
+    (each "coordinator N" one process; other groups are reported for what bounds it)."""
     fleet = Fleet(interval=args.interval)
     began = time.monotonic()
-    await connect_fleet(fleet, ws_url(url), token, args.nodes, args.connect_rate)
+    await connect_fleet(
+        fleet, [ws_url(url) for url in urls], token, args.nodes, args.connect_rate, args.pending
+    )
     print(
         f"connected {fleet.connected} nodes in {time.monotonic() - began:.0f} s "
         f"({fleet.failed} failed); settling {args.settle:.0f} s",
@@ -212,22 +232,25 @@ async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> s
     # This process's own stalls count in the round trips it measures: watch them.
     lags: list[float] = []
     watcher = asyncio.create_task(watch_loop_lag(lags))
-    coordinator = psutil.Process(pid)
-    cpu_before, wall_before = _cpu(coordinator), time.monotonic()
+    cpu_before, wall_before = _cpu_seconds(pids), time.monotonic()
     sent_before, dropped_before = fleet.heartbeats_sent, fleet.dropped
+    load_before = os.getloadavg()[0]
     await asyncio.sleep(args.window)
-    cpu_after, wall_after = _cpu(coordinator), time.monotonic()
+    cpu_after, wall_after = _cpu_seconds(pids), time.monotonic()
     fleet.stop.set()
     watcher.cancel()
     gc.enable()
-    cpu_share = 100.0 * (cpu_after - cpu_before) / (wall_after - wall_before)
+    wall = wall_after - wall_before
+    shares = {group: 100.0 * (cpu_after[group] - cpu_before[group]) / wall for group in pids}
     window = [rtt * 1000 for at, rtt in fleet.rtts if wall_before <= at <= wall_after]
     sent = fleet.heartbeats_sent - sent_before
+    coordinators = [group for group in pids if group.startswith("coordinator")]
+    rss = sum(_rss_mib(pid) for group in coordinators for pid in pids[group])
     print(
-        f"window {wall_after - wall_before:.1f} s: {sent} heartbeats sent, {len(window)} acked "
-        f"({sent / (wall_after - wall_before):.0f}/s); nodes connected {fleet.connected}, "
+        f"window {wall:.1f} s: {sent} heartbeats sent, {len(window)} acked "
+        f"({sent / wall:.0f}/s); nodes connected {fleet.connected}, "
         f"dropped {fleet.dropped - dropped_before}, errors {fleet.errors}; coordinator RSS "
-        f"{coordinator.memory_info().rss / 2**20:.0f} MiB",
+        f"{rss:.0f} MiB; load average {load_before:.1f} to {os.getloadavg()[0]:.1f}",
         flush=True,
     )
     if not window:
@@ -245,8 +268,10 @@ async def measure(args: argparse.Namespace, url: str, token: str, pid: int) -> s
     for task in list(fleet.tasks):
         task.cancel()
     await asyncio.gather(*fleet.tasks, return_exceptions=True)
+    print("cpu % of one core: " + ", ".join(f"{g} {v:.1f}" for g, v in shares.items()))
     live = fleet.connected - fleet.dropped
-    return f"nodes: {live} cpu: {cpu_share:.1f}% p99_ms: {percentile(window, 0.99):.1f}"
+    busiest = max(shares[group] for group in coordinators)
+    return f"nodes: {live} cpu: {busiest:.1f}% p99_ms: {percentile(window, 0.99):.1f}"
 
 
 def _run(coro):  # type: ignore[no-untyped-def]
@@ -257,26 +282,34 @@ def _run(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def _cpu(process: psutil.Process) -> float:
-    times = process.cpu_times()
-    return float(times.user + times.system)
+def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of each group's processes (gone ones: 0)."""
+    totals: dict[str, float] = {}
+    for group, group_pids in pids.items():
+        total = 0.0
+        for pid in group_pids:
+            try:
+                times = psutil.Process(pid).cpu_times()
+                total += times.user + times.system
+            except psutil.Error:
+                pass
+        totals[group] = total
+    return totals
+
+
+def _rss_mib(pid: int) -> float:
+    try:
+        return float(psutil.Process(pid).memory_info().rss) / 2**20
+    except psutil.Error:
+        return 0.0
+
+
+def _service_pids(name: str) -> list[int]:
+    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "") == name]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--nodes", type=int, default=10_000)
-    parser.add_argument("--window", type=float, default=60.0, help="measured seconds")
-    parser.add_argument("--interval", type=float, default=15.0, help="heartbeat seconds")
-    parser.add_argument("--settle", type=float, default=20.0, help="seconds before the window")
-    parser.add_argument("--connect-rate", type=float, default=250.0, help="new nodes per second")
-    parser.add_argument(
-        "--coordinator-env",
-        action="append",
-        default=[],
-        metavar="IDLEGRID_X=Y",
-        help="a setting for the coordinator (repeatable)",
-    )
-    args = parser.parse_args()
+    args = _parse_args()
     limit = raise_open_files_limit()
     if limit < args.nodes + 1000:
         raise SystemExit(f"open-files limit {limit} is too low for {args.nodes} nodes")
@@ -289,21 +322,119 @@ def main() -> None:
         "IDLEGRID_NODE_REGISTRATIONS_PER_ADDRESS_PER_HOUR": str(args.nodes),
     }
     extra_env.update(item.split("=", 1) for item in args.coordinator_env)
-    print(f"open-files limit {limit}; {args.nodes} nodes, heartbeat every {args.interval} s")
-    with (
-        tempfile.TemporaryDirectory(prefix="idlegrid-fleet-") as tmp,
-        LocalGrid(
-            Path(tmp),
-            heartbeat_s=args.interval,
-            node_timeout_s=3 * args.interval,
-            extra_env=extra_env,
-        ) as grid,
-    ):
-        assert grid.coordinator is not None
-        token = grid.create_token(kind="node", account="fleet")["token"]
-        # uvloop when installed, as uvicorn uses it in the coordinator.
-        line = _run(measure(args, grid.url, token, grid.coordinator.pid))
+    where = (
+        f"{args.coordinators} coordinators (PostgreSQL + Redis)"
+        if args.coordinators
+        else "one coordinator (SQLite, in-process broker)"
+    )
+    print(
+        f"open-files limit {limit}; {args.nodes} nodes, heartbeat every {args.interval} s; {where}"
+    )
+    schema = f"fleet_{uuid.uuid4().hex[:12]}"
+    prefix = f"idlegrid-fleet:{schema}:"
+    production: dict[str, Any] = {}
+    if args.coordinators:
+        production = dict(
+            database=args.database, database_schema=schema, redis=args.redis, redis_prefix=prefix
+        )
+    try:
+        with (
+            tempfile.TemporaryDirectory(prefix="idlegrid-fleet-") as tmp,
+            LocalGrid(
+                args.logs or Path(tmp),
+                heartbeat_s=args.interval,
+                node_timeout_s=3 * args.interval,
+                extra_env=extra_env,
+                **production,
+            ) as grid,
+        ):
+            for _ in range(args.coordinators - 1):
+                grid.add_coordinator()
+            token = grid.create_token(kind="node", account="fleet")["token"]
+            # uvloop when installed, as uvicorn uses it in the coordinator.
+            line = _run(measure(args, grid.urls, token, _measured_pids(grid, production)))
+    finally:
+        if production:
+            asyncio.run(_drop(args.database, schema, args.redis, prefix))
     print(line)
+
+
+def _parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", type=int, default=10_000)
+    parser.add_argument("--window", type=float, default=60.0, help="measured seconds")
+    parser.add_argument("--interval", type=float, default=15.0, help="heartbeat seconds")
+    parser.add_argument("--settle", type=float, default=20.0, help="seconds before the window")
+    parser.add_argument("--connect-rate", type=float, default=250.0, help="new nodes per second")
+    parser.add_argument(
+        "--coordinator-env",
+        action="append",
+        default=[],
+        metavar="IDLEGRID_X=Y",
+        help="a setting for the coordinators (repeatable)",
+    )
+    parser.add_argument(
+        "--coordinators",
+        type=int,
+        default=0,
+        help="coordinator processes on PostgreSQL + Redis (default: one on SQLite)",
+    )
+    parser.add_argument(
+        "--pending",
+        type=int,
+        help="hellos awaiting their welcome at once (default: the connect rate on SQLite; "
+        "10 a coordinator on PostgreSQL, within each one's pool of 10 connections, as a "
+        "PostgreSQL shared with others may refuse more)",
+    )
+    parser.add_argument(
+        "--logs",
+        type=Path,
+        help="keep the coordinators' logs (and data) in this directory (default: removed)",
+    )
+    parser.add_argument("--database", default="postgresql://postgres@127.0.0.1:5432/test")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    args = parser.parse_args()
+    if args.coordinators < 0:
+        parser.error("--coordinators must be 1 or more (or left out: one on SQLite)")
+    if args.nodes < 1:
+        parser.error("--nodes must be at least 1")
+    if args.pending is None:
+        args.pending = 10 * args.coordinators if args.coordinators else int(args.connect_rate)
+    elif args.pending < 1:
+        parser.error("--pending must be at least 1")
+    return args
+
+
+def _measured_pids(grid: LocalGrid, production: dict[str, Any]) -> dict[str, list[int]]:
+    """Each coordinator's process, this one (the simulated fleet), and in production mode
+    PostgreSQL's and Redis's (all of theirs on this machine, whoever they serve)."""
+    processes = [p for p in [grid.coordinator, *grid.others.values()] if p is not None]
+    if not production:
+        return {"coordinator": [processes[0].pid], "simulator": [os.getpid()]}
+    pids = {f"coordinator {i + 1}": [proc.pid] for i, proc in enumerate(processes)}
+    pids["simulator"] = [os.getpid()]
+    pids["postgres"] = _service_pids("postgres")
+    pids["redis"] = _service_pids("redis-server")
+    return pids
+
+
+async def _drop(database: str, schema: str, redis_url: str, prefix: str) -> None:
+    """Remove the run's schema and Redis keys."""
+    import asyncpg
+    import redis.asyncio as redis
+
+    conn = await asyncpg.connect(database)
+    try:
+        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        await conn.close()
+    client = redis.Redis.from_url(redis_url)
+    try:
+        keys = [key async for key in client.scan_iter(match=prefix + "*")]
+        if keys:
+            await client.delete(*keys)
+    finally:
+        await client.aclose()
 
 
 if __name__ == "__main__":

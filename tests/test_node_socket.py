@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Iterator
@@ -404,6 +405,32 @@ def test_every_heartbeat_is_acknowledged_with_its_seq(connect: Any) -> None:
     node.send(type="heartbeat")  # an older worker's heartbeat: acknowledged with zeros
     node.expect("heartbeat_ack", seq=0, sent_at=0.0)
     node.sync()
+
+
+def test_a_heartbeat_is_answered_before_its_presence_is_recorded(
+    api: Api, connect: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a shared broker recording presence is a round trip; the answer goes first,
+    and the next frame is read once the presence is recorded."""
+    node = connect()
+    node_id = node.join()["node_id"]
+    grid = api.client.app.state.grid  # type: ignore[attr-defined]
+    broker_up = asyncio.Event()
+    recorded: list[int] = []
+    node_seen = grid.broker.node_seen
+
+    async def slow_node_seen(seen_id: int, at: float, *, owner: str = "") -> None:
+        await broker_up.wait()
+        recorded.append(seen_id)
+        await node_seen(seen_id, at, owner=owner)
+
+    monkeypatch.setattr(grid.broker, "node_seen", slow_node_seen)
+    node.send(type="heartbeat", seq=1, sent_at=5.0)
+    node.expect("heartbeat_ack", seq=1, sent_at=5.0)
+    assert recorded == []
+    node.ws.portal.call(broker_up.set)
+    node.sync()
+    assert recorded == [node_id, node_id]  # the heartbeat's, then the sync frame's
 
 
 def test_cancelled_job_tells_the_node(api: Api, connect: Any, researcher: str) -> None:

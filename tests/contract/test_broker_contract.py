@@ -90,6 +90,33 @@ async def test_connections_belong_to_the_process_that_heard_the_node(broker: Bro
     assert await broker.presence() == {1: 2.0, 3: 1.0}
 
 
+async def test_silent_nodes_are_those_last_heard_before_the_bound(broker: Broker) -> None:
+    assert await broker.silent_nodes(before=100.0) == []
+    await broker.node_seen(1, 10.0)
+    await broker.node_seen(2, 20.0, owner="proc-a")
+    await broker.node_seen(3, 30.5)
+    assert await broker.silent_nodes(before=20.0) == [1]  # heard at the bound: not silent
+    assert sorted(await broker.silent_nodes(before=30.75)) == [1, 2, 3]
+    await broker.node_seen(1, 40.0)
+    await broker.forget_node(3)
+    assert await broker.silent_nodes(before=30.75) == [2]
+
+
+async def test_presence_of_many_concurrent_callers_is_each_ones_latest(broker: Broker) -> None:
+    """As a fleet's heartbeats arrive: many calls at once, several for one node."""
+    calls = [
+        broker.node_seen(node, at, owner=f"proc-{node % 3}")
+        for at in (3.0, 1.0, 2.0)
+        for node in range(1, 301)
+    ]
+    await asyncio.gather(*calls)
+    await broker.node_seen(7, 0.5, owner="proc-x")  # older news, from another process
+    presence = await broker.presence()
+    assert presence == {node: 3.0 for node in range(1, 301)}
+    connections = await broker.connections()
+    assert connections == {node: "proc-x" if node == 7 else f"proc-{node % 3}" for node in presence}
+
+
 # -- messages -----------------------------------------------------------------------------
 
 

@@ -47,6 +47,10 @@ class Broker(Protocol):
     async def presence(self) -> dict[int, float]:
         """Last time each known node was heard from."""
 
+    async def silent_nodes(self, *, before: float) -> list[int]:
+        """Known nodes last heard from before `before`: found without reading the fleet,
+        as every process looks for them every pass."""
+
     async def forget_node(self, node_id: int) -> None:
         """Drop a node's presence and connection (it went offline)."""
 

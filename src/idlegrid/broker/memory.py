@@ -64,6 +64,9 @@ class MemoryBroker:
     async def presence(self) -> dict[int, float]:
         return dict(self._seen)
 
+    async def silent_nodes(self, *, before: float) -> list[int]:
+        return [node_id for node_id, seen in self._seen.items() if seen < before]
+
     async def forget_node(self, node_id: int) -> None:
         self._seen.pop(node_id, None)
         self._owners.pop(node_id, None)

@@ -5,7 +5,7 @@ Keys (all under one prefix, so grids or test runs can share a Redis server):
     {prefix}ready           sorted set of ready task ids, scored by id (oldest first)
     {prefix}ready:entries   hash: task id -> the ReadyTask as JSON
     {prefix}ready:built     marker: the queue was filled from the SQL store
-    {prefix}seen            hash: node id -> last time it was heard from
+    {prefix}presence        sorted set of node ids, scored by the last time each was heard from
     {prefix}owners          hash: node id -> the coordinator process holding its connection
     {prefix}ch:{channel}    pub/sub channels between coordinator processes
 
@@ -20,7 +20,7 @@ import contextlib
 import dataclasses
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import redis.asyncio as redis
@@ -34,6 +34,8 @@ from idlegrid.store.base import ReadyTask
 log = logging.getLogger(__name__)
 
 _CHUNK = 5000
+_POOL_CONNECTIONS = 100
+_POOL_WAIT_S = 10.0
 _RESUBSCRIBE_S = 1.0
 
 # Oldest `limit` entries in one round trip.
@@ -41,17 +43,6 @@ _CANDIDATES = """
 local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[1]) - 1)
 if #ids == 0 then return {} end
 return redis.call('HMGET', KEYS[2], unpack(ids))
-"""
-# Last-seen times only move forward, whichever process writes last; the connection
-# belongs to the process that heard from the node (heartbeats rebuild it after a flush).
-_SEEN = """
-local old = redis.call('HGET', KEYS[1], ARGV[1])
-if (not old) or tonumber(old) < tonumber(ARGV[2]) then
-  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-end
-if ARGV[3] ~= '' then
-  redis.call('HSET', KEYS[2], ARGV[1], ARGV[3])
-end
 """
 # A process forgets a connection only if it still holds it (the node may have moved on).
 _RELEASE = """
@@ -81,21 +72,26 @@ class RedisBroker:
         self.url = url
         self.prefix = prefix
         # A few quick retries: while Redis is away a caller should fail in about a second
-        # (the SQL store carries on), not wait out the client's default ten.
-        self.client: redis.Redis = redis.Redis.from_url(
+        # (the SQL store carries on), not wait out the client's default ten. Calls beyond
+        # the pool's connections wait for one: thousands of nodes connecting or dropping
+        # at once would otherwise fail where the default pool is full.
+        pool = redis.BlockingConnectionPool.from_url(
             url,
             decode_responses=True,
             socket_connect_timeout=2,
             health_check_interval=30,
             retry=Retry(ExponentialWithJitterBackoff(base=0.05, cap=0.5), retries=3),
+            max_connections=_POOL_CONNECTIONS,
+            timeout=_POOL_WAIT_S,
         )
+        self.client: redis.Redis = redis.Redis.from_pool(pool)
         self._ready = prefix + "ready"
         self._entries = prefix + "ready:entries"
         self._built = prefix + "ready:built"
-        self._seen = prefix + "seen"
+        self._seen = prefix + "presence"
         self._owners = prefix + "owners"
         self._candidates = self.client.register_script(_CANDIDATES)
-        self._seen_script = self.client.register_script(_SEEN)
+        self._presence = _PresenceWriter(self._write_presence)
         self._release = self.client.register_script(_RELEASE)
         self._hold = self.client.register_script(_HOLD)
         self._let_go = self.client.register_script(_LET_GO)
@@ -138,20 +134,36 @@ class RedisBroker:
     # -- nodes --------------------------------------------------------------------------------
 
     async def node_seen(self, node_id: int, at: float, *, owner: str = "") -> None:
-        await self._seen_script(keys=[self._seen, self._owners], args=[node_id, repr(at), owner])
+        await self._presence.add(node_id, at, owner)
+
+    async def _write_presence(self, seen: dict[int, float], owners: dict[int, str]) -> None:
+        """One batch of `node_seen`: last-seen times only move forward (ZADD GT), whichever
+        process writes last; a connection belongs to the process that heard from the node
+        last (heartbeats rebuild both after a flush)."""
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.zadd(self._seen, {str(node_id): at for node_id, at in seen.items()}, gt=True)
+            if owners:
+                pipe.hset(self._owners, mapping={str(n): owner for n, owner in owners.items()})
+            await pipe.execute()
 
     async def presence(self) -> dict[int, float]:
-        # redis-py types hgetall as sync-or-async (one client class for both).
-        seen: dict[Any, Any] = await self.client.hgetall(self._seen)  # type: ignore[misc]
-        return {int(node_id): float(at) for node_id, at in seen.items()}
+        # redis-py types its replies as any a command may give.
+        seen: list[Any] = await self.client.zrange(self._seen, 0, -1, withscores=True)
+        return {int(node_id): float(at) for node_id, at in seen}
+
+    async def silent_nodes(self, *, before: float) -> list[int]:
+        silent: list[Any] = await self.client.zrangebyscore(self._seen, "-inf", f"({before!r}")
+        return [int(node_id) for node_id in silent]
 
     async def forget_node(self, node_id: int) -> None:
+        await self._presence.settled()  # a heartbeat's write under way lands first
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.hdel(self._seen, str(node_id))
+            pipe.zrem(self._seen, str(node_id))
             pipe.hdel(self._owners, str(node_id))
             await pipe.execute()
 
     async def node_disconnected(self, node_id: int, owner: str) -> None:
+        await self._presence.settled()
         await self._release(keys=[self._owners], args=[node_id, owner])
 
     async def connections(self) -> dict[int, str]:
@@ -185,7 +197,67 @@ class RedisBroker:
         return f"{self.prefix}ch:{channel}"
 
     async def close(self) -> None:
+        await self._presence.settled()
         await self.client.aclose()
+
+
+class _PresenceWriter:
+    """The `node_seen` calls of this process, written to Redis together.
+
+    A fleet sends each process hundreds of heartbeats a second, each one a `node_seen`;
+    a round trip apiece would be most of what a heartbeat costs the coordinator. A call
+    made while a write is under way joins the next batch, written as soon as that write
+    returns; a call made while none is under way is written at once (no wait at low
+    rates). Either way `add` returns once its update is in Redis, or raises the batch's
+    error, as a write of its own would.
+    """
+
+    def __init__(self, write: Callable[[dict[int, float], dict[int, str]], Awaitable[None]]):
+        self._write = write
+        self._seen: dict[int, float] = {}
+        self._owners: dict[int, str] = {}
+        self._written: asyncio.Future[None] | None = None  # of the batch being gathered
+        self._task: asyncio.Task[None] | None = None
+
+    async def add(self, node_id: int, at: float, owner: str) -> None:
+        self._seen[node_id] = max(at, self._seen.get(node_id, at))
+        if owner:
+            self._owners[node_id] = owner
+        if self._written is None:
+            self._written = asyncio.get_running_loop().create_future()
+        written = self._written
+        if self._task is None:
+            self._task = asyncio.create_task(self._drain(), name="presence-writer")
+        # Shielded: a caller that goes away (its connection closed) leaves the batch to
+        # the others.
+        await asyncio.shield(written)
+
+    async def settled(self) -> None:
+        """Wait until the writes under way are done (whatever their outcome)."""
+        while self._task is not None:
+            await asyncio.wait([self._task])
+
+    async def _drain(self) -> None:
+        try:
+            while self._written is not None:
+                seen, owners, written = self._seen, self._owners, self._written
+                self._seen, self._owners, self._written = {}, {}, None
+                try:
+                    await self._write(seen, owners)
+                except Exception as exc:
+                    written.set_exception(exc)
+                    written.exception()  # retrieved: its callers may all have gone
+                except BaseException:
+                    written.cancel()
+                    raise
+                else:
+                    written.set_result(None)
+        finally:
+            self._task = None
+            if self._written is not None:  # cancelled (shutdown): nobody will write these
+                self._written.cancel()
+                self._written = None
+                self._seen, self._owners = {}, {}
 
 
 class _Subscription:

@@ -42,11 +42,7 @@ async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
     Every process closes its own connections to them; the `leader` also records it.
     """
     now = grid.clock()
-    silent = [
-        node_id
-        for node_id, seen in (await grid.broker.presence()).items()
-        if now - seen > grid.settings.node_timeout_s
-    ]
+    silent = await grid.broker.silent_nodes(before=now - grid.settings.node_timeout_s)
     for node_id in silent:
         session = grid.hub.get(node_id)
         if session is not None:

@@ -184,12 +184,19 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
             text = await _receive(websocket)
             if text is None:
                 continue
-            await peers.heard_from(grid.context, session)
             try:
                 msg = protocol.parse_node_message(text)
             except protocol.ProtocolError as exc:
+                await peers.heard_from(grid.context, session)
                 await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
                 continue
+            if isinstance(msg, protocol.Heartbeat):
+                # Answered first: with a shared broker, recording presence is a round trip,
+                # which the node's round trip need not include.
+                await _handle_safely(grid, session, msg)
+                await peers.heard_from(grid.context, session)
+                continue
+            await peers.heard_from(grid.context, session)
             if not isinstance(msg, protocol.Result | protocol.Results):
                 await _handle_safely(grid, session, msg)
                 continue
