@@ -54,6 +54,13 @@ class BlobStore:
     def size(self, blob_hash: str) -> int:
         return self.path(blob_hash).stat().st_size
 
+    def file(self, blob_hash: str) -> Path:
+        """The blob's file, to stream from (a 404 BlobError if it is not stored)."""
+        path = self.path(blob_hash)
+        if not path.is_file():
+            raise BlobError(404, f"no blob {blob_hash}")
+        return path
+
     def read(self, blob_hash: str) -> bytes:
         try:
             return self.path(blob_hash).read_bytes()

@@ -93,6 +93,36 @@ class CoordinatorSettings:
     gc_young_s: float = 1.0
     gc_freeze_s: float = 30.0
     gc_full_s: float = 3600.0
+    # Limits per client (docs/operations.md, "Limits"). A node socket's frames are
+    # refused as they are read: past hello_max_bytes before its hello is accepted, past
+    # max_frame_bytes after. Its hello must come within hello_timeout_s of opening.
+    hello_max_bytes: int = 64 * 1024
+    max_frame_bytes: int = 1 * MIB
+    hello_timeout_s: float = 10.0
+    # Node sockets not yet past their hello: in all, and from one address.
+    max_pending_sockets: int = 256
+    max_pending_sockets_per_address: int = 16
+    # Open connections (HTTP and WebSocket) from one address; 0: no cap (set 0 behind a
+    # proxy, whose address every connection has, and cap per client in the proxy).
+    max_connections_per_address: int = 128
+    # A request's head (request line and headers) must arrive whole within this long
+    # and this size; an idle kept-alive connection closes after keep_alive_timeout_s.
+    request_head_timeout_s: float = 10.0
+    max_request_head_bytes: int = 64 * 1024
+    keep_alive_timeout_s: float = 5.0
+    # Failed authentications (unknown token) from one address within auth_failure_window_s,
+    # past which that address is answered 429 until the window has room again.
+    auth_failures_per_address: int = 30
+    auth_failure_window_s: float = 60.0
+    # Quotas of each account (admins have none): blobs it uploaded (bytes and count),
+    # shards of one job, jobs queued or running, live tokens.
+    quota_blob_bytes: int = 10 * 1024 * MIB
+    quota_blobs: int = 10_000
+    quota_shards_per_job: int = 10_000
+    quota_open_jobs: int = 100
+    quota_tokens: int = 200
+    # /metrics answers these addresses (or networks, e.g. 10.0.0.0/8) and admin tokens.
+    metrics_allow: tuple[str, ...] = ("127.0.0.1", "::1")
     # The web dashboard (src/idlegrid/dashboard): anyone may sign up when open (else an
     # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
     web_open_signup: bool = True

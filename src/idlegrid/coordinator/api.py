@@ -5,15 +5,17 @@ Every error is JSON: {"error": <code>, "message": <human-readable text>}.
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from idlegrid.blobs import BlobError, is_blob_hash
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.intake import JobInputError
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
@@ -28,31 +30,64 @@ from idlegrid.store.base import (
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message}, status_code=status)
+def error_response(
+    status: int, code: str, message: str, *, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
 
 
 def grid_of(request: Request) -> Grid:
     return request.app.state.grid  # type: ignore[no-any-return]
 
 
+def guard_of(request: Request) -> Guard:
+    return request.app.state.guard  # type: ignore[no-any-return]
+
+
 async def caller(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> TokenInfo:
-    """Whoever holds the bearer token (researcher or node)."""
+    """Whoever holds the bearer token (researcher or node).
+
+    Unknown tokens count against the caller's address: past `auth_failures_per_address`
+    in `auth_failure_window_s` it gets 429 whatever token it sends."""
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(401, "unauthorized", "missing 'Authorization: Bearer <token>' header")
+    failures = guard_of(request).auth
+    address = request.client.host if request.client else ""
+    wait_s = failures.retry_after_s(address)
+    if wait_s > 0:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"too many unknown tokens from this address (auth_failures_per_address "
+            f"{failures.limit} in {failures.window_s:g} s); try again in {wait_s:.0f} s",
+            headers={"Retry-After": str(math.ceil(wait_s))},
+        )
     token = await grid_of(request).store.find_token(hash_token(authorization[7:].strip()))
     if token is None:
+        failures.failed(address)
         raise ApiError(401, "unauthorized", "unknown or revoked token")
     return token
+
+
+async def metrics_reader(request: Request) -> None:
+    """/metrics: an address the `metrics_allow` setting names, or an admin token."""
+    if request.client is not None and request.client.host in guard_of(request).metrics_allow:
+        return
+    token = await caller(request, request.headers.get("authorization"))
+    if not token.is_admin:
+        raise ApiError(403, "forbidden", "metrics need an admin token or an allowed address")
 
 
 async def researcher(token: Annotated[TokenInfo, Depends(caller)]) -> TokenInfo:
@@ -260,8 +295,9 @@ async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
     job = await _own_job(grid, token, job_id)
     if job.result_hash is None:
         raise ApiError(409, "not_ready", _no_result(job))
-    return Response(
-        grid.blobs.read(job.result_hash),
+    # Streamed from disk (in chunks, as the client reads), never read whole into memory.
+    return FileResponse(
+        grid.blobs.file(job.result_hash),
         media_type=get_kind(job.kind).result_media_type,
         headers={"X-Idlegrid-Sha256": job.result_hash},
     )
@@ -374,7 +410,7 @@ async def get_blob(
 ) -> Response:
     """Download a blob by its SHA-256 (a worker names its node: the scheduler's locality)."""
     try:
-        data = grid.blobs.read(blob_hash)
+        path = grid.blobs.file(blob_hash)
     except BlobError as exc:
         raise ApiError(
             exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
@@ -383,7 +419,9 @@ async def get_blob(
         session = grid.hub.get(x_idlegrid_node)
         if session is not None and session.account_id == token.account_id:
             session.hold(blob_hash)
-    return Response(data, media_type="application/octet-stream")
+    # Streamed from disk as the client reads (Range requests too): memory stays flat
+    # however many slow clients download at once.
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.head("/blobs/{blob_hash}", tags=["blobs"])

@@ -19,6 +19,7 @@ from idlegrid.broker import open_broker
 from idlegrid.coordinator import api, metrics
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.monitor import Monitor
 from idlegrid.coordinator.nodes import node_socket
 from idlegrid.settings import CoordinatorSettings
@@ -75,6 +76,7 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
         docs_url=None,
         redoc_url=None,
     )
+    app.state.guard = Guard.from_settings(settings)
     app.include_router(api.router)
     _install_api_docs(app)
     dashboard.mount(app, settings)
@@ -89,13 +91,16 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
 
     @app.get("/metrics", tags=["meta"], response_class=Response)
     async def prometheus_metrics(request: Request) -> Response:
-        """Prometheus metrics of this coordinator process (text exposition format)."""
+        """Prometheus metrics of this coordinator process (text exposition format).
+
+        For the addresses in the `metrics_allow` setting, and for admin tokens."""
+        await api.metrics_reader(request)
         text = await metrics.render(request.app.state.grid.context)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     @app.websocket("/v1/nodes/ws")
     async def nodes_ws(websocket: WebSocket) -> None:
-        await node_socket(websocket, websocket.app.state.grid)
+        await node_socket(websocket, websocket.app.state.grid, websocket.app.state.guard)
 
     return app
 
@@ -154,7 +159,7 @@ async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(api.ApiError)
     async def on_api_error(request: Request, exc: api.ApiError) -> Any:
-        return api.error_response(exc.status, exc.code, exc.message)
+        return api.error_response(exc.status, exc.code, exc.message, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> Any:
