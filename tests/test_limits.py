@@ -211,3 +211,55 @@ def test_blob_downloads_stream_from_disk_with_ranges(api: Api) -> None:
         f"/v1/blobs/{blob_hash}", headers={**api.admin, "Range": "bytes=1000-1999"}
     )
     assert ranged.status_code == 206 and ranged.content == data[1000:2000]
+
+
+# -- quotas ---------------------------------------------------------------------------------
+
+
+def _quota_error(response: Any, status: int, setting: str) -> None:
+    assert response.status_code == status, response.text
+    assert response.json()["error"] == "quota_exceeded"
+    assert setting in response.json()["message"]
+
+
+def test_tokens_per_account_are_capped(limited: Any) -> None:
+    api = limited(quota_tokens=2)
+    alice = api.token(account="alice")
+    api.token(account="alice", kind="node")
+    _quota_error(
+        api.client.post("/v1/tokens", json={}, headers=bearer(alice)), 429, "quota_tokens 2"
+    )
+    made_by_admin = api.client.post("/v1/tokens", json={"account": "alice"}, headers=api.admin)
+    _quota_error(made_by_admin, 429, "quota_tokens 2")
+    token_id = api.client.get("/v1/tokens", headers=bearer(alice)).json()[1]["id"]
+    api.client.delete(f"/v1/tokens/{token_id}", headers=bearer(alice))
+    assert api.client.post("/v1/tokens", json={}, headers=bearer(alice)).status_code == 201
+    for _ in range(3):  # admins have no quotas
+        assert api.client.post("/v1/tokens", json={}, headers=api.admin).status_code == 201
+
+
+def test_open_jobs_per_account_are_capped(limited: Any) -> None:
+    api = limited(quota_open_jobs=1)
+    alice = api.token(account="alice")
+    body = {"kind": "sleep", "params": {"tasks": 1, "seconds": 0}}
+    first = api.submit(alice, **body)
+    _quota_error(
+        api.client.post("/v1/jobs", json=body, headers=bearer(alice)), 429, "quota_open_jobs 1"
+    )
+    api.client.post(f"/v1/jobs/{first['id']}/cancel", headers=bearer(alice))
+    api.submit(alice, **body)
+    api.submit(api.admin_token, **body)
+    api.submit(api.admin_token, **body)
+
+
+def test_shards_per_job_are_capped_before_any_is_stored(limited: Any) -> None:
+    api = limited(quota_shards_per_job=5)
+    alice = api.token(account="alice")
+    blob_dir = api.settings.blob_dir
+    stored_before = sum(1 for p in blob_dir.rglob("*") if p.is_file())
+    body = {"kind": "sleep", "params": {"tasks": 6, "seconds": 0}}
+    response = api.client.post("/v1/jobs", json=body, headers=bearer(alice))
+    _quota_error(response, 413, "quota_shards_per_job 5")
+    assert sum(1 for p in blob_dir.rglob("*") if p.is_file()) == stored_before
+    assert api.submit(alice, kind="sleep", params={"tasks": 5, "seconds": 0})["shards_total"] == 5
+    assert api.submit(api.admin_token, **body)["shards_total"] == 6

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from idlegrid.policy.quotas import Quotas
 from idlegrid.policy.trust import TrustSettings
 
 T = TypeVar("T")
@@ -150,6 +151,16 @@ class CoordinatorSettings:
             min_credibility=self.min_credibility,
             initial_daily_quota=self.initial_daily_quota,
             suspend_after_invalids=self.suspend_after_invalids,
+        )
+
+    @property
+    def quotas(self) -> Quotas:
+        return Quotas(
+            blob_bytes=self.quota_blob_bytes,
+            blobs=self.quota_blobs,
+            shards_per_job=self.quota_shards_per_job,
+            open_jobs=self.quota_open_jobs,
+            tokens=self.quota_tokens,
         )
 
     @property

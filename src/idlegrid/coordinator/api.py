@@ -13,10 +13,12 @@ from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from idlegrid.blobs import BlobError, is_blob_hash
+from idlegrid.coordinator import quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.intake import JobInputError
+from idlegrid.coordinator.quotas import QuotaExceeded
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average
@@ -241,6 +243,8 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
         raise ApiError(422, "invalid_params", _validation_message(exc)) from None
     except (InputError, JobInputError) as exc:
         raise ApiError(422, "invalid_input", str(exc)) from None
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     out = await _job_out(grid, job, with_shards=False)
     out.waiting_for = await grid.waiting_for(job)
     out.warnings = _submission_warnings(job, out.waiting_for)
@@ -460,6 +464,10 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
                 account = await grid.store.get_account(body.account)
                 assert account is not None
         account_id, account_name = account.id, account.name
+    try:
+        await quotas.check_new_token(grid.store, grid.settings, account_id)
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     secret = new_token(body.kind)
     token_id = await grid.store.add_token(
         account_id,

@@ -8,6 +8,7 @@ from typing import Annotated, Literal, cast
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from idlegrid.coordinator import quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.dashboard import security
 from idlegrid.dashboard.pages import (
@@ -211,6 +212,11 @@ async def make_token(
     request: Request, account_id: int, *, kind: Literal["api", "node"], label: str
 ) -> str:
     """A new token of the account: its secret, to be shown once."""
+    grid = grid_of(request)
+    try:
+        await quotas.check_new_token(grid.store, grid.settings, account_id)
+    except quotas.QuotaExceeded as exc:
+        raise PageError(exc.status, exc.message) from None
     secret = new_token(kind)
     await grid_of(request).store.add_token(
         account_id,

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from idlegrid.blobs import BlobError
 from idlegrid.coordinator.api import job_out
 from idlegrid.coordinator.grid import JobInputError
+from idlegrid.coordinator.quotas import QuotaExceeded
 from idlegrid.dashboard.pages import (
     Csrf,
     PageError,
@@ -314,6 +315,8 @@ async def _submit(
         error = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
     except (InputError, JobInputError) as exc:
         error = str(exc)
+    except QuotaExceeded as exc:
+        error = exc.message
     else:
         return redirect(request, f"/research/jobs/{job.id}", flash=f"Job {job.id} submitted.")
     return await _new_job(request, session, kind, error=error, values=values, status=422)

@@ -72,6 +72,14 @@ async def list_jobs(
     return [job for i in ids if (job := await rows.job(conn, i)) is not None]
 
 
+async def count_open_jobs(conn: AsyncConnection, account_id: int) -> int:
+    open_states = (JobState.QUEUED.value, JobState.RUNNING.value)
+    query = select(func.count()).where(
+        jobs.c.account_id == account_id, jobs.c.state.in_(open_states)
+    )
+    return int((await conn.execute(query)).scalar_one())
+
+
 async def list_shards(conn: AsyncConnection, job_id: int) -> list[ShardRecord]:
     live = (
         select(func.count())

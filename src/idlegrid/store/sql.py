@@ -389,6 +389,10 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         async with self._read() as conn:
             return await job_sql.list_shards(conn, job_id)
 
+    async def count_open_jobs(self, account_id: int) -> int:
+        async with self._read() as conn:
+            return await job_sql.count_open_jobs(conn, account_id)
+
     async def cancel_job(self, job_id: int, *, now: float) -> list[NodeTask]:
         return await self._end_job(job_id, JobState.CANCELLED, error=None, now=now)
 
