@@ -124,6 +124,9 @@ class CoordinatorSettings:
     quota_tokens: int = 200
     # /metrics answers these addresses (or networks, e.g. 10.0.0.0/8) and admin tokens.
     metrics_allow: tuple[str, ...] = ("127.0.0.1", "::1")
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto headers are believed: behind
+    # them a client's address (for the limits above) is the one they forwarded.
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
     # The web dashboard (src/idlegrid/dashboard): anyone may sign up when open (else an
     # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
     web_open_signup: bool = True

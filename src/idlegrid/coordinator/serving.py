@@ -191,5 +191,7 @@ def uvicorn_config(app: Any, settings: CoordinatorSettings, *, log_level: str) -
         # timeout: WebSocket pings from this side would double the frames of an idle fleet.
         ws_ping_interval=None,
         timeout_keep_alive=max(1, math.ceil(settings.keep_alive_timeout_s)),
+        proxy_headers=True,
+        forwarded_allow_ips=list(settings.trusted_proxies),
         timeout_graceful_shutdown=5,
     )
