@@ -299,9 +299,13 @@ async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
     job = await _own_job(grid, token, job_id)
     if job.result_hash is None:
         raise ApiError(409, "not_ready", _no_result(job))
+    try:
+        path = grid.blobs.file(job.result_hash)
+    except BlobError as exc:
+        raise ApiError(404, "not_found", f"job {job_id}'s result is gone: {exc.message}") from None
     # Streamed from disk (in chunks, as the client reads), never read whole into memory.
     return FileResponse(
-        grid.blobs.file(job.result_hash),
+        path,
         media_type=get_kind(job.kind).result_media_type,
         headers={"X-Idlegrid-Sha256": job.result_hash},
     )

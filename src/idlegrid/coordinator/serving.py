@@ -83,7 +83,9 @@ def protocols(
     class GuardedHttp(HttpToolsProtocol):
         _head_timer: asyncio.TimerHandle | None = None
         _awaiting_head = True
-        _head_bytes = 0
+        _head_bytes = 0  # bytes received since the head began (a head still arriving)
+        _head_size = 0  # its request line and headers as parsed (a head that ended)
+        _refused = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -103,21 +105,43 @@ def protocols(
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             # Counted before parsing, judged after: the parser clears `_awaiting_head`
             # when the head ends, so body bytes in the same chunk never count.
             if self._awaiting_head:
                 self._head_bytes += len(data)
             super().data_received(data)
             if self._awaiting_head and self._head_bytes > max_head_bytes:
-                message = f"request head over {max_head_bytes} bytes (max_request_head_bytes)"
-                self._refuse(431, "Request Header Fields Too Large", message)
+                self._refuse_large_head()
+
+        def on_message_begin(self) -> None:
+            self._head_size = 0
+            super().on_message_begin()
+
+        def on_url(self, url: bytes) -> None:
+            self._head_size += len(url)
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._head_size += len(name) + len(value) + 4
+            super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
             self._awaiting_head = False
             self._cancel_head_timer()
+            if self._head_size > max_head_bytes:  # it came whole, in one read
+                self._refuse_large_head()
+                return
             super().on_headers_complete()
 
+        def on_body(self, body: bytes) -> None:
+            if not self._refused:
+                super().on_body(body)
+
         def on_message_complete(self) -> None:
+            if self._refused:
+                return
             super().on_message_complete()
             self._awaiting_head, self._head_bytes = True, 0
 
@@ -145,7 +169,12 @@ def protocols(
             else:
                 self.transport.close()
 
+        def _refuse_large_head(self) -> None:
+            message = f"request head over {max_head_bytes} bytes (max_request_head_bytes)"
+            self._refuse(431, "Request Header Fields Too Large", message)
+
         def _refuse(self, status: int, phrase: str, message: str) -> None:
+            self._refused = True
             self._cancel_head_timer()
             if not self.transport.is_closing():
                 self.transport.write(_plain_response(status, phrase, message))
