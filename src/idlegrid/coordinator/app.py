@@ -172,8 +172,12 @@ def _install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "http_error"
         )
         if dashboard.wants_html(request):
-            return await dashboard.error_page(request, exc.status_code, str(exc.detail))
-        return api.error_response(exc.status_code, code, str(exc.detail))
+            page = await dashboard.error_page(request, exc.status_code, str(exc.detail))
+            page.headers.update(exc.headers or {})
+            return page
+        response = api.error_response(exc.status_code, code, str(exc.detail))
+        response.headers.update(exc.headers or {})  # a 405's Allow, a 401's WWW-Authenticate
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Any:

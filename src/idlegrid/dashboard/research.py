@@ -144,12 +144,13 @@ async def finish_upload(request: Request, upload_id: int, session: Researcher) -
     except (BlobError, OSError) as exc:
         await store.web_write(uploads.delete_upload, upload_id, session.account.id)
         return _json_error(422, f"the file could not be stored: {exc}")
+    now = grid_of(request).clock()
     await store.web_write(
-        uploads.finish_upload,
-        upload_id,
-        session.account.id,
-        blob_hash=blob_hash,
-        now=grid_of(request).clock(),
+        uploads.finish_upload, upload_id, session.account.id, blob_hash=blob_hash, now=now
+    )
+    # The blob is the account's: its API token reads it, and its jobs may name it.
+    await grid_of(request).store.add_blob_owner(
+        blob_hash, session.account.id, size=upload.size, now=now
     )
     return JSONResponse({"hash": blob_hash, "size": upload.size})
 
