@@ -96,6 +96,7 @@ def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 
 _MEANING = {
+    400: "the body could not be read as JSON",
     401: "no token, or an unknown or revoked one",
     403: "the token may not do this",
     404: "no such object, or not the caller's (the same answer)",
@@ -106,7 +107,7 @@ _MEANING = {
     429: "too many requests, or over a rate limit",
 }
 
-router = APIRouter(prefix="/v1", responses=_errors(401, 403, 404, 413, 422, 429))
+router = APIRouter(prefix="/v1", responses=_errors(400, 401, 403, 404, 413, 422, 429))
 
 
 # -- models --------------------------------------------------------------------------------
