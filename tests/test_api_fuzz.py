@@ -7,6 +7,8 @@ and anonymously; the test fails on any 5xx and on any answer the spec does not d
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from typing import Any
 import pytest
 import requests
 import schemathesis
+from helpers import wait_until
 from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
@@ -118,3 +121,31 @@ def test_a_wrong_method_is_405_with_allow(served: LocalGrid, http: requests.Sess
     response = http.patch(f"{served.url}/v1/jobs")
     assert response.status_code == 405
     assert set(response.headers["Allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+
+
+def test_a_client_leaving_mid_upload_is_one_log_line(served: LocalGrid) -> None:
+    blob_hash = "ab" * 32
+    host, port = served.url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(
+            f"PUT /v1/blobs/{blob_hash} HTTP/1.1\r\nHost: {host}\r\n"
+            f"Authorization: Bearer {served.admin_token}\r\n"
+            "Content-Length: 1000000\r\n\r\n".encode()
+            + b"x" * 65536
+        )
+        time.sleep(0.5)  # the coordinator reads some of the body
+    log = served.root / "coordinator.log"
+    wait_until(lambda: blob_hash in log.read_text(), "the upload's log line")
+    time.sleep(0.5)  # anything else it would log about it
+    lines = [line for line in log.read_text().splitlines() if blob_hash in line]
+    assert len(lines) == 1 and "client went away" in lines[0], lines
+    assert "Traceback" not in log.read_text()
+    assert not list((served.data_dir / "blobs" / "tmp").iterdir())  # no partial file left
+
+
+@pytest.mark.parametrize("path", ["/nodes/{}", "/users/{}", "/teams/{}"])
+def test_dashboard_ids_past_the_store_are_refused_not_500(
+    path: str, served: LocalGrid, http: requests.Session
+) -> None:
+    response = http.get(served.url + path.format(2**63))
+    assert response.status_code == 422, response.text
