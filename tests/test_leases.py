@@ -8,14 +8,17 @@ released in the same pass.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import sqlite3
 from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import FakeNode, fake_node
+from conftest import Api
+from helpers import NODE_WS, FakeNode, SocketNode, fake_node
 from pydantic import ValidationError
 
 from idlegrid import protocol
@@ -219,3 +222,43 @@ async def test_a_claim_that_cannot_be_sent_is_released_at_once(grid: Grid, clock
     (shard,) = await grid.store.list_shards(job_id)
     assert shard.live_tasks == 1  # a fresh task, ready for another node
     assert await grid.broker.ready_count() == 1
+
+
+# -- over the socket ----------------------------------------------------------------------
+
+
+def _lease_deadline(api: Api, task_id: int) -> float:
+    with contextlib.closing(sqlite3.connect(api.settings.data_dir / "idlegrid.db")) as db:
+        (deadline,) = db.execute("SELECT lease_deadline FROM tasks WHERE id = ?", (task_id,))
+    return float(deadline[0])
+
+
+def test_heartbeats_with_progress_do_not_extend_a_lease(api: Api) -> None:
+    with api.client.websocket_connect(NODE_WS) as ws:
+        node = SocketNode(api, ws, api.token(account="volunteer", kind="node"))
+        node.join()
+        api.submit(api.admin_token, kind="sleep", params={"tasks": 1, "seconds": 5.0})
+        task_id = node.take()["task_id"]
+        deadline = _lease_deadline(api, task_id)
+        for seq, progress in enumerate((0.1, 0.5, 0.99, 0.99, 0.99)):
+            node.send(
+                type="heartbeat", seq=seq, running=[{"task_id": task_id, "progress": progress}]
+            )
+            node.expect("heartbeat_ack")
+        node.send(type="status", state="paused", reason="user active")
+        node.sync()
+        assert _lease_deadline(api, task_id) == deadline
+
+
+@pytest.mark.parametrize("task_id", [2**31, 2**63, -1, 0])
+def test_task_ids_past_the_store_are_malformed_not_internal(api: Api, task_id: int) -> None:
+    with api.client.websocket_connect(NODE_WS) as ws:
+        node = SocketNode(api, ws, api.token(account="volunteer", kind="node"))
+        node.join()
+        output = "0" * 64
+        node.send(type="result", task_id=task_id, output=output, output_size=1, elapsed_s=1.0)
+        node.expect_error("malformed")
+        node.send(type="failure", task_id=task_id, reason="x")
+        node.expect_error("malformed")
+        node.send(type="heartbeat", running=[{"task_id": task_id, "progress": 0.5}])
+        node.expect_error("malformed")
