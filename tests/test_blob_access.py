@@ -9,11 +9,16 @@ may not read answers 404, as a missing one does.
 from __future__ import annotations
 
 import pytest
+from alembic import command
 from conftest import Api, bearer, sha
 from helpers import NODE_WS, SocketNode
+from sqlalchemy import insert
+from sqlalchemy.engine import Connection
 
 from idlegrid.kinds.sleep import _digest
 from idlegrid.store.base import Assignment, Claimer, NewJob, NewShard
+from idlegrid.store.migrate import alembic_config, upgrade
+from idlegrid.store.schema import uploads
 from idlegrid.store.sql import SqlStore
 
 MISSING = sha(b"a blob nobody uploaded")
@@ -162,3 +167,34 @@ async def test_an_account_owns_what_it_uploaded(store: SqlStore) -> None:
     await store.add_blob_owner(blob, alice.id, size=4, now=1.0)  # again: no change
     assert await store.owns_or_produced(alice.id, blob)
     assert not await store.owns_or_produced(bob.id, blob)
+
+
+async def test_the_migration_gives_existing_blobs_their_owners_and_jobs(store: SqlStore) -> None:
+    alice = await store.create_account("alice", is_admin=False, now=0.0)
+    uploaded, named = sha(b"uploaded in the browser"), sha(b"named by a job")
+    await store.create_job(
+        NewJob(
+            account_id=alice.id, kind="sleep", params={"tasks": 1}, inputs={"texts": named},
+            replication=1, min_quorum=1, max_attempts=3, priority=0,
+            shards=[NewShard(index=0, input_hash=sha(b"p"), input_size=1, items=1, cost_flops=1)],
+        ),
+        now=0.0,
+    )  # fmt: skip
+    async with store.engine.begin() as conn:
+        await conn.execute(
+            insert(uploads).values(
+                account_id=alice.id, name="texts.jsonl", purpose="texts", size=23,
+                received=23, state="done", blob_hash=uploaded, created_at=0.0,
+            )
+        )  # fmt: skip
+        # As the database was before: no ownership yet; then the migration runs.
+        await conn.run_sync(_downgrade, "0005_dashboard")
+        await conn.run_sync(upgrade)
+    assert await store.owns_or_produced(alice.id, uploaded)
+    assert await store.owns_or_produced(alice.id, named)
+
+
+def _downgrade(connection: Connection, revision: str) -> None:
+    config = alembic_config()
+    config.attributes["connection"] = connection
+    command.downgrade(config, revision)
