@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     Double,
@@ -319,7 +320,7 @@ blob_owners = Table(
     metadata,
     Column("blob_hash", String(64), primary_key=True),
     Column("account_id", Integer, ForeignKey("accounts.id"), primary_key=True),
-    Column("size", Integer, nullable=False),
+    Column("size", BigInteger, nullable=False),
     Column("created_at", Double, nullable=False),
     Index("ix_blob_owners_account", "account_id"),
 )

@@ -19,7 +19,7 @@ def upgrade() -> None:
         "blob_owners",
         sa.Column("blob_hash", sa.String(64), primary_key=True),
         sa.Column("account_id", sa.Integer, sa.ForeignKey("accounts.id"), primary_key=True),
-        sa.Column("size", sa.Integer, nullable=False),
+        sa.Column("size", sa.BigInteger, nullable=False),
         sa.Column("created_at", sa.Double, nullable=False),
     )
     op.create_index("ix_blob_owners_account", "blob_owners", ["account_id"])
