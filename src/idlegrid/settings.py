@@ -38,9 +38,15 @@ class CoordinatorSettings:
     heartbeat_interval_s: float = 15.0
     # A node that sends nothing for this long is offline; its tasks go back to the queue.
     node_timeout_s: float = 45.0
-    # Lease = max(min_lease_s, estimated shard time on the node x lease_slack).
+    # Lease = the shard's time on the node as the coordinator measured it (its validated
+    # tasks of the kind), else the kind's default, x lease_slack; clamped to
+    # [min_lease_s, max_lease_s]. What a node says of its speed never sets it.
     min_lease_s: float = 120.0
+    max_lease_s: float = 6 * 3600.0
     lease_slack: float = 4.0
+    # A node may still read a task's blobs (and upload its output) this long after the
+    # task ended or its lease ran out.
+    blob_grace_s: float = 600.0
     monitor_interval_s: float = 1.0
     # One process of several runs the grid-wide passes (lease expiry, top-up, late
     # results, round timers, presence): the holder of a broker lease of this length,

@@ -13,6 +13,7 @@ from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.dashboard import security
 from idlegrid.dashboard.pages import (
     Csrf,
+    Id,
     PageError,
     SignedIn,
     Viewer,
@@ -230,7 +231,7 @@ async def make_token(
 
 
 @router.post("/account/tokens/{token_id}/revoke", dependencies=[Csrf])
-async def revoke_token(request: Request, token_id: int, session: SignedIn) -> Response:
+async def revoke_token(request: Request, token_id: Id, session: SignedIn) -> Response:
     revoked = await store_of(request).web_write(
         web.revoke_token, session.account.id, token_id, now=grid_of(request).clock()
     )

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState, sources_of
 from idlegrid.store import rows
 from idlegrid.store.base import HeldTask, JobRecord, NewJob, NodeTask, ShardRecord
+from idlegrid.store.blob_access import add_job_blobs
 from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)
@@ -41,6 +42,7 @@ async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
             )
         )
     )
+    await add_job_blobs(conn, job_id, job.inputs.values())
     await conn.execute(
         insert(shards),
         [

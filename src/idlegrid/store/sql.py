@@ -64,6 +64,7 @@ from idlegrid.store.base import (
     TokenInfo,
     TokenRecord,
 )
+from idlegrid.store.blob_access import BlobAccessSql
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
 from idlegrid.store.web import DashboardSql
@@ -124,7 +125,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore(TrainingRoundsSql, DashboardSql):
+class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(
@@ -360,6 +361,10 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
     async def node_trust(self, node_id: int) -> list[NodeTrust]:
         async with self._read() as conn:
             return await node_sql.list_trust(conn, node_id)
+
+    async def measured_speeds(self, node_id: int, *, last: int = 50) -> dict[str, float]:
+        async with self._read() as conn:
+            return await node_sql.measured_speeds(conn, node_id, last=last)
 
     async def state_counts(self) -> StateCounts:
         async with self._read() as conn:
