@@ -263,3 +263,29 @@ def test_shards_per_job_are_capped_before_any_is_stored(limited: Any) -> None:
     assert sum(1 for p in blob_dir.rglob("*") if p.is_file()) == stored_before
     assert api.submit(alice, kind="sleep", params={"tasks": 5, "seconds": 0})["shards_total"] == 5
     assert api.submit(api.admin_token, **body)["shards_total"] == 6
+
+
+def _put(api: Api, token: str, data: bytes, *, stream: bool = False) -> Any:
+    content: Any = iter([data[:10], data[10:]]) if stream else data  # a stream: no length
+    return api.client.put(f"/v1/blobs/{sha(data)}", content=content, headers=bearer(token))
+
+
+def test_blobs_per_account_are_capped_in_count(limited: Any) -> None:
+    api = limited(quota_blobs=2)
+    alice = api.token(account="alice")
+    for i in range(2):
+        assert _put(api, alice, b"blob %d" % i).status_code == 201
+    assert _put(api, alice, b"blob 0").status_code == 201  # one it has: no new blob
+    _quota_error(_put(api, alice, b"blob 2"), 429, "quota_blobs 2")
+    assert _put(api, api.admin_token, b"blob 2").status_code == 201  # admins: no quota
+    assert _put(api, api.token(account="bob"), b"blob 3").status_code == 201  # per account
+
+
+def test_blobs_per_account_are_capped_in_bytes(limited: Any) -> None:
+    api = limited(quota_blob_bytes=300)
+    alice = api.token(account="alice")
+    assert _put(api, alice, b"a" * 200).status_code == 201
+    _quota_error(_put(api, alice, b"b" * 200), 413, "quota_blob_bytes 300")
+    _quota_error(_put(api, alice, b"c" * 200, stream=True), 413, "quota_blob_bytes 300")
+    assert api.client.head(f"/v1/blobs/{sha(b'c' * 200)}", headers=api.admin).status_code == 404
+    assert _put(api, alice, b"d" * 100, stream=True).status_code == 201

@@ -79,8 +79,12 @@ class BlobStore:
             self._commit(Path(tmp), blob_hash)
         return blob_hash
 
-    async def put_stream(self, expected_hash: str, chunks: AsyncIterator[bytes]) -> int:
-        """Store a streamed upload that must hash to `expected_hash`; return its size."""
+    async def put_stream(
+        self, expected_hash: str, chunks: AsyncIterator[bytes], *, max_bytes: int | None = None
+    ) -> int:
+        """Store a streamed upload that must hash to `expected_hash`; return its size.
+        `max_bytes`: a lower limit than the store's for this one."""
+        limit = self.max_bytes if max_bytes is None else min(max_bytes, self.max_bytes)
         target = self.path(expected_hash)
         digest = hashlib.sha256()
         size = 0
@@ -89,8 +93,8 @@ class BlobStore:
             with os.fdopen(fd, "wb") as out:
                 async for chunk in chunks:
                     size += len(chunk)
-                    if size > self.max_bytes:
-                        raise BlobError(413, f"blob is over the {self.max_bytes}-byte limit")
+                    if size > limit:
+                        raise BlobError(413, f"blob is over the {limit}-byte limit")
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != expected_hash:

@@ -484,9 +484,24 @@ async def put_blob(
     ):
         raise ApiError(403, "forbidden", "a node uploads only the outputs of tasks it holds")
     _check_length(request, grid.blobs.max_bytes)
+    declared = request.headers.get("content-length", "")
     try:
-        size = await grid.blobs.put_stream(blob_hash, request.stream())
+        allowance = await quotas.blob_allowance(
+            grid.store,
+            grid.settings,
+            token,
+            blob_hash,
+            int(declared) if declared.isdigit() else None,
+        )
+        size = await grid.blobs.put_stream(blob_hash, request.stream(), max_bytes=allowance)
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     except BlobError as exc:
+        if exc.status == 413 and allowance is not None and allowance < grid.blobs.max_bytes:
+            message = (
+                f"the account's blobs would pass quota_blob_bytes {grid.settings.quota_blob_bytes}"
+            )
+            raise ApiError(413, "quota_exceeded", message) from None
         raise ApiError(exc.status, "invalid_blob", exc.message) from None
     except ClientDisconnect:
         log.info("upload of blob %s ended: the client went away", blob_hash)

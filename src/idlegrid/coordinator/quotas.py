@@ -10,8 +10,9 @@ from idlegrid.policy import quotas as policy
 from idlegrid.policy.quotas import QuotaExceeded
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store
+from idlegrid.store.base import TokenInfo
 
-__all__ = ["QuotaExceeded", "check_new_job", "check_new_token", "check_shards"]
+__all__ = ["QuotaExceeded", "blob_allowance", "check_new_job", "check_new_token", "check_shards"]
 
 
 async def _is_admin(store: Store, account_id: int) -> bool:
@@ -45,3 +46,22 @@ async def check_new_job(store: Store, settings: CoordinatorSettings, account_id:
 def check_shards(settings: CoordinatorSettings, shards: int) -> None:
     """A job of (at least) `shards` shards (`quota_shards_per_job`)."""
     _raise(policy.shards_refusal(settings.quotas, shards=shards))
+
+
+async def blob_allowance(
+    store: Store, settings: CoordinatorSettings, token: TokenInfo, blob_hash: str, size: int | None
+) -> int | None:
+    """Bytes one more blob of `size` (None: not declared) may have under the account's
+    quotas (`quota_blobs`, `quota_blob_bytes`); None: no quota applies. Only researcher
+    uploads are counted in: a node writes only the outputs of tasks it holds, and a blob
+    the account has already is no new one."""
+    if token.kind != "api" or token.is_admin:
+        return None
+    if await store.owns_or_produced(token.account_id, blob_hash):
+        return None
+    usage = await store.blob_usage(token.account_id)
+    quotas = settings.quotas
+    _raise(
+        policy.blob_refusal(quotas, blobs_held=usage.blobs, bytes_held=usage.bytes, new_bytes=size)
+    )
+    return quotas.blob_bytes - usage.bytes

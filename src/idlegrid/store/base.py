@@ -18,6 +18,7 @@ from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 from idlegrid.store.blob_access import BlobAccessStore
+from idlegrid.store.usage import UsageStore
 
 T = TypeVar("T")
 
@@ -697,6 +698,7 @@ class Store(
     VerificationStore,
     TrainingRoundStore,
     BlobAccessStore,
+    UsageStore,
     Protocol,
 ):
     """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""

@@ -67,6 +67,7 @@ from idlegrid.store.base import (
 from idlegrid.store.blob_access import BlobAccessSql
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
+from idlegrid.store.usage import UsageSql
 from idlegrid.store.web import DashboardSql
 from idlegrid.store.writelock import WriteLock, urgent
 
@@ -125,7 +126,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql):
+class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(
