@@ -189,11 +189,10 @@ def test_blob_hash_mismatch_is_422_and_stores_nothing(api: Api) -> None:
 
 @pytest.mark.parametrize("bad", ["abc", "AB" * 32, "z" * 64])
 def test_bad_blob_hash_is_422(api: Api, bad: str) -> None:
-    assert_error(
-        api.client.put(f"/v1/blobs/{bad}", content=b"x", headers=api.admin), 422, "invalid_hash"
-    )
+    message = assert_error(api.client.put(f"/v1/blobs/{bad}", content=b"x", headers=api.admin), 422)
+    assert "blob_hash" in message
     assert_error(api.client.get(f"/v1/blobs/{bad}", headers=api.admin), 422)
-    assert api.client.head(f"/v1/blobs/{bad}", headers=api.admin).status_code == 404
+    assert api.client.head(f"/v1/blobs/{bad}", headers=api.admin).status_code == 422
 
 
 def test_missing_blob_is_404(api: Api) -> None:
@@ -414,7 +413,7 @@ def test_wrong_inputs_are_422(api: Api, inputs: dict[str, str]) -> None:
     response = api.client.post(
         "/v1/jobs", json={"kind": "embed-text", "inputs": inputs}, headers=api.admin
     )
-    assert_error(response, 422, "invalid_input")
+    assert_error(response, 422)
 
 
 def test_sleep_takes_no_inputs(api: Api) -> None:

@@ -21,7 +21,7 @@ def _samples(text: str) -> dict[str, float]:
 def test_metrics_describe_the_grid_in_the_text_format(api: Api) -> None:
     alice = api.token(account="alice")
     job = api.submit(alice, kind="sleep", params={"tasks": 3, "seconds": 0})
-    response = api.client.get("/metrics")
+    response = api.client.get("/metrics", headers=api.admin)
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     text = response.text
@@ -43,7 +43,7 @@ def test_metrics_describe_the_grid_in_the_text_format(api: Api) -> None:
     assert samples['idlegrid_results_verified_total{outcome="invalid"}'] == 0
     assert samples["idlegrid_lease_expiries_total"] == 0
     api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=bearer(alice))
-    samples = _samples(api.client.get("/metrics").text)
+    samples = _samples(api.client.get("/metrics", headers=api.admin).text)
     assert samples['idlegrid_tasks{state="cancelled"}'] == 3
     assert samples['idlegrid_jobs{state="cancelled"}'] == 1
 

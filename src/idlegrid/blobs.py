@@ -54,6 +54,13 @@ class BlobStore:
     def size(self, blob_hash: str) -> int:
         return self.path(blob_hash).stat().st_size
 
+    def file(self, blob_hash: str) -> Path:
+        """The blob's file, to stream from (a 404 BlobError if it is not stored)."""
+        path = self.path(blob_hash)
+        if not path.is_file():
+            raise BlobError(404, f"no blob {blob_hash}")
+        return path
+
     def read(self, blob_hash: str) -> bytes:
         try:
             return self.path(blob_hash).read_bytes()
@@ -72,8 +79,12 @@ class BlobStore:
             self._commit(Path(tmp), blob_hash)
         return blob_hash
 
-    async def put_stream(self, expected_hash: str, chunks: AsyncIterator[bytes]) -> int:
-        """Store a streamed upload that must hash to `expected_hash`; return its size."""
+    async def put_stream(
+        self, expected_hash: str, chunks: AsyncIterator[bytes], *, max_bytes: int | None = None
+    ) -> int:
+        """Store a streamed upload that must hash to `expected_hash`; return its size.
+        `max_bytes`: a lower limit than the store's for this one."""
+        limit = self.max_bytes if max_bytes is None else min(max_bytes, self.max_bytes)
         target = self.path(expected_hash)
         digest = hashlib.sha256()
         size = 0
@@ -82,8 +93,8 @@ class BlobStore:
             with os.fdopen(fd, "wb") as out:
                 async for chunk in chunks:
                     size += len(chunk)
-                    if size > self.max_bytes:
-                        raise BlobError(413, f"blob is over the {self.max_bytes}-byte limit")
+                    if size > limit:
+                        raise BlobError(413, f"blob is over the {limit}-byte limit")
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != expected_hash:

@@ -135,6 +135,7 @@ def serve(
     import uvicorn
 
     from idlegrid.coordinator.app import create_app
+    from idlegrid.coordinator.serving import uvicorn_config
     from idlegrid.settings import CoordinatorSettings
 
     _setup_logging(log_level)
@@ -155,19 +156,7 @@ def serve(
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     bound = sock.getsockname()[1]
-    config = uvicorn.Config(
-        create_app(settings, owns_process=True),
-        log_level=log_level,
-        lifespan="on",
-        access_log=log_level == "debug",
-        ws_max_size=16 * 1024 * 1024,
-        # Node messages are small JSON: deflate would cost CPU and a zlib context per node.
-        ws_per_message_deflate=False,
-        # Nodes send heartbeats (acknowledged) and silent ones are closed after the node
-        # timeout: WebSocket pings from this side would double the frames of an idle fleet.
-        ws_ping_interval=None,
-        timeout_graceful_shutdown=5,
-    )
+    config = uvicorn_config(create_app(settings, owns_process=True), settings, log_level=log_level)
     server = uvicorn.Server(config)
     click.echo(f"idlegrid coordinator listening on http://{host}:{bound}", err=False)
     click.echo(

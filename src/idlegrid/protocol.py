@@ -14,12 +14,26 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 PROTOCOL_VERSION = 1
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 BlobHash = Annotated[str, Field(pattern=SHA256_PATTERN)]
-TaskId = Annotated[int, Field(ge=1)]
+# Ids are SQL INTEGER (32-bit in PostgreSQL): a larger one names nothing, and is refused.
+MAX_ID = 2**31 - 1
+TaskId = Annotated[int, Field(ge=1, le=MAX_ID)]
+# Counters and sizes fit the store's 64-bit integers.
+MAX_COUNT = 2**63 - 1
+# Benchmark figures a node reports: finite and within what any machine reaches. They
+# rank candidates for the node; they never set its leases (the coordinator measures).
+MAX_GFLOPS = 1e7
+MAX_ITEMS_PER_S = 1e9
+KindRate = Annotated[float, Field(ge=0.0, le=MAX_ITEMS_PER_S)]
+KindName = Annotated[str, Field(min_length=1, max_length=40)]
 MAX_BATCH = 256  # results in one `results` message
 
 
+# Floats on the wire are finite: NaN and infinities are refused with `malformed`.
+_STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+
 class _Message(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     v: Literal[1] = 1
 
 
@@ -27,22 +41,22 @@ class _Message(BaseModel):
 
 
 class Gpu(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     backend: Literal["cuda", "rocm", "mps"]
     name: str = Field(max_length=200)
-    memory_mb: int = Field(ge=0)
+    memory_mb: int = Field(ge=0, le=MAX_COUNT)
 
 
 class HardwareProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     os: str = Field(default="", max_length=200)
     cpu_model: str = Field(default="", max_length=200)
     cpu_cores: int = Field(default=1, ge=1, le=4096)
-    memory_mb: int = Field(default=0, ge=0)
+    memory_mb: int = Field(default=0, ge=0, le=MAX_COUNT)
     gpus: list[Gpu] = Field(default_factory=list, max_length=64)
     torch_version: str | None = Field(default=None, max_length=100)
     # Free disk where the worker keeps its blobs; None: not reported (an older worker).
-    disk_free_mb: int | None = Field(default=None, ge=0)
+    disk_free_mb: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     # Execution providers of the node's ONNX Runtime; empty when it has none.
     onnx_providers: list[str] = Field(default_factory=list, max_length=32)
     # Newest default-domain ONNX opset that runtime loads; None: no runtime, or not said.
@@ -54,15 +68,15 @@ class HardwareProfile(BaseModel):
 
 
 class Benchmark(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     backend: str = Field(default="cpu", max_length=20)
-    matmul_gflops: float = Field(default=0.0, ge=0.0)
+    matmul_gflops: float = Field(default=0.0, ge=0.0, le=MAX_GFLOPS)
     # Throughput per kind in items per second, e.g. {"embed-text": 350.0}.
-    kind_rates: dict[str, float] = Field(default_factory=dict, max_length=64)
+    kind_rates: dict[KindName, KindRate] = Field(default_factory=dict, max_length=64)
 
 
 class TaskProgress(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     task_id: TaskId
     progress: float = Field(ge=0.0, le=1.0)
 
@@ -84,7 +98,7 @@ class Hello(_Message):
     # Tasks it may hold beyond its slots, queued to start when one frees (a work buffer,
     # as BOINC keeps one): the next task is there when a short one ends.
     prefetch: int = Field(default=0, ge=0, le=256)
-    kinds: list[str] = Field(max_length=64)
+    kinds: list[KindName] = Field(max_length=64)
     # Tasks still running or finished-but-unreported from before a reconnect.
     running: list[TaskId] = Field(default_factory=list, max_length=1024)
 
@@ -93,12 +107,12 @@ class Heartbeat(_Message):
     """Every heartbeat interval; the coordinator answers with a `heartbeat_ack`."""
 
     type: Literal["heartbeat"] = "heartbeat"
-    load: float = Field(default=0.0, ge=0.0)
+    load: float = Field(default=0.0, ge=0.0, le=1e6)
     running: list[TaskProgress] = Field(default_factory=list, max_length=1024)
     # Echoed in the ack, so the node can time the round trip: a counter and the node's
     # own clock (monotonic seconds; the coordinator never interprets it).
-    seq: int = Field(default=0, ge=0)
-    sent_at: float = 0.0
+    seq: int = Field(default=0, ge=0, le=MAX_COUNT)
+    sent_at: float = Field(default=0.0, ge=-1e15, le=1e15)
 
 
 class Status(_Message):
@@ -126,9 +140,11 @@ class Result(_Message):
     type: Literal["result"] = "result"
     task_id: TaskId
     output: BlobHash
-    output_size: int = Field(ge=0)
-    elapsed_s: float = Field(ge=0.0)
-    metrics: dict[str, float] = Field(default_factory=dict, max_length=64)
+    output_size: int = Field(ge=0, le=MAX_COUNT)
+    elapsed_s: float = Field(ge=0.0, le=1e9)
+    metrics: dict[Annotated[str, Field(max_length=100)], float] = Field(
+        default_factory=dict, max_length=64
+    )
 
 
 class Results(_Message):
@@ -164,7 +180,7 @@ class Welcome(_Message):
 
 
 class BlobRef(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = _STRICT
     hash: BlobHash
     size: int = Field(ge=0)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from idlegrid.policy.quotas import Quotas
 from idlegrid.policy.trust import TrustSettings
 
 T = TypeVar("T")
@@ -37,9 +38,15 @@ class CoordinatorSettings:
     heartbeat_interval_s: float = 15.0
     # A node that sends nothing for this long is offline; its tasks go back to the queue.
     node_timeout_s: float = 45.0
-    # Lease = max(min_lease_s, estimated shard time on the node x lease_slack).
+    # Lease = the shard's time on the node as the coordinator measured it (its validated
+    # tasks of the kind), else the kind's default, x lease_slack; clamped to
+    # [min_lease_s, max_lease_s]. What a node says of its speed never sets it.
     min_lease_s: float = 120.0
+    max_lease_s: float = 6 * 3600.0
     lease_slack: float = 4.0
+    # A node may still read a task's blobs (and upload its output) this long after the
+    # task ended or its lease ran out.
+    blob_grace_s: float = 600.0
     monitor_interval_s: float = 1.0
     # One process of several runs the grid-wide passes (lease expiry, top-up, late
     # results, round timers, presence): the holder of a broker lease of this length,
@@ -93,6 +100,39 @@ class CoordinatorSettings:
     gc_young_s: float = 1.0
     gc_freeze_s: float = 30.0
     gc_full_s: float = 3600.0
+    # Limits per client (docs/operations.md, "Limits"). A node socket's frames are
+    # refused as they are read: past hello_max_bytes before its hello is accepted, past
+    # max_frame_bytes after. Its hello must come within hello_timeout_s of opening.
+    hello_max_bytes: int = 64 * 1024
+    max_frame_bytes: int = 1 * MIB
+    hello_timeout_s: float = 10.0
+    # Node sockets not yet past their hello: in all, and from one address.
+    max_pending_sockets: int = 256
+    max_pending_sockets_per_address: int = 16
+    # Open connections (HTTP and WebSocket) from one address; 0: no cap (set 0 behind a
+    # proxy, whose address every connection has, and cap per client in the proxy).
+    max_connections_per_address: int = 128
+    # A request's head (request line and headers) must arrive whole within this long
+    # and this size; an idle kept-alive connection closes after keep_alive_timeout_s.
+    request_head_timeout_s: float = 10.0
+    max_request_head_bytes: int = 64 * 1024
+    keep_alive_timeout_s: float = 5.0
+    # Failed authentications (unknown token) from one address within auth_failure_window_s,
+    # past which that address is answered 429 until the window has room again.
+    auth_failures_per_address: int = 30
+    auth_failure_window_s: float = 60.0
+    # Quotas of each account (admins have none): blobs it uploaded (bytes and count),
+    # shards of one job, jobs queued or running, live tokens.
+    quota_blob_bytes: int = 10 * 1024 * MIB
+    quota_blobs: int = 10_000
+    quota_shards_per_job: int = 10_000
+    quota_open_jobs: int = 100
+    quota_tokens: int = 200
+    # /metrics answers these addresses (or networks, e.g. 10.0.0.0/8) and admin tokens.
+    metrics_allow: tuple[str, ...] = ("127.0.0.1", "::1")
+    # Proxies whose X-Forwarded-For / X-Forwarded-Proto headers are believed: behind
+    # them a client's address (for the limits above) is the one they forwarded.
+    trusted_proxies: tuple[str, ...] = ("127.0.0.1",)
     # The web dashboard (src/idlegrid/dashboard): anyone may sign up when open (else an
     # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
     web_open_signup: bool = True
@@ -120,6 +160,16 @@ class CoordinatorSettings:
             min_credibility=self.min_credibility,
             initial_daily_quota=self.initial_daily_quota,
             suspend_after_invalids=self.suspend_after_invalids,
+        )
+
+    @property
+    def quotas(self) -> Quotas:
+        return Quotas(
+            blob_bytes=self.quota_blob_bytes,
+            blobs=self.quota_blobs,
+            shards_per_job=self.quota_shards_per_job,
+            open_jobs=self.quota_open_jobs,
+            tokens=self.quota_tokens,
         )
 
     @property

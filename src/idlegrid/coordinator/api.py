@@ -5,19 +5,26 @@ Every error is JSON: {"error": <code>, "message": <human-readable text>}.
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Header, Query, Request
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import APIRouter, Depends, Header, Path, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.requests import ClientDisconnect
 
-from idlegrid.blobs import BlobError, is_blob_hash
+from idlegrid.blobs import BlobError
+from idlegrid.coordinator import blob_access, quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.intake import JobInputError
+from idlegrid.coordinator.quotas import QuotaExceeded
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average
+from idlegrid.protocol import MAX_ID, SHA256_PATTERN
 from idlegrid.store.base import (
     AccountExists,
     JobRecord,
@@ -26,33 +33,68 @@ from idlegrid.store.base import (
     TokenInfo,
 )
 
+log = logging.getLogger(__name__)
+
 
 class ApiError(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
+    def __init__(
+        self, status: int, code: str, message: str, *, headers: dict[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
+        self.headers = headers
 
 
-def error_response(status: int, code: str, message: str) -> JSONResponse:
-    return JSONResponse({"error": code, "message": message}, status_code=status)
+def error_response(
+    status: int, code: str, message: str, *, headers: dict[str, str] | None = None
+) -> JSONResponse:
+    return JSONResponse({"error": code, "message": message}, status_code=status, headers=headers)
 
 
 def grid_of(request: Request) -> Grid:
     return request.app.state.grid  # type: ignore[no-any-return]
 
 
+def guard_of(request: Request) -> Guard:
+    return request.app.state.guard  # type: ignore[no-any-return]
+
+
 async def caller(
     request: Request, authorization: Annotated[str | None, Header()] = None
 ) -> TokenInfo:
-    """Whoever holds the bearer token (researcher or node)."""
+    """Whoever holds the bearer token (researcher or node).
+
+    Unknown tokens count against the caller's address: past `auth_failures_per_address`
+    in `auth_failure_window_s` it gets 429 whatever token it sends."""
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(401, "unauthorized", "missing 'Authorization: Bearer <token>' header")
+    failures = guard_of(request).auth
+    address = request.client.host if request.client else ""
+    wait_s = failures.retry_after_s(address)
+    if wait_s > 0:
+        raise ApiError(
+            429,
+            "rate_limited",
+            f"too many unknown tokens from this address (auth_failures_per_address "
+            f"{failures.limit} in {failures.window_s:g} s); try again in {wait_s:.0f} s",
+            headers={"Retry-After": str(math.ceil(wait_s))},
+        )
     token = await grid_of(request).store.find_token(hash_token(authorization[7:].strip()))
     if token is None:
+        failures.failed(address)
         raise ApiError(401, "unauthorized", "unknown or revoked token")
     return token
+
+
+async def metrics_reader(request: Request) -> None:
+    """/metrics: an address the `metrics_allow` setting names, or an admin token."""
+    if request.client is not None and request.client.host in guard_of(request).metrics_allow:
+        return
+    token = await caller(request, request.headers.get("authorization"))
+    if not token.is_admin:
+        raise ApiError(403, "forbidden", "metrics need an admin token or an allowed address")
 
 
 async def researcher(token: Annotated[TokenInfo, Depends(caller)]) -> TokenInfo:
@@ -66,7 +108,41 @@ Caller = Annotated[TokenInfo, Depends(caller)]
 Researcher = Annotated[TokenInfo, Depends(researcher)]
 GridDep = Annotated[Grid, Depends(grid_of)]
 
-router = APIRouter(prefix="/v1")
+# Ids in paths are bounded to what the store holds: a larger one is a 422, not a 500.
+JobId = Annotated[int, Path(ge=1, le=MAX_ID)]
+ObjectId = Annotated[int, Path(ge=1, le=MAX_ID)]
+BlobHashPath = Annotated[
+    str, Path(pattern=SHA256_PATTERN, description="lowercase SHA-256 hex digest")
+]
+BlobHash = Annotated[str, Field(pattern=SHA256_PATTERN)]
+# Nesting of job params: deeper is refused before it is stored.
+MAX_PARAMS_DEPTH = 32
+
+
+class ErrorOut(BaseModel):
+    """Every API error: a code to branch on and a message for people."""
+
+    error: str = Field(examples=["not_found"])
+    message: str
+
+
+def _errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {status: {"model": ErrorOut, "description": _MEANING[status]} for status in statuses}
+
+
+_MEANING = {
+    400: "the body could not be read as JSON",
+    401: "no token, or an unknown or revoked one",
+    403: "the token may not do this",
+    404: "no such object, or not the caller's (the same answer)",
+    405: "method not allowed (the Allow header lists those that are)",
+    409: "the object is not in a state for this",
+    413: "request body or blob over its size limit, or over a quota",
+    422: "invalid request: the message says which field and why",
+    429: "too many requests, or over a rate limit",
+}
+
+router = APIRouter(prefix="/v1", responses=_errors(400, 401, 403, 404, 413, 422, 429))
 
 
 # -- models --------------------------------------------------------------------------------
@@ -75,8 +151,8 @@ router = APIRouter(prefix="/v1")
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
     kind: str = Field(examples=["embed-text"])
-    inputs: dict[str, str] = Field(
-        default_factory=dict, description="input name -> SHA-256 of an uploaded blob"
+    inputs: dict[Annotated[str, Field(max_length=64)], BlobHash] = Field(
+        default_factory=dict, max_length=16, description="input name -> SHA-256 of an uploaded blob"
     )
     params: dict[str, Any] = Field(default_factory=dict, description="settings of the kind")
     replication: int | None = Field(
@@ -89,6 +165,31 @@ class JobCreate(BaseModel):
         description="tasks one shard may use before it fails (default: the grid's)",
     )
     priority: int = Field(default=0, ge=-100, le=100)
+
+    @field_validator("params")
+    @classmethod
+    def _storable(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """Finite numbers within the store's integers, nested at most MAX_PARAMS_DEPTH."""
+        problem = _unstorable(params, depth=0)
+        if problem:
+            raise ValueError(problem)
+        return params
+
+
+def _unstorable(value: Any, *, depth: int) -> str | None:
+    if depth > MAX_PARAMS_DEPTH:
+        return f"nested deeper than {MAX_PARAMS_DEPTH} levels"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "numbers must be finite"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 2**63:
+        return "integers must fit in 64 bits"
+    children = value.values() if isinstance(value, dict) else value
+    if isinstance(value, dict | list):
+        for child in children:
+            problem = _unstorable(child, depth=depth + 1)
+            if problem:
+                return problem
+    return None
 
 
 class ShardOut(BaseModel):
@@ -188,7 +289,11 @@ class NodeOut(BaseModel):
 
 @router.post("/jobs", status_code=201, response_model=JobOut, tags=["jobs"])
 async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOut:
-    """Submit a job over uploaded input blobs; it is split into shards at once."""
+    """Submit a job over uploaded input blobs; it is split into shards at once.
+
+    An input the caller may not read is answered 404, as a missing one is."""
+    for blob_hash in body.inputs.values():
+        await _readable(grid, token, blob_hash)
     try:
         get_kind(body.kind)
         job = await grid.submit_job(
@@ -206,6 +311,8 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
         raise ApiError(422, "invalid_params", _validation_message(exc)) from None
     except (InputError, JobInputError) as exc:
         raise ApiError(422, "invalid_input", str(exc)) from None
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     out = await _job_out(grid, job, with_shards=False)
     out.waiting_for = await grid.waiting_for(job)
     out.warnings = _submission_warnings(job, out.waiting_for)
@@ -233,7 +340,7 @@ async def list_jobs(
     token: Researcher,
     grid: GridDep,
     limit: Annotated[int, Query(ge=1, le=500)] = 50,
-    offset: Annotated[int, Query(ge=0)] = 0,
+    offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
 ) -> list[JobOut]:
     """Your jobs, newest first."""
     jobs = await grid.store.list_jobs(token.account_id, limit=limit, offset=offset)
@@ -241,34 +348,47 @@ async def list_jobs(
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
-async def get_job(job_id: int, token: Researcher, grid: GridDep) -> JobOut:
+async def get_job(job_id: JobId, token: Researcher, grid: GridDep) -> JobOut:
     """One job with per-shard progress."""
     return await _job_out(grid, await _own_job(grid, token, job_id), with_shards=True)
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])
-async def cancel_job(job_id: int, token: Researcher, grid: GridDep) -> JobOut:
+async def cancel_job(job_id: JobId, token: Researcher, grid: GridDep) -> JobOut:
     """Cancel a job: its queued tasks are dropped, running ones are told to stop."""
     await _own_job(grid, token, job_id)
     await grid.cancel_job(job_id)
     return await _job_out(grid, await _own_job(grid, token, job_id), with_shards=False)
 
 
-@router.get("/jobs/{job_id}/result", tags=["jobs"], response_class=Response)
-async def job_result(job_id: int, token: Researcher, grid: GridDep) -> Response:
+@router.get(
+    "/jobs/{job_id}/result",
+    tags=["jobs"],
+    response_class=Response,
+    responses={
+        200: {"content": {"application/octet-stream": {}}, "description": "the result"},
+        **_errors(409),
+    },
+)
+async def job_result(job_id: JobId, token: Researcher, grid: GridDep) -> Response:
     """The assembled result of a completed job (embed-text: a float32 .npy array)."""
     job = await _own_job(grid, token, job_id)
     if job.result_hash is None:
         raise ApiError(409, "not_ready", _no_result(job))
-    return Response(
-        grid.blobs.read(job.result_hash),
+    try:
+        path = grid.blobs.file(job.result_hash)
+    except BlobError as exc:
+        raise ApiError(404, "not_found", f"job {job_id}'s result is gone: {exc.message}") from None
+    # Streamed from disk (in chunks, as the client reads), never read whole into memory.
+    return FileResponse(
+        path,
         media_type=get_kind(job.kind).result_media_type,
         headers={"X-Idlegrid-Sha256": job.result_hash},
     )
 
 
-@router.get("/jobs/{job_id}/metrics", tags=["jobs"])
-async def job_metrics(job_id: int, token: Researcher, grid: GridDep) -> dict[str, Any]:
+@router.get("/jobs/{job_id}/metrics", tags=["jobs"], responses=_errors(409))
+async def job_metrics(job_id: JobId, token: Researcher, grid: GridDep) -> dict[str, Any]:
     """Per-round metrics of a training job: losses, bytes up and down, time, nodes."""
     job = await _own_job(grid, token, job_id)
     if not grid.rounds.drives(get_kind(job.kind)):
@@ -353,28 +473,56 @@ def _shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
 
 
 @router.put("/blobs/{blob_hash}", status_code=201, tags=["blobs"])
-async def put_blob(blob_hash: str, request: Request, _: Caller, grid: GridDep) -> dict[str, Any]:
-    """Upload a blob under its SHA-256; the content must hash to it."""
-    if not is_blob_hash(blob_hash):
-        raise ApiError(422, "invalid_hash", "the path must be a lowercase SHA-256 hex digest")
+async def put_blob(
+    blob_hash: BlobHashPath, request: Request, token: Caller, grid: GridDep
+) -> dict[str, Any]:
+    """Upload a blob under its SHA-256; the content must hash to it. The blob then
+    belongs to the caller's account too. A node uploads only while it holds a task."""
+    now = grid.clock()
+    if not await blob_access.may_write(
+        grid.store, token, now=now, grace_s=grid.settings.blob_grace_s
+    ):
+        raise ApiError(403, "forbidden", "a node uploads only the outputs of tasks it holds")
     _check_length(request, grid.blobs.max_bytes)
+    declared = request.headers.get("content-length", "")
     try:
-        size = await grid.blobs.put_stream(blob_hash, request.stream())
+        allowance = await quotas.blob_allowance(
+            grid.store,
+            grid.settings,
+            token,
+            blob_hash,
+            int(declared) if declared.isdigit() else None,
+        )
+        size = await grid.blobs.put_stream(blob_hash, request.stream(), max_bytes=allowance)
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     except BlobError as exc:
+        if exc.status == 413 and allowance is not None and allowance < grid.blobs.max_bytes:
+            message = (
+                f"the account's blobs would pass quota_blob_bytes {grid.settings.quota_blob_bytes}"
+            )
+            raise ApiError(413, "quota_exceeded", message) from None
         raise ApiError(exc.status, "invalid_blob", exc.message) from None
+    except ClientDisconnect:
+        log.info("upload of blob %s ended: the client went away", blob_hash)
+        return {"hash": blob_hash, "size": 0}  # nobody reads this answer
+    await grid.store.add_blob_owner(blob_hash, token.account_id, size=size, now=now)
     return {"hash": blob_hash, "size": size}
 
 
 @router.get("/blobs/{blob_hash}", tags=["blobs"], response_class=Response)
 async def get_blob(
-    blob_hash: str,
+    blob_hash: BlobHashPath,
     token: Caller,
     grid: GridDep,
-    x_idlegrid_node: Annotated[int | None, Header()] = None,
+    x_idlegrid_node: Annotated[int | None, Header(ge=1, le=MAX_ID)] = None,
 ) -> Response:
-    """Download a blob by its SHA-256 (a worker names its node: the scheduler's locality)."""
+    """Download a blob by its SHA-256 (a worker names its node: the scheduler's locality).
+
+    404 for a blob that is missing or that the caller may not read (docs/security.md)."""
+    await _readable(grid, token, blob_hash)
     try:
-        data = grid.blobs.read(blob_hash)
+        path = grid.blobs.file(blob_hash)
     except BlobError as exc:
         raise ApiError(
             exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
@@ -383,17 +531,28 @@ async def get_blob(
         session = grid.hub.get(x_idlegrid_node)
         if session is not None and session.account_id == token.account_id:
             session.hold(blob_hash)
-    return Response(data, media_type="application/octet-stream")
+    # Streamed from disk as the client reads (Range requests too): memory stays flat
+    # however many slow clients download at once.
+    return FileResponse(path, media_type="application/octet-stream")
 
 
 @router.head("/blobs/{blob_hash}", tags=["blobs"])
-async def head_blob(blob_hash: str, _: Caller, grid: GridDep) -> Response:
-    """200 if the blob is stored (so clients skip re-uploads), else 404."""
-    try:
-        found = grid.blobs.exists(blob_hash)
-    except BlobError:
-        found = False
-    return Response(status_code=200 if found else 404)
+async def head_blob(blob_hash: BlobHashPath, token: Caller, grid: GridDep) -> Response:
+    """200 if the blob is stored and the caller may read it (so clients skip
+    re-uploads), else 404: the same rules as GET."""
+    await _readable(grid, token, blob_hash)
+    if not grid.blobs.exists(blob_hash):
+        raise ApiError(404, "not_found", f"no blob {blob_hash}")
+    return Response(status_code=200)
+
+
+async def _readable(grid: Grid, token: TokenInfo, blob_hash: str) -> None:
+    """404 (as for a missing blob) unless the caller may read this blob."""
+    allowed = await blob_access.may_read(
+        grid.store, token, blob_hash, now=grid.clock(), grace_s=grid.settings.blob_grace_s
+    )
+    if not allowed:
+        raise ApiError(404, "not_found", f"no blob {blob_hash}")
 
 
 def _check_length(request: Request, limit: int) -> None:
@@ -422,6 +581,10 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
                 account = await grid.store.get_account(body.account)
                 assert account is not None
         account_id, account_name = account.id, account.name
+    try:
+        await quotas.check_new_token(grid.store, grid.settings, account_id)
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     secret = new_token(body.kind)
     token_id = await grid.store.add_token(
         account_id,
@@ -455,7 +618,7 @@ async def list_tokens(
 
 
 @router.delete("/tokens/{token_id}", response_model=TokenListed, tags=["accounts"])
-async def revoke_token(token_id: int, token: Researcher, grid: GridDep) -> TokenListed:
+async def revoke_token(token_id: ObjectId, token: Researcher, grid: GridDep) -> TokenListed:
     """Revoke a token of yours (admins: anyone's). A node already connected with it keeps
     its connection until it drops; it cannot connect again."""
     account_id = None if token.is_admin else token.account_id
@@ -515,7 +678,7 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
 
 
 @router.get("/nodes/{node_id}/trust", tags=["nodes"])
-async def node_trust(node_id: int, token: Researcher, grid: GridDep) -> list[dict[str, Any]]:
+async def node_trust(node_id: ObjectId, token: Researcher, grid: GridDep) -> list[dict[str, Any]]:
     """A node's trust per kind and backend: streak, totals, quota, credibility."""
     mine = await grid.store.list_nodes(None if token.is_admin else token.account_id)
     if node_id not in {node.id for node in mine}:

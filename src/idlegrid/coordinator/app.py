@@ -19,6 +19,7 @@ from idlegrid.broker import open_broker
 from idlegrid.coordinator import api, metrics
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.monitor import Monitor
 from idlegrid.coordinator.nodes import node_socket
 from idlegrid.settings import CoordinatorSettings
@@ -75,8 +76,10 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
         docs_url=None,
         redoc_url=None,
     )
+    app.state.guard = Guard.from_settings(settings)
     app.include_router(api.router)
     _install_api_docs(app)
+    _tidy_openapi(app)
     dashboard.mount(app, settings)
     _install_error_handlers(app)
     app.add_middleware(
@@ -89,13 +92,16 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
 
     @app.get("/metrics", tags=["meta"], response_class=Response)
     async def prometheus_metrics(request: Request) -> Response:
-        """Prometheus metrics of this coordinator process (text exposition format)."""
+        """Prometheus metrics of this coordinator process (text exposition format).
+
+        For the addresses in the `metrics_allow` setting, and for admin tokens."""
+        await api.metrics_reader(request)
         text = await metrics.render(request.app.state.grid.context)
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     @app.websocket("/v1/nodes/ws")
     async def nodes_ws(websocket: WebSocket) -> None:
-        await node_socket(websocket, websocket.app.state.grid)
+        await node_socket(websocket, websocket.app.state.grid, websocket.app.state.guard)
 
     return app
 
@@ -121,6 +127,45 @@ def _install_api_docs(app: FastAPI) -> None:
             swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
             swagger_favicon_url=f"{DOCS_ASSETS}/favicon-32x32.png",
         )
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> str | None:
+    """Every method some route takes at this path (Starlette names only the first's)."""
+    path = request.url.path
+    methods: set[str] = set()
+    for route in [*app.router.routes, *api.router.routes]:
+        regex, route_methods = getattr(route, "path_regex", None), getattr(route, "methods", None)
+        if regex is not None and route_methods and regex.match(path):
+            methods |= set(route_methods)
+    return ", ".join(sorted(methods)) or None
+
+
+def _tidy_openapi(app: FastAPI) -> None:
+    """The spec as the API behaves: an optional header or query parameter is one that may
+    be left out (`required: false`), not one that may be sent as the text "null"."""
+    make = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            spec = make()
+            for path in spec.get("paths", {}).values():
+                for operation in path.values():
+                    for parameter in operation.get("parameters", []):
+                        parameter["schema"] = _without_null(parameter.get("schema", {}))
+        return app.openapi_schema or {}
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
+    options = schema.get("anyOf")
+    if not options:
+        return schema
+    kept = [option for option in options if option.get("type") != "null"]
+    if len(kept) != 1:
+        return schema
+    tidy = {key: value for key, value in schema.items() if key != "anyOf"}
+    return {**kept[0], **tidy}
 
 
 async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
@@ -154,7 +199,7 @@ async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(api.ApiError)
     async def on_api_error(request: Request, exc: api.ApiError) -> Any:
-        return api.error_response(exc.status, exc.code, exc.message)
+        return api.error_response(exc.status, exc.code, exc.message, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> Any:
@@ -172,8 +217,15 @@ def _install_error_handlers(app: FastAPI) -> None:
             exc.status_code, "http_error"
         )
         if dashboard.wants_html(request):
-            return await dashboard.error_page(request, exc.status_code, str(exc.detail))
-        return api.error_response(exc.status_code, code, str(exc.detail))
+            page = await dashboard.error_page(request, exc.status_code, str(exc.detail))
+            page.headers.update(exc.headers or {})
+            return page
+        response = api.error_response(exc.status_code, code, str(exc.detail))
+        response.headers.update(exc.headers or {})
+        allowed = _allowed_methods(app, request) if exc.status_code == 405 else None
+        if allowed:
+            response.headers["Allow"] = allowed
+        return response
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Any:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from idlegrid import protocol
 from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession
-from idlegrid.coordinator.leases import lease_seconds
+from idlegrid.coordinator.leases import Leases, lease_seconds, measure
 from idlegrid.coordinator.matching import Matcher, node_reliability
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.coordinator.plans import JobPlan, Plans
@@ -36,10 +36,11 @@ BACKUP_OFFERS_PER_PASS = 4
 
 
 class Dispatcher:
-    def __init__(self, ctx: Context, *, plans: Plans, matcher: Matcher) -> None:
+    def __init__(self, ctx: Context, *, plans: Plans, matcher: Matcher, leases: Leases) -> None:
         self._ctx = ctx
         self._plans = plans
         self._matcher = matcher
+        self._leases = leases
         settings = ctx.settings
         self._distinct = Distinct(
             accounts=settings.distinct_accounts, networks=settings.distinct_networks
@@ -48,16 +49,27 @@ class Dispatcher:
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
         async with session.fill_lock:
+            await measure(self._ctx, session)  # its leases follow what it was measured at
             # The node's whole request in one transaction: one commit, not one per task.
             claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
             for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
-            for assignment in claimed:
-                if not await session.send(_assign_message(assignment)):
-                    break  # the lease runs out and the monitor requeues the task
-        return len(claimed)
+            unsent = await _send_assigns(session, claimed)
+            if unsent:
+                await self._release(session, unsent)
+        return len(claimed) - len(unsent)
+
+    async def _release(self, session: NodeSession, unsent: Sequence[Assignment]) -> None:
+        """Give back claims the node never heard of, now: their shards are queued again."""
+        expired = []
+        for assignment in unsent:
+            expired += await self._ctx.store.expire_task(assignment.task_id, now=self._ctx.clock())
+        log.warning(
+            "node %s: %d claim(s) could not be sent; released", session.node_id, len(unsent)
+        )
+        await self._leases.expire(expired, why="the assignment could not be sent")
 
     async def _claim(self, session: NodeSession) -> list[Assignment]:
         """Claim what the node wants: many at once while it can, then one by one."""
@@ -238,6 +250,19 @@ def _claimer(session: NodeSession) -> Claimer:
         network=session.network,
         backend=session.backend,
     )
+
+
+async def _send_assigns(session: NodeSession, claimed: Sequence[Assignment]) -> list[Assignment]:
+    """Send each claim to its node; return those it did not get (all after a failure)."""
+    for sent, assignment in enumerate(claimed):
+        try:
+            message = _assign_message(assignment)
+        except (ValueError, OverflowError, OSError) as exc:  # a deadline no clock can show
+            log.error("task %s: no assignment message: %s", assignment.task_id, exc)
+            return list(claimed[sent:])
+        if not await session.send(message):
+            return list(claimed[sent:])
+    return []
 
 
 def _assign_message(assignment: Assignment) -> protocol.Assign:

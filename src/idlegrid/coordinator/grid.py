@@ -42,7 +42,6 @@ from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.results import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.coordinator.verification import Verification
-from idlegrid.policy import scheduler
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
@@ -90,7 +89,9 @@ class Grid:
         )
         self.leases = Leases(ctx, self.fanout)
         self.intake = Intake(ctx, fanout=self.fanout, matcher=self.matcher, rounds=self.rounds)
-        self.dispatcher = Dispatcher(ctx, plans=self.plans, matcher=self.matcher)
+        self.dispatcher = Dispatcher(
+            ctx, plans=self.plans, matcher=self.matcher, leases=self.leases
+        )
         self.verification = Verification(
             ctx, fanout=self.fanout, plans=self.plans, rounds=self.rounds, leases=self.leases
         )
@@ -206,10 +207,8 @@ class Grid:
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
         return lease_seconds(self.settings, session, entry)
 
-    def lease_for(
-        self, view: scheduler.NodeView, kind: str, *, items: int, cost_flops: float
-    ) -> float:
-        return lease_for(self.settings, view, kind, items=items, cost_flops=cost_flops)
+    def lease_for(self, kind: str, *, cost_flops: float, measured_flops: float | None) -> float:
+        return lease_for(self.settings, kind, cost_flops=cost_flops, measured_flops=measured_flops)
 
     async def replenish(self) -> None:
         await self.leases.replenish()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
@@ -72,6 +73,10 @@ class NodeSession:
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)
+    # FLOP/s per kind the coordinator measured of the node (its leases), read from the
+    # store at time.monotonic() `measured_at` (leases.measure).
+    measured_flops: dict[str, float] = field(default_factory=dict)
+    measured_at: float = -math.inf
     # Blobs the node fetched from this coordinator or was handed as task input.
     held_blobs: OrderedDict[str, None] = field(default_factory=OrderedDict)
     # Its tasks since it connected: results accepted, and leases that ran out.

@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from idlegrid.blobs import is_blob_hash
+from idlegrid.coordinator import quotas
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.round_driver import RoundDriver
@@ -49,7 +50,8 @@ class Intake:
         kind = get_kind(kind_name)
         parsed = kind.parse_params(params)
         self._check_inputs(kind, inputs)
-        parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs)
+        limited = await quotas.check_new_job(self._ctx.store, self._ctx.settings, account_id)
+        parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs, limited)
         shards = [
             NewShard(
                 index=s.index,
@@ -101,14 +103,17 @@ class Intake:
                 raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
 
     def _split(
-        self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str]
+        self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str], limited: bool
     ) -> tuple[KindParams, list[tuple[ShardSpec, str]]]:
         """The job's params with what the kind derives from its inputs, and its shards
-        with their payloads stored."""
+        with their payloads stored (none stored when they are over the quota)."""
         blobs = self._ctx.blobs
         data = {name: blobs.read(blob_hash) for name, blob_hash in inputs.items()}
         params = kind.derive_params(data, params)
-        return params, [(spec, blobs.put(spec.payload)) for spec in kind.split(data, params)]
+        specs = kind.split(data, params)
+        if limited:
+            quotas.check_shards(self._ctx.settings, len(specs))
+        return params, [(spec, blobs.put(spec.payload)) for spec in specs]
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing:

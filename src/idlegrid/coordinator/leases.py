@@ -1,43 +1,75 @@
 """Leases: how long a task may run on a node, and what happens when one runs out.
 
-A lease is the coordinator's estimate of the shard's run time on the node (from what it
-measured of the node, never from what the node says), with slack, clamped to the
-minimum. A task that outlived its lease, or whose node went silent, is expired; its
-shard then gets a new task (`Leases.replenish`, which also fails shards out of attempts).
+A lease is the coordinator's decision, never the node's: the shard's nominal cost over
+the speed the coordinator measured of this node for the kind (its validated tasks, timed
+from assignment to result), or over the kind's default speed before it has measured any;
+times `lease_slack`, clamped to [`min_lease_s`, `max_lease_s`]. A node's benchmark ranks
+candidates for it but never lengthens its leases, and heartbeats never extend one. A
+task that outlived its lease, or whose node went silent, is expired; its shard then gets
+a new task (`Leases.replenish`, which also fails shards out of attempts).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
 from collections.abc import Sequence
 
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.hub import NodeSession
-from idlegrid.policy import scheduler
+from idlegrid.kinds import UnknownKind, get_kind
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import NodeTask, ReadyTask
 
 log = logging.getLogger(__name__)
 
+# A node's measured speeds are read again from the store after this long.
+MEASURE_TTL_S = 60.0
+# Validated tasks a node's measure is made of (the latest).
+MEASURED_TASKS = 50
+
 
 def lease_for(
     settings: CoordinatorSettings,
-    view: scheduler.NodeView,
     kind: str,
     *,
-    items: int,
     cost_flops: float,
+    measured_flops: float | None,
 ) -> float:
-    """Lease length for a shard of `items` / `cost_flops` (each shard its own) on a node."""
-    estimate = scheduler.expected_seconds(view, kind, items=items, cost_flops=cost_flops)
-    return max(settings.min_lease_s, estimate * settings.lease_slack)
+    """Lease length for a shard of nominal `cost_flops` on a node measured at
+    `measured_flops` FLOP/s for the kind (None: not measured yet)."""
+    speed = measured_flops if measured_flops and measured_flops > 0 else default_speed(kind)
+    estimate = max(0.0, cost_flops) / speed * settings.lease_slack
+    if not math.isfinite(estimate):
+        estimate = settings.max_lease_s
+    return min(settings.max_lease_s, max(settings.min_lease_s, estimate))
+
+
+def default_speed(kind: str) -> float:
+    """FLOP/s assumed of a node the coordinator has not measured for the kind yet."""
+    try:
+        return get_kind(kind).default_gflops * 1e9
+    except UnknownKind:
+        return 1e9
 
 
 def lease_seconds(settings: CoordinatorSettings, session: NodeSession, entry: ReadyTask) -> float:
-    """Estimated run time of this shard on this node with slack, at least the minimum."""
+    """This shard's lease on this node (the module docstring's rule)."""
     return lease_for(
-        settings, session.view, entry.kind, items=entry.items, cost_flops=entry.cost_flops
+        settings,
+        entry.kind,
+        cost_flops=entry.cost_flops,
+        measured_flops=session.measured_flops.get(entry.kind),
     )
+
+
+async def measure(ctx: Context, session: NodeSession) -> None:
+    """Read the node's measured speeds again when they are older than MEASURE_TTL_S."""
+    if time.monotonic() - session.measured_at < MEASURE_TTL_S:
+        return
+    session.measured_flops = await ctx.store.measured_speeds(session.node_id, last=MEASURED_TASKS)
+    session.measured_at = time.monotonic()
 
 
 class Leases:

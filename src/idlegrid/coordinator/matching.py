@@ -191,7 +191,12 @@ class Matcher:
         )
         if pick is None:
             return None
-        lease = lease_for(settings, view, pick.kind, items=pick.items, cost_flops=pick.cost_flops)
+        lease = lease_for(
+            settings,
+            pick.kind,
+            cost_flops=pick.cost_flops,
+            measured_flops=session.measured_flops.get(pick.kind),
+        )
         assignment = await self._ctx.store.add_backup_task(
             pick.shard_id, session.node_id, lease_deadline=now + lease, now=now
         )

@@ -3,69 +3,122 @@
 Nothing a node sends can crash this handler: every frame is parsed into a versioned
 message or answered with an `error`, and an exception while handling one message is
 logged and answered without ending the connection.
+
+Before its hello is accepted a socket costs little: its frames are limited to the
+hello's size (`hello_max_bytes`), its hello must come within `hello_timeout_s` of
+opening, and such sockets are capped in all and per address (`guard.PendingSockets`).
+A frame over the limit ends the connection (close code 1009).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from datetime import UTC, datetime
 
 from fastapi import WebSocket, WebSocketDisconnect
+from fastapi.responses import JSONResponse
 
 from idlegrid import protocol
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.kinds import KINDS
 from idlegrid.policy.sybil import network_of
+from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import RegistrationRefused, ResultReceipt
 
 log = logging.getLogger(__name__)
 
-HELLO_TIMEOUT_S = 30.0
-MAX_FRAME_CHARS = 1_000_000
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
 # Result messages of one node being stored at once; reading its next frames waits beyond.
 RESULTS_IN_FLIGHT = 32
+# The ASGI scope extension through which the server (coordinator/serving.py) lets this
+# handler raise a socket's frame limit once its hello is accepted; under another server
+# the limit is checked here, after the frame was read.
+FRAME_LIMIT_EXTENSION = "idlegrid.frame_limit"
 
 
-async def node_socket(websocket: WebSocket, grid: Grid) -> None:
+class FrameTooBig(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"frame over the {limit}-byte limit")
+        self.limit = limit
+
+
+async def node_socket(websocket: WebSocket, grid: Grid, guard: Guard) -> None:
     """Serve one node connection until it closes."""
-    await websocket.accept()
+    address = websocket.client.host if websocket.client else ""
+    refusal = _refusal(guard, address)
+    if refusal is not None:
+        await _deny(websocket, refusal)
+        return
     session = None
     try:
-        session = await _handshake(websocket, grid)
+        try:
+            await websocket.accept()
+            hello = await _await_hello(websocket, grid.settings)
+            if hello is not None:
+                session = await _register(websocket, grid, guard, hello, address)
+        finally:
+            guard.pending.release(address)
         if session is not None:
             await _serve(websocket, grid, session)
     except WebSocketDisconnect:
         pass
-    except TimeoutError:
-        await _error(websocket, "out_of_order", f"no hello within {HELLO_TIMEOUT_S:.0f} s")
-        await websocket.close(code=CLOSE_POLICY)
+    except FrameTooBig as exc:
+        with contextlib.suppress(Exception):  # the node may be gone already
+            await _error(websocket, "malformed", str(exc))
+            await websocket.close(code=CLOSE_TOO_BIG)
     finally:
         if session is not None and await peers.detach(grid.context, session):
             log.info("node %s disconnected", session.node_id)
 
 
-async def _receive(websocket: WebSocket) -> str | None:
-    """Next frame as text; None (after an error reply) for frames that can't be text."""
+def _refusal(guard: Guard, address: str) -> str | None:
+    """Why a new socket from `address` is refused before it is accepted; None: accept.
+    Admitted, it counts as pending until `guard.pending.release`."""
+    wait_s = guard.auth.retry_after_s(address)
+    if wait_s > 0:
+        return f"too many failed authentications from this address; try again in {wait_s:.0f} s"
+    return guard.pending.admit(address)
+
+
+async def _deny(websocket: WebSocket, reason: str) -> None:
+    """Refuse the upgrade with 429 and a JSON reason (a plain 403 where the server
+    cannot send a response to a WebSocket request)."""
+    if "websocket.http.response" in websocket.scope.get("extensions", {}):
+        body = {"error": "rate_limited", "message": reason}
+        await websocket.send_denial_response(JSONResponse(body, status_code=429))
+    else:
+        await websocket.close(code=CLOSE_POLICY, reason=reason[:120])
+
+
+async def _receive(websocket: WebSocket, limit: int) -> str | None:
+    """Next frame as text; None (after an error reply) for frames that can't be text.
+
+    A frame over `limit` bytes raises FrameTooBig: the connection ends. Served by
+    `idlegrid serve`, such a frame never gets here (the server refuses it on its header)."""
     message = await websocket.receive()
     if message["type"] == "websocket.disconnect":
         raise WebSocketDisconnect(message.get("code", 1000))
     text = message.get("text")
     if text is None:
         data = message.get("bytes") or b""
+        if len(data) > limit:
+            raise FrameTooBig(limit)
         try:
             text = data.decode()
         except UnicodeDecodeError:
             await _error(websocket, "malformed", "binary frame is not UTF-8 JSON")
             return None
-    if len(text) > MAX_FRAME_CHARS:
-        await _error(websocket, "malformed", f"frame over {MAX_FRAME_CHARS} characters")
-        return None
+    # Characters are at most 4 bytes: only a long text needs its bytes counted.
+    if len(text) > limit // 4 and len(text.encode()) > limit:
+        raise FrameTooBig(limit)
     return text
 
 
@@ -74,32 +127,52 @@ async def _error(websocket: WebSocket, code: str, message: str, task_id: int | N
     await websocket.send_text(error.model_dump_json())
 
 
-async def _handshake(websocket: WebSocket, grid: Grid) -> NodeSession | None:
-    """Wait for a valid hello; answer anything else with an error."""
-    while True:
-        text = await asyncio.wait_for(_receive(websocket), HELLO_TIMEOUT_S)
-        if text is None:
-            continue
-        try:
-            msg = protocol.parse_node_message(text)
-        except protocol.ProtocolError as exc:
-            await _error(websocket, exc.code, exc.message)
-            continue
-        if not isinstance(msg, protocol.Hello):
+async def _await_hello(
+    websocket: WebSocket, settings: CoordinatorSettings
+) -> protocol.Hello | None:
+    """The node's hello; anything else before it is answered with an error. The deadline
+    counts from the socket's opening, whatever it sends meanwhile."""
+    deadline = asyncio.get_running_loop().time() + settings.hello_timeout_s
+    try:
+        while True:
+            async with asyncio.timeout_at(deadline):
+                text = await _receive(websocket, settings.hello_max_bytes)
+            if text is None:
+                continue
+            try:
+                msg = protocol.parse_node_message(text)
+            except protocol.ProtocolError as exc:
+                await _error(websocket, exc.code, exc.message)
+                continue
+            if isinstance(msg, protocol.Hello):
+                return msg
             await _error(websocket, "out_of_order", f"send hello before {msg.type}")
-            continue
-        return await _register(websocket, grid, msg)
+    except TimeoutError:
+        message = f"no hello within {settings.hello_timeout_s:g} s of connecting"
+        await _error(websocket, "out_of_order", message)
+        await websocket.close(code=CLOSE_POLICY)
+        return None
 
 
-async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> NodeSession | None:
+def _raise_frame_limit(websocket: WebSocket, limit: int) -> None:
+    """Let the server read frames of up to `limit` bytes on this socket from now on."""
+    extension = websocket.scope.get("extensions", {}).get(FRAME_LIMIT_EXTENSION)
+    if extension is not None:
+        extension["set"](limit)
+
+
+async def _register(
+    websocket: WebSocket, grid: Grid, guard: Guard, hello: protocol.Hello, address: str
+) -> NodeSession | None:
     token = await grid.store.find_token(hash_token(hello.token))
+    if token is None:
+        guard.auth.failed(address)
     if token is None or token.kind != "node":
         await _error(websocket, "unauthorized", "a valid node token is required")
         await websocket.close(code=CLOSE_UNAUTHORIZED)
         return None
     now = grid.clock()
     kinds = sorted(set(hello.kinds) & set(KINDS))
-    address = websocket.client.host if websocket.client else ""
     network = network_of(
         address,
         v4_prefix=grid.settings.network_prefix_v4,
@@ -141,6 +214,8 @@ async def _register(websocket: WebSocket, grid: Grid, hello: protocol.Hello) -> 
         ),
     )
     drop = await _reconcile(grid, session, set(hello.running))
+    # Before the welcome: the node may send its first big frame as soon as it has it.
+    _raise_frame_limit(websocket, grid.settings.max_frame_bytes)
     await peers.attach(grid.context, session)
     await session.send(
         protocol.Welcome(
@@ -181,7 +256,7 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
     storing: set[asyncio.Task[None]] = set()
     try:
         while True:
-            text = await _receive(websocket)
+            text = await _receive(websocket, grid.settings.max_frame_bytes)
             if text is None:
                 continue
             try:

@@ -8,10 +8,12 @@ from typing import Annotated, Literal, cast
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
+from idlegrid.coordinator import quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.dashboard import security
 from idlegrid.dashboard.pages import (
     Csrf,
+    Id,
     PageError,
     SignedIn,
     Viewer,
@@ -211,6 +213,11 @@ async def make_token(
     request: Request, account_id: int, *, kind: Literal["api", "node"], label: str
 ) -> str:
     """A new token of the account: its secret, to be shown once."""
+    grid = grid_of(request)
+    try:
+        await quotas.check_new_token(grid.store, grid.settings, account_id)
+    except quotas.QuotaExceeded as exc:
+        raise PageError(exc.status, exc.message) from None
     secret = new_token(kind)
     await grid_of(request).store.add_token(
         account_id,
@@ -224,7 +231,7 @@ async def make_token(
 
 
 @router.post("/account/tokens/{token_id}/revoke", dependencies=[Csrf])
-async def revoke_token(request: Request, token_id: int, session: SignedIn) -> Response:
+async def revoke_token(request: Request, token_id: Id, session: SignedIn) -> Response:
     revoked = await store_of(request).web_write(
         web.revoke_token, session.account.id, token_id, now=grid_of(request).clock()
     )

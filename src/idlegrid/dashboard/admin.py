@@ -11,6 +11,7 @@ from idlegrid.coordinator import metrics
 from idlegrid.dashboard.pages import (
     Admin,
     Csrf,
+    Id,
     PageError,
     grid_of,
     page_bounds,
@@ -56,7 +57,7 @@ async def admin_page(
 @router.post("/accounts/{account_id}/role", dependencies=[Csrf])
 async def set_role(
     request: Request,
-    account_id: int,
+    account_id: Id,
     session: Admin,
     role: Annotated[Literal["volunteer", "researcher", "admin"], Form()],
 ) -> Response:
@@ -70,7 +71,7 @@ async def set_role(
 @router.post("/accounts/{account_id}/disable", dependencies=[Csrf])
 async def disable(
     request: Request,
-    account_id: int,
+    account_id: Id,
     session: Admin,
     disabled: Annotated[bool, Form()] = True,
 ) -> Response:
@@ -86,7 +87,7 @@ async def disable(
 
 
 @router.post("/accounts/{account_id}/unflag", dependencies=[Csrf])
-async def unflag(request: Request, account_id: int, session: Admin) -> Response:
+async def unflag(request: Request, account_id: Id, session: Admin) -> Response:
     if not await store_of(request).web_write(web.clear_flag, account_id):
         raise PageError(404, f"There is no account {account_id}.")
     return redirect(request, "/admin?flagged=true", flash=f"Account {account_id} is cleared.")
@@ -95,7 +96,7 @@ async def unflag(request: Request, account_id: int, session: Admin) -> Response:
 @router.post("/nodes/{node_id}/suspend", dependencies=[Csrf])
 async def suspend(
     request: Request,
-    node_id: int,
+    node_id: Id,
     session: Admin,
     suspended: Annotated[bool, Form()] = True,
 ) -> Response:

@@ -7,10 +7,10 @@ import json
 import math
 import urllib.parse
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path as FilePath
 from typing import Annotated, Any, cast
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
@@ -19,10 +19,13 @@ from idlegrid import __version__
 from idlegrid.coordinator.grid import Grid
 from idlegrid.dashboard import security
 from idlegrid.policy.credit import CreditTotals, recent_average
+from idlegrid.protocol import MAX_ID
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.web import DashboardStore, WebSession, find_session
 
-HERE = Path(__file__).parent
+HERE = FilePath(__file__).parent
+# An id in a page's path: past what the store holds it is a 422 page, not a 500.
+Id = Annotated[int, Path(ge=1, le=MAX_ID)]
 FLASH_COOKIE = "ig_flash"
 # Scripts and styles only from this app: an injected <script> would not run.
 CSP = (

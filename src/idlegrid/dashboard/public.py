@@ -11,6 +11,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 from idlegrid.dashboard import exports
 from idlegrid.dashboard.pages import (
     Csrf,
+    Id,
     PageError,
     SignedIn,
     Viewer,
@@ -92,7 +93,7 @@ async def leaderboard(
 
 
 @router.get("/users/{account_id}", response_class=HTMLResponse)
-async def profile(request: Request, account_id: int) -> Response:
+async def profile(request: Request, account_id: Id) -> Response:
     store = store_of(request)
     account = await store.web_read(web.account_by_id, account_id)
     if account is None:
@@ -162,7 +163,7 @@ async def create_team(
 
 
 @router.get("/teams/{team_id}", response_class=HTMLResponse)
-async def team_page(request: Request, team_id: int, session: Viewer) -> Response:
+async def team_page(request: Request, team_id: Id, session: Viewer) -> Response:
     store = store_of(request)
     team = await store.web_read(web.get_team, team_id)
     if team is None:
@@ -173,7 +174,7 @@ async def team_page(request: Request, team_id: int, session: Viewer) -> Response
 
 
 @router.post("/teams/{team_id}/join", dependencies=[Csrf])
-async def join_team(request: Request, team_id: int, session: SignedIn) -> Response:
+async def join_team(request: Request, team_id: Id, session: SignedIn) -> Response:
     if not await store_of(request).web_write(web.join_team, session.account.id, team_id):
         raise PageError(404, f"There is no team {team_id}.")
     return redirect(request, f"/teams/{team_id}", flash="You joined the team.")

@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from idlegrid.blobs import BlobError
 from idlegrid.coordinator.api import job_out
 from idlegrid.coordinator.grid import JobInputError
+from idlegrid.coordinator.quotas import QuotaExceeded
 from idlegrid.dashboard.pages import (
     Csrf,
+    Id,
     PageError,
     Researcher,
     dashboard_of,
@@ -106,7 +108,10 @@ async def start_upload(request: Request, session: Researcher) -> Response:
 
 @router.put("/uploads/{upload_id}", dependencies=[Csrf])
 async def put_chunk(
-    request: Request, upload_id: int, session: Researcher, offset: Annotated[int, Query(ge=0)]
+    request: Request,
+    upload_id: Id,
+    session: Researcher,
+    offset: Annotated[int, Query(ge=0, le=2**62)],
 ) -> Response:
     """One chunk at `offset`; chunks come in order, each under the request size limit."""
     store = store_of(request)
@@ -131,7 +136,7 @@ def _write_at(path: Path, offset: int, data: bytes) -> None:
 
 
 @router.post("/uploads/{upload_id}/finish", dependencies=[Csrf])
-async def finish_upload(request: Request, upload_id: int, session: Researcher) -> Response:
+async def finish_upload(request: Request, upload_id: Id, session: Researcher) -> Response:
     store = store_of(request)
     upload = await store.web_read(uploads.get_upload, upload_id, session.account.id)
     if upload is None or upload.state != "partial" or upload.received != upload.size:
@@ -144,18 +149,19 @@ async def finish_upload(request: Request, upload_id: int, session: Researcher) -
     except (BlobError, OSError) as exc:
         await store.web_write(uploads.delete_upload, upload_id, session.account.id)
         return _json_error(422, f"the file could not be stored: {exc}")
+    now = grid_of(request).clock()
     await store.web_write(
-        uploads.finish_upload,
-        upload_id,
-        session.account.id,
-        blob_hash=blob_hash,
-        now=grid_of(request).clock(),
+        uploads.finish_upload, upload_id, session.account.id, blob_hash=blob_hash, now=now
+    )
+    # The blob is the account's: its API token reads it, and its jobs may name it.
+    await grid_of(request).store.add_blob_owner(
+        blob_hash, session.account.id, size=upload.size, now=now
     )
     return JSONResponse({"hash": blob_hash, "size": upload.size})
 
 
 @router.post("/uploads/{upload_id}/abort", dependencies=[Csrf])
-async def abort_upload(request: Request, upload_id: int, session: Researcher) -> Response:
+async def abort_upload(request: Request, upload_id: Id, session: Researcher) -> Response:
     """Drop an upload that failed or was cancelled: its row and its partial file."""
     upload = await store_of(request).web_read(uploads.get_upload, upload_id, session.account.id)
     if upload is not None and upload.state == "partial":
@@ -165,7 +171,7 @@ async def abort_upload(request: Request, upload_id: int, session: Researcher) ->
 
 
 @router.post("/files/{upload_id}/delete", dependencies=[Csrf])
-async def delete_file(request: Request, upload_id: int, session: Researcher) -> Response:
+async def delete_file(request: Request, upload_id: Id, session: Researcher) -> Response:
     if not await store_of(request).web_write(uploads.delete_upload, upload_id, session.account.id):
         raise PageError(404, f"You have no file {upload_id}.")
     return redirect(request, "/research/files", flash="File removed from your list.")
@@ -256,7 +262,11 @@ async def submit_diloco(
     if dataset == "corpus":
         blob = grid_of(request).blobs.put(corpus_dataset_blob())
     else:
-        found = await _own_file(request, session, int(dataset)) if dataset.isdigit() else None
+        found = (
+            await _own_file(request, session, int(dataset))
+            if dataset.isdigit() and len(dataset) < 10
+            else None
+        )
         if found is None:
             error = "Choose the built-in corpus or one of your uploaded datasets."
             return await _new_job(
@@ -314,6 +324,8 @@ async def _submit(
         error = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:3])
     except (InputError, JobInputError) as exc:
         error = str(exc)
+    except QuotaExceeded as exc:
+        error = exc.message
     else:
         return redirect(request, f"/research/jobs/{job.id}", flash=f"Job {job.id} submitted.")
     return await _new_job(request, session, kind, error=error, values=values, status=422)
@@ -337,20 +349,20 @@ async def _job_context(request: Request, job: JobRecord) -> dict[str, Any]:
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
-async def job_page(request: Request, job_id: int, session: Researcher) -> Response:
+async def job_page(request: Request, job_id: Id, session: Researcher) -> Response:
     job = await own_job(request, session, job_id)
     return await render(request, "job.html", **await _job_context(request, job))
 
 
 @router.get("/jobs/{job_id}/progress", response_class=HTMLResponse)
-async def job_progress(request: Request, job_id: int, session: Researcher) -> Response:
+async def job_progress(request: Request, job_id: Id, session: Researcher) -> Response:
     """The live part of the job page, polled every two seconds while the job runs."""
     job = await own_job(request, session, job_id)
     return await render(request, "_job_progress.html", **await _job_context(request, job))
 
 
 @router.post("/jobs/{job_id}/cancel", dependencies=[Csrf])
-async def cancel_job(request: Request, job_id: int, session: Researcher) -> Response:
+async def cancel_job(request: Request, job_id: Id, session: Researcher) -> Response:
     job = await own_job(request, session, job_id)
     if job.state.value not in TERMINAL:
         await grid_of(request).cancel_job(job_id)
@@ -358,7 +370,7 @@ async def cancel_job(request: Request, job_id: int, session: Researcher) -> Resp
 
 
 @router.get("/jobs/{job_id}/result")
-async def job_result(request: Request, job_id: int, session: Researcher) -> Response:
+async def job_result(request: Request, job_id: Id, session: Researcher) -> Response:
     job = await own_job(request, session, job_id)
     if job.result_hash is None:
         raise PageError(409, f"Job {job_id} is {job.state.value}; it has no result yet.")

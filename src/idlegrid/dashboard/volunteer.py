@@ -12,6 +12,7 @@ from fastapi.responses import HTMLResponse, Response
 from idlegrid.dashboard.accounts import make_token
 from idlegrid.dashboard.pages import (
     Csrf,
+    Id,
     PageError,
     SignedIn,
     Viewer,
@@ -137,7 +138,7 @@ def worker_commands(server: str, token: str, name: str) -> list[tuple[str, str]]
 
 
 @router.get("/nodes/{node_id}", response_class=HTMLResponse)
-async def node_page(request: Request, node_id: int, session: Viewer) -> Response:
+async def node_page(request: Request, node_id: Id, session: Viewer) -> Response:
     """A node's public page: hardware, credit, and its validated work per day."""
     store = store_of(request)
     standing = await store.web_read(stats.standing, "nodes", node_id)

@@ -96,6 +96,9 @@ class TaskKind(ABC):
     result_media_type: ClassVar[str] = "application/octet-stream"
     # Replicas per shard when a job does not say; None: the grid's default (3).
     default_replication: ClassVar[int | None] = None
+    # Speed (GFLOPS of a shard's nominal cost) the coordinator assumes of a node it has
+    # not yet timed on this kind, for its leases: a slow machine's.
+    default_gflops: ClassVar[float] = 1.0
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""

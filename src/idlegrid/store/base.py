@@ -17,6 +17,8 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
+from idlegrid.store.blob_access import BlobAccessStore
+from idlegrid.store.usage import UsageStore
 
 T = TypeVar("T")
 
@@ -482,6 +484,12 @@ class NodeStore(Protocol):
     async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
     async def node_tasks(self, node_id: int) -> list[NodeTask]: ...
     async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
+    async def measured_speeds(self, node_id: int, *, last: int = 50) -> dict[str, float]:
+        """FLOP/s per kind of the node's last validated tasks, as the coordinator timed
+        them (assignment to result) against their shards' nominal cost; kinds it has
+        no validated task of are absent."""
+        ...
+
     async def state_counts(self) -> StateCounts:
         """How many tasks and how many jobs are in each state (for metrics)."""
         ...
@@ -496,6 +504,10 @@ class JobStore(Protocol):
         self, account_id: int | None, *, limit: int, offset: int
     ) -> list[JobRecord]: ...
     async def list_shards(self, job_id: int) -> list[ShardRecord]: ...
+    async def count_open_jobs(self, account_id: int) -> int:
+        """The account's jobs that are queued or running."""
+        ...
+
     async def cancel_job(self, job_id: int, *, now: float) -> list[NodeTask]: ...
     async def canonical_outputs(self, job_id: int) -> list[str]: ...
     async def complete_job(
@@ -685,6 +697,8 @@ class Store(
     ResultStore,
     VerificationStore,
     TrainingRoundStore,
+    BlobAccessStore,
+    UsageStore,
     Protocol,
 ):
     """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState, sources_of
 from idlegrid.store import rows
 from idlegrid.store.base import HeldTask, JobRecord, NewJob, NodeTask, ShardRecord
+from idlegrid.store.blob_access import add_job_blobs
 from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)
@@ -41,6 +42,7 @@ async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
             )
         )
     )
+    await add_job_blobs(conn, job_id, job.inputs.values())
     await conn.execute(
         insert(shards),
         [
@@ -70,6 +72,14 @@ async def list_jobs(
         query = query.where(jobs.c.account_id == account_id)
     ids = (await conn.execute(query)).scalars().all()
     return [job for i in ids if (job := await rows.job(conn, i)) is not None]
+
+
+async def count_open_jobs(conn: AsyncConnection, account_id: int) -> int:
+    open_states = (JobState.QUEUED.value, JobState.RUNNING.value)
+    query = select(func.count()).where(
+        jobs.c.account_id == account_id, jobs.c.state.in_(open_states)
+    )
+    return int((await conn.execute(query)).scalar_one())
 
 
 async def list_shards(conn: AsyncConnection, job_id: int) -> list[ShardRecord]:

@@ -22,7 +22,7 @@ from idlegrid.store.base import (
     RegistrationRefused,
     StateCounts,
 )
-from idlegrid.store.schema import accounts, jobs, node_trust, nodes, tasks
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
 
 HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
 TOUCH_CHUNK = 500  # nodes per presence statement
@@ -178,6 +178,29 @@ async def list_trust(
         )
         for row in found
     ]
+
+
+async def measured_speeds(conn: AsyncConnection, node_id: int, *, last: int) -> dict[str, float]:
+    """FLOP/s per kind at which the node's `last` validated tasks ran, as the coordinator
+    timed them (assignment to result) against each shard's nominal cost."""
+    query = (
+        select(jobs.c.kind, shards.c.cost_flops, tasks.c.assigned_at, tasks.c.finished_at)
+        .select_from(tasks.join(shards, shards.c.id == tasks.c.shard_id).join(jobs))
+        .where(
+            tasks.c.node_id == node_id,
+            tasks.c.outcome == "valid",
+            tasks.c.assigned_at.is_not(None),
+            tasks.c.finished_at.is_not(None),
+        )
+        .order_by(tasks.c.id.desc())
+        .limit(last)
+    )
+    flops: dict[str, float] = {}
+    seconds: dict[str, float] = {}
+    for row in (await conn.execute(query)).all():
+        flops[row.kind] = flops.get(row.kind, 0.0) + row.cost_flops
+        seconds[row.kind] = seconds.get(row.kind, 0.0) + max(0.0, row.finished_at - row.assigned_at)
+    return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
 
 
 async def state_counts(conn: AsyncConnection) -> StateCounts:

@@ -27,6 +27,7 @@ from idlegrid.store.base import (
     RoundTraffic,
     TrainingFinish,
 )
+from idlegrid.store.blob_access import add_job_blobs
 from idlegrid.store.jobs import cancel_live
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds
@@ -53,6 +54,7 @@ class TrainingRoundsSql:
     ) -> list[ReadyTask]:
         async with self._tx() as conn:
             await conn.execute(insert(training_rounds).values(**_round_values(job_id, first, now)))
+            await _name_round_blobs(conn, job_id, first)
             await _add_shards(conn, job_id, extra_shards)
             topped_up = await replenish(conn, now=now, job_id=job_id)
         return topped_up.ready
@@ -84,6 +86,7 @@ class TrainingRoundsSql:
             await conn.execute(
                 insert(training_rounds).values(**_round_values(job_id, next_round, now))
             )
+            await _name_round_blobs(conn, job_id, next_round)
             await _add_shards(conn, job_id, shards)
             more = await replenish(conn, now=now, job_id=job_id)
         return RoundAdvance(won=True, ready=more.ready, to_cancel=to_cancel + more.to_cancel)
@@ -189,6 +192,11 @@ class TrainingRoundsSql:
 
 def _round_is(job_id: int, round_number: int) -> Any:
     return and_(training_rounds.c.job_id == job_id, training_rounds.c.round == round_number)
+
+
+async def _name_round_blobs(conn: AsyncConnection, job_id: int, new: NewRound) -> None:
+    """The round's weights and update: its tasks' nodes fetch them (`blob_access`)."""
+    await add_job_blobs(conn, job_id, [new.checkpoint_hash, new.update_hash or ""])
 
 
 async def _close(

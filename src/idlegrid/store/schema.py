@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     Double,
@@ -159,6 +160,8 @@ shards = Table(
     UniqueConstraint("job_id", "idx", name="uq_shards_job_idx"),
     Index("ix_shards_state", "state"),
     Index("ix_shards_job_state", "job_id", "state"),
+    # Which shards a blob is the input of: who may read it (store/blob_access.py).
+    Index("ix_shards_input_hash", "input_hash"),
 )
 
 tasks = Table(
@@ -191,6 +194,8 @@ tasks = Table(
     Index("ix_tasks_shard", "shard_id"),
     Index("ix_tasks_node_state", "node_id", "state"),
     Index("ix_tasks_job_state", "job_id", "state"),
+    # What an account's nodes hold now: which blobs they may read and write.
+    Index("ix_tasks_account_state", "account_id", "state"),
 )
 
 # Trust per node, kind and backend (policy.trust.Trust as a row) and its daily quota.
@@ -305,4 +310,27 @@ node_daily = Table(
     Column("validated", Integer, nullable=False, default=0),
     Column("flops", Double, nullable=False, default=0.0),
     Column("credit", Double, nullable=False, default=0.0),
+)
+
+# -- who may read which blob -----------------------------------------------------------
+
+# A blob belongs to every account that uploaded it (the same content may come from many).
+blob_owners = Table(
+    "blob_owners",
+    metadata,
+    Column("blob_hash", String(64), primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), primary_key=True),
+    Column("size", BigInteger, nullable=False),
+    Column("created_at", Double, nullable=False),
+    Index("ix_blob_owners_account", "account_id"),
+)
+
+# Blobs a job names besides its shards' payloads: its inputs, and each training round's
+# weights and published update. A node holding one of the job's tasks may read them.
+job_blobs = Table(
+    "job_blobs",
+    metadata,
+    Column("job_id", Integer, ForeignKey("jobs.id"), primary_key=True),
+    Column("blob_hash", String(64), primary_key=True),
+    Index("ix_job_blobs_hash", "blob_hash"),
 )

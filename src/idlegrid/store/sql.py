@@ -64,8 +64,10 @@ from idlegrid.store.base import (
     TokenInfo,
     TokenRecord,
 )
+from idlegrid.store.blob_access import BlobAccessSql
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
+from idlegrid.store.usage import UsageSql
 from idlegrid.store.web import DashboardSql
 from idlegrid.store.writelock import WriteLock, urgent
 
@@ -124,7 +126,7 @@ def _retry_conflicts(
     return wrapper
 
 
-class SqlStore(TrainingRoundsSql, DashboardSql):
+class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
     """Durable state in one SQL database (SQLite file or PostgreSQL)."""
 
     def __init__(
@@ -361,6 +363,10 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         async with self._read() as conn:
             return await node_sql.list_trust(conn, node_id)
 
+    async def measured_speeds(self, node_id: int, *, last: int = 50) -> dict[str, float]:
+        async with self._read() as conn:
+            return await node_sql.measured_speeds(conn, node_id, last=last)
+
     async def state_counts(self) -> StateCounts:
         async with self._read() as conn:
             return await node_sql.state_counts(conn)
@@ -388,6 +394,10 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
     async def list_shards(self, job_id: int) -> list[ShardRecord]:
         async with self._read() as conn:
             return await job_sql.list_shards(conn, job_id)
+
+    async def count_open_jobs(self, account_id: int) -> int:
+        async with self._read() as conn:
+            return await job_sql.count_open_jobs(conn, account_id)
 
     async def cancel_job(self, job_id: int, *, now: float) -> list[NodeTask]:
         return await self._end_job(job_id, JobState.CANCELLED, error=None, now=now)
