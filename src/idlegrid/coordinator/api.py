@@ -5,14 +5,12 @@ Every error is JSON: {"error": <code>, "message": <human-readable text>}.
 
 from __future__ import annotations
 
-import logging
 import math
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from starlette.requests import ClientDisconnect
 
 from idlegrid.blobs import BlobError
 from idlegrid.coordinator import blob_access, quotas
@@ -32,8 +30,6 @@ from idlegrid.store.base import (
     ShardRecord,
     TokenInfo,
 )
-
-log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -503,9 +499,6 @@ async def put_blob(
             )
             raise ApiError(413, "quota_exceeded", message) from None
         raise ApiError(exc.status, "invalid_blob", exc.message) from None
-    except ClientDisconnect:
-        log.info("upload of blob %s ended: the client went away", blob_hash)
-        return {"hash": blob_hash, "size": 0}  # nobody reads this answer
     await grid.store.add_blob_owner(blob_hash, token.account_id, size=size, now=now)
     return {"hash": blob_hash, "size": size}
 

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response, WebSocket
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idlegrid import __version__, dashboard
@@ -226,6 +227,12 @@ def _install_error_handlers(app: FastAPI) -> None:
         if allowed:
             response.headers["Allow"] = allowed
         return response
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_client_gone(request: Request, exc: ClientDisconnect) -> Any:
+        # An upload cut short is the client's business: one line, no traceback.
+        log.info("%s %s ended: the client went away", request.method, request.url.path)
+        return api.error_response(400, "client_disconnected", "the client went away")
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> Any:
