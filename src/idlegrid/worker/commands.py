@@ -319,8 +319,15 @@ def _call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None =
     return data
 
 
+def _headline(status: dict[str, Any]) -> str:
+    """The state and its reason, once: the policy's reasons already begin with the state
+    ("paused: user active 12 s ago")."""
+    state, reason = status["state"], status["reason"]
+    return reason if reason.startswith(state) else f"{state}: {reason}"
+
+
 def _print_status(status: dict[str, Any]) -> None:
-    click.echo(f"{status['state']}: {status['reason']}")
+    click.echo(_headline(status))
     idle = status["idle"]
     seconds = "cannot tell" if idle["seconds"] is None else f"idle {idle['seconds']:.0f} s"
     click.echo(f"idle detection: {idle['probe']} ({seconds})")
@@ -358,7 +365,7 @@ def _action(name: str, help_text: str) -> None:
     @click.pass_context
     def command(ctx: click.Context) -> None:
         data = _call(_state_dir(ctx), "POST", f"/api/{name}", {})
-        click.echo(f"{data['state']}: {data['reason']}")
+        click.echo(_headline(data))
 
 
 _action("pause", "Pause now: running tasks are suspended, not lost.")
@@ -372,7 +379,7 @@ _action("finish", "Finish the current tasks, take no new ones, then pause.")
 def snooze(ctx: click.Context, minutes: float) -> None:
     """Pause for a while (an hour by default), then go back to the policy."""
     data = _call(_state_dir(ctx), "POST", "/api/snooze", {"seconds": minutes * 60})
-    click.echo(f"{data['state']}: {data['reason']}")
+    click.echo(_headline(data))
 
 
 @worker.command(name="idle-helper")
