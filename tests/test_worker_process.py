@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from idlegrid.localgrid import LocalGrid
@@ -97,17 +98,27 @@ def test_ctrl_c_finishes_the_running_task_then_stops(grid: LocalGrid) -> None:
     assert "Traceback" not in log
 
 
-def test_a_second_ctrl_c_gives_the_task_back_and_stops_at_once(grid: LocalGrid) -> None:
+@pytest.mark.parametrize(
+    "signals", [(signal.SIGINT, signal.SIGINT), (signal.SIGTERM,)], ids=["ctrl-c-twice", "sigterm"]
+)
+def test_the_task_is_given_back_and_the_worker_stops_at_once(
+    grid: LocalGrid, signals: tuple[signal.Signals, ...]
+) -> None:
     worker, state_dir = _start(grid, "w")
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": 1, "seconds": 600.0}, replication=1)
         _until(lambda: _running_task(state_dir), 60, "the task to start")
-        worker.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        worker.send_signal(signal.SIGINT)
+        task_processes = psutil.Process(worker.pid).children(recursive=True)
+        assert task_processes
+        for number in signals:
+            worker.send_signal(number)
+            time.sleep(0.5)
         started = time.monotonic()
         assert worker.wait(30) == 0
-        assert time.monotonic() - started < 10, "the second Ctrl-C did not stop it at once"
+        assert time.monotonic() - started < 10, "the worker did not stop at once"
+        # Its task processes end with it (multiprocessing's helpers once they see it gone).
+        _, alive = psutil.wait_procs(task_processes, timeout=5)
+        assert not alive, [" ".join(p.cmdline()) for p in alive]
 
         # The coordinator made a new attempt at once: it heard that the task came back,
         # long before the node's timeout (120 s) would have expired its lease.

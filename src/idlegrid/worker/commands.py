@@ -130,8 +130,8 @@ def worker(ctx: click.Context, **options: Any) -> None:
     The worker connects out to the coordinator (works behind NAT), reconnects with
     backoff when it goes away, runs only built-in task kinds, and steps aside (suspends
     its tasks) as soon as the owner uses the machine. Ctrl-C once: finish the running
-    tasks, then stop; twice: give them back to the coordinator and stop. Subcommands talk
-    to a running one.
+    tasks, then stop; twice (or SIGTERM): give them back to the coordinator and stop.
+    Subcommands talk to a running one.
     """
     if ctx.invoked_subcommand is not None:
         ctx.obj = options
@@ -246,12 +246,20 @@ def _installed_token(state_dir: Path) -> str | None:
 
 
 async def _serve(node: Any) -> None:
-    """Run until stopped: the first SIGINT/SIGTERM finishes, the second gives back."""
+    """Run until stopped. The first Ctrl-C (SIGINT) finishes the running tasks, the second
+    gives them back and stops. SIGTERM gives them back and stops at once: a service
+    manager or a shutdown that sends it kills what is left soon after, and a task given
+    back goes to another node now instead of when its lease expires."""
     loop = asyncio.get_running_loop()
     owned: set[asyncio.Task[None]] = set()
     asked = 0
 
-    def on_signal() -> None:
+    def start(step: Any) -> None:
+        task = loop.create_task(step)
+        owned.add(task)
+        task.add_done_callback(owned.discard)
+
+    def on_interrupt() -> None:
         nonlocal asked
         asked += 1
         if asked == 1:
@@ -260,16 +268,16 @@ async def _serve(node: Any) -> None:
                 "and stop now)",
                 err=True,
             )
-            step = node.finish()
+            start(node.finish())
         else:
-            click.echo("giving the running tasks back to the coordinator and stopping", err=True)
-            step = node.give_back_and_stop()
-        task = loop.create_task(step)
-        owned.add(task)
-        task.add_done_callback(owned.discard)
+            on_terminate()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    def on_terminate() -> None:
+        click.echo("giving the running tasks back to the coordinator and stopping", err=True)
+        start(node.give_back_and_stop())
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTERM, on_terminate)
     try:
         await node.run()
     finally:
