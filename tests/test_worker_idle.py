@@ -157,6 +157,13 @@ async def _steps_aside_and_resumes(
         assert elapsed < STEP_ASIDE_S, f"stepped aside after {elapsed:.2f} s"
         paused = [m for m in sent if getattr(m, "type", "") == "status" and m.state == "paused"]
         assert paused and "user active" in paused[-1].reason
+        # The coordinator shows the node's reason beside its other figures.
+        for _ in range(100):
+            (node,) = (await http.get("/v1/nodes")).json()
+            if node["activity"].startswith("paused"):
+                break
+            await asyncio.sleep(0.05)
+        assert "user active" in node["activity"], node
         # The task is suspended, not lost: after the threshold it resumes and completes.
         await _finish_and_verify(http, job["id"])
         after = sent[sent.index(paused[-1]) :]

@@ -181,6 +181,9 @@ class NodeOut(BaseModel):
     credit_total: float
     recent_average_credit: float
     suspended: bool
+    # What the node's idle policy said last ("paused: user active 12 s ago"); "" when it
+    # is not connected to this coordinator process.
+    activity: str = ""
 
 
 # -- jobs ----------------------------------------------------------------------------------
@@ -511,7 +514,13 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     # Connected to this process or, with several coordinators, to another one.
     connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
     now = grid.clock()
-    return [_node_out(node, online=node.id in connected, now=now) for node in nodes]
+    activity = {s.node_id: s.status_reason for s in grid.hub.sessions()}
+    return [
+        _node_out(node, online=node.id in connected, now=now).model_copy(
+            update={"activity": activity.get(node.id, "")}
+        )
+        for node in nodes
+    ]
 
 
 @router.get("/nodes/{node_id}/trust", tags=["nodes"])
