@@ -516,9 +516,7 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     now = grid.clock()
     activity = {s.node_id: s.status_reason for s in grid.hub.sessions()}
     return [
-        _node_out(node, online=node.id in connected, now=now).model_copy(
-            update={"activity": activity.get(node.id, "")}
-        )
+        _node_out(node, online=node.id in connected, now=now, activity=activity.get(node.id, ""))
         for node in nodes
     ]
 
@@ -548,7 +546,7 @@ async def node_trust(node_id: int, token: Researcher, grid: GridDep) -> list[dic
     ]
 
 
-def _node_out(node: NodeRecord, *, online: bool, now: float) -> NodeOut:
+def _node_out(node: NodeRecord, *, online: bool, now: float, activity: str = "") -> NodeOut:
     return NodeOut(
         id=node.id,
         name=node.name,
@@ -562,6 +560,7 @@ def _node_out(node: NodeRecord, *, online: bool, now: float) -> NodeOut:
         uptime_s=node.connected_seconds,
         last_seen_at=node.last_seen_at,
         suspended=node.suspended_at is not None,
+        activity=activity,
         **_credit_out(node.credit, now),
     )
 
