@@ -8,9 +8,9 @@ across tasks, so what a kind keeps between tasks (a loaded model, a training run
 weights) survives; a dead child is started again for the next task.
 
 The parent and child speak over a pipe, in tuples: ("run", task_id, kind, params,
-payload, device, threads, slowdown) and ("cancel", task_id) and ("blob", task_id, hash,
-bytes | None) to the child; ("progress", task_id, fraction), ("fetch", task_id, hash),
-("done", task_id, output) and ("failed", task_id, reason) back.
+payload, device, threads, slowdown, scratch, checkpoint_every_s) and ("cancel", task_id)
+and ("blob", task_id, hash, bytes | None) to the child; ("progress", task_id, fraction),
+("fetch", task_id, hash), ("done", task_id, output) and ("failed", task_id, reason) back.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -52,6 +53,9 @@ class TaskSpec:
     device: str
     threads: int
     slowdown: float
+    # Where the kind may keep this task's checkpoint, and how often ("": nowhere).
+    scratch: str = ""
+    checkpoint_every_s: float = 60.0
 
 
 class TaskHost:
@@ -175,7 +179,7 @@ class TaskHost:
             await asyncio.to_thread(
                 self._send,
                 ("run", spec.task_id, spec.kind, spec.params, spec.payload, spec.device,
-                 spec.threads, spec.slowdown),
+                 spec.threads, spec.slowdown, spec.scratch, spec.checkpoint_every_s),
             )  # fmt: skip
             while True:
                 try:
@@ -249,6 +253,11 @@ def host_main(conn: Connection, threads: int) -> None:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[name] = str(threads)
     lower_priority()
+    # What the kinds log goes to the daemon's output (inherited); libraries stay quiet.
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("idlegrid").setLevel(logging.INFO)
     child = _Child(conn)
     threading.Thread(target=child.read, name="pipe", daemon=True).start()
     while True:
@@ -284,7 +293,7 @@ class _Child:
 
     def run(
         self, task_id: int, kind_name: str, raw: dict[str, object], payload: bytes,
-        device: str, threads: int, slowdown: float,
+        device: str, threads: int, slowdown: float, scratch: str, checkpoint_every_s: float,
     ) -> None:  # fmt: skip
         from idlegrid.kinds import RunContext, get_kind
 
@@ -303,6 +312,8 @@ class _Child:
             is_cancelled=lambda: task_id in self.cancelled,
             slowdown=slowdown,
             fetch=lambda blob_hash: self.fetch(task_id, blob_hash),
+            scratch=Path(scratch) if scratch else None,
+            checkpoint_every_s=checkpoint_every_s,
         )
         try:
             kind = get_kind(kind_name)
