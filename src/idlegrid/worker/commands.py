@@ -328,10 +328,10 @@ def _call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None =
 
 
 def _headline(status: dict[str, Any]) -> str:
-    """The state and its reason, once: the policy's reasons already begin with the state
-    ("paused: user active 12 s ago")."""
+    """The state and its reason, once: the policy's reasons say the state in words
+    ("paused: user active 12 s ago", "running: idle for 5 min, within the limits...")."""
     state, reason = status["state"], status["reason"]
-    return reason if reason.startswith(state) else f"{state}: {reason}"
+    return reason if reason.startswith(("running", "paused", "finishing")) else f"{state}: {reason}"
 
 
 def _print_status(status: dict[str, Any]) -> None:
