@@ -4,6 +4,7 @@ subcommands and by Ctrl-C (SIGINT), against a real coordinator."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -89,7 +90,8 @@ def test_ctrl_c_finishes_the_running_task_then_stops(grid: LocalGrid) -> None:
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": 1, "seconds": 3.0}, replication=1)
         _until(lambda: _running_task(state_dir), 60, "the task to start")
-        worker.send_signal(signal.SIGINT)
+        # As a terminal sends it: to the whole process group, task processes too.
+        os.killpg(worker.pid, signal.SIGINT)
         assert worker.wait(60) == 0
         # The task finished and its result was delivered before the worker stopped.
         assert job.info()["state"] == "completed"
@@ -110,8 +112,8 @@ def test_the_task_is_given_back_and_the_worker_stops_at_once(
         _until(lambda: _running_task(state_dir), 60, "the task to start")
         task_processes = psutil.Process(worker.pid).children(recursive=True)
         assert task_processes
-        for number in signals:
-            worker.send_signal(number)
+        for number in signals:  # Ctrl-C as a terminal sends it: to the process group
+            os.killpg(worker.pid, number) if number == signal.SIGINT else worker.send_signal(number)
             time.sleep(0.5)
         started = time.monotonic()
         assert worker.wait(30) == 0

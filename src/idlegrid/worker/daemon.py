@@ -39,7 +39,7 @@ from idlegrid.worker.held import RunningTask
 from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
-from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec
+from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec, ignore_interrupts
 from idlegrid.worker.scratch import ScratchDirs
 from idlegrid.worker.stepping import Stepping
 from idlegrid.worker.transfers import Transfers, backoff_delay
@@ -75,7 +75,7 @@ def available_kinds() -> list[str]:
 async def in_child_process(function: Any, *args: Any) -> Any:
     """`function(*args)` in a fresh (spawned) process, so what it imports stays there."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
+    with ProcessPoolExecutor(1, mp_context=context, initializer=ignore_interrupts) as pool:
         return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 
 

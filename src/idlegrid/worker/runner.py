@@ -21,6 +21,7 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -247,8 +248,16 @@ def lower_priority() -> None:
             proc.ionice(psutil.IOPRIO_CLASS_IDLE)
 
 
+def ignore_interrupts() -> None:
+    """A child of the daemon ignores Ctrl-C. A terminal sends SIGINT to its whole
+    foreground process group, children too, and the daemon decides what happens to its
+    tasks (finish, or give back); it ends its children itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def host_main(conn: Connection, threads: int) -> None:
     """The child's loop: run what the parent sends, one task at a time."""
+    ignore_interrupts()
     if threads:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[name] = str(threads)
