@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 import pytest
@@ -236,3 +237,73 @@ def test_malformed_windows_name_the_setting(text: str, message: str) -> None:
 def test_bad_settings_are_refused_by_name(values: dict[str, object], name: str) -> None:
     with pytest.raises(SettingError, match=f"^{name}: "):
         IdleSettings(**values)  # type: ignore[arg-type]
+
+
+# -- giving a suspended task back (worker/stepping.py) --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("paused_for", "ran_s", "progress", "lease_left_s", "due"),
+    [
+        (5, 10, 0.5, 600, False),  # needs 10 s more, 600 s left: keep it suspended
+        (600, 10, 0.5, 6000, True),  # paused for give_back_after_s: back
+        (599, 10, 0.5, 6000, False),
+        (5, 100, 0.5, 99, True),  # needs 100 s more, 99 s left: back now
+        (5, 100, 0.5, 100, False),
+        (5, 30, 0.0, 20, True),  # no progress yet: counted as needing as long again
+        (5, 30, 0.0, 40, False),
+        (5, 30, 1.0, 0, False),  # done but for delivery: nothing more needed
+        (5, 1, 0.1, -1, True),  # the lease already ran out
+    ],
+)
+def test_a_suspended_task_is_given_back_when_due(
+    paused_for: float, ran_s: float, progress: float, lease_left_s: float, due: bool
+) -> None:
+    from idlegrid.worker.stepping import give_back_due
+
+    assert (
+        give_back_due(
+            paused_for=paused_for, ran_s=ran_s, progress=progress, lease_left_s=lease_left_s,
+            give_back_after_s=600,
+        )
+        is due
+    )  # fmt: skip
+
+
+# -- idle probes fall back (worker/idle/base.py) --------------------------------------------
+
+
+class _Probe:
+    def __init__(self, name: str, answer: float | Exception) -> None:
+        self.name, self.answer = name, answer
+
+    def idle_seconds(self) -> float:
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_a_probe_that_raises_falls_back_to_the_next_and_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from idlegrid.worker.idle.base import IdleSource, ProbeUnavailable
+
+    broken = _Probe("broken", RuntimeError("X connection reset"))
+    source = IdleSource([_Probe("blind", ProbeUnavailable("no display")), broken,
+                         _Probe("next", 42.0)])  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="idlegrid.worker.idle.base"):
+        for _ in range(3):
+            reading = source.read()
+            assert (reading.probe, reading.idle_s) == ("next", 42.0)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "idle probe broken: failed: RuntimeError: X connection reset; falling back to the next"
+    ]
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        "idle detection: using next"
+    ]
+    # When the first probe can tell again, it is used again (and said once).
+    broken.answer = 3.0
+    assert source.read().probe == "broken"
+    broken.answer = ProbeUnavailable("gone")
+    assert source.read().probe == "next"

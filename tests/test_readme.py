@@ -130,3 +130,46 @@ def test_the_quickstart_credits_alice_not_admin(tmp_path: Path) -> None:
 
         with Client(grid.url, alice) as as_alice:
             assert [n["name"] for n in as_alice.nodes()] == ["w"]
+
+
+def _lines(block: str) -> list[str]:
+    """`_commands` of a block whose commands may continue over lines (`\\`)."""
+    return _commands(block.replace("\\\n", " "))
+
+
+def test_the_training_section_finishes_with_two_workers(tmp_path: Path) -> None:
+    """The training section's SDK and shell examples, as written, on two workers that
+    offer what they offer by default (no --kinds)."""
+    section = _section("Training a model")
+    (sdk,) = _blocks(section, "python")
+    (shell,) = _blocks(section, "bash")
+    submit, metrics = _lines(shell)
+    from idlegrid.kinds.diloco import corpus_dataset_blob
+
+    (tmp_path / "dataset.safetensors").write_bytes(corpus_dataset_blob())
+    with LocalGrid(tmp_path / "grid") as grid:
+        for name in ("a", "b"):
+            grid.start_worker(name, benchmark=False, threads=1)
+        grid.wait_for_nodes(2)
+        token = grid.create_token(account="bob")["token"]
+        env = {**os.environ, "IDLEGRID_SERVER": grid.url, "IDLEGRID_TOKEN": token}
+        code = sdk.replace(EXAMPLE_URL, grid.url).replace('token="igr_..."', f'token="{token}"')
+        code += (
+            "\nrounds = [r for r in job.metrics()['rounds'] if not r['final']]"
+            "\nassert len(rounds) == 10, rounds"
+            "\nassert job.state == 'completed', job.state"
+            "\nassert all(w.dtype.name == 'float32' for w in weights.values()), weights"
+        )
+        _bash(f"{sys.executable} - <<'EOF'\n{code}\nEOF", env, tmp_path, timeout=900)
+        # The shell example again, over 2 of its 10 rounds: the SDK's run above showed all
+        # 10 finish, and each round costs half a minute here.
+        assert "-p rounds=10" in submit
+        submit = submit.replace("-p rounds=10", "-p rounds=2")
+        printed = _bash(f"{sys.executable} -m {submit}", env, tmp_path, timeout=900)
+        job_id = re.search(r"job (\d+)", printed)
+        assert job_id, printed
+        assert (tmp_path / "weights.safetensors").stat().st_size > 0
+        table = _bash(
+            f"{sys.executable} -m " + re.sub(r"\b7\b", job_id.group(1), metrics), env, tmp_path
+        )
+        assert len([line for line in table.splitlines() if line.strip()[:1].isdigit()]) >= 2, table

@@ -53,7 +53,7 @@ async def test_control_page_needs_its_token_and_loopback(tmp_path: Path) -> None
             rebinding = await http.get("/api/status", headers={**auth, "Host": "evil.example"})
             assert rebinding.status_code == 403
             status = (await http.get("/api/status", headers=auth)).json()
-            assert status["state"] == "run" and "counted as idle" in status["reason"]
+            assert status["state"] == "running" and "counted as idle" in status["reason"]
             paused = (await http.post("/api/pause", headers=auth)).json()
             assert paused["state"] == "paused" and paused["controls"]["paused"]
             await worker.governor.step()

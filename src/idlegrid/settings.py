@@ -246,6 +246,9 @@ class WorkerSettings:
     # A suspended task is given back after this long paused (or sooner, when its lease
     # could no longer be met).
     give_back_after_s: float = 600.0
+    # A long task (diloco-train) saves its progress this often, to go on from there after
+    # a restart or a reboot (worker/scratch.py).
+    checkpoint_every_s: float = 60.0
     # The local control page on 127.0.0.1: this port, 0 any free one, -1 none.
     control_port: int = 7390
 

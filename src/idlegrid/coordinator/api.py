@@ -278,6 +278,9 @@ class NodeOut(BaseModel):
     credit_total: float
     recent_average_credit: float
     suspended: bool
+    # What the node's idle policy said last ("paused: user active 12 s ago"); "" when it
+    # is not connected to this coordinator process.
+    activity: str = ""
 
 
 # -- jobs ----------------------------------------------------------------------------------
@@ -667,7 +670,11 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     # Connected to this process or, with several coordinators, to another one.
     connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
     now = grid.clock()
-    return [_node_out(node, online=node.id in connected, now=now) for node in nodes]
+    activity = {s.node_id: s.status_reason for s in grid.hub.sessions()}
+    return [
+        _node_out(node, online=node.id in connected, now=now, activity=activity.get(node.id, ""))
+        for node in nodes
+    ]
 
 
 @router.get("/nodes/{node_id}/trust", tags=["nodes"])
@@ -695,7 +702,7 @@ async def node_trust(node_id: ObjectId, token: Researcher, grid: GridDep) -> lis
     ]
 
 
-def _node_out(node: NodeRecord, *, online: bool, now: float) -> NodeOut:
+def _node_out(node: NodeRecord, *, online: bool, now: float, activity: str = "") -> NodeOut:
     return NodeOut(
         id=node.id,
         name=node.name,
@@ -709,6 +716,7 @@ def _node_out(node: NodeRecord, *, online: bool, now: float) -> NodeOut:
         uptime_s=node.connected_seconds,
         last_seen_at=node.last_seen_at,
         suspended=node.suspended_at is not None,
+        activity=activity,
         **_credit_out(node.credit, now),
     )
 

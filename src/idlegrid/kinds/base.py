@@ -12,6 +12,7 @@ import enum
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
@@ -80,6 +81,10 @@ class RunContext:
     # Another blob by SHA-256 through the node's blob cache (blocking; checked on arrival),
     # for kinds whose payload names blobs it may need (a training checkpoint). None: none.
     fetch: Callable[[str], bytes] | None = None
+    # A directory of this task's own that outlives the worker (worker/scratch.py), where a
+    # long task keeps its checkpoint every `checkpoint_every_s`. None: no checkpoints.
+    scratch: Path | None = None
+    checkpoint_every_s: float = 60.0
 
 
 class Cancelled(Exception):

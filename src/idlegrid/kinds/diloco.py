@@ -60,6 +60,7 @@ from idlegrid.training.flat import (
 )
 from idlegrid.training.inner import InnerSettings, use_threads
 from idlegrid.training.outer import OuterSettings
+from idlegrid.training.task_checkpoint import Checkpointer
 from idlegrid.training.worker_state import WorkerState
 
 CORPUS_NAME = "pydoc-topics"
@@ -183,6 +184,9 @@ class DilocoKind(TaskKind):
                 task, params.train_spec(), WORKER_STATE,
                 device=ctx.device, on_step=_progress(ctx, params.inner.round_steps(task.round)),
                 fetch=None if ctx.fetch is None else fetch,
+                checkpoint=None if ctx.scratch is None else Checkpointer(
+                    ctx.scratch, ctx.checkpoint_every_s
+                ),
             )  # fmt: skip
         except (ContainerError, tasks.MissingWeights, ValueError) as exc:
             raise InputError(f"task: {exc}") from None

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from idlegrid.training import models
 from idlegrid.training.data import Dataset, TokenData, batches, eval_batches
+from idlegrid.training.task_checkpoint import Checkpointer, InnerProgress
 from idlegrid.training.worker_state import OptimizerState
 
 if TYPE_CHECKING:
@@ -139,32 +140,45 @@ def train_inner(
     device: str = "cpu",
     on_step: Callable[[int], None] | None = None,
     state: OptimizerState | None = None,
+    checkpoint: Checkpointer | None = None,
 ) -> InnerResult:
     """Run `settings.steps` AdamW steps from `weights`; return delta = weights - local.
 
     `on_step(done)` runs after each step (progress, and a place to raise on cancel).
     AdamW starts from `state` (moments of an earlier task) if given, else at zero; the
-    result carries its state after the last step when `settings.keep_state`.
+    result carries its state after the last step when `settings.keep_state`. With a
+    `checkpoint`, the loop goes on from the progress saved there, if any, and saves its
+    own whenever the checkpointer says it is due.
     """
     import torch
 
     check_fits(architecture, config, data, settings.seq_len)
-    module = load_module(architecture, config, weights, device)
+    resumed = checkpoint.load(weights.size) if checkpoint is not None else None
+    if resumed is not None and resumed.step >= settings.steps:
+        resumed = None  # of a longer task than this one: not ours to continue
+    module = load_module(
+        architecture, config, weights if resumed is None else resumed.local, device
+    )
     optimizer = torch.optim.AdamW(
         module.parameters(),
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
     )
-    if state is not None and state.fits(weights.size):
+    if resumed is not None:
+        _load_state(optimizer, resumed.optimizer)
+    elif state is not None and state.fits(weights.size):
         _load_state(optimizer, state)
     task = models.get_architecture(architecture).task
     stream = batches(
         data, seed=seed, count=settings.steps, batch_size=settings.batch_size,
         seq_len=settings.seq_len,
     )  # fmt: skip
-    losses = []
+    losses = list(resumed.losses) if resumed is not None else []
+    first = resumed.step if resumed is not None else 0
     for step, (inputs, targets) in enumerate(stream):
+        if step < first:
+            continue  # drawn again so that the next batches are the unbroken run's
         for group in optimizer.param_groups:
             group["lr"] = task_lr(settings, step)
         loss = batch_loss(module, task, inputs, targets, device)
@@ -174,6 +188,10 @@ def train_inner(
             torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
         optimizer.step()
         losses.append(float(loss.detach()))
+        if checkpoint is not None and step + 1 < settings.steps and checkpoint.due():
+            checkpoint.save(
+                InnerProgress(step + 1, flat_weights(module), _save_state(optimizer), tuple(losses))
+            )
         if on_step is not None:
             on_step(step + 1)
     delta = weights - flat_weights(module)

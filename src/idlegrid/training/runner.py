@@ -18,6 +18,7 @@ from idlegrid.training.compression import Compression, compress
 from idlegrid.training.data import Dataset
 from idlegrid.training.flat import weights_from_safetensors
 from idlegrid.training.inner import InnerSettings
+from idlegrid.training.task_checkpoint import Checkpointer
 from idlegrid.training.worker_state import WorkerState
 
 
@@ -40,8 +41,12 @@ def run_task(
     device: str = "cpu",
     on_step: Callable[[int], None] | None = None,
     fetch: Callable[[str], bytes] | None = None,
+    checkpoint: Checkpointer | None = None,
 ) -> tasks.TaskResult:
     """Train (or evaluate) one task; remember its weights, residual and moments in `state`.
+
+    With a `checkpoint`, a training task goes on from the progress saved there and saves
+    its own as it goes (training/task_checkpoint.py).
 
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.
@@ -63,7 +68,7 @@ def run_task(
         moments = state.optimizer_state(task.stream, task.shard, task.round)
     trained = inner.train_inner(
         spec.architecture, spec.config, weights, data, settings,
-        seed=task.seed, device=device, on_step=on_step, state=moments,
+        seed=task.seed, device=device, on_step=on_step, state=moments, checkpoint=checkpoint,
     )  # fmt: skip
     if trained.state is not None:
         state.set_optimizer_state(task.stream, task.shard, task.round, trained.state)

@@ -130,8 +130,8 @@ def worker(ctx: click.Context, **options: Any) -> None:
     The worker connects out to the coordinator (works behind NAT), reconnects with
     backoff when it goes away, runs only built-in task kinds, and steps aside (suspends
     its tasks) as soon as the owner uses the machine. Ctrl-C once: finish the running
-    tasks, then stop; twice: give them back to the coordinator and stop. Subcommands talk
-    to a running one.
+    tasks, then stop; twice (or SIGTERM): give them back to the coordinator and stop.
+    Subcommands talk to a running one.
     """
     if ctx.invoked_subcommand is not None:
         ctx.obj = options
@@ -246,12 +246,20 @@ def _installed_token(state_dir: Path) -> str | None:
 
 
 async def _serve(node: Any) -> None:
-    """Run until stopped: the first SIGINT/SIGTERM finishes, the second gives back."""
+    """Run until stopped. The first Ctrl-C (SIGINT) finishes the running tasks, the second
+    gives them back and stops. SIGTERM gives them back and stops at once: a service
+    manager or a shutdown that sends it kills what is left soon after, and a task given
+    back goes to another node now instead of when its lease expires."""
     loop = asyncio.get_running_loop()
     owned: set[asyncio.Task[None]] = set()
     asked = 0
 
-    def on_signal() -> None:
+    def start(step: Any) -> None:
+        task = loop.create_task(step)
+        owned.add(task)
+        task.add_done_callback(owned.discard)
+
+    def on_interrupt() -> None:
         nonlocal asked
         asked += 1
         if asked == 1:
@@ -260,16 +268,16 @@ async def _serve(node: Any) -> None:
                 "and stop now)",
                 err=True,
             )
-            step = node.finish()
+            start(node.finish())
         else:
-            click.echo("giving the running tasks back to the coordinator and stopping", err=True)
-            step = node.give_back_and_stop()
-        task = loop.create_task(step)
-        owned.add(task)
-        task.add_done_callback(owned.discard)
+            on_terminate()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
+    def on_terminate() -> None:
+        click.echo("giving the running tasks back to the coordinator and stopping", err=True)
+        start(node.give_back_and_stop())
+
+    loop.add_signal_handler(signal.SIGINT, on_interrupt)
+    loop.add_signal_handler(signal.SIGTERM, on_terminate)
     try:
         await node.run()
     finally:
@@ -319,8 +327,15 @@ def _call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None =
     return data
 
 
+def _headline(status: dict[str, Any]) -> str:
+    """The state and its reason, once: the policy's reasons say the state in words
+    ("paused: user active 12 s ago", "running: idle for 5 min, within the limits...")."""
+    state, reason = status["state"], status["reason"]
+    return reason if reason.startswith(("running", "paused", "finishing")) else f"{state}: {reason}"
+
+
 def _print_status(status: dict[str, Any]) -> None:
-    click.echo(f"{status['state']}: {status['reason']}")
+    click.echo(_headline(status))
     idle = status["idle"]
     seconds = "cannot tell" if idle["seconds"] is None else f"idle {idle['seconds']:.0f} s"
     click.echo(f"idle detection: {idle['probe']} ({seconds})")
@@ -358,7 +373,7 @@ def _action(name: str, help_text: str) -> None:
     @click.pass_context
     def command(ctx: click.Context) -> None:
         data = _call(_state_dir(ctx), "POST", f"/api/{name}", {})
-        click.echo(f"{data['state']}: {data['reason']}")
+        click.echo(_headline(data))
 
 
 _action("pause", "Pause now: running tasks are suspended, not lost.")
@@ -372,7 +387,7 @@ _action("finish", "Finish the current tasks, take no new ones, then pause.")
 def snooze(ctx: click.Context, minutes: float) -> None:
     """Pause for a while (an hour by default), then go back to the policy."""
     data = _call(_state_dir(ctx), "POST", "/api/snooze", {"seconds": minutes * 60})
-    click.echo(f"{data['state']}: {data['reason']}")
+    click.echo(_headline(data))
 
 
 @worker.command(name="idle-helper")

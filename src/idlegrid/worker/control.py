@@ -29,7 +29,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from idlegrid.policy.idle import SettingError
+from idlegrid.policy.idle import Action, SettingError
 from idlegrid.worker.control_page import PAGE
 
 if TYPE_CHECKING:
@@ -272,6 +272,11 @@ def _encode(conn: h11.Connection, reply: Reply) -> bytes:
     return out
 
 
+# The words the page, the CLI and the coordinator's status message use for the policy's
+# answer (the page styles its badge by them).
+STATES = {Action.RUN: "running", Action.THROTTLE: "throttled", Action.PAUSE: "paused"}
+
+
 def status_of(worker: Worker) -> dict[str, Any]:
     """What the page and `idlegrid worker status` show."""
     governor = worker.governor
@@ -280,7 +285,7 @@ def status_of(worker: Worker) -> dict[str, Any]:
     settings = governor.settings
     now = asyncio.get_running_loop().time()
     return {
-        "state": "paused" if governor.action().value == "pause" else governor.action().value,
+        "state": STATES[governor.action()],
         "reason": decision.reason if decision else "starting",
         "idle": {"probe": idle.probe, "seconds": idle.idle_s, "detail": idle.detail},
         "controls": {

@@ -13,7 +13,7 @@ PAGE = """<!doctype html>
  h1 { font-size: 1.4rem; } h2 { font-size: 1.1rem; margin-top: 1.6rem; }
  #state { font-weight: 600; padding: .2rem .6rem; border-radius: .3rem; }
  .running { background: #d8f5d0; } .paused { background: #fde2c8; }
- .throttle { background: #fff3b8; }
+ .throttled { background: #fff3b8; }
  table { border-collapse: collapse; width: 100%; }
  td, th { text-align: left; padding: .25rem .5rem; border-bottom: 1px solid #ddd; }
  progress { width: 10rem; } button { margin: 0 .3rem .3rem 0; padding: .3rem .8rem; }

@@ -39,7 +39,8 @@ from idlegrid.worker.held import RunningTask
 from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
-from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec
+from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec, ignore_interrupts
+from idlegrid.worker.scratch import ScratchDirs
 from idlegrid.worker.stepping import Stepping
 from idlegrid.worker.transfers import Transfers, backoff_delay
 
@@ -74,7 +75,7 @@ def available_kinds() -> list[str]:
 async def in_child_process(function: Any, *args: Any) -> Any:
     """`function(*args)` in a fresh (spawned) process, so what it imports stays there."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context) as pool:
+    with ProcessPoolExecutor(1, mp_context=context, initializer=ignore_interrupts) as pool:
         return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 
 
@@ -119,6 +120,10 @@ class Worker(Stepping, Transfers):
             self._free_hosts.put_nowait(host)
         self.running: dict[int, RunningTask] = {}
         self.outbox = Outbox(settings.state_dir / "outbox")
+        if not settings.checkpoint_every_s > 0:
+            raise ValueError(f"checkpoint_every_s: {settings.checkpoint_every_s} is not positive")
+        self.scratch = ScratchDirs(settings.state_dir / "checkpoints")
+        self.scratch.prune()
         probes = [] if settings.dedicated else default_probes(settings.state_dir)
         if settings.idle_probes:
             known = {probe.name for probe in probes}
@@ -522,6 +527,7 @@ class Worker(Stepping, Transfers):
         assign = task.assign
         assert task.host is not None
         data = await self._fetch(assign.input.hash)
+        scratch = self.scratch.for_task(assign.kind, dict(assign.params), data)
         spec = TaskSpec(
             task_id=assign.task_id,
             kind=assign.kind,
@@ -530,9 +536,18 @@ class Worker(Stepping, Transfers):
             device=self.device,
             threads=self.settings.threads or self._threads,
             slowdown=self.settings.slowdown,
+            scratch=str(scratch),
+            checkpoint_every_s=self.settings.checkpoint_every_s,
         )
         progress = lambda fraction: setattr(task, "progress", fraction)  # noqa: E731
-        return await task.host.run(spec, fetch=self._fetch, progress=progress)
+        try:
+            output = await task.host.run(spec, fetch=self._fetch, progress=progress)
+        except TaskFailed:
+            self.scratch.remove(scratch)
+            raise
+        # Kept when cancelled or given back: the same work may come back to this node.
+        self.scratch.remove(scratch)
+        return output
 
     async def _deliver_many(self, task_ids: list[int]) -> None:
         """Results in `results` frames (one commit each at the coordinator), failures alone."""

@@ -8,9 +8,9 @@ across tasks, so what a kind keeps between tasks (a loaded model, a training run
 weights) survives; a dead child is started again for the next task.
 
 The parent and child speak over a pipe, in tuples: ("run", task_id, kind, params,
-payload, device, threads, slowdown) and ("cancel", task_id) and ("blob", task_id, hash,
-bytes | None) to the child; ("progress", task_id, fraction), ("fetch", task_id, hash),
-("done", task_id, output) and ("failed", task_id, reason) back.
+payload, device, threads, slowdown, scratch, checkpoint_every_s) and ("cancel", task_id)
+and ("blob", task_id, hash, bytes | None) to the child; ("progress", task_id, fraction),
+("fetch", task_id, hash), ("done", task_id, output) and ("failed", task_id, reason) back.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import logging
 import multiprocessing
 import os
 import queue
+import signal
 import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -52,6 +54,9 @@ class TaskSpec:
     device: str
     threads: int
     slowdown: float
+    # Where the kind may keep this task's checkpoint, and how often ("": nowhere).
+    scratch: str = ""
+    checkpoint_every_s: float = 60.0
 
 
 class TaskHost:
@@ -175,7 +180,7 @@ class TaskHost:
             await asyncio.to_thread(
                 self._send,
                 ("run", spec.task_id, spec.kind, spec.params, spec.payload, spec.device,
-                 spec.threads, spec.slowdown),
+                 spec.threads, spec.slowdown, spec.scratch, spec.checkpoint_every_s),
             )  # fmt: skip
             while True:
                 try:
@@ -243,12 +248,25 @@ def lower_priority() -> None:
             proc.ionice(psutil.IOPRIO_CLASS_IDLE)
 
 
+def ignore_interrupts() -> None:
+    """A child of the daemon ignores Ctrl-C. A terminal sends SIGINT to its whole
+    foreground process group, children too, and the daemon decides what happens to its
+    tasks (finish, or give back); it ends its children itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def host_main(conn: Connection, threads: int) -> None:
     """The child's loop: run what the parent sends, one task at a time."""
+    ignore_interrupts()
     if threads:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[name] = str(threads)
     lower_priority()
+    # What the kinds log goes to the daemon's output (inherited); libraries stay quiet.
+    logging.basicConfig(
+        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.getLogger("idlegrid").setLevel(logging.INFO)
     child = _Child(conn)
     threading.Thread(target=child.read, name="pipe", daemon=True).start()
     while True:
@@ -284,7 +302,7 @@ class _Child:
 
     def run(
         self, task_id: int, kind_name: str, raw: dict[str, object], payload: bytes,
-        device: str, threads: int, slowdown: float,
+        device: str, threads: int, slowdown: float, scratch: str, checkpoint_every_s: float,
     ) -> None:  # fmt: skip
         from idlegrid.kinds import RunContext, get_kind
 
@@ -303,6 +321,8 @@ class _Child:
             is_cancelled=lambda: task_id in self.cancelled,
             slowdown=slowdown,
             fetch=lambda blob_hash: self.fetch(task_id, blob_hash),
+            scratch=Path(scratch) if scratch else None,
+            checkpoint_every_s=checkpoint_every_s,
         )
         try:
             kind = get_kind(kind_name)

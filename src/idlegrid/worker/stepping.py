@@ -94,12 +94,29 @@ class Stepping:
             if task.paused_since is None:
                 continue
             paused_for = now - task.paused_since
-            ran = max(0.0, now - task.started - task.paused_s - paused_for)
-            needed = ran * (1.0 - task.progress) / task.progress if task.progress > 0 else ran
-            lease_left = (task.assign.lease_deadline - wall_now).total_seconds()
-            if paused_for >= self.settings.give_back_after_s or needed > lease_left:
+            if give_back_due(
+                paused_for=paused_for,
+                ran_s=max(0.0, now - task.started - task.paused_s - paused_for),
+                progress=task.progress,
+                lease_left_s=(task.assign.lease_deadline - wall_now).total_seconds(),
+                give_back_after_s=self.settings.give_back_after_s,
+            ):
                 why = self.governor.decision.reason if self.governor.decision else "paused"
                 reason = f"given back: {why}"
                 log.info("task %s %s", task_id, reason)
                 self._drop(task_id, reason)
                 await self._send(protocol.Failure(task_id=task_id, reason=reason[:2000]))
+
+
+def give_back_due(
+    *, paused_for: float, ran_s: float, progress: float, lease_left_s: float,
+    give_back_after_s: float,
+) -> bool:  # fmt: skip
+    """Whether a suspended task goes back to the coordinator now: it has been paused
+    `give_back_after_s`, or the time it still needs at its pace so far (`ran_s` of
+    computing for `progress`; with no progress yet, as long again) is more than its lease
+    has left."""
+    if paused_for >= give_back_after_s:
+        return True
+    needed = ran_s * (1.0 - progress) / progress if progress > 0 else ran_s
+    return needed > lease_left_s
