@@ -28,6 +28,10 @@ DAY_S = 86_400
 TEAM_NAME = re.compile(r"\S(.{0,98}\S)?")
 BOARD_TITLES = {"accounts": "Volunteers", "teams": "Teams", "nodes": "Nodes"}
 PageNumber = Annotated[int, Query(ge=1, le=100_000)]
+# Leaderboards page through the top ranks only: each page skips its offset in the credit
+# index, so the deepest page bounds a page's cost. Everyone's own rank is on their
+# profile, and the daily exports list everyone.
+LEADERBOARD_ROWS = 10_000
 PerPage = Annotated[int, Query(ge=1, le=100)]
 
 
@@ -74,10 +78,11 @@ async def leaderboard(
     page: PageNumber = 1,
     per_page: PerPage = 50,
 ) -> Response:
-    limit, offset = page_bounds(page, per_page)
+    limit, offset = page_bounds(page, per_page, max_rows=LEADERBOARD_ROWS)
     rows = await store_of(request).web_read(
         stats.leaderboard, board, order=sort, limit=limit + 1, offset=offset
     )
+    more = len(rows) > limit
     return await render(
         request,
         "leaderboard.html",
@@ -87,7 +92,9 @@ async def leaderboard(
         rows=rows[:limit],
         page=offset // limit + 1,
         per_page=limit,
-        has_next=len(rows) > limit,
+        has_next=more and offset + limit < LEADERBOARD_ROWS,
+        at_end=more and offset + limit >= LEADERBOARD_ROWS,
+        max_rows=LEADERBOARD_ROWS,
     )
 
 
@@ -109,7 +116,7 @@ async def profile(request: Request, account_id: int) -> Response:
 async def teams_page(
     request: Request, q: Annotated[str, Query(max_length=100)] = "", page: PageNumber = 1
 ) -> Response:
-    limit, offset = page_bounds(page, 50)
+    limit, offset = page_bounds(page, 50, max_rows=LEADERBOARD_ROWS)
     store = store_of(request)
     found = await store.web_read(web.search_teams, q.strip(), limit=50) if q.strip() else None
     rows = await store.web_read(
@@ -122,7 +129,7 @@ async def teams_page(
         found=found,
         rows=rows[:limit],
         page=offset // limit + 1,
-        has_next=len(rows) > limit,
+        has_next=len(rows) > limit and offset + limit < LEADERBOARD_ROWS,
     )
 
 

@@ -26,7 +26,7 @@ from idlegrid.dashboard.pages import (
 )
 from idlegrid.kinds import InputError, get_kind
 from idlegrid.kinds.diloco import corpus_dataset_blob
-from idlegrid.store import uploads
+from idlegrid.store import uploads, web
 from idlegrid.store.base import JobRecord
 from idlegrid.store.web import WebSession
 
@@ -179,10 +179,12 @@ async def jobs_page(
     request: Request, session: Researcher, page: Annotated[int, Query(ge=1, le=10_000)] = 1
 ) -> Response:
     limit, offset = page_bounds(page, 50)
-    grid = grid_of(request)
-    jobs = await grid.store.list_jobs(session.account.id, limit=limit + 1, offset=offset)
-    views = [await job_out(grid, job, with_shards=False) for job in jobs[:limit]]
-    return await render(request, "jobs.html", jobs=views, page=page, has_next=len(jobs) > limit)
+    jobs = await store_of(request).web_read(
+        web.job_list, session.account.id, limit=limit + 1, offset=offset
+    )
+    return await render(
+        request, "jobs.html", jobs=jobs[:limit], page=page, has_next=len(jobs) > limit
+    )
 
 
 @router.get("/jobs/new", response_class=HTMLResponse)
