@@ -275,7 +275,8 @@ def test_a_researcher_runs_an_onnx_model_over_images(browser: Any, grid: LocalGr
     (logits,) = session.run(["logits"], {"image": batch})
     assert result["logits"].shape == (12, 10)
     assert np.allclose(result["logits"], logits, rtol=1e-4, atol=1e-5)
-    assert tab.errors == []
+    # The one error: the browser logs the 413 that refused the upload over the quota.
+    assert [e for e in tab.errors if "status of 413" not in e] == [], tab.errors
 
 
 def test_no_page_logs_a_console_error(browser: Any, grid: LocalGrid) -> None:
