@@ -32,13 +32,20 @@ PageNumber = Annotated[int, Query(ge=1, le=100_000)]
 # index, so the deepest page bounds a page's cost. Everyone's own rank is on their
 # profile, and the daily exports list everyone.
 LEADERBOARD_ROWS = 10_000
+# How long the status page reuses its count of accounts and teams (seconds).
+CENSUS_TTL_S = 60.0
 PerPage = Annotated[int, Query(ge=1, le=100)]
 
 
 @router.get("/", response_class=HTMLResponse)
 async def status_page(request: Request) -> Response:
     now = grid_of(request).clock()
-    status = await store_of(request).web_read(stats.grid_status, now=now)
+    dash = dashboard_of(request)
+    fresh = dash.census is not None and now - dash.census[0] < CENSUS_TTL_S
+    census = dash.census[1:] if fresh and dash.census else None
+    status = await store_of(request).web_read(stats.grid_status, now=now, census=census)
+    if census is None:
+        dash.census = (now, status.accounts, status.teams)
     flops_24h = status.flops_since(now - DAY_S)
     top = await store_of(request).web_read(
         stats.leaderboard, "accounts", order="recent", limit=5, offset=0

@@ -19,7 +19,8 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.states import LIVE_TASK_STATES, ShardState
-from idlegrid.store.base import AccountExists
+from idlegrid.store.base import AccountExists, NodeTrust
+from idlegrid.store.nodes import list_trust
 from idlegrid.store.schema import (
     accounts,
     jobs,
@@ -581,3 +582,10 @@ async def job_list(
         )
         for row in found
     ]
+
+
+async def trust_of_nodes(
+    conn: AsyncConnection, node_ids: list[int], *, now: float
+) -> dict[int, list[NodeTrust]]:
+    """Each node's trust per kind and backend, in one transaction (a page of nodes)."""
+    return {node_id: await list_trust(conn, node_id, now=now) for node_id in node_ids}
