@@ -407,6 +407,74 @@ def test_chunked_upload_then_an_embed_job_from_it(api: Api) -> None:
     assert 'hx-trigger="every 2s"' in job_page.text
 
 
+def _file_id(browser: Browser, purpose: str) -> str:
+    files = browser.get("/research/files").text
+    rows = [row for row in files.split("<tr>") if f"<td>{purpose}</td>" in row]
+    found = [re.search(r"kind=onnx-infer&amp;file=(\d+)", row) for row in rows]
+    assert found and found[0], files
+    return found[0].group(1)  # the newest file first
+
+
+def test_an_onnx_job_from_the_form_and_its_errors_on_the_page(api: Api) -> None:
+    from idlegrid.kinds.onnx_examples import conv_net, images, mlp, zip_images
+
+    researcher = _researcher(api, "oona")
+    assert (
+        _upload(
+            researcher, conv_net(size=16, channels=4, embedding=8), purpose="onnx-model"
+        ).status_code
+        == 200
+    )
+    model = _file_id(researcher, "onnx-model")
+    assert (
+        _upload(researcher, zip_images(images(3, size=16)), purpose="model-inputs").status_code
+        == 200
+    )
+    archive = _file_id(researcher, "model-inputs")
+    page = researcher.get("/research/jobs/new?kind=onnx-infer")
+    assert 'action="/research/jobs/new/onnx-infer"' in page.text and 'for="crop"' in page.text
+
+    def submit(**fields: Any) -> Any:
+        form = {"model": model, "data": archive, "shard_size": 2, **fields}
+        return researcher.post(
+            "/research/jobs/new/onnx-infer", form, form="/research/jobs/new?kind=onnx-infer"
+        )
+
+    no_preprocess = submit()
+    assert no_preprocess.status_code == 422 and "preprocess" in no_preprocess.text
+    bad_crop = submit(crop="big")
+    assert bad_crop.status_code == 422 and "crop &#39;big&#39; is not a size" in bad_crop.text
+    bad_mean = submit(crop="16x16", resize="18", mean="0.5, 0.5")
+    assert bad_mean.status_code == 422 and "mean needs 1 or 3 values" in bad_mean.text
+    assert "<option selected>RGB</option>" in bad_mean.text  # the form keeps what was typed
+    done = submit(crop="16", resize="18", mean="0.485 0.456 0.406", std="0.229,0.224,0.225")
+    assert done.status_code == 303, done.text
+    job_page = researcher.get(done.headers["location"])
+    assert (
+        job_page.status_code == 200 and "onnx-infer" in job_page.text and "0 / 2" in job_page.text
+    )
+
+    # A model whose input does not match the data is refused, named, before any node.
+    assert (
+        _upload(
+            researcher, mlp(features=8, hidden=16, outputs=4, layers=2), purpose="onnx-model"
+        ).status_code
+        == 200
+    )
+    wrong = researcher.post(
+        "/research/jobs/new/onnx-infer",
+        {"model": _file_id(researcher, "onnx-model"), "data": archive, "crop": "16"},
+        form="/research/jobs/new?kind=onnx-infer",
+    )
+    assert wrong.status_code == 422 and "x" in wrong.text and "image" in wrong.text, wrong.text
+    not_onnx = researcher.post(
+        "/research/jobs/new/onnx-infer",
+        {"model": archive, "data": archive, "crop": "16"},
+        form="/research/jobs/new?kind=onnx-infer",
+    )
+    assert not_onnx.status_code == 422 and "ONNX" in not_onnx.text, not_onnx.text
+
+
 def test_uploads_out_of_order_over_quota_or_abandoned_leave_nothing(tmp_path: Path) -> None:
     settings = CoordinatorSettings(
         data_dir=tmp_path,

@@ -37,6 +37,7 @@ ARGS = [
     "--no-first-run",
 ]
 PASSWORD = "a long enough passphrase"
+QUOTA_BYTES = 4 * 1024 * 1024  # each account's uploads, so a test can go over it
 
 
 def _missing(reason: str) -> None:
@@ -64,7 +65,11 @@ def browser() -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def grid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalGrid]:
     root = tmp_path_factory.mktemp("browser-grid")
-    env = {"IDLEGRID_DISTINCT_ACCOUNTS": "false", "IDLEGRID_MONITOR_INTERVAL_S": "0.5"}
+    env = {
+        "IDLEGRID_DISTINCT_ACCOUNTS": "false",
+        "IDLEGRID_MONITOR_INTERVAL_S": "0.5",
+        "IDLEGRID_WEB_UPLOAD_QUOTA_BYTES": str(QUOTA_BYTES),
+    }
     with LocalGrid(root, replication=1, extra_env=env, heartbeat_s=1.0) as local:
         subprocess.run(
             [
@@ -213,6 +218,92 @@ def test_a_researcher_embeds_an_uploaded_file(browser: Any, grid: LocalGrid) -> 
     vectors = np.load(io.BytesIO(Path(info.value.path()).read_bytes()))
     assert vectors.shape == (len(texts), 384) and vectors.dtype == np.float32
     assert np.allclose(np.linalg.norm(vectors, axis=1), 1.0, atol=1e-3)
+    assert tab.errors == []
+
+
+def _upload(tab: Watched, purpose: str, name: str, data: bytes) -> None:
+    tab.go("/research/files")
+    tab.page.select_option("#purpose", purpose)
+    tab.page.set_input_files(
+        "#file", files=[{"name": name, "mimeType": "application/octet-stream", "buffer": data}]
+    )
+    tab.page.click("#upload-button")
+
+
+def test_a_researcher_runs_an_onnx_model_over_images(browser: Any, grid: LocalGrid) -> None:
+    pytest.importorskip("onnxruntime")
+    from safetensors.numpy import load
+
+    from idlegrid.kinds import onnx_data
+    from idlegrid.kinds.onnx_examples import IMAGENET_PREPROCESS, conv_net, images, zip_images
+
+    grid.start_worker("onnx-node", kinds="onnx-infer", benchmark=False, threads=2)
+    tab = _page(browser, grid, viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    tab.sign_in("rhea")
+    # Over the account's limit: the page says so, and nothing is kept.
+    _upload(tab, "model-inputs", "too-big.zip", b"\0" * (QUOTA_BYTES + 1))
+    tab.page.locator("#upload-error").wait_for(timeout=30_000)
+    assert "limit" in tab.page.inner_text("#upload-error")
+    assert "too-big.zip" not in tab.page.inner_text("main")
+
+    model, archive = conv_net(size=32), zip_images(images(12, size=40))
+    _upload(tab, "onnx-model", "convnet.onnx", model)
+    tab.page.locator("#files", has_text="convnet.onnx").wait_for(timeout=30_000)
+    _upload(tab, "model-inputs", "pictures.zip", archive)
+    tab.page.locator("#files", has_text="pictures.zip").wait_for(timeout=30_000)
+    tab.page.click("#files a.button:has-text('Run') >> nth=0")
+    tab.page.fill("#shard_size", "4")
+    tab.page.fill("#crop", "32x32")
+    tab.page.fill("#resize", "36")
+    tab.page.fill("#mean", "0.485, 0.456, 0.406")
+    tab.page.fill("#std", "0.229, 0.224, 0.225")
+    tab.shot("submit-onnx")
+    tab.page.click("text=Submit ONNX job")
+    tab.page.wait_for_url(re.compile(r".*/research/jobs/\d+$"))
+    tab.page.locator("#download").wait_for(timeout=240_000)
+    assert "completed" in tab.page.inner_text("#job-state")
+    with tab.page.expect_download() as info:
+        tab.page.click("#download")
+    result = load(Path(info.value.path()).read_bytes())
+    assert sorted(result) == ["embedding", "label", "logits"]
+
+    import onnxruntime
+
+    spec = onnx_data.Preprocess.model_validate(IMAGENET_PREPROCESS)  # what the form said
+    batch = onnx_data.decode_batch(onnx_data.load_images(archive), spec, "float32")
+    session = onnxruntime.InferenceSession(model, providers=["CPUExecutionProvider"])
+    (logits,) = session.run(["logits"], {"image": batch})
+    assert result["logits"].shape == (12, 10)
+    assert np.allclose(result["logits"], logits, rtol=1e-4, atol=1e-5)
+    # The one error: the browser logs the 413 that refused the upload over the quota.
+    assert [e for e in tab.errors if "status of 413" not in e] == [], tab.errors
+
+
+def test_no_page_logs_a_console_error(browser: Any, grid: LocalGrid) -> None:
+    """An admin (who may see every page) walks them all, forms included."""
+    subprocess.run(
+        [sys.executable, "-m", "idlegrid", "web-account", "ada", "--role", "admin",
+         "--password-file", "-", "--data-dir", str(grid.data_dir)],
+        input=PASSWORD + "\n", text=True, check=True, env=grid.env, capture_output=True,
+    )  # fmt: skip
+    tab = _page(browser, grid, viewport={"width": 1280, "height": 900})
+    tab.sign_in("ada")
+    tab.go("/teams/new")
+    tab.page.fill("#name", "the walkers")
+    tab.page.click("main button[type=submit]")
+    tab.page.wait_for_url(re.compile(r".*/teams/\d+$"))
+    with grid.client() as client:
+        job = client.submit("sleep", params={"tasks": 1})
+    pages = [
+        "/", "/leaderboard/accounts", "/leaderboard/teams?sort=recent", "/leaderboard/nodes",
+        "/teams", "/teams/new", tab.page.url.removeprefix(grid.url), "/users/1", "/stats",
+        "/account", "/my/nodes", "/my/nodes/add", "/research/files", "/research/jobs",
+        "/research/jobs/new?kind=embed-text", "/research/jobs/new?kind=diloco-train",
+        "/research/jobs/new?kind=onnx-infer", f"/research/jobs/{job.id}", "/admin",
+        "/admin/metrics",
+    ]  # fmt: skip
+    for path in pages:
+        assert tab.go(path).status == 200, path
     assert tab.errors == []
 
 

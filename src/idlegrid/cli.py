@@ -348,7 +348,11 @@ def demo(
     if kind == "onnx-infer":
         sys.exit(
             run_onnx_demo(
-                images=images, workers=workers, replication=replication, shard_size=shard_size
+                images=images,
+                workers=workers,
+                replication=replication,
+                shard_size=shard_size,
+                keep=keep,
             )
         )
     sys.exit(

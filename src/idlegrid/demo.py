@@ -83,11 +83,18 @@ def run_demo(
     return code
 
 
+# The coordinator makes this admin account on its first start; LocalGrid's client
+# submits with its token.
+DEMO_LOGIN = "admin"
+
+
 def _keep_running(console: Console, grid: LocalGrid) -> None:
-    """Make a demo sign-in, print where the dashboard is, and wait for Ctrl-C."""
+    """Give the account that submitted the demo's job (the coordinator's admin) a
+    password, print where the dashboard is, and wait for Ctrl-C: signed in, the job's
+    page, the admin pages and the workers' nodes are all there to see."""
     password = secrets.token_urlsafe(12)
     subprocess.run(
-        [sys.executable, "-m", "idlegrid", "web-account", "demo", "--role", "admin"]
+        [sys.executable, "-m", "idlegrid", "web-account", DEMO_LOGIN, "--role", "admin"]
         + ["--password-file", "-", "--data-dir", str(grid.data_dir)],
         input=password + "\n",
         text=True,
@@ -96,7 +103,7 @@ def _keep_running(console: Console, grid: LocalGrid) -> None:
         capture_output=True,
     )
     console.print(
-        f"dashboard: [bold]{grid.url}/[/]  sign in as [bold]demo[/] / [bold]{password}[/]"
+        f"dashboard: [bold]{grid.url}/[/]  sign in as [bold]{DEMO_LOGIN}[/] / [bold]{password}[/]"
     )
     console.print("the coordinator and workers keep running; press Ctrl-C to stop them")
     try:
@@ -130,10 +137,14 @@ def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
     return 0 if ok else 1
 
 
-def run_onnx_demo(*, images: int, workers: int, replication: int, shard_size: int) -> int:
+def run_onnx_demo(
+    *, images: int, workers: int, replication: int, shard_size: int, keep: bool = False
+) -> int:
     """The image flow end to end: a small convolutional network built here, drawn images
     as files, workers that decode them with Pillow and run ONNX Runtime; every row is
-    checked against ONNX Runtime in this process. Returns the exit code."""
+    checked against ONNX Runtime in this process. Returns the exit code.
+
+    `keep`: as for `run_demo`, the grid stays up for the dashboard until Ctrl-C."""
     from idlegrid.kinds import onnx_examples
 
     console = Console()
@@ -167,7 +178,11 @@ def run_onnx_demo(*, images: int, workers: int, replication: int, shard_size: in
             f"{status['shards_total']} shards, {status['tasks_completed']} tasks "
             f"(effective replication {status['effective_replication']})"
         )
-        return _check_onnx(console, model, paths, result)
+        code = _check_onnx(console, model, paths, result)
+        if keep:
+            _keep_running(console, grid)
+    console.print("all processes stopped")
+    return code
 
 
 def _draw_images(folder: Path, count: int) -> list[Path]:
@@ -217,5 +232,4 @@ def _check_onnx(
             + ("[green]OK" if agree else "[red]FAILED")
         )
         ok = ok and agree
-    console.print("all processes stopped")
     return 0 if ok else 1

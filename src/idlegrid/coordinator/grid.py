@@ -34,6 +34,7 @@ from idlegrid.coordinator import peers
 from idlegrid.coordinator.context import CHANNEL, Context, Counters, PresencePause
 from idlegrid.coordinator.dispatch import Dispatcher
 from idlegrid.coordinator.fanout import GridFanOut
+from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.intake import Intake, JobInputError
 from idlegrid.coordinator.leases import Leases, lease_for, lease_seconds
@@ -88,7 +89,11 @@ class Grid:
             ctx, fanout=self.fanout, plans=self.plans, matcher=self.matcher
         )
         self.leases = Leases(ctx, self.fanout)
-        self.intake = Intake(ctx, fanout=self.fanout, matcher=self.matcher, rounds=self.rounds)
+        # The registered nodes as a job's status reads them (a snapshot, not per request).
+        self.fleet = Fleet(store, clock=clock)
+        self.intake = Intake(
+            ctx, fanout=self.fanout, matcher=self.matcher, rounds=self.rounds, fleet=self.fleet
+        )
         self.dispatcher = Dispatcher(
             ctx, plans=self.plans, matcher=self.matcher, leases=self.leases
         )
@@ -105,8 +110,10 @@ class Grid:
         )
 
     async def aclose(self) -> None:
-        """Drain what this grid owns in the background (the group commit of results)."""
+        """Drain what this grid owns in the background (the group commit of results, a
+        refresh of the fleet snapshot)."""
         await self.results.aclose()
+        await self.fleet.aclose()
 
     # -- the context, for callers of the facade ------------------------------------------
 

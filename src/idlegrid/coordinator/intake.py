@@ -13,6 +13,7 @@ from typing import Any
 from idlegrid.blobs import is_blob_hash
 from idlegrid.coordinator import quotas
 from idlegrid.coordinator.context import Context, FanOut
+from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import KindParams, ShardSpec, TaskKind, get_kind
@@ -28,9 +29,16 @@ class JobInputError(ValueError):
 
 class Intake:
     def __init__(
-        self, ctx: Context, *, fanout: FanOut, matcher: Matcher, rounds: RoundDriver
+        self,
+        ctx: Context,
+        *,
+        fanout: FanOut,
+        matcher: Matcher,
+        rounds: RoundDriver,
+        fleet: Fleet,
     ) -> None:
         self._ctx = ctx
+        self._fleet = fleet
         self._fanout = fanout
         self._matcher = matcher
         self._rounds = rounds
@@ -121,15 +129,14 @@ class Intake:
         if job.state.value not in ("queued", "running"):
             return []
         ctx = self._ctx
-        nodes = await ctx.store.list_nodes()
-        reasons = await self._matcher.waiting_for(job, nodes=nodes)
+        reasons = await self._matcher.waiting_for(job, fleet=self._fleet)
         if job.replication <= 1:
             return reasons
         connected = set(await ctx.broker.connections()) | {s.node_id for s in ctx.hub.sessions()}
         able = [
-            (node.account_id, node.network)
-            for node in nodes
-            if node.id in connected and job.kind in node.kinds and node.suspended_at is None
+            (account_id, network)
+            for node_id, account_id, network in await self._fleet.able(job.kind)
+            if node_id in connected
         ]
         shortfall = sybil.replication_shortfall(
             job.replication,

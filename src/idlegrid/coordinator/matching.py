@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from idlegrid import protocol
 from idlegrid.coordinator.context import Context
+from idlegrid.coordinator.fleet import Fleet, fleet_node
 from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.coordinator.leases import lease_for
 from idlegrid.coordinator.plans import JobPlan, Plans
@@ -21,7 +22,6 @@ from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
     Assignment,
     JobRecord,
-    NodeRecord,
     ReadyTask,
     RunningTask,
     Store,
@@ -243,25 +243,21 @@ class Matcher:
 
     # -- job status ----------------------------------------------------------------------
 
-    async def waiting_for(
-        self, job: JobRecord, *, nodes: Sequence[NodeRecord] | None = None
-    ) -> list[str]:
+    async def waiting_for(self, job: JobRecord, *, fleet: Fleet | None = None) -> list[str]:
         """Why an unfinished job cannot progress (empty when nothing stops it).
 
-        `nodes`: the registered nodes, when the caller has read them already.
+        `fleet`: the snapshot of registered nodes to judge by; else every node is read
+        from the store.
         """
         if job.state.value not in ("queued", "running"):
             return []
         plan = await self._plans.get(job.id)
         if plan is None:
             return []
-        views = []
-        for node in nodes if nodes is not None else await self._ctx.store.list_nodes():
-            try:
-                hardware = protocol.HardwareProfile.model_validate(node.hardware)
-                bench = protocol.Benchmark.model_validate(node.benchmark)
-            except ValueError:
-                continue  # a row this version cannot read: it cannot be matched either
-            views.append(node_view(node.id, node.kinds, hardware, bench))
-        reason = scheduler.unmet(plan.requirements, job.kind, views)
+        if fleet is not None:
+            reason = await fleet.unmet(plan.requirements, job.kind)
+        else:
+            found = [fleet_node(node) for node in await self._ctx.store.list_nodes()]
+            views = [node.view for node in found if node.view is not None]
+            reason = scheduler.unmet(plan.requirements, job.kind, views)
         return [reason] if reason else []

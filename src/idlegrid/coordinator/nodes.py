@@ -197,6 +197,7 @@ async def _register(
         await _error(websocket, "unauthorized", str(exc))
         await websocket.close(code=CLOSE_UNAUTHORIZED)
         return None
+    grid.fleet.saw(node)
     session = NodeSession(
         node_id=node.id,
         account_id=node.account_id,

@@ -56,6 +56,8 @@ class Dashboard:
     settings: CoordinatorSettings
     templates: Environment
     limiter: security.SignInLimiter
+    # (when counted, accounts, teams) for the status page; see stats.grid_status.
+    census: tuple[float, int, int] | None = None
 
 
 def make_dashboard(settings: CoordinatorSettings) -> Dashboard:

@@ -29,13 +29,24 @@ DAY_S = 86_400
 TEAM_NAME = re.compile(r"\S(.{0,98}\S)?")
 BOARD_TITLES = {"accounts": "Volunteers", "teams": "Teams", "nodes": "Nodes"}
 PageNumber = Annotated[int, Query(ge=1, le=100_000)]
+# Leaderboards page through the top ranks only: each page skips its offset in the credit
+# index, so the deepest page bounds a page's cost. Everyone's own rank is on their
+# profile, and the daily exports list everyone.
+LEADERBOARD_ROWS = 10_000
+# How long the status page reuses its count of accounts and teams (seconds).
+CENSUS_TTL_S = 60.0
 PerPage = Annotated[int, Query(ge=1, le=100)]
 
 
 @router.get("/", response_class=HTMLResponse)
 async def status_page(request: Request) -> Response:
     now = grid_of(request).clock()
-    status = await store_of(request).web_read(stats.grid_status, now=now)
+    dash = dashboard_of(request)
+    fresh = dash.census is not None and now - dash.census[0] < CENSUS_TTL_S
+    census = dash.census[1:] if fresh and dash.census else None
+    status = await store_of(request).web_read(stats.grid_status, now=now, census=census)
+    if census is None:
+        dash.census = (now, status.accounts, status.teams)
     flops_24h = status.flops_since(now - DAY_S)
     top = await store_of(request).web_read(
         stats.leaderboard, "accounts", order="recent", limit=5, offset=0
@@ -75,10 +86,11 @@ async def leaderboard(
     page: PageNumber = 1,
     per_page: PerPage = 50,
 ) -> Response:
-    limit, offset = page_bounds(page, per_page)
+    limit, offset = page_bounds(page, per_page, max_rows=LEADERBOARD_ROWS)
     rows = await store_of(request).web_read(
         stats.leaderboard, board, order=sort, limit=limit + 1, offset=offset
     )
+    more = len(rows) > limit
     return await render(
         request,
         "leaderboard.html",
@@ -88,7 +100,9 @@ async def leaderboard(
         rows=rows[:limit],
         page=offset // limit + 1,
         per_page=limit,
-        has_next=len(rows) > limit,
+        has_next=more and offset + limit < LEADERBOARD_ROWS,
+        at_end=more and offset + limit >= LEADERBOARD_ROWS,
+        max_rows=LEADERBOARD_ROWS,
     )
 
 
@@ -110,7 +124,7 @@ async def profile(request: Request, account_id: Id) -> Response:
 async def teams_page(
     request: Request, q: Annotated[str, Query(max_length=100)] = "", page: PageNumber = 1
 ) -> Response:
-    limit, offset = page_bounds(page, 50)
+    limit, offset = page_bounds(page, 50, max_rows=LEADERBOARD_ROWS)
     store = store_of(request)
     found = await store.web_read(web.search_teams, q.strip(), limit=50) if q.strip() else None
     rows = await store.web_read(
@@ -123,7 +137,7 @@ async def teams_page(
         found=found,
         rows=rows[:limit],
         page=offset // limit + 1,
-        has_next=len(rows) > limit,
+        has_next=len(rows) > limit and offset + limit < LEADERBOARD_ROWS,
     )
 
 

@@ -28,7 +28,7 @@ from idlegrid.dashboard.pages import (
 )
 from idlegrid.kinds import InputError, get_kind
 from idlegrid.kinds.diloco import corpus_dataset_blob
-from idlegrid.store import uploads
+from idlegrid.store import uploads, web
 from idlegrid.store.base import JobRecord
 from idlegrid.store.web import WebSession
 
@@ -64,7 +64,7 @@ async def files_page(request: Request, session: Researcher) -> Response:
 class UploadStart(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str = Field(min_length=1, max_length=200)
-    purpose: Literal["texts", "dataset", "weights"]
+    purpose: uploads.Purpose
     size: int = Field(ge=1)
 
 
@@ -185,17 +185,19 @@ async def jobs_page(
     request: Request, session: Researcher, page: Annotated[int, Query(ge=1, le=10_000)] = 1
 ) -> Response:
     limit, offset = page_bounds(page, 50)
-    grid = grid_of(request)
-    jobs = await grid.store.list_jobs(session.account.id, limit=limit + 1, offset=offset)
-    views = [await job_out(grid, job, with_shards=False) for job in jobs[:limit]]
-    return await render(request, "jobs.html", jobs=views, page=page, has_next=len(jobs) > limit)
+    jobs = await store_of(request).web_read(
+        web.job_list, session.account.id, limit=limit + 1, offset=offset
+    )
+    return await render(
+        request, "jobs.html", jobs=jobs[:limit], page=page, has_next=len(jobs) > limit
+    )
 
 
 @router.get("/jobs/new", response_class=HTMLResponse)
 async def new_job_page(
     request: Request,
     session: Researcher,
-    kind: Literal["embed-text", "diloco-train"] = "embed-text",
+    kind: Literal["embed-text", "diloco-train", "onnx-infer"] = "embed-text",
 ) -> Response:
     return await _new_job(request, session, kind, error=None, values={})
 
@@ -292,6 +294,93 @@ async def submit_diloco(
         priority=priority,
         values=values,
     )
+
+
+@router.post("/jobs/new/onnx-infer", response_class=HTMLResponse, dependencies=[Csrf])
+async def submit_onnx(
+    request: Request,
+    session: Researcher,
+    model: Annotated[int, Form()],
+    data: Annotated[int, Form()],
+    shard_size: Annotated[int, Form(ge=1, le=100_000)] = 256,
+    batch_size: Annotated[int, Form(ge=1, le=4096)] = 32,
+    outputs: Annotated[str, Form(max_length=2000)] = "",
+    crop: Annotated[str, Form(max_length=40)] = "",
+    resize: Annotated[str, Form(max_length=10)] = "",
+    color: Annotated[Literal["RGB", "L"], Form()] = "RGB",
+    layout: Annotated[Literal["NCHW", "NHWC"], Form()] = "NCHW",
+    scale: Annotated[Literal["1/255", "1"], Form()] = "1/255",
+    mean: Annotated[str, Form(max_length=200)] = "",
+    std: Annotated[str, Form(max_length=200)] = "",
+    replication: Annotated[int, Form(ge=0, le=16)] = 0,
+    priority: Annotated[int, Form(ge=-100, le=100)] = 0,
+) -> Response:
+    """An ONNX model over uploaded arrays, or over an archive of images with the
+    preprocessing given (crop filled in)."""
+    values: dict[str, Any] = {
+        "model": model, "data": data, "shard_size": shard_size, "batch_size": batch_size,
+        "outputs": outputs, "crop": crop, "resize": resize, "color": color, "layout": layout,
+        "scale": scale, "mean": mean, "std": std, "replication": replication,
+    }  # fmt: skip
+    model_blob = await _own_file(request, session, model)
+    data_blob = await _own_file(request, session, data)
+    error = None
+    if model_blob is None:
+        error = "Choose one of your uploaded ONNX models."
+    elif data_blob is None:
+        error = "Choose one of your uploaded model inputs (arrays or an image archive)."
+    else:
+        try:
+            params: dict[str, Any] = {
+                "shard_size": shard_size,
+                "batch_size": batch_size,
+                "outputs": [name.strip() for name in outputs.split(",") if name.strip()],
+            }
+            if crop.strip():
+                params["preprocess"] = _preprocess(crop, resize, color, layout, scale, mean, std)
+        except ValueError as exc:
+            error = f"Image preprocessing: {exc}"
+        else:
+            return await _submit(
+                request,
+                session,
+                "onnx-infer",
+                inputs={"model": model_blob, "data": data_blob},
+                params=params,
+                replication=replication or None,
+                priority=priority,
+                values=values,
+            )
+    return await _new_job(request, session, "onnx-infer", error=error, values=values, status=422)
+
+
+def _preprocess(
+    crop: str, resize: str, color: str, layout: str, scale: str, mean: str, std: str
+) -> dict[str, Any]:
+    """The form's preprocessing fields as `onnx_data.Preprocess` takes them; the kind
+    checks the values themselves (and says what is wrong) at submission."""
+    size = [part for part in crop.lower().replace("x", " ").replace(",", " ").split() if part]
+    if len(size) == 1:
+        size *= 2
+    if len(size) != 2 or not all(part.isdigit() for part in size):
+        raise ValueError(f"crop {crop!r} is not a size such as 224x224 (height x width)")
+    spec: dict[str, Any] = {
+        "crop": [int(size[0]), int(size[1])],
+        "color": color,
+        "layout": layout,
+        "scale": 1 / 255 if scale == "1/255" else 1.0,
+    }
+    if resize.strip():
+        if not resize.strip().isdigit():
+            raise ValueError(f"resize {resize!r} is not a whole number of pixels")
+        spec["resize"] = int(resize)
+    for name, text in (("mean", mean), ("std", std)):
+        if text.strip():
+            try:
+                spec[name] = [float(v) for v in text.replace(",", " ").split()]
+            except ValueError:
+                raise ValueError(f"{name} {text!r} is not a list of numbers") from None
+    return spec
 
 
 async def _own_file(request: Request, session: WebSession, upload_id: int) -> str | None:

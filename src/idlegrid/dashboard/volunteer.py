@@ -67,9 +67,10 @@ async def my_nodes(request: Request, account_id: int) -> list[NodeView]:
     live = await store.web_read(web.live_tasks, ids)
     validated = await store.web_read(web.validated_counts, ids)
     connected = await connected_ids(request)
+    trusts = await store.web_read(web.trust_of_nodes, ids, now=grid.clock())
     views = []
     for node in nodes:
-        trust = await grid.store.node_trust(node.id)
+        trust = trusts.get(node.id, [])
         views.append(
             NodeView(
                 node=node,

@@ -281,7 +281,7 @@ uploads = Table(
     Column("id", Integer, primary_key=True),
     Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
     Column("name", String(200), nullable=False),
-    Column("purpose", String(16), nullable=False),  # "texts", "dataset" or "weights"
+    Column("purpose", String(16), nullable=False),  # uploads.Purpose
     Column("size", Integer, nullable=False),
     Column("received", Integer, nullable=False, default=0),
     Column("state", String(16), nullable=False),  # "partial" or "done"

@@ -156,8 +156,15 @@ async def _count(conn: AsyncConnection, table: Any, added: dict[int, int]) -> No
 # -- readers ----------------------------------------------------------------------------
 
 
-async def grid_status(conn: AsyncConnection, *, now: float) -> GridStatus:
-    """The project status page: fleet, jobs, validated work by hour and by day."""
+async def grid_status(
+    conn: AsyncConnection, *, now: float, census: tuple[int, int] | None = None
+) -> GridStatus:
+    """The project status page: fleet, jobs, validated work by hour and by day.
+
+    `census`: (accounts, teams) when the caller has them counted recently; counting
+    100,000 accounts is the dearest part of this page (30 to 80 ms on PostgreSQL), and a
+    count a minute old is as good to a reader.
+    """
 
     async def count(query: Any) -> int:
         return int((await conn.execute(query)).scalar_one())
@@ -179,8 +186,8 @@ async def grid_status(conn: AsyncConnection, *, now: float) -> GridStatus:
     return GridStatus(
         nodes_total=await count(select(func.count()).select_from(nodes)),
         nodes_online=await count(select(func.count()).select_from(nodes).where(online)),
-        accounts=await count(select(func.count()).select_from(accounts)),
-        teams=await count(select(func.count()).select_from(teams)),
+        accounts=census[0] if census else await count(select(func.count()).select_from(accounts)),
+        teams=census[1] if census else await count(select(func.count()).select_from(teams)),
         jobs_running=int(job_states.get(JobState.RUNNING.value, 0)),
         jobs_queued=int(job_states.get(JobState.QUEUED.value, 0)),
         hourly=await _hours(conn, since=now - 48 * HOUR_S),
@@ -227,18 +234,21 @@ async def node_history(conn: AsyncConnection, node_id: int, *, days: int) -> lis
 async def leaderboard(
     conn: AsyncConnection, board: Board, *, order: Order, limit: int, offset: int
 ) -> list[Standing]:
-    """One page of a leaderboard, best first; only rows that earned credit."""
+    """One page of a leaderboard, best first; only rows that earned credit.
+
+    The page's ids come from the credit index alone, and only those rows are joined to
+    their team or owner: an offset into 100,000 accounts then skips index entries, not
+    joined rows (10 ms against 100 ms at page 200 on SQLite).
+    """
     table = _BOARDS[board]
-    query = _standing_query(board)
     if order == "total":
-        query = query.where(table.c.credit_total > 0).order_by(
-            table.c.credit_total.desc(), table.c.id
-        )
+        earned, key = table.c.credit_total > 0, table.c.credit_total
     else:
-        query = query.where(table.c.credit_rank > NO_RANK).order_by(
-            table.c.credit_rank.desc(), table.c.id
-        )
-    rows = (await conn.execute(query.limit(limit).offset(offset))).all()
+        earned, key = table.c.credit_rank > NO_RANK, table.c.credit_rank
+    ids = select(table.c.id).where(earned).order_by(key.desc(), table.c.id)
+    page = ids.limit(limit).offset(offset).scalar_subquery()
+    query = _standing_query(board).where(table.c.id.in_(page)).order_by(key.desc(), table.c.id)
+    rows = (await conn.execute(query)).all()
     return [_standing(board, row, rank=offset + i + 1) for i, row in enumerate(rows)]
 
 

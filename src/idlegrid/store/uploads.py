@@ -15,7 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.store.schema import uploads
 
-Purpose = Literal["texts", "dataset", "weights"]
+Purpose = Literal["texts", "dataset", "weights", "onnx-model", "model-inputs"]
 PURPOSES: tuple[Purpose, ...] = ("texts", "dataset", "weights")
 
 

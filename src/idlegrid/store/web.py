@@ -18,9 +18,20 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.policy.credit import CreditTotals
-from idlegrid.states import LIVE_TASK_STATES
-from idlegrid.store.base import AccountExists
-from idlegrid.store.schema import accounts, node_trust, nodes, tasks, teams, tokens, web_sessions
+from idlegrid.states import LIVE_TASK_STATES, ShardState
+from idlegrid.store.base import AccountExists, NodeTrust
+from idlegrid.store.nodes import list_trust
+from idlegrid.store.schema import (
+    accounts,
+    jobs,
+    node_trust,
+    nodes,
+    shards,
+    tasks,
+    teams,
+    tokens,
+    web_sessions,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -505,3 +516,76 @@ async def validated_counts(conn: AsyncConnection, node_ids: list[int]) -> dict[i
         return {}
     query = select(nodes.c.id, nodes.c.validated_total).where(nodes.c.id.in_(node_ids))
     return {int(node): int(n) for node, n in (await conn.execute(query)).all()}
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """A job as the researcher's job list shows it."""
+
+    id: int
+    kind: str
+    state: str
+    shards_total: int
+    shards_done: int
+    items_total: int
+    created_at: float
+
+    @property
+    def progress(self) -> float:
+        return self.shards_done / self.shards_total if self.shards_total else 1.0
+
+
+async def job_list(
+    conn: AsyncConnection, account_id: int, *, limit: int, offset: int
+) -> list[JobRow]:
+    """A page of an account's jobs, newest first, with their done shards counted in one
+    query (not each job's shards by state and its tasks, as its own page shows them)."""
+    found = (
+        await conn.execute(
+            select(
+                jobs.c.id,
+                jobs.c.kind,
+                jobs.c.state,
+                jobs.c.shards_total,
+                jobs.c.items_total,
+                jobs.c.created_at,
+            )
+            .where(jobs.c.account_id == account_id)
+            .order_by(jobs.c.id.desc())
+            .limit(limit)
+            .offset(offset)
+        )
+    ).all()
+    done: dict[int, int] = {}
+    if found:
+        done = dict(
+            (
+                await conn.execute(
+                    select(shards.c.job_id, func.count())
+                    .where(
+                        shards.c.job_id.in_([row.id for row in found]),
+                        shards.c.state == ShardState.DONE.value,
+                    )
+                    .group_by(shards.c.job_id)
+                )
+            ).all()
+        )
+    return [
+        JobRow(
+            id=row.id,
+            kind=row.kind,
+            state=row.state,
+            shards_total=row.shards_total,
+            shards_done=int(done.get(row.id, 0)),
+            items_total=row.items_total,
+            created_at=row.created_at,
+        )
+        for row in found
+    ]
+
+
+async def trust_of_nodes(
+    conn: AsyncConnection, node_ids: list[int], *, now: float
+) -> dict[int, list[NodeTrust]]:
+    """Each node's trust per kind and backend, in one transaction (a page of nodes)."""
+    return {node_id: await list_trust(conn, node_id, now=now) for node_id in node_ids}

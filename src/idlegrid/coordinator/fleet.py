@@ -1,0 +1,134 @@
+"""The registered fleet as a job's status reads it: a snapshot reused for a few seconds.
+
+What a live job waits for (`Intake.waiting_for`) is judged against every registered
+node, and reading and parsing every node is O(fleet): over a second at 10,000 nodes. A
+job page polls that status every two seconds for each viewer, so requests read this
+snapshot instead. Past its age a request still gets the old copy while one refresh runs
+in the background; only the first request of a process waits for a read. A node that
+registers on this process is put into the snapshot at once, so a job waiting for a
+machine like it stops waiting on the next poll; other changes (another coordinator's
+registrations, a suspension) show within `ttl_s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from idlegrid import protocol
+from idlegrid.coordinator.hub import node_view
+from idlegrid.kinds.base import Requirements
+from idlegrid.policy import scheduler
+from idlegrid.store.base import NodeRecord, Store
+
+log = logging.getLogger(__name__)
+
+# How old a snapshot may be before a request starts a refresh (seconds).
+FLEET_TTL_S = 10.0
+
+
+@dataclass(frozen=True)
+class FleetNode:
+    """A registered node and what the scheduler can read of it (None: a row this
+    version cannot parse, which no requirement can be matched against)."""
+
+    record: NodeRecord
+    view: scheduler.NodeView | None
+
+
+def fleet_node(record: NodeRecord) -> FleetNode:
+    try:
+        hardware = protocol.HardwareProfile.model_validate(record.hardware)
+        bench = protocol.Benchmark.model_validate(record.benchmark)
+    except ValueError:
+        return FleetNode(record, None)
+    return FleetNode(record, node_view(record.id, record.kinds, hardware, bench))
+
+
+class Fleet:
+    """Registered nodes by id, read from the store at most once per `ttl_s`."""
+
+    def __init__(
+        self, store: Store, *, clock: Callable[[], float], ttl_s: float = FLEET_TTL_S
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._ttl_s = ttl_s
+        self._nodes: dict[int, FleetNode] | None = None
+        self._read_at = float("-inf")
+        self._first_read = asyncio.Lock()
+        self._refresh: asyncio.Task[None] | None = None
+        # Nodes seen here while a read runs: newer than what that read returns.
+        self._seen_during_read: dict[int, FleetNode] = {}
+        # Answers over this snapshot, by question; emptied whenever the snapshot changes
+        # (every poll of a job's status asks the same question of 10,000 nodes).
+        self._answers: dict[tuple[object, ...], object] = {}
+
+    async def nodes(self) -> list[FleetNode]:
+        """Every registered node as of at most `ttl_s` ago (or the last refresh, while a
+        newer one runs)."""
+        if self._nodes is None:
+            async with self._first_read:
+                if self._nodes is None:
+                    await self._read()
+        elif self._clock() - self._read_at > self._ttl_s and not self._refreshing():
+            self._refresh = asyncio.create_task(self._read(), name="fleet-snapshot")
+        assert self._nodes is not None
+        return list(self._nodes.values())
+
+    async def unmet(self, requirements: Requirements, kind: str) -> str | None:
+        """Why no registered node can run a job of `kind` with `requirements` (None when
+        one can): `scheduler.unmet` over the snapshot."""
+        nodes = await self.nodes()
+        key = ("unmet", kind, requirements)
+        if key not in self._answers:
+            views = [node.view for node in nodes if node.view is not None]
+            self._answers[key] = scheduler.unmet(requirements, kind, views)
+        return self._answers[key]  # type: ignore[return-value]
+
+    async def able(self, kind: str) -> list[tuple[int, int, str]]:
+        """(node id, account id, network) of each unsuspended node that offers `kind`."""
+        nodes = await self.nodes()
+        key = ("able", kind)
+        if key not in self._answers:
+            self._answers[key] = [
+                (n.record.id, n.record.account_id, n.record.network)
+                for n in nodes
+                if kind in n.record.kinds and n.record.suspended_at is None
+            ]
+        return self._answers[key]  # type: ignore[return-value]
+
+    def saw(self, record: NodeRecord) -> None:
+        """A node registered (or said hello again) here: its row as it is now."""
+        node = fleet_node(record)
+        self._seen_during_read[record.id] = node
+        if self._nodes is not None:
+            self._nodes[record.id] = node
+            self._answers = {}
+
+    async def aclose(self) -> None:
+        if self._refresh is not None:
+            self._refresh.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresh
+            self._refresh = None
+
+    def _refreshing(self) -> bool:
+        return self._refresh is not None and not self._refresh.done()
+
+    async def _read(self) -> None:
+        started = self._clock()
+        self._seen_during_read = {}
+        try:
+            records = await self._store.list_nodes()
+        except Exception:
+            if self._nodes is None:
+                raise  # the first read: the caller's request fails with it
+            log.exception("reading the fleet failed; the job status keeps the last copy")
+            return
+        fresh = {record.id: fleet_node(record) for record in records}
+        fresh.update(self._seen_during_read)
+        self._nodes, self._read_at, self._answers = fresh, started, {}
