@@ -314,12 +314,15 @@ def main() -> None:
     if limit < args.nodes + 1000:
         raise SystemExit(f"open-files limit {limit} is too low for {args.nodes} nodes")
     # The whole fleet is one account on one address (loopback): lift the Sybil limits
-    # for it, as an operator does for a known large contributor. `--coordinator-env`
-    # can set them back.
+    # and the per-address connection limits for it, as an operator does for a known
+    # large contributor (or a proxy's address). `--coordinator-env` can set them back.
     extra_env = {
         "IDLEGRID_MAX_NODES_PER_ACCOUNT": str(args.nodes),
         "IDLEGRID_NODE_REGISTRATIONS_PER_ACCOUNT_PER_HOUR": str(args.nodes),
         "IDLEGRID_NODE_REGISTRATIONS_PER_ADDRESS_PER_HOUR": str(args.nodes),
+        "IDLEGRID_MAX_CONNECTIONS_PER_ADDRESS": "0",
+        "IDLEGRID_MAX_PENDING_SOCKETS": "0",
+        "IDLEGRID_MAX_PENDING_SOCKETS_PER_ADDRESS": "0",
     }
     extra_env.update(item.split("=", 1) for item in args.coordinator_env)
     where = (

@@ -139,6 +139,7 @@ _MEANING = {
 }
 
 router = APIRouter(prefix="/v1", responses=_errors(400, 401, 403, 404, 413, 422, 429))
+error_responses = _errors  # for routes outside /v1
 
 
 # -- models --------------------------------------------------------------------------------

@@ -91,7 +91,12 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     async def healthz() -> dict[str, Any]:
         return {"ok": True, "version": __version__}
 
-    @app.get("/metrics", tags=["meta"], response_class=Response)
+    @app.get(
+        "/metrics",
+        tags=["meta"],
+        response_class=Response,
+        responses=api.error_responses(401, 403, 429),
+    )
     async def prometheus_metrics(request: Request) -> Response:
         """Prometheus metrics of this coordinator process (text exposition format).
 
