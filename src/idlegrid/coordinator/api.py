@@ -111,7 +111,7 @@ router = APIRouter(prefix="/v1", responses=_errors(400, 401, 403, 404, 413, 422,
 
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(examples=["embed-text"])
+    kind: str = Field(max_length=40, examples=["embed-text"])
     inputs: dict[Annotated[str, Field(max_length=64)], BlobHash] = Field(
         default_factory=dict, max_length=16, description="input name -> SHA-256 of an uploaded blob"
     )
