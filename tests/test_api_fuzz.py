@@ -23,7 +23,7 @@ from schemathesis.specs.openapi.checks import positive_data_acceptance
 
 from idlegrid.localgrid import LocalGrid
 
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+pytestmark = pytest.mark.slow
 
 EXAMPLES_PER_OPERATION = 16
 CALLERS = ("researcher", "node", "anonymous")

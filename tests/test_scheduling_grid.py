@@ -238,27 +238,30 @@ def test_job_status_says_why_it_waits(api: Api) -> None:
 
 
 def test_a_node_downloading_a_blob_holds_it_for_locality(api: Api) -> None:
+    texts = api.upload(b'"a text shared by every shard"\n')
     node_token = api.token(account="volunteer", kind="node")
     other_token = api.token(account="someone-else", kind="node")
     with api.client.websocket_connect(NODE_WS) as ws:
         node = SocketNode(api, ws, node_token)
-        node.hello(key="gamer-key", name="gamer", hardware={"memory_mb": 4096})
+        node.hello(
+            key="gamer-key", name="gamer", kinds=("embed-text",), hardware={"memory_mb": 4096}
+        )
         node_id = node.expect("welcome")["node_id"]
         session = api.client.app.state.grid.hub.get(node_id)  # type: ignore[attr-defined]
-        api.submit(api.admin_token, kind="sleep", params={"tasks": 1}, replication=1)
-        payload = node.take()["input"]["hash"]
+        api.submit(api.admin_token, kind="embed-text", inputs={"texts": texts}, replication=1)
+        node.take()  # a task of the job: the node may read the job's input
         # Another account's token cannot claim the node's cache (nor read the blob).
         response = api.client.get(
-            f"/v1/blobs/{payload}", headers={**bearer(other_token), "X-Idlegrid-Node": str(node_id)}
+            f"/v1/blobs/{texts}", headers={**bearer(other_token), "X-Idlegrid-Node": str(node_id)}
         )
         assert response.status_code == 404
-        assert payload not in session.held_blobs
+        assert texts not in session.held_blobs
         response = api.client.get(
-            f"/v1/blobs/{payload}", headers={**bearer(node_token), "X-Idlegrid-Node": str(node_id)}
+            f"/v1/blobs/{texts}", headers={**bearer(node_token), "X-Idlegrid-Node": str(node_id)}
         )
         assert response.status_code == 200
-        assert payload in session.held_blobs
-        assert payload in session.view_now(reliability=0.5).held_blobs
+        assert texts in session.held_blobs
+        assert texts in session.view_now(reliability=0.5).held_blobs
 
 
 async def test_running_shards_are_only_those_of_jobs_near_their_end(grid: Grid) -> None:

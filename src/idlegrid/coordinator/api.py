@@ -147,7 +147,7 @@ error_responses = _errors  # for routes outside /v1
 
 class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    kind: str = Field(examples=["embed-text"])
+    kind: str = Field(max_length=40, examples=["embed-text"])
     inputs: dict[Annotated[str, Field(max_length=64)], BlobHash] = Field(
         default_factory=dict, max_length=16, description="input name -> SHA-256 of an uploaded blob"
     )
@@ -203,7 +203,7 @@ class JobOut(BaseModel):
     kind: str
     state: str
     params: dict[str, Any]
-    inputs: dict[str, str]
+    inputs: dict[str, BlobHash]
     replication: int
     priority: int
     shards_total: int
@@ -225,7 +225,7 @@ class JobOut(BaseModel):
         default_factory=list,
         description="at submission: what will keep the job waiting, with the fix",
     )
-    result: str | None
+    result: BlobHash | None
     result_size: int | None
     error: str | None
     created_at: float
@@ -472,10 +472,15 @@ def _shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
 # -- blobs ---------------------------------------------------------------------------------
 
 
-@router.put("/blobs/{blob_hash}", status_code=201, tags=["blobs"])
+class BlobOut(BaseModel):
+    hash: BlobHash
+    size: int
+
+
+@router.put("/blobs/{blob_hash}", status_code=201, response_model=BlobOut, tags=["blobs"])
 async def put_blob(
     blob_hash: BlobHashPath, request: Request, token: Caller, grid: GridDep
-) -> dict[str, Any]:
+) -> BlobOut:
     """Upload a blob under its SHA-256; the content must hash to it. The blob then
     belongs to the caller's account too. A node uploads only while it holds a task."""
     now = grid.clock()
@@ -504,7 +509,7 @@ async def put_blob(
             raise ApiError(413, "quota_exceeded", message) from None
         raise ApiError(exc.status, "invalid_blob", exc.message) from None
     await grid.store.add_blob_owner(blob_hash, token.account_id, size=size, now=now)
-    return {"hash": blob_hash, "size": size}
+    return BlobOut(hash=blob_hash, size=size)
 
 
 @router.get("/blobs/{blob_hash}", tags=["blobs"], response_class=Response)
