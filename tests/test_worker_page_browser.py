@@ -93,6 +93,15 @@ def test_the_control_page_in_a_browser(page: Any, tmp_path: Path) -> None:
         page.click("#resume")
         expect(page.locator("#state")).to_have_text("running")
 
+        # A running task shows in the table with its kind, state and progress.
+        with grid.client() as client:
+            job = client.submit("sleep", params={"tasks": 1, "seconds": 2.0}, replication=1)
+            expect(page.locator("#tasks")).to_contain_text("sleep")
+            expect(page.locator("#tasks")).to_contain_text("running")
+            job.wait(timeout=60)
+        expect(page.locator("#tasks")).to_contain_text("no tasks")
+        expect(page.locator("#totals")).to_contain_text("completed 1")
+
         # Settings: a bad value names itself and changes nothing; good ones are kept.
         page.fill("input[name=windows]", "25:00-08:00")
         page.click("form#settings button[type=submit]")

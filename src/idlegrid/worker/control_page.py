@@ -62,10 +62,23 @@ function show(s) {
   $("reason").textContent = s.reason;
   $("idle").textContent = "idle detection: " + s.idle.probe +
     (s.idle.seconds === null ? " (cannot tell)" : ", idle " + Math.round(s.idle.seconds) + " s");
-  const rows = s.tasks.map((t) => "<tr><td>" + t.task_id + "</td><td>" + t.kind +
-    "</td><td>" + t.job_id + "</td><td>" + t.state + "</td><td><progress max='1' value='" +
-    t.progress + "'></progress> " + Math.round(100 * t.progress) + "%</td></tr>");
-  $("tasks").innerHTML = rows.join("") || "<tr><td colspan='5'>no tasks</td></tr>";
+  // Built as nodes, not HTML: what the coordinator sent is shown, never run.
+  const rows = s.tasks.map((t) => {
+    const row = document.createElement("tr");
+    for (const value of [t.task_id, t.kind, t.job_id, t.state]) {
+      const cell = row.insertCell(); cell.textContent = String(value);
+    }
+    const bar = document.createElement("progress");
+    bar.max = 1; bar.value = t.progress;
+    const cell = row.insertCell();
+    cell.append(bar, " " + Math.round(100 * t.progress) + "%");
+    return row;
+  });
+  if (!rows.length) {
+    const row = document.createElement("tr"), cell = row.insertCell();
+    cell.colSpan = 5; cell.textContent = "no tasks"; rows.push(row);
+  }
+  $("tasks").replaceChildren(...rows);
   $("totals").textContent = "completed " + s.completed + ", waiting to report " + s.outbox +
     ", credit " + (s.credit === null ? "unknown" : s.credit.toFixed(2)) +
     (s.connected ? "" : " (not connected to the coordinator)");

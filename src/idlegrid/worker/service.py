@@ -94,7 +94,8 @@ Nice=10
 IOSchedulingClass=idle
 Restart=on-failure
 RestartSec=10
-# SIGTERM to the daemon, which ends its task processes; SIGKILL to what is left.
+# SIGTERM to the daemon, which gives its running tasks back to the coordinator and ends
+# its task processes; SIGKILL to what is left.
 KillMode=mixed
 TimeoutStopSec=30
 NoNewPrivileges=yes
