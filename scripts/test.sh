@@ -22,6 +22,13 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "not installed: ${missing[*]} (their tests will skip)"
     fi
 fi
+# The one-file worker that tests/test_worker_binary.py runs against a coordinator: built
+# when missing or older than the sources (about 45 s of CPU).
+if [ ! -x dist/idlegrid-worker ] ||
+    [ -n "$(find src packaging scripts/build-worker-binary.sh -type f -newer dist/idlegrid-worker \
+        -not -path "*/__pycache__/*" -print -quit)" ]; then
+    scripts/build-worker-binary.sh >/dev/null
+fi
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks
 .venv/bin/mypy src/idlegrid
