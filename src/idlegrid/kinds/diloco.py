@@ -3,8 +3,9 @@
 Input: one blob `dataset`, a safetensors file holding either `tokens` (1-D token ids, for
 `transformer-lm`) or `x` (float32, examples first) and `y` (integer labels), optionally
 with `eval.tokens` or `eval.x`/`eval.y` as the held-out split (else the last tenth is held
-out). A dataset blob with no arrays and the header {"corpus": "pydoc-topics"} names the
-character corpus built into idlegrid, so no data bytes travel (`corpus_dataset_blob`).
+out). A dataset blob with no arrays and the header {"corpus": "pydoc-topics"} (or
+"cpython-stdlib", with the corpus's SHA-256) names a character corpus built into
+idlegrid, so no data bytes travel (`corpus_dataset_blob`).
 
 A shard is one worker's part of the training data; a task trains on it for H AdamW steps
 from the round's global weights (see `training.tasks` for the payload and result bytes).
@@ -230,9 +231,9 @@ def stream_id(params: DilocoParams, dataset: bytes) -> str:
     return "run-" + hashlib.sha256(text).hexdigest()[:16]
 
 
-def corpus_dataset_blob() -> bytes:
-    """A `dataset` input that names the built-in character corpus (no data inside)."""
-    return pack({}, {"corpus": CORPUS_NAME, "sha256": corpus.TEXT_SHA256})
+def corpus_dataset_blob(name: str = CORPUS_NAME) -> bytes:
+    """A `dataset` input that names a built-in character corpus (no data inside)."""
+    return pack({}, {"corpus": name, "sha256": corpus.get(name).sha256})
 
 
 def dataset_blob(train: datasets.Dataset, held_out: datasets.Dataset | None = None) -> bytes:
@@ -261,10 +262,13 @@ def read_dataset(blob: bytes) -> tuple[tasks.DataRef, tasks.DataRef]:
 
 
 def _corpus_dataset(header: Mapping[str, Any]) -> tuple[tasks.DataRef, tasks.DataRef]:
-    if header["corpus"] != CORPUS_NAME or header.get("sha256") != corpus.TEXT_SHA256:
-        raise InputError(f"dataset: unknown corpus {header['corpus']!r}; known: {CORPUS_NAME}")
-    train, held_out = len(corpus.train_tokens()), len(corpus.eval_tokens())
-    return tasks.CorpusSlice("train", 0, train), tasks.CorpusSlice("eval", 0, held_out)
+    known = corpus.CORPORA.get(str(header["corpus"]))
+    if known is None or header.get("sha256") != known.sha256:
+        raise InputError(f"dataset: unknown corpus {header['corpus']!r}; "
+                         f"known: {', '.join(corpus.CORPORA)}")  # fmt: skip
+    train, held_out = len(corpus.train_tokens(known.name)), len(corpus.eval_tokens(known.name))
+    return (tasks.CorpusSlice("train", 0, train, known.name),
+            tasks.CorpusSlice("eval", 0, held_out, known.name))  # fmt: skip
 
 
 def _split_off(data: datasets.Dataset, cut: int) -> tuple[datasets.Dataset, datasets.Dataset]:
