@@ -23,6 +23,12 @@ then depends on the node's history, so two replicas of it agree only if both hel
 same moments: use it with replication 1 (this kind's default) and a robust aggregation
 rule where nodes are not trusted. `inner.ramp` gives the first rounds their own H.
 
+With `asynchronous`, a round still closes on its quorum or timer, but its tasks still
+running go on: an update that arrives s rounds later counts in the round then open,
+weighted (1 + s)^-alpha (`aggregation.staleness_alpha`), if s <= `max_staleness`; an
+older one is dropped and counted in the job's metrics. Late updates are verified and
+aggregated (robust rules included) like fresh ones.
+
 torch is imported only inside `run` (through `training.inner`): the coordinator imports
 this module to split, compare and assemble without it.
 """
@@ -84,8 +90,14 @@ class DilocoParams(KindParams):
     eval_every: int = Field(default=1, ge=1, description="rounds between held-out evaluations")
     min_updates: int | None = Field(default=None, ge=1, description="default: workers")
     round_timeout_s: float = Field(default=600.0, gt=0.0)
-    asynchronous: bool = Field(default=False, description="late updates count, down-weighted")
-    max_staleness: int = Field(default=2, ge=0, le=100, description="asynchronous mode")
+    asynchronous: bool = Field(
+        default=False,
+        description="a task still running when its round closes goes on; its update counts "
+        "in the round open when it arrives, weighted (1+s)^-alpha by its staleness s",
+    )
+    max_staleness: int = Field(
+        default=2, ge=0, le=100, description="asynchronous mode: older updates are dropped"
+    )
 
     @model_validator(mode="after")
     def _valid_model(self) -> DilocoParams:
@@ -96,6 +108,12 @@ class DilocoParams(KindParams):
             raise ValueError(f"inner.ramp has {len(self.inner.ramp)} rounds; the job {self.rounds}")
         if self.inner.first_step:
             raise ValueError("inner.first_step is set per task, not per job")
+        if self.asynchronous and self.max_staleness < 1:
+            raise ValueError("asynchronous mode needs max_staleness >= 1 (with 0 every "
+                             "late update is dropped: set asynchronous=false)")  # fmt: skip
+        if self.asynchronous and self.max_staleness >= self.rounds:
+            raise ValueError(f"max_staleness {self.max_staleness} must be less than rounds "
+                             f"{self.rounds}: no update can be that late")  # fmt: skip
         return self
 
     def train_spec(self) -> runner.TrainSpec:
@@ -127,9 +145,6 @@ class DilocoKind(TaskKind):
         assert isinstance(params, DilocoParams)
         if "dataset" not in inputs:
             raise InputError("missing input 'dataset' (safetensors)")
-        if params.asynchronous:
-            raise InputError("asynchronous mode: the round driver drops late updates; "
-                             "set asynchronous=false")  # fmt: skip
         train, _ = read_dataset(inputs["dataset"])
         state = closing.initial_state(initial_weights(params))
         stream = stream_id(params, inputs["dataset"])
