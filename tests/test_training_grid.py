@@ -134,3 +134,7 @@ def test_asynchronous_training_applies_late_updates_through_workers(grid: LocalG
     assert metrics["stale_applied"] == sum(r["stale_applied"] or 0 for r in rounds)
     assert all(r["updates"] >= 2 for r in rounds[:-1]), rounds
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"] - 0.3
+    shown = CliRunner().invoke(main, ["metrics", str(job.id), "--server", grid.url,
+                                      "--token", grid.admin_token])  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    assert f"stale updates {metrics['stale_applied']} applied" in shown.output
