@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -103,7 +104,7 @@ def test_weighted_mean_and_refusals() -> None:
 
 
 def _close(
-    state: closing.RoundState, updates: list[closing.Update], **kw: bool
+    state: closing.RoundState, updates: list[closing.Update], **kw: Any
 ) -> closing.ClosedRound:
     return closing.close_round(
         state, updates, rule=agg.Aggregation(), outer=OuterSettings(),
@@ -129,6 +130,40 @@ def test_late_updates_are_dropped_unless_the_round_is_asynchronous() -> None:
     assert np.all(moved < 0)
     future = [closing.Update(np.ones(10, np.float32), 6)]
     assert not np.any(_close(state, future, asynchronous=True).state.weights)
+
+
+@pytest.mark.parametrize(
+    ("base_rounds", "max_staleness", "applied", "dropped"),
+    [
+        ((5, 4, 3), 2, 2, 0),
+        ((5, 4, 3), 1, 1, 1),
+        ((5, 2), 2, 0, 1),
+        ((4, 3), None, 2, 0),
+    ],
+)
+def test_asynchronous_rounds_weigh_stale_updates_up_to_max_staleness(
+    base_rounds: tuple[int, ...], max_staleness: int | None, applied: int, dropped: int
+) -> None:
+    state = closing.RoundState(5, np.zeros(10, np.float32), np.zeros(10, np.float32))
+    updates = [closing.Update(np.ones(10, np.float32), r) for r in base_rounds]
+    closed = _close(state, updates, asynchronous=True, max_staleness=max_staleness)
+    assert (closed.stale_applied, closed.stale_dropped) == (applied, dropped)
+
+
+def test_a_stale_update_pulls_by_its_staleness_weight() -> None:
+    state = closing.RoundState(5, np.zeros(10, np.float32), np.zeros(10, np.float32))
+    rule = agg.Aggregation(staleness_alpha=1.0)
+    fresh = closing.Update(np.ones(10, np.float32), 5)
+    stale = closing.Update(np.ones(10, np.float32), 2)  # s = 3: weight 1/4
+    gradient = agg.aggregate([fresh.delta, stale.delta], rule, staleness=[0, 3])
+    assert np.allclose(gradient, (1 + 0.25) / 2)
+    closed = closing.close_round(state, [fresh, stale], rule=rule, outer=OuterSettings(),
+                                 download=Compression(method="none"), asynchronous=True,
+                                 max_staleness=3)  # fmt: skip
+    alone = closing.close_round(state, [fresh], rule=rule, outer=OuterSettings(),
+                                download=Compression(method="none"))  # fmt: skip
+    # The stale update moves the weights, less than a fresh one would (mean of 1 and 1/4).
+    assert np.allclose(closed.state.weights, 0.625 * alone.state.weights)
 
 
 def test_a_round_without_updates_still_advances() -> None:

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from conftest import Api, assert_error, bearer
 from helpers import FakeNode, fake_node
+from pydantic import ValidationError
 
 from idlegrid import protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.kinds import InputError, RunContext, diloco, get_kind
+from idlegrid.kinds import RunContext, diloco, get_kind
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import JobRecord, ResultReceipt
 from idlegrid.store.sql import SqlStore
@@ -262,9 +263,74 @@ async def test_the_timer_closes_a_round_with_what_arrived_and_waits_when_nothing
     assert await harness.grid.rounds.close_due() == 0  # idempotent
 
 
-async def test_the_asynchronous_mode_is_refused_with_a_reason(harness: Harness) -> None:
-    with pytest.raises(InputError, match="drops late updates"):
-        await harness.submit(asynchronous=True)
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"max_staleness": 3}, "max_staleness 3 must be less than rounds 3"),
+        ({"max_staleness": 0}, "needs max_staleness >= 1"),
+    ],
+)
+async def test_asynchronous_settings_that_cannot_work_are_refused(
+    harness: Harness, changes: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ValidationError, match=reason):
+        await harness.submit(asynchronous=True, **changes)
+    assert await harness.grid.store.list_jobs(harness.account_id, limit=10, offset=0) == []
+
+
+async def _slow_start(harness: Harness, node: Node, monkeypatch: Any) -> dict[str, Any]:
+    """A training task of round 0 taken by `node` (its evaluation done if it came first)."""
+    slow = await harness.take(node)
+    assert slow is not None
+    if slow["shard_index"] == 3:  # the round's evaluation came first (the cheaper task)
+        await harness.deliver(node, slow, harness.compute(node, slow, monkeypatch))
+        slow = await harness.take(node)
+        assert slow is not None and slow["shard_index"] < 3
+    return slow
+
+
+async def test_asynchronous_a_late_update_counts_in_the_next_round(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(workers=3, min_updates=2, asynchronous=True, max_staleness=1,
+                               eval_every=100)  # fmt: skip
+    a, b, c = [await harness.node(key) for key in "abc"]
+    slow = await _slow_start(harness, c, monkeypatch)
+    await harness.work(a, monkeypatch)
+    await harness.work(b, monkeypatch)
+    found = await harness.metrics(job.id)
+    assert found["rounds"][0]["closed_by"] == "quorum" and found["rounds"][1]["state"] == "open"
+    assert slow["task_id"] not in c.cancelled()  # it goes on
+    late = await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
+    assert late.status == "accepted"
+    # Round 1 has the late update and needs one fresh one for its quorum of two.
+    assert (await harness.metrics(job.id))["rounds"][1]["state"] == "open"
+    await harness.work(a, monkeypatch)
+    found = await harness.metrics(job.id)
+    first, second = found["rounds"][0], found["rounds"][1]
+    assert second["state"] == "closed" and second["updates"] == 2
+    assert second["stale_applied"] == 1 and found["stale_applied"] == 1
+    assert found["asynchronous"] and found["stale_dropped"] == 0
+    assert first["updates"] == 2
+
+
+async def test_asynchronous_an_update_past_max_staleness_is_dropped_and_counted(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(workers=3, min_updates=2, asynchronous=True, max_staleness=1,
+                               eval_every=100)  # fmt: skip
+    a, b, c = [await harness.node(key) for key in "abc"]
+    slow = await _slow_start(harness, c, monkeypatch)
+    for _ in range(4):  # rounds 0 and 1 close on a and b alone
+        await harness.work(a, monkeypatch)
+        await harness.work(b, monkeypatch)
+    found = await harness.metrics(job.id)
+    assert [r["state"] for r in found["rounds"][:2]] == ["closed", "closed"]
+    # Round 1's close opened round 2: round 0's task could only arrive 2 rounds late.
+    assert slow["task_id"] in c.cancelled()
+    assert found["rounds"][1]["stale_dropped"] == 1 and found["stale_dropped"] == 1
+    late = await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
+    assert late.status == "late"  # stored, never aggregated
 
 
 async def test_metrics_are_only_for_training_jobs(harness: Harness) -> None:

@@ -115,3 +115,26 @@ def test_a_worker_killed_mid_round_does_not_stop_training(grid: LocalGrid) -> No
     assert all(r["nodes"] == 1 for r in after[died + 1 :]), rounds
     assert any(r["closed_by"] == "timer" or r["updates"] == 2 for r in after)
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
+
+
+def test_asynchronous_training_applies_late_updates_through_workers(grid: LocalGrid) -> None:
+    # Three shards a round on two workers with a quorum of two: the third shard of a round
+    # is still running (or not yet started) when its round closes, and its update lands
+    # in a later round, weighted by its staleness.
+    params = {**TINY_LM, "workers": 3, "min_updates": 2, "asynchronous": True,
+              "max_staleness": 2, "rounds": 5}  # fmt: skip
+    with grid.client() as client:
+        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
+                            params=params)  # fmt: skip
+        job.wait(timeout=180)
+        metrics = job.metrics()
+    rounds = metrics["rounds"]
+    assert metrics["state"] == "completed" and metrics["rounds_done"] == 5
+    assert metrics["asynchronous"] and metrics["stale_applied"] >= 1, rounds
+    assert metrics["stale_applied"] == sum(r["stale_applied"] or 0 for r in rounds)
+    assert all(r["updates"] >= 2 for r in rounds[:-1]), rounds
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"] - 0.3
+    shown = CliRunner().invoke(main, ["metrics", str(job.id), "--server", grid.url,
+                                      "--token", grid.admin_token])  # fmt: skip
+    assert shown.exit_code == 0, shown.output
+    assert f"stale updates {metrics['stale_applied']} applied" in shown.output

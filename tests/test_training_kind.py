@@ -261,3 +261,19 @@ def test_a_ramped_job_gives_each_round_its_own_h() -> None:
     done: list[float] = []
     _run(_round0(params)[0], params, report_progress=done.append)
     assert done[-1] == 1.0 and len(done) == 2
+
+
+def test_the_stdlib_corpus_travels_by_name_and_pin() -> None:
+    train, held_out = diloco.read_dataset(diloco.corpus_dataset_blob("cpython-stdlib"))
+    assert isinstance(train, tasks.CorpusSlice) and isinstance(held_out, tasks.CorpusSlice)
+    assert (train.corpus, held_out.corpus) == ("cpython-stdlib", "cpython-stdlib")
+    assert train.stop == len(corpus.train_tokens("cpython-stdlib"))
+    params = _params()
+    shard = tasks.shard_ref(train, 1, params.workers)
+    task = diloco.round_task(params, closing.initial_state(diloco.initial_weights(params)),
+                             train, 1, stream="job-1")  # fmt: skip
+    decoded = tasks.decode_task(tasks.encode_task(task))
+    assert decoded.data == shard and decoded.data.load().tokens.size == shard.stop - shard.start
+    wrong_pin = diloco.pack({}, {"corpus": "cpython-stdlib", "sha256": corpus.PYDOC.sha256})
+    with pytest.raises(InputError, match="unknown corpus"):
+        diloco.read_dataset(wrong_pin)

@@ -280,9 +280,14 @@ def metrics(job_id: int, watch: bool, as_json: bool, server: str, token: str) ->
         click.echo(json.dumps(found, indent=2))
         return
     _console().print(summary.rounds_table(found))
+    stale = ""
+    if found.get("asynchronous"):
+        stale = (f", stale updates {found['stale_applied']} applied, "
+                 f"{found['stale_dropped']} dropped")  # fmt: skip
     click.echo(
         f"job {job_id} {found['state']}: {found['rounds_done']}/{found['rounds_total']} "
         f"rounds, {summary.size(found['bytes_up'])} up, {summary.size(found['bytes_down'])} down"
+        f"{stale}"
     )
 
 

@@ -7,10 +7,18 @@ that produced it) plus its shards: one training task per worker-shard and, every
 job's replication), or the round's timer ran out with at least one, the driver closes the
 round with `training.closing.close_round` (numpy; the coordinator never imports torch),
 checkpoints the new weights and momentum as safetensors blobs, cancels the round's
-unfinished tasks (their late updates are dropped: this driver is synchronous), and opens
-round t+1, whose payloads carry the compressed update by reference and the checkpoint
-as a keyframe. After the last round one evaluation task measures the final weights; the
-job's result is their checkpoint.
+unfinished tasks (their late updates would be dropped), and opens round t+1, whose
+payloads carry the compressed update by reference and the checkpoint as a keyframe.
+
+In asynchronous mode (`asynchronous`) a closing round leaves its unfinished tasks
+running: an update of round r that is decided while round t is open counts in round t's
+close, weighted by its staleness t - r (`closing.close_round`), if t - r <=
+`max_staleness`; older ones are dropped, and tasks that can only arrive too late are
+cancelled. Each round's metrics list the shards it aggregated (`applied`) and count the
+stale updates it applied and dropped; the job's metrics sum them.
+
+After the last round one evaluation task measures the final weights; the job's result is
+their checkpoint.
 
 Eval loss comes from evaluation tasks on the nodes (a forward pass over the fixed
 held-out batches), not from the coordinator, which has no torch.
@@ -130,6 +138,9 @@ class RoundDriver:
             "workers": training.params.workers,
             "bytes_up": sum(r.get("bytes_up") or 0 for r in rows),
             "bytes_down": sum(r.get("bytes_down") or 0 for r in rows),
+            "asynchronous": training.params.asynchronous,
+            "stale_applied": sum(r.get("stale_applied") or 0 for r in rows),
+            "stale_dropped": sum(r.get("stale_dropped") or 0 for r in rows),
             "eval_loss": next(
                 (r["eval_loss"] for r in reversed(rows) if r.get("eval_loss") is not None), None
             ),  # fmt: skip
@@ -164,15 +175,20 @@ class RoundDriver:
                 await self._finish(job_id, current, shards)
             return
         done = [s for i in _train_indexes(current) if (s := _done(shards, i)) is not None]
+        late: list[ShardRecord] = []
+        too_stale: list[ShardRecord] = []
+        if training.params.asynchronous:
+            late, too_stale = late_updates(records, shards, training.params.max_staleness)
         decision = close_decision(
-            updates=len(done), min_updates=training.min_updates, timer_expired=expired
+            updates=len(done) + len(late), min_updates=training.min_updates, timer_expired=expired
         )
         if decision == Close.EXTEND:
             log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
             deadline = self._ctx.clock() + training.params.round_timeout_s
             await self._ctx.store.extend_round(job_id, current.round, deadline=deadline)
         elif decision != Close.WAIT:
-            await self._close(job_id, training, records, shards, done, decision)
+            await self._close(job_id, training, records, shards, [*done, *late], decision,
+                              too_stale=too_stale)  # fmt: skip
 
     async def _close(
         self,
@@ -182,6 +198,8 @@ class RoundDriver:
         shards: dict[int, ShardRecord],
         done: Sequence[ShardRecord],
         why: Close,
+        *,
+        too_stale: Sequence[ShardRecord] = (),
     ) -> None:
         current = records[-1]
         closed, fetched = await asyncio.to_thread(self._aggregate, training, current, done)
@@ -208,8 +226,16 @@ class RoundDriver:
             "nodes": list(traffic.nodes),
             "round_time_s": now - current.opened_at,
             "max_suspicion": max(closed.suspicion, default=0.0),
+            "applied": [shard.index for shard in done],
+            "stale_applied": closed.stale_applied,
         }
         open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
+        if training.params.asynchronous:
+            # Tasks that could only arrive past max_staleness are dropped now, counted.
+            open_left = hopeless(records, shards, next_state.round, training.params.max_staleness)
+            running = await self._started(job_id, open_left)
+            dropped = [shard.index for shard in too_stale] + running
+            metrics.update({"stale_dropped": len(dropped), "dropped": dropped})
         advance = await self._ctx.store.advance_round(
             job_id, current.round, metrics=metrics, cancel_shards=open_left,
             next_round=self._new_round(training, next_state, checkpoint_hash, momentum_hash,
@@ -246,7 +272,10 @@ class RoundDriver:
         now = self._ctx.clock()
         traffic = await self._ctx.store.round_traffic(job_id, _indexes(final))
         evaluation = await asyncio.to_thread(self._evaluation, _done(shards, final.eval_shard))
+        records = await self._ctx.store.training_rounds(job_id)
         metrics = {
+            # Asynchronous: updates decided after the last training round, or still running.
+            "stale_dropped": len(await self._started(job_id, unapplied(records, shards))),
             "bytes_up": traffic.output_bytes,
             "bytes_down": traffic.payload_bytes + (evaluation[1] if evaluation else 0),
             "nodes": list(traffic.nodes),
@@ -302,8 +331,9 @@ class RoundDriver:
             updates.append(closing.Update(decode(result.update), result.round, result.loss_mean))
             fetched += result.fetched_bytes
         closed = closing.close_round(
-            state, updates, rule=params.aggregation, outer=params.outer, download=params.download
-        )
+            state, updates, rule=params.aggregation, outer=params.outer, download=params.download,
+            asynchronous=params.asynchronous, max_staleness=params.max_staleness,
+        )  # fmt: skip
         return closed, fetched
 
     def _save(self, training: Training, state: closing.RoundState) -> tuple[str, str]:
@@ -333,6 +363,15 @@ class RoundDriver:
             ]
 
         return await asyncio.to_thread(put)
+
+    async def _started(self, job_id: int, indexes: Sequence[int]) -> list[int]:
+        """The shards among `indexes` some node was given (an update may come from it)."""
+        started = []
+        for index in indexes:
+            traffic = await self._ctx.store.round_traffic(job_id, [index])
+            if traffic.payload_bytes > 0:
+                started.append(index)
+        return started
 
     def _new_round(
         self,
@@ -407,6 +446,62 @@ def _chain(records: Sequence[RoundRecord], update_hash: str) -> tuple[tasks.Link
     return tuple(links[-CHAIN_LENGTH:])
 
 
+def _taken(records: Sequence[RoundRecord]) -> set[int]:
+    """Training shards some close already aggregated or dropped."""
+    taken: set[int] = set()
+    for record in records:
+        taken.update(record.metrics.get("applied", []))
+        taken.update(record.metrics.get("dropped", []))
+    return taken
+
+
+def unapplied(records: Sequence[RoundRecord], shards: dict[int, ShardRecord]) -> list[int]:
+    """Training shards of closed rounds that are done or still open, yet in no close."""
+    taken = _taken(records)
+    return [
+        i
+        for record in records[:-1]
+        for i in _train_indexes(record)
+        if i not in taken and (_done(shards, i) is not None or _is_open(shards, i))
+    ]
+
+
+def late_updates(
+    records: Sequence[RoundRecord], shards: dict[int, ShardRecord], max_staleness: int
+) -> tuple[list[ShardRecord], list[ShardRecord]]:
+    """Decided updates of earlier rounds that no close took yet: (usable, too stale).
+
+    An update of round r is usable in the round open now (t) if t - r <= max_staleness.
+    """
+    current, taken = records[-1], _taken(records)
+    usable: list[ShardRecord] = []
+    too_stale: list[ShardRecord] = []
+    for record in records[:-1]:
+        for i in _train_indexes(record):
+            shard = _done(shards, i)
+            if shard is None or i in taken:
+                continue
+            fresh_enough = current.round - record.round <= max_staleness
+            (usable if fresh_enough else too_stale).append(shard)
+    return usable, too_stale
+
+
+def hopeless(
+    records: Sequence[RoundRecord],
+    shards: dict[int, ShardRecord],
+    next_round: int,
+    max_staleness: int,
+) -> list[int]:
+    """Open training shards that could only arrive past max_staleness: cancel them."""
+    return [
+        i
+        for record in records
+        if next_round - record.round > max_staleness
+        for i in _train_indexes(record)
+        if _is_open(shards, i)
+    ]
+
+
 def _finite(value: float) -> float | None:
     return float(value) if np.isfinite(value) else None
 
@@ -429,6 +524,8 @@ def _round_out(
         "closed_by": metrics.get("closed_by"),
         # The largest distance of an update to the round's aggregate (poisoning shows here).
         "max_suspicion": metrics.get("max_suspicion"),
+        "stale_applied": metrics.get("stale_applied"),
+        "stale_dropped": metrics.get("stale_dropped"),
         "weights_digest": record.weights_digest,
         "checkpoint": record.checkpoint_hash,
     }

@@ -3,8 +3,9 @@
 Input: one blob `dataset`, a safetensors file holding either `tokens` (1-D token ids, for
 `transformer-lm`) or `x` (float32, examples first) and `y` (integer labels), optionally
 with `eval.tokens` or `eval.x`/`eval.y` as the held-out split (else the last tenth is held
-out). A dataset blob with no arrays and the header {"corpus": "pydoc-topics"} names the
-character corpus built into idlegrid, so no data bytes travel (`corpus_dataset_blob`).
+out). A dataset blob with no arrays and the header {"corpus": "pydoc-topics"} (or
+"cpython-stdlib", with the corpus's SHA-256) names a character corpus built into
+idlegrid, so no data bytes travel (`corpus_dataset_blob`).
 
 A shard is one worker's part of the training data; a task trains on it for H AdamW steps
 from the round's global weights (see `training.tasks` for the payload and result bytes).
@@ -21,6 +22,12 @@ trained it last (scheduler affinity); a node without them starts at zero. A task
 then depends on the node's history, so two replicas of it agree only if both held the
 same moments: use it with replication 1 (this kind's default) and a robust aggregation
 rule where nodes are not trusted. `inner.ramp` gives the first rounds their own H.
+
+With `asynchronous`, a round still closes on its quorum or timer, but its tasks still
+running go on: an update that arrives s rounds later counts in the round then open,
+weighted (1 + s)^-alpha (`aggregation.staleness_alpha`), if s <= `max_staleness`; an
+older one is dropped and counted in the job's metrics. Late updates are verified and
+aggregated (robust rules included) like fresh ones.
 
 torch is imported only inside `run` (through `training.inner`): the coordinator imports
 this module to split, compare and assemble without it.
@@ -84,8 +91,14 @@ class DilocoParams(KindParams):
     eval_every: int = Field(default=1, ge=1, description="rounds between held-out evaluations")
     min_updates: int | None = Field(default=None, ge=1, description="default: workers")
     round_timeout_s: float = Field(default=600.0, gt=0.0)
-    asynchronous: bool = Field(default=False, description="late updates count, down-weighted")
-    max_staleness: int = Field(default=2, ge=0, le=100, description="asynchronous mode")
+    asynchronous: bool = Field(
+        default=False,
+        description="a task still running when its round closes goes on; its update counts "
+        "in the round open when it arrives, weighted (1+s)^-alpha by its staleness s",
+    )
+    max_staleness: int = Field(
+        default=2, ge=0, le=100, description="asynchronous mode: older updates are dropped"
+    )
 
     @model_validator(mode="after")
     def _valid_model(self) -> DilocoParams:
@@ -96,6 +109,12 @@ class DilocoParams(KindParams):
             raise ValueError(f"inner.ramp has {len(self.inner.ramp)} rounds; the job {self.rounds}")
         if self.inner.first_step:
             raise ValueError("inner.first_step is set per task, not per job")
+        if self.asynchronous and self.max_staleness < 1:
+            raise ValueError("asynchronous mode needs max_staleness >= 1 (with 0 every "
+                             "late update is dropped: set asynchronous=false)")  # fmt: skip
+        if self.asynchronous and self.max_staleness >= self.rounds:
+            raise ValueError(f"max_staleness {self.max_staleness} must be less than rounds "
+                             f"{self.rounds}: no update can be that late")  # fmt: skip
         return self
 
     def train_spec(self) -> runner.TrainSpec:
@@ -127,9 +146,6 @@ class DilocoKind(TaskKind):
         assert isinstance(params, DilocoParams)
         if "dataset" not in inputs:
             raise InputError("missing input 'dataset' (safetensors)")
-        if params.asynchronous:
-            raise InputError("asynchronous mode: the round driver drops late updates; "
-                             "set asynchronous=false")  # fmt: skip
         train, _ = read_dataset(inputs["dataset"])
         state = closing.initial_state(initial_weights(params))
         stream = stream_id(params, inputs["dataset"])
@@ -234,9 +250,9 @@ def stream_id(params: DilocoParams, dataset: bytes) -> str:
     return "run-" + hashlib.sha256(text).hexdigest()[:16]
 
 
-def corpus_dataset_blob() -> bytes:
-    """A `dataset` input that names the built-in character corpus (no data inside)."""
-    return pack({}, {"corpus": CORPUS_NAME, "sha256": corpus.TEXT_SHA256})
+def corpus_dataset_blob(name: str = CORPUS_NAME) -> bytes:
+    """A `dataset` input that names a built-in character corpus (no data inside)."""
+    return pack({}, {"corpus": name, "sha256": corpus.get(name).sha256})
 
 
 def dataset_blob(train: datasets.Dataset, held_out: datasets.Dataset | None = None) -> bytes:
@@ -265,10 +281,13 @@ def read_dataset(blob: bytes) -> tuple[tasks.DataRef, tasks.DataRef]:
 
 
 def _corpus_dataset(header: Mapping[str, Any]) -> tuple[tasks.DataRef, tasks.DataRef]:
-    if header["corpus"] != CORPUS_NAME or header.get("sha256") != corpus.TEXT_SHA256:
-        raise InputError(f"dataset: unknown corpus {header['corpus']!r}; known: {CORPUS_NAME}")
-    train, held_out = len(corpus.train_tokens()), len(corpus.eval_tokens())
-    return tasks.CorpusSlice("train", 0, train), tasks.CorpusSlice("eval", 0, held_out)
+    known = corpus.CORPORA.get(str(header["corpus"]))
+    if known is None or header.get("sha256") != known.sha256:
+        raise InputError(f"dataset: unknown corpus {header['corpus']!r}; "
+                         f"known: {', '.join(corpus.CORPORA)}")  # fmt: skip
+    train, held_out = len(corpus.train_tokens(known.name)), len(corpus.eval_tokens(known.name))
+    return (tasks.CorpusSlice("train", 0, train, known.name),
+            tasks.CorpusSlice("eval", 0, held_out, known.name))  # fmt: skip
 
 
 def _split_off(data: datasets.Dataset, cut: int) -> tuple[datasets.Dataset, datasets.Dataset]:

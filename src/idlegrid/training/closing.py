@@ -8,6 +8,7 @@ the kind's `assemble` use the same function, so there is one definition of a rou
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -49,6 +50,8 @@ class ClosedRound:
     message: Message  # the published update: state.weights = apply_update(old, message)
     suspicion: tuple[float, ...] = field(default=())  # per update: distance to the aggregate
     train_loss: float = float("nan")
+    stale_applied: int = 0  # updates from older rounds that counted (asynchronous)
+    stale_dropped: int = 0  # updates from older rounds left out: too stale, or synchronous
 
 
 def initial_state(weights: np.ndarray) -> RoundState:
@@ -65,17 +68,23 @@ def close_round(
     outer: OuterSettings,
     download: Compression,
     asynchronous: bool = False,
+    max_staleness: int | None = None,
 ) -> ClosedRound:
     """Aggregate a round's updates, take the outer step, compress it for download.
 
     Updates from older rounds are dropped unless `asynchronous`, where they count with
-    their staleness weight. A round without updates keeps its momentum untouched and
-    publishes only what download error feedback still owes the workers (often nothing).
+    their staleness weight, up to `max_staleness` rounds old (None: any age). Updates
+    for a later round are ignored. A round without updates keeps its momentum untouched
+    and publishes only what download error feedback still owes the workers (often nothing).
     """
-    usable = [u for u in updates if u.base_round == state.round or asynchronous]
-    usable = [u for u in usable if u.base_round <= state.round]
+    if not asynchronous:
+        oldest = state.round
+    else:
+        oldest = 0 if max_staleness is None else state.round - max_staleness
+    usable = [u for u in updates if oldest <= u.base_round <= state.round]
+    dropped = sum(1 for u in updates if u.base_round < oldest)
     if not usable:
-        return _empty_round(state, download)
+        return dataclasses.replace(_empty_round(state, download), stale_dropped=dropped)
     deltas = [u.delta for u in usable]
     staleness = [state.round - u.base_round for u in usable] if asynchronous else None
     outer_gradient = aggregation.aggregate(deltas, rule, staleness=staleness)
@@ -88,6 +97,8 @@ def close_round(
         message=published.message,
         suspicion=tuple(float(s) for s in suspicion),
         train_loss=float(np.mean(losses)) if losses else float("nan"),
+        stale_applied=sum(1 for u in usable if u.base_round < state.round),
+        stale_dropped=dropped,
     )
 
 

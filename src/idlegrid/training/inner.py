@@ -210,8 +210,12 @@ def _load_state(optimizer: torch.optim.Optimizer, state: OptimizerState) -> None
             part = slice(offset, offset + count)
             optimizer.state[parameter] = {
                 "step": torch.tensor(float(state.step)),
-                "exp_avg": torch.from_numpy(state.exp_avg[part].copy()).view_as(parameter),
-                "exp_avg_sq": torch.from_numpy(state.exp_avg_sq[part].copy()).view_as(parameter),
+                "exp_avg": torch.from_numpy(state.exp_avg[part].copy())
+                .to(parameter.device)
+                .view_as(parameter),
+                "exp_avg_sq": torch.from_numpy(state.exp_avg_sq[part].copy())
+                .to(parameter.device)
+                .view_as(parameter),
             }
             offset += count
 

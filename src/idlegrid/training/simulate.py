@@ -1,7 +1,9 @@
 """DiLoCo against synchronous data-parallel training, in one process, bytes counted.
 
-Both train the character transformer on the built-in corpus with K workers, each owning
-one contiguous shard of the training text, for the same number of inner steps per worker:
+Both train the character transformer on a shipped corpus (`--corpus`: the CPython
+standard-library source by default, large enough that neither run overfits; or the
+pydoc text) with K workers, each owning one contiguous shard of the training split, for
+the same number of inner steps per worker:
 
 - DiLoCo: every round each simulated worker gets a real task payload (round 0's carries
   the weights; later ones only the previous round's compressed outer update, which the
@@ -10,24 +12,33 @@ one contiguous shard of the training text, for the same number of inner steps pe
   `closing.close_round`. Bytes are the lengths of those blobs, per worker.
 - Synchronous: one AdamW step per step on the K workers' batches together (the same
   gradient as averaging K per-worker gradients). A ring all-reduce moves 2(K-1)/K of the
-  fp32 gradient bytes per worker per step; that is what is counted (a lower bound: a
-  worker also receives about as much as it sends).
+  gradient bytes per worker per step; that is what is counted (a lower bound: a worker
+  also receives about as much as it sends). With `--sync-gradients int8` (or int4) each
+  worker's gradient is quantized with error feedback before averaging, and the
+  all-reduce counts the quantized bytes: the compression's share of DiLoCo's ratio.
 
 Both follow one inner lr schedule over the run's steps (`inner.run_lr`: linear warmup,
 then cosine decay); a DiLoCo task of round r picks it up at run step r * H
-(`inner.for_round`). Each run may have its own peak lr (`--lr` for DiLoCo's inner AdamW,
-`--sync-lr` for the baseline), so each is tuned, not one handicapped by the other's.
+(`inner.for_round`). Each run has its own peak lr (`--lr` for DiLoCo's inner AdamW,
+`--sync-lr` for the baseline), tuned at the horizon it is compared at.
+
+Every round end both runs are evaluated on the validation split and on the test split
+(`corpus.tokens`). A run's compared checkpoint is the one with the lowest validation
+loss; its test loss is reported, and the bytes counted are those moved up to it. The
+final weights are reported too, with all the run's bytes.
 
 Run: ``python -m idlegrid.training.simulate --total-steps 1000 --inner-steps 50 100``
-(several H share one synchronous run a seed; ``--seeds 0 1`` averages seeds, ``--jobs 3``
-runs three trainings at once). docs/benchmarks.md has the figures and their commands.
-Data is on every machine (the corpus ships with idlegrid), so neither run counts it.
+(several H share one synchronous run a seed; ``--seeds 0 1 2`` averages seeds and prints
+their spread, ``--jobs 3`` runs three trainings at once, ``--device cuda`` trains on a
+GPU). docs/benchmarks.md has the figures and their commands. Data is on every machine
+(the corpora ship with idlegrid), so neither run counts it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +48,7 @@ import numpy as np
 
 from idlegrid.training import closing, corpus, models, tasks
 from idlegrid.training.aggregate import Aggregation
-from idlegrid.training.compression import Compression, decode
+from idlegrid.training.compression import Compression, Message, compress, decode
 from idlegrid.training.data import TokenData
 from idlegrid.training.flat import digest
 from idlegrid.training.inner import InnerSettings, run_lr
@@ -46,22 +57,29 @@ from idlegrid.training.runner import TrainSpec, run_task
 from idlegrid.training.worker_state import WorkerState
 
 ARCHITECTURE = "transformer-lm"
+DEFAULT_CORPUS = corpus.STDLIB.name
+
+
+def default_model(corpus_name: str = DEFAULT_CORPUS) -> models.LMConfig:
+    """The benchmark's transformer (width 64, 2 layers) over a corpus's vocabulary."""
+    return models.LMConfig(vocab=len(corpus.vocabulary(corpus_name)))
 
 
 @dataclass(frozen=True)
 class Setup:
-    """One comparison: model, workers, rounds, and DiLoCo's settings."""
+    """One comparison: corpus, model, workers, rounds, and both runs' settings."""
 
-    # The defaults are the settings tuned in docs/benchmarks-history.md ("DiLoCo simulation"):
-    # 60 rounds of H = 100 (6,000 steps), inner AdamW peak lr 3e-3 with 5% warmup and
-    # cosine decay over the run, AdamW moments kept per shard between rounds, outer
-    # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2.
+    # Defaults: 30 rounds of H = 100 (3,000 steps), inner AdamW peak lr 3e-3 with 5% warmup
+    # and cosine decay over the run, AdamW moments kept per shard between rounds, outer
+    # Nesterov lr 1.0, int4 both ways with error feedback; baseline peak lr 1e-2. The
+    # sweeps that chose them are in docs/benchmarks.md.
     workers: int = 4
-    rounds: int = 60
-    model: models.LMConfig = field(default_factory=models.LMConfig)
+    rounds: int = 30
+    corpus: str = DEFAULT_CORPUS
+    model: models.LMConfig = field(default_factory=default_model)
     inner: InnerSettings = field(
         default_factory=lambda: InnerSettings(
-            steps=100, lr=3e-3, run_warmup_steps=300, decay_steps=6000, keep_state=True
+            steps=100, lr=3e-3, run_warmup_steps=150, decay_steps=3000, keep_state=True
         )
     )
     outer: OuterSettings = field(default_factory=lambda: OuterSettings(lr=1.0))
@@ -73,9 +91,13 @@ class Setup:
     seed: int = 0
     eval_batches: int = 16
     sync_lr: float | None = 1e-2  # the baseline's peak lr, tuned apart; None: inner.lr
+    # The baseline's gradients on the wire: None is fp32; int8/int4 quantize them per
+    # worker with error feedback.
+    sync_gradients: Compression | None = None
     # Nodes build round 0's weights from the seed (as the baseline's workers would) and
     # round 0's payload leaves them out; otherwise it carries them inline (fp32).
     seeded_start: bool = False
+    device: str = "cpu"
 
     @property
     def steps(self) -> int:
@@ -91,14 +113,24 @@ class Setup:
         return [self.inner.round_start(r + 1) for r in range(self.rounds)]
 
 
+@dataclass(frozen=True)
+class Checkpoint:
+    """A run's weights at one evaluation: losses on both held-out splits, traffic so far."""
+
+    step: int  # inner steps per worker so far
+    validation: float
+    test: float
+    bytes: int = 0  # per worker, sent plus received, up to here (as the run ran)
+
+
 @dataclass
 class Report:
     """One run's evaluation curve and its traffic per worker."""
 
     name: str
-    curve: list[tuple[int, float]]  # (inner steps per worker so far, held-out loss)
-    bytes_sent: int  # per worker
-    bytes_received: int  # per worker
+    curve: list[Checkpoint]
+    bytes_sent: int  # per worker, the whole run
+    bytes_received: int  # per worker, the whole run
     seconds: float = 0.0
     # Bytes inline weights add to round 0's payload (per worker): in bytes_received unless
     # the nodes started from the seed.
@@ -106,40 +138,64 @@ class Report:
     seeded: bool = False
 
     @property
-    def final_loss(self) -> float:
-        return self.curve[-1][1]
+    def final(self) -> Checkpoint:
+        return self.curve[-1]
 
     @property
-    def best(self) -> tuple[int, float]:
-        """The lowest held-out loss on the curve, and the step it was reached at.
+    def final_loss(self) -> float:
+        """The final weights' test loss."""
+        return self.curve[-1].test
 
-        Long runs on the small corpus overfit (the held-out loss turns up again); what a
-        researcher keeps is the best checkpoint, so runs are compared there too.
-        """
-        return min(self.curve, key=lambda point: point[1])
+    @property
+    def selected(self) -> Checkpoint:
+        """The checkpoint with the lowest validation loss: what a researcher keeps."""
+        return min(self.curve, key=lambda point: point.validation)
 
     @property
     def bytes_per_worker(self) -> int:
         return self.bytes_sent + self.bytes_received
 
-    def bytes_with_initial_weights(self, inline: bool) -> int:
-        """Traffic per worker if round 0 carries the weights (inline) or not (seeded)."""
+    def bytes_until(self, point: Checkpoint, inline: bool | None = None) -> int:
+        """Traffic per worker up to a checkpoint, round 0's weights inline (True), not
+        (False), or as the run ran (None)."""
+        if inline is None:
+            return point.bytes
         counted = 0 if self.seeded else self.initial_weights
-        return self.bytes_per_worker - counted + (self.initial_weights if inline else 0)
+        return point.bytes - counted + (self.initial_weights if inline else 0)
+
+    def bytes_with_initial_weights(self, inline: bool) -> int:
+        """Traffic per worker over the whole run, round 0's weights inline or not."""
+        return self.bytes_until(self.final, inline)
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Report:
+        fields = dict(raw)
+        fields["curve"] = [Checkpoint(**point) for point in raw["curve"]]
+        return cls(**fields)
 
 
 Progress = Callable[[str], None]
 
 
-def evaluate(setup: Setup, weights: np.ndarray) -> float:
-    """Held-out loss of weights on the fixed evaluation batches of the corpus."""
+def evaluate(setup: Setup, weights: np.ndarray, split: corpus.Split) -> float:
+    """Loss of weights on the fixed evaluation batches of one held-out split."""
     from idlegrid.training import inner
 
     return inner.evaluate(
-        ARCHITECTURE, setup.model, weights, TokenData(corpus.eval_tokens()),
+        ARCHITECTURE, setup.model, weights, TokenData(corpus.tokens(split, setup.corpus)),
         batches=setup.eval_batches, batch_size=setup.inner.batch_size,
-        seq_len=setup.inner.seq_len,
+        seq_len=setup.inner.seq_len, device=setup.device,
     )  # fmt: skip
+
+
+def checkpoint(setup: Setup, step: int, weights: np.ndarray, moved: int) -> Checkpoint:
+    """Evaluate weights on validation and test."""
+    return Checkpoint(
+        step, evaluate(setup, weights, "validation"), evaluate(setup, weights, "test"), moved
+    )
 
 
 def run_diloco(setup: Setup, progress: Progress = print) -> Report:
@@ -147,9 +203,9 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
     started = time.perf_counter()
     state = closing.initial_state(models.init_weights(ARCHITECTURE, setup.model, setup.seed))
     nodes = [WorkerState() for _ in range(setup.workers)]
-    train = tasks.CorpusSlice("train", 0, len(corpus.train_tokens()))
+    train = tasks.CorpusSlice("train", 0, len(corpus.train_tokens(setup.corpus)), setup.corpus)
     sent, received = np.zeros(setup.workers, np.int64), np.zeros(setup.workers, np.int64)
-    curve = [(0, evaluate(setup, state.weights))]
+    curve = [checkpoint(setup, 0, state.weights, 0)]
     chain: tuple[tasks.Link, ...] = ()
     initial = np.zeros(setup.workers, np.int64)
     for round_number in range(setup.rounds):
@@ -165,7 +221,7 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
                     node.remember_weights(digest(seeded), seeded)
                     payload = lean
             received[shard] += len(payload)
-            result = run_task(tasks.decode_task(payload), setup.spec(), node)
+            result = run_task(tasks.decode_task(payload), setup.spec(), node, device=setup.device)
             output = tasks.encode_result(result)
             sent[shard] += len(output)
             updates.append(_update(output))
@@ -174,9 +230,11 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
         )
         chain = (tasks.Link(tasks.WeightsRef(state.round, state.digest), closed.message),)
         state = closed.state
-        curve.append((setup.inner.round_start(round_number + 1), evaluate(setup, state.weights)))
-        progress(f"diloco round {round_number + 1}/{setup.rounds}: "
-                 f"train {closed.train_loss:.4f} eval {curve[-1][1]:.4f}")  # fmt: skip
+        moved = int(sent.mean() + received.mean())
+        curve.append(checkpoint(setup, setup.inner.round_start(round_number + 1),
+                                state.weights, moved))  # fmt: skip
+        progress(f"diloco round {round_number + 1}/{setup.rounds}: train "
+                 f"{closed.train_loss:.4f} validation {curve[-1].validation:.4f}")  # fmt: skip
     elapsed = time.perf_counter() - started
     return Report(
         "diloco", curve, int(sent.mean()), int(received.mean()), elapsed, int(initial.mean()),
@@ -216,24 +274,39 @@ def run_sync(setup: Setup, progress: Progress = print) -> Report:
 
     started = time.perf_counter()
     weights = models.init_weights(ARCHITECTURE, setup.model, setup.seed)
-    module = inner.load_module(ARCHITECTURE, setup.model, weights, "cpu")
+    module = inner.load_module(ARCHITECTURE, setup.model, weights, setup.device)
     step_once = _sync_stepper(setup, module)
-    curve = [(0, evaluate(setup, weights))]
+    per_step = allreduce_bytes(gradient_bytes(setup, weights.size), setup.workers)
+    curve = [checkpoint(setup, 0, weights, 0)]
     checkpoints = set(setup.round_ends())
     for step in range(setup.steps):
         step_once(step)
         if step + 1 in checkpoints:
-            curve.append((step + 1, evaluate(setup, inner.flat_weights(module))))
-            progress(f"sync step {step + 1}/{setup.steps}: eval {curve[-1][1]:.4f}")
+            moved = 2 * (step + 1) * per_step
+            curve.append(checkpoint(setup, step + 1, inner.flat_weights(module), moved))
+            progress(f"sync step {step + 1}/{setup.steps}: "
+                     f"validation {curve[-1].validation:.4f}")  # fmt: skip
     # Ring all-reduce: each worker sends 2(K-1)/K of the gradient a step, and receives as much.
-    moved = setup.steps * allreduce_bytes(weights.size * 4, setup.workers)
-    return Report("sync", curve, moved, moved, time.perf_counter() - started)
+    moved = setup.steps * per_step
+    name = "sync" if setup.sync_gradients is None else f"sync-{setup.sync_gradients.method}"
+    return Report(name, curve, moved, moved, time.perf_counter() - started)
+
+
+def gradient_bytes(setup: Setup, size: int) -> int:
+    """Bytes of one worker's gradient on the wire: fp32, or the quantized codes and scales."""
+    if setup.sync_gradients is None:
+        return 4 * size
+    message, _ = compress(np.zeros(size, np.float32), setup.sync_gradients)
+    return _payload_bytes(message)
+
+
+def _payload_bytes(message: Message) -> int:
+    arrays = [value for value in vars(message).values() if isinstance(value, np.ndarray)]
+    return sum(int(array.nbytes) for array in arrays)
 
 
 def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
     import torch
-
-    from idlegrid.training import inner
 
     settings = setup.inner
     if setup.sync_lr is not None:
@@ -242,20 +315,21 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
         module.parameters(), lr=settings.lr, betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
     )  # fmt: skip
-    shards = [TokenData(tokens) for tokens in _shard_tokens(setup.workers)]
+    shards = [TokenData(tokens) for tokens in _shard_tokens(setup.corpus, setup.workers)]
     generators = [np.random.default_rng([setup.seed, k]) for k in range(setup.workers)]
+    backward = _plain_backward(setup, module)
+    if setup.sync_gradients is not None:
+        backward = _quantized_backward(setup, module, setup.sync_gradients)
 
     def step_once(step: int) -> None:
         parts = [
             data.batch(rng, settings.batch_size, settings.seq_len)
             for data, rng in zip(shards, generators, strict=True)
         ]
-        inputs, targets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
         for group in optimizer.param_groups:
             group["lr"] = run_lr(settings, step)  # the run's schedule, no per-task warmup
-        loss = inner.batch_loss(module, "language-model", inputs, targets, "cpu")
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        backward(parts)
         if settings.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
         optimizer.step()
@@ -263,15 +337,113 @@ def _sync_stepper(setup: Setup, module: Any) -> Callable[[int], None]:
     return step_once
 
 
+Batches = list[tuple[np.ndarray, np.ndarray]]
+
+
+def _plain_backward(setup: Setup, module: Any) -> Callable[[Batches], None]:
+    from idlegrid.training import inner
+
+    def backward(parts: Batches) -> None:
+        inputs, targets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
+        inner.batch_loss(module, "language-model", inputs, targets, setup.device).backward()
+
+    return backward
+
+
+def _quantized_backward(setup: Setup, module: Any, wire: Compression) -> Callable[[Batches], None]:
+    """Each worker's gradient quantized (error feedback per worker), then averaged."""
+    import torch
+
+    from idlegrid.training import inner
+
+    params = list(module.parameters())
+    residuals: list[np.ndarray | None] = [None] * setup.workers
+
+    def backward(parts: Batches) -> None:
+        received = []
+        for worker, (inputs, targets) in enumerate(parts):
+            grads = torch.autograd.grad(
+                inner.batch_loss(module, "language-model", inputs, targets, setup.device), params
+            )
+            flat = torch.cat([g.reshape(-1) for g in grads]).cpu().numpy()
+            message, residuals[worker] = compress(flat, wire, residuals[worker])
+            received.append(decode(message))
+        averaged = torch.from_numpy(np.mean(received, axis=0, dtype=np.float32))
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.grad = averaged[offset : offset + count].reshape(param.shape).to(param.device)
+            offset += count
+
+    return backward
+
+
 def allreduce_bytes(gradient_bytes: int, workers: int) -> int:
     """Bytes a ring all-reduce moves per worker: 2(K-1)/K of the gradient."""
     return 2 * (workers - 1) * gradient_bytes // workers
 
 
-def _shard_tokens(workers: int) -> list[np.ndarray]:
-    train = corpus.train_tokens()
+def _shard_tokens(corpus_name: str, workers: int) -> list[np.ndarray]:
+    train = corpus.train_tokens(corpus_name)
     bounds = np.linspace(0, len(train), workers + 1).astype(np.int64)
     return [train[bounds[k] : bounds[k + 1]] for k in range(workers)]
+
+
+# -- comparing runs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One baseline against DiLoCo over seeds: ratios and gaps, per seed and averaged."""
+
+    bytes_ratio: float  # mean baseline bytes over mean DiLoCo bytes, each up to its checkpoint
+    loss_gap: float  # %, mean DiLoCo test loss over mean baseline test loss, minus one
+    gaps: tuple[float, ...]  # % per seed
+
+    @property
+    def spread(self) -> str:
+        """The per-seed gaps' range and standard deviation."""
+        low, high = min(self.gaps), max(self.gaps)
+        deviation = np.std(self.gaps, ddof=min(1, len(self.gaps) - 1))
+        return f"{low:.2f}..{high:.2f}% (sd {deviation:.2f})"
+
+
+def compare(
+    sync: Sequence[Report],
+    diloco: Sequence[Report],
+    *,
+    selected: bool = True,
+    inline: bool | None = None,
+) -> Comparison:
+    """Baseline runs against DiLoCo runs (one each a seed, in the same order).
+
+    `selected`: each run at its validation-selected checkpoint, bytes counted up to it;
+    else the final weights with the whole run's bytes. Losses are on the test split.
+    """
+
+    def point(report: Report) -> Checkpoint:
+        return report.selected if selected else report.final
+
+    sync_loss = [point(r).test for r in sync]
+    diloco_loss = [point(r).test for r in diloco]
+    sync_bytes = np.mean([r.bytes_until(point(r), None) for r in sync])
+    diloco_bytes = np.mean([r.bytes_until(point(r), inline) for r in diloco])
+    gaps = tuple(100 * (d / s - 1) for s, d in zip(sync_loss, diloco_loss, strict=True))
+    gap = 100 * (float(np.mean(diloco_loss)) / float(np.mean(sync_loss)) - 1)
+    return Comparison(float(sync_bytes / diloco_bytes), gap, gaps)
+
+
+def ratio_line(
+    sync: Sequence[Report], diloco: Sequence[Report], *, inline: bool | None = None
+) -> tuple[float, float]:
+    """bytes_ratio and loss_gap (%) of validation-selected checkpoints, tested, over seeds."""
+    comparison = compare(sync, diloco, selected=True, inline=inline)
+    return comparison.bytes_ratio, comparison.loss_gap
+
+
+def mean_loss(reports: Sequence[Report], *, selected: bool) -> float:
+    """The test loss over seeds: of each run's validation-selected checkpoint, or its end."""
+    return float(np.mean([(r.selected if selected else r.final).test for r in reports]))
 
 
 # -- command line -----------------------------------------------------------------------
@@ -279,8 +451,9 @@ def _shard_tokens(workers: int) -> list[np.ndarray]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--corpus", default=DEFAULT_CORPUS, choices=list(corpus.CORPORA))
     parser.add_argument("--workers", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=60, help="ignored with --total-steps")
+    parser.add_argument("--rounds", type=int, default=30, help="ignored with --total-steps")
     parser.add_argument("--inner-steps", type=int, nargs="+", default=[100],
                         help="H; several values need --total-steps")  # fmt: skip
     parser.add_argument("--total-steps", type=int, default=None,
@@ -310,7 +483,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", default="cosine", choices=["constant", "cosine"],
                         help="cosine: decay over the run's inner steps (both runs)")  # fmt: skip
     parser.add_argument("--min-lr-ratio", type=float, default=0.1, help="lr at the decay's end")
+    parser.add_argument("--decay-steps", type=int, default=None,
+                        help="schedule length: cosine decay over this many steps, then the "
+                             "floor (default: the run's steps)")  # fmt: skip
     parser.add_argument("--sync-lr", type=float, default=1e-2, help="the baseline's peak lr")
+    parser.add_argument("--sync-gradients", nargs="+", default=["none"],
+                        choices=["none", "int8", "int4"],
+                        help="baselines: fp32 (none) and/or quantized gradients")  # fmt: skip
     parser.add_argument("--error-feedback", action=argparse.BooleanOptionalAction, default=True,
                         help="quantized upload keeps its rounding error on the worker")  # fmt: skip
     parser.add_argument("--chunk-size", type=int, default=256, help="values per scale")
@@ -324,6 +503,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="one run alone (tuning); the ratio line needs both")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads a run")
     parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process each")
+    parser.add_argument("--device", default="cpu", help="torch device of the training (cuda)")
+    parser.add_argument("--json", default=None, help="also write every run's report here")
     args = parser.parse_args(argv)
     if args.total_steps is None:
         if len(args.inner_steps) > 1:
@@ -337,8 +518,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = None) -> Setup:
-    """The setup the command line describes, for one seed and one H (default: the first)."""
+def setup_from(
+    args: argparse.Namespace,
+    seed: int,
+    inner_steps: int | None = None,
+    sync_gradients: str = "none",
+) -> Setup:
+    """The setup the command line describes, for one seed, one H (default: the first) and
+    one baseline's gradients."""
     steps = args.inner_steps[0] if inner_steps is None else inner_steps
     inner = InnerSettings(
         steps=steps,
@@ -347,16 +534,22 @@ def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = No
         lr=args.lr,
         warmup_steps=args.warmup,
         run_warmup_steps=args.total_steps // 20 if args.run_warmup is None else args.run_warmup,
-        decay_steps=args.total_steps if args.schedule == "cosine" else None,
+        decay_steps=(args.decay_steps or args.total_steps) if args.schedule == "cosine" else None,
         min_lr_ratio=args.min_lr_ratio,
         keep_state=args.keep_state,
         ramp=tuple(args.ramp),
     )
+    wire = None
+    if sync_gradients != "none":
+        wire = Compression.model_validate(
+            {"method": sync_gradients, "chunk_size": args.chunk_size, "error_feedback": True}
+        )
     return Setup(
         workers=args.workers,
         rounds=len(args.ramp) + (args.total_steps - sum(args.ramp)) // steps,
+        corpus=args.corpus,
         model=models.LMConfig(
-            vocab=len(corpus.vocabulary()),
+            vocab=len(corpus.vocabulary(args.corpus)),
             context=args.seq_len,
             width=args.width,
             layers=args.layers,
@@ -374,49 +567,21 @@ def setup_from(args: argparse.Namespace, seed: int, inner_steps: int | None = No
         ),
         seed=seed,
         sync_lr=args.sync_lr,
+        sync_gradients=wire,
         seeded_start=args.seeded_start,
+        device=args.device,
     )
 
 
 def _print_report(seed: int, report: Report, label: str = "") -> None:
-    step, best = report.best
-    print(f"seed {seed} {report.name}{label}: eval loss {report.final_loss:.4f} "
-          f"(best {best:.4f} at step {step}), "
-          f"sent {report.bytes_sent:,} B, received {report.bytes_received:,} B "
-          f"per worker, {report.seconds:.0f} s")  # fmt: skip
+    chosen = report.selected
+    print(f"seed {seed} {report.name}{label}: final test {report.final_loss:.4f}, "
+          f"selected step {chosen.step} (validation {chosen.validation:.4f}, "
+          f"test {chosen.test:.4f}, {chosen.bytes:,} B), "
+          f"{report.bytes_per_worker:,} B per worker in all, {report.seconds:.0f} s")  # fmt: skip
 
 
-def ratio_line(
-    sync: Sequence[Report], diloco: Sequence[Report], *, inline: bool | None = None
-) -> tuple[float, float]:
-    """bytes_ratio (sync bytes over DiLoCo bytes) and loss_gap (%), each averaged over seeds.
-
-    The loss_gap compares each run's best checkpoint (`Report.best`: its lowest held-out
-    loss, both evaluated at the same steps), so a baseline that overfits by the end is
-    not counted against itself; `final_gap` compares the final weights. `inline` counts
-    DiLoCo's round 0 with (True) or without (False) its weights inline; None counts it
-    as it ran.
-    """
-    sync_bytes = np.mean([r.bytes_per_worker for r in sync])
-    diloco_bytes = np.mean([
-        r.bytes_per_worker if inline is None else r.bytes_with_initial_weights(inline)
-        for r in diloco
-    ])  # fmt: skip
-    gap = 100 * (mean_loss(diloco, best=True) / mean_loss(sync, best=True) - 1)
-    return float(sync_bytes / diloco_bytes), gap
-
-
-def final_gap(sync: Sequence[Report], diloco: Sequence[Report]) -> float:
-    """loss_gap (%) of the final weights, averaged over seeds."""
-    return 100 * (mean_loss(diloco, best=False) / mean_loss(sync, best=False) - 1)
-
-
-def mean_loss(reports: Sequence[Report], *, best: bool) -> float:
-    """The held-out loss over seeds: of each run's best checkpoint, or of its end."""
-    return float(np.mean([r.best[1] if best else r.final_loss for r in reports]))
-
-
-Work = tuple[str, int, int]  # (run, seed, H)
+Work = tuple[str, int, int]  # (run: "sync-none", "sync-int8", ... or "diloco", seed, H)
 
 
 def _run_one(args: argparse.Namespace, item: Work) -> Report:
@@ -424,9 +589,11 @@ def _run_one(args: argparse.Namespace, item: Work) -> Report:
 
     use_threads(args.threads)
     name, seed, h = item
-    run = run_sync if name == "sync" else run_diloco
     label = f"seed {seed} {name}" + (f" H={h}" if name == "diloco" else "")
-    return run(setup_from(args, seed, h), lambda line: print(f"{label}: {line}", flush=True))
+    progress: Progress = lambda line: print(f"{label}: {line}", flush=True)  # noqa: E731
+    if name == "diloco":
+        return run_diloco(setup_from(args, seed, h), progress)
+    return run_sync(setup_from(args, seed, h, name.removeprefix("sync-")), progress)
 
 
 def _run_all(args: argparse.Namespace, work: list[Work]) -> list[Report]:
@@ -443,49 +610,57 @@ def _run_all(args: argparse.Namespace, work: list[Work]) -> list[Report]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Both trainings for every seed (DiLoCo for every H); a table, the ratio line last.
+    """Every baseline and DiLoCo (every H) for every seed; a table, the ratio line last.
 
-    The synchronous run does not depend on H (the same steps, batches and schedule), so it
-    runs once per seed; with several H it is evaluated every min(H) steps.
+    A synchronous run does not depend on H (the same steps, batches and schedule), so it
+    runs once per seed and baseline; with several H it is evaluated every min(H) steps.
     """
     from idlegrid.training.inner import use_threads
 
     args = parse_args(argv)
     use_threads(args.threads)
-    work = [("sync", seed, min(args.inner_steps)) for seed in args.seeds]
+    h0 = min(args.inner_steps)
+    baselines = [f"sync-{g}" for g in args.sync_gradients]
+    work = [(b, seed, h0) for b in baselines for seed in args.seeds]
     work += [("diloco", seed, h) for seed in args.seeds for h in args.inner_steps]
-    work = [item for item in work if args.runs in ("both", item[0])]
+    work = [item for item in work if args.runs == "both" or item[0].startswith(args.runs)]
     reports = dict(zip(work, _run_all(args, work), strict=True))
     for (name, seed, h), report in reports.items():
         _print_report(seed, report, f" H={h}" if name == "diloco" else "")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump([{"run": name, "seed": seed, "h": h, "report": report.to_json()}
+                       for (name, seed, h), report in reports.items()], out)  # fmt: skip
     if args.runs != "both":
         return 0
-    syncs = [reports[("sync", seed, min(args.inner_steps))] for seed in args.seeds]
+    syncs = {b: [reports[(b, seed, h0)] for seed in args.seeds] for b in baselines}
     dilocos = {h: [reports[("diloco", seed, h)] for seed in args.seeds] for h in args.inner_steps}
-    seeds = " ".join(str(seed) for seed in args.seeds)
-    print(f"steps {args.total_steps}, seeds {seeds}, losses averaged over seeds:")
-    print(
-        "| H | rounds | sync loss, final / best | DiLoCo loss, final / best "
-        "| loss_gap, final / best | bytes/worker sync "
-        "| bytes/worker DiLoCo | bytes_ratio, seeded start | bytes_ratio, round-0 weights inline |"
-    )
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for h in args.inner_steps:
-        ratio, gap = ratio_line(syncs, dilocos[h], inline=False)
-        inline_ratio, _ = ratio_line(syncs, dilocos[h], inline=True)
-        print(
-            f"| {h} | {len(args.ramp) + (args.total_steps - sum(args.ramp)) // h} "
-            f"| {mean_loss(syncs, best=False):.4f} / {mean_loss(syncs, best=True):.4f} "
-            f"| {mean_loss(dilocos[h], best=False):.4f} "
-            f"/ {mean_loss(dilocos[h], best=True):.4f} "
-            f"| {final_gap(syncs, dilocos[h]):.2f}% / {gap:.2f}% "
-            f"| {np.mean([r.bytes_per_worker for r in syncs]):,.0f} "
-            f"| {np.mean([r.bytes_with_initial_weights(False) for r in dilocos[h]]):,.0f} "
-            f"| {ratio:.1f} | {inline_ratio:.1f} |"
-        )
-    ratio, gap = ratio_line(syncs, dilocos[args.inner_steps[-1]])
+    print_table(syncs, dilocos, args.seeds)
+    ratio, gap = ratio_line(syncs[baselines[0]], dilocos[args.inner_steps[-1]])
     print(f"bytes_ratio: {ratio:.1f} loss_gap: {gap:.2f}%")
     return 0
+
+
+def print_table(
+    syncs: dict[str, list[Report]], dilocos: dict[int, list[Report]], seeds: Sequence[int]
+) -> None:
+    """Test losses and ratios of DiLoCo (each H) against each baseline, means over seeds."""
+    print(f"seeds {' '.join(map(str, seeds))}; test loss, means over seeds; "
+          "selected: the checkpoint of lowest validation loss, bytes up to it")  # fmt: skip
+    print("| baseline | H | baseline loss, final / selected | DiLoCo loss, final / selected "
+          "| loss_gap, final | loss_gap, selected (per-seed spread) "
+          "| bytes_ratio, final | bytes_ratio, selected |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, sync in syncs.items():
+        for h, diloco in dilocos.items():
+            final = compare(sync, diloco, selected=False)
+            chosen = compare(sync, diloco, selected=True)
+            print(f"| {name} | {h} | {mean_loss(sync, selected=False):.4f} / "
+                  f"{mean_loss(sync, selected=True):.4f} | "
+                  f"{mean_loss(diloco, selected=False):.4f} / "
+                  f"{mean_loss(diloco, selected=True):.4f} | {final.loss_gap:.2f}% | "
+                  f"{chosen.loss_gap:.2f}% ({chosen.spread}) | {final.bytes_ratio:.1f} | "
+                  f"{chosen.bytes_ratio:.1f} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -76,9 +76,10 @@ class CorpusSlice:
     part: Literal["train", "eval"]
     start: int
     stop: int
+    corpus: str = corpus.DEFAULT  # the name of a shipped corpus
 
     def load(self) -> datasets.TokenData:
-        tokens = corpus.train_tokens() if self.part == "train" else corpus.eval_tokens()
+        tokens = corpus.tokens(self.part, self.corpus)
         if not 0 <= self.start <= self.stop <= len(tokens):
             raise ContainerError(f"corpus slice {self.start}:{self.stop} of {len(tokens)}")
         return datasets.TokenData(tokens[self.start : self.stop])
@@ -151,7 +152,7 @@ def encode_task(task: TaskPayload) -> bytes:
         "init_seed": task.init_seed,
     }
     if isinstance(task.data, CorpusSlice):
-        header["data"] = {"source": "corpus", "sha256": corpus.TEXT_SHA256,
+        header["data"] = {"source": "corpus", "sha256": corpus.get(task.data.corpus).sha256,
                           "part": task.data.part, "start": task.data.start,
                           "stop": task.data.stop}  # fmt: skip
     else:
@@ -220,12 +221,13 @@ def _data(raw: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> DataRef:
         return datasets.from_arrays(arrays, "data.")
     if raw["source"] != "corpus":
         raise ContainerError(f"unknown data source {raw['source']!r}")
-    if raw["sha256"] != corpus.TEXT_SHA256:
-        raise ContainerError("the task's corpus is not the one this worker ships")
+    shipped = corpus.by_sha256(str(raw["sha256"]))
+    if shipped is None:
+        raise ContainerError("the task's corpus is none of those this worker ships")
     part = raw["part"]
     if part not in ("train", "eval"):
         raise ContainerError(f"corpus part must be 'train' or 'eval', got {part!r}")
-    return CorpusSlice(part, int(raw["start"]), int(raw["stop"]))
+    return CorpusSlice(part, int(raw["start"]), int(raw["stop"]), shipped.name)
 
 
 def shard_ref(data: DataRef, shard: int, shards: int) -> DataRef:
@@ -234,7 +236,7 @@ def shard_ref(data: DataRef, shard: int, shards: int) -> DataRef:
         if not 0 <= shard < shards:
             raise ValueError(f"shard {shard} of {shards}")
         bounds = np.linspace(data.start, data.stop, shards + 1).astype(np.int64)
-        return CorpusSlice(data.part, int(bounds[shard]), int(bounds[shard + 1]))
+        return CorpusSlice(data.part, int(bounds[shard]), int(bounds[shard + 1]), data.corpus)
     return datasets.shard(data, shard, shards)
 
 
