@@ -172,8 +172,9 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
         honest = [fleet.join(f"h{i}") for i in range(4)]
         # Round 0, all new: two honest nodes against the liar give 0.76, three 0.93,
         # four 0.98 (replication 2 needs 0.94). Round 1: the honest nodes have passed a
-        # check (0.9) and the liar was caught (0.4): two honest nodes decide it.
-        for helpers in (honest, honest[:2]):
+        # check, but a dispute counts each as a new node (0.8) and the liar was caught
+        # (0.4): two honest nodes give 0.91, three 0.975 and a lead of 2.
+        for helpers in (honest, honest[:3]):
             job = api.submit(researcher, kind="sleep", params={"tasks": 1})
             _answer(liar, FORGED)
             for node in helpers:
@@ -196,9 +197,9 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
 
 
 def _warm_up(nodes: list[SocketNode]) -> None:
-    """Two shards: all three new nodes are needed for the first (0.985); after it each
-    has passed a check (0.9), and two that agree decide the second (0.988)."""
-    for node in (*nodes, *nodes[:2]):
+    """Two shards, each waiting for all three replicas; after them each node has passed
+    two checks."""
+    for node in (*nodes, *nodes):
         node.ready()
         task = node.expect("assign")
         node.result(task["task_id"], _digest(task["shard_index"]))
@@ -214,18 +215,28 @@ def test_trusted_nodes_run_shards_alone(tmp_path: Path) -> None:
         nodes = [fleet.join(name) for name in ("a", "b", "c")]
         warmup = api.submit(researcher, kind="sleep", params={"tasks": 2})
         _warm_up(nodes)
-        assert api.job(researcher, warmup["id"])["effective_replication"] == 2.5
+        assert api.job(researcher, warmup["id"])["effective_replication"] == 3.0
         assert fleet.trust("a")["runs_alone"]
 
         job = api.submit(researcher, kind="sleep", params={"tasks": 1})
-        _answer(nodes[0], _digest(0))  # a trusted node's first replica: alone
+        alone = nodes[0].take()  # a trusted node's first replica: alone
         nodes[1].ready()
         nodes[1].sync()  # the other replicas were withdrawn
-        done = api.job(researcher, job["id"])
-        assert done["state"] == "completed" and done["effective_replication"] == 1.0
+        nodes[0].result(alone["task_id"], _digest(0))
+        nodes[0].expect("result_ack", status="accepted")
         # An unchecked result earns credit but not a longer streak (it was no check).
         assert fleet.trust("a")["consecutive_valid"] == 2
         assert fleet.trust("a")["valid"] == 3
+        # "a" passed no check since its lone result: before the job is released, a
+        # second trusted node checks it (the waiting node gets that spot check).
+        assert api.job(researcher, job["id"])["state"] == "running"
+        audit = nodes[1].expect("assign")
+        assert audit["shard_index"] == 0
+        nodes[1].result(audit["task_id"], _digest(0))
+        nodes[1].expect("result_ack", status="accepted")
+        done = api.job(researcher, job["id"])
+        assert done["state"] == "completed" and done["effective_replication"] == 2.0
+        assert _grid(api).counters.alone["audited"] == 1
 
 
 def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(
@@ -247,12 +258,15 @@ def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(
         newcomer.sync()  # the spot check is for a trusted node only
         _answer(nodes[1], _digest(0))  # the spot check disagrees: full replication again
         assert _grid(api).counters.alone["escalated"] == 1
-        # The newcomer asked before: it gets the replica the escalation added. With it,
-        # two against the cheat are not enough (0.79); the third node decides it (0.97).
+        # The newcomer asked before: it gets the replica the escalation added. In a
+        # dispute every node counts as a new one (0.8): two against the cheat are not
+        # enough, nor three (0.93); a fourth decides it (0.98, a lead of 3).
         task = newcomer.expect("assign")
         newcomer.result(task["task_id"], _digest(0))
         newcomer.expect("result_ack", status="accepted")
         _answer(nodes[2], _digest(0))
+        assert api.job(researcher, job["id"])["state"] == "running"
+        _answer(fleet.join("fourth"), _digest(0))
         done = api.job(researcher, job["id"])
         assert done["state"] == "completed"
         trust = fleet.trust("a")

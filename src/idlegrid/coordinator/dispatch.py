@@ -165,7 +165,9 @@ class Dispatcher:
             candidates.append(self._matcher.candidate(entry, plan, now=now))
         view = session.view_now(reliability=node_reliability(session))
         ranked = scheduler.rank(view, candidates, now=now, weights=self._matcher.weights)
-        return {entry.task_id: entry for entry in entries}, ranked
+        by_id = {entry.task_id: entry for entry in entries}
+        # Replicas that check a caught node's work first, whatever the score (stable).
+        return by_id, sorted(ranked, key=lambda c: not by_id[c.task_id].urgent)
 
     def _note_claim(
         self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float

@@ -23,6 +23,7 @@ from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import Verdict
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy import verifier
+from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,8 @@ class Verification:
             elif not outcome.decided:
                 await self._undecided(item, plan)
                 short = True
+            # A node caught lying had what it decided alone opened again (store.recheck).
+            short = short or bool(decision.invalid)
         for job_id in to_assemble:
             await self.assemble(job_id)
         if short:
@@ -98,6 +101,16 @@ class Verification:
 
     async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
         blobs, trust = self._ctx.blobs, self._ctx.settings.trust
+        shard = found.shard
+        if (
+            shard.mode not in ("alone", "spot")
+            and shard.live_tasks
+            and (len(found.results) < shard.target)
+        ):
+            # A replicated shard waits for all the results it asked for (a backup copy
+            # of a straggler may stand in for one): two colluders that answer first must
+            # not decide it before the node they could not choose.
+            return verifier.Decision(canonical=None, valid=(), invalid=())
         outputs = [(r.task_id, blobs.read(r.output_hash)) for r in found.results]
         credibility = {r.task_id: trust_policy.credibility(r.trust, trust) for r in found.results}
         return await compute(
@@ -110,6 +123,8 @@ class Verification:
                     if found.shard.mode == "alone"
                     else trust_policy.required_credibility(trust, plan.replication)
                 ),
+                dispute_margin=trust.dispute_margin,
+                dispute_credibility=1.0 - trust.prior_bad_fraction,
             ),
             outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
@@ -124,7 +139,9 @@ class Verification:
         if (
             shard.mode in ("alone", "spot")
             and len(found.results) >= shard.target
-            and await store.escalate(shard.id, target=plan.replication, quorum=plan.min_quorum)
+            and await store.escalate(
+                shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
+            )
         ):
             self._ctx.counters.alone["escalated"] += 1
         elif shard.quorum == 1 and len(found.results) >= shard.target:
@@ -140,6 +157,7 @@ class Verification:
         """
         store, blobs = self._ctx.store, self._ctx.blobs
         late = await store.late_results(limit=limit, task_ids=task_ids)
+        caught = False
         for result in late:
             plan = await self._plans.get(result.job_id)
             agrees = False
@@ -150,6 +168,9 @@ class Verification:
                 agrees = verdict == Verdict.AGREE
             await store.judge_late(result.task_id, agrees=agrees, now=self._ctx.clock())
             self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
+            caught = caught or not agrees
+        if caught:
+            await self._leases.replenish()  # what the caught node decided alone reopened
         return len(late)
 
     async def _shard_decided(
@@ -175,14 +196,33 @@ class Verification:
             await self._rounds.progress(job_id)
             return
         store = self._ctx.store
+        shards = await store.list_shards(job_id)
+        if any(shard.state != ShardState.DONE for shard in shards):
+            return  # a shard was opened again (its lone node was caught) meanwhile
+        if await self._hold_for_audit(job_id):
+            return
         hashes = await store.canonical_outputs(job_id)
-        inputs = [shard.input_hash for shard in await store.list_shards(job_id)]
+        inputs = [shard.input_hash for shard in shards]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
         if await store.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
         await self._fanout.job_ended(job_id)
+
+    async def _hold_for_audit(self, job_id: int) -> bool:
+        """Hold a job back while a node that decided some of its shards alone has passed
+        no check since: its latest such shard is spot-checked first (the job completes
+        when that check agrees; if it disagrees, the node's lone shards are replicated).
+        A lie told alone at the end of a job thus never reaches the researcher."""
+        store = self._ctx.store
+        unvouched = await store.unvouched_alone(job_id)
+        if not unvouched:
+            return False
+        ready = await store.audit(unvouched, now=self._ctx.clock())
+        self._ctx.counters.alone["audited"] += len(ready)
+        await self._fanout.enqueue(ready)
+        return True
 
     def _assemble(
         self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]

@@ -32,6 +32,12 @@ class TrustSettings:
     # Invalid results within `invalid_window` results that suspend the node.
     suspend_after_invalids: int = 3
     invalid_window: int = 50
+    # When results of a shard disagree, the winner must outnumber the rest by this
+    # many nodes, each counted as a new node whatever its trust (policy.verifier).
+    dispute_margin: int = 2
+    # A node caught lying: the shards it decided alone this long before are replicated
+    # again (and open ones at once), unless their job's result was already released.
+    recheck_window_s: float = 86_400.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +91,12 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
         daily_quota=max(1, trust.daily_quota // 2),
         suspended=trust.suspended or recent >= settings.suspend_after_invalids,
     )
+
+
+def after_suspected(trust: Trust) -> Trust:
+    """A spot check of a result this node ran alone disagreed: until the quorum says who
+    lied, the node runs nothing alone (its streak starts again; nothing is counted)."""
+    return dataclasses.replace(trust, consecutive_valid=0)
 
 
 def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:

@@ -184,6 +184,9 @@ class ReadyTask:
     created_at: float
     items: int
     cost_flops: float
+    # A replica of a shard sent back to full replication (a node was caught lying):
+    # ahead of everything else in the queue, so the check comes before more work.
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -542,8 +545,18 @@ class DispatchStore(Protocol):
         """
         ...
 
-    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
-        """Send a shard run alone back to full replication (a spot check disagreed)."""
+    async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
+        """Send a shard run alone back to full replication (a spot check disagreed); its
+        lone node runs nothing alone until it passes checks again."""
+        ...
+
+    async def unvouched_alone(self, job_id: int) -> list[int]:
+        """Per node that decided shards of the job alone, its latest one, if the node
+        passed no check since (`store.recheck.unvouched_alone`)."""
+        ...
+
+    async def audit(self, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+        """Open decided lone shards again for a spot check each; the new ready tasks."""
         ...
 
     async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:

@@ -271,8 +271,30 @@ async def run_alone(
     return drop
 
 
-async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> bool:
-    """A shard run alone (or spot-checked) goes back to full replication."""
+async def escalate(
+    conn: AsyncConnection,
+    shard_id: int,
+    *,
+    target: int,
+    quorum: int,
+    trust: TrustSettings,
+    now: float,
+) -> bool:
+    """A shard run alone (or spot-checked) goes back to full replication, and its lone
+    node stops running alone at once (`ledger.suspect`), in the same transaction."""
+    lone = (
+        (
+            await conn.execute(
+                select(tasks.c.id).where(
+                    tasks.c.shard_id == shard_id,
+                    tasks.c.state == TaskState.COMPLETED.value,
+                    tasks.c.trusted_only.is_(False),  # the spot check's task is trusted-only
+                )
+            )
+        )
+        .scalars()
+        .all()
+    )
     changed = await conn.execute(
         update(shards)
         .where(
@@ -289,6 +311,8 @@ async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum:
             .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
             .values(trusted_only=False)
         )
+        for task_id in lone:
+            await ledger.suspect(conn, task_id, settings=trust, now=now)
     return changed.rowcount == 1
 
 

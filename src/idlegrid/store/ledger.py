@@ -8,6 +8,7 @@ credit it grants commit together or not at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,10 +20,11 @@ from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
-from idlegrid.store import stats
+from idlegrid.store import recheck, stats
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, teams
 
+log = logging.getLogger(__name__)
 DAY_S = 86_400.0
 
 
@@ -214,6 +216,51 @@ async def _judge_node(
     )
     if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
         await suspend(conn, node_id, account_id, kind, now=now)
+    if "invalid" in verdicts:
+        # Caught once: whatever it ran or decided alone is replicated again, now.
+        found = await recheck.recheck_node(
+            conn, node_id, kind, backend, window_s=settings.recheck_window_s, now=now
+        )
+        if found.released:
+            log.warning(
+                "node %s was caught lying; %d shard(s) it decided alone belong to jobs "
+                "that already ended: %s",
+                node_id,
+                len(found.released),
+                found.released,
+            )
+
+
+async def suspect(
+    conn: AsyncConnection, task_id: int, *, settings: TrustSettings, now: float
+) -> recheck.Rechecked:
+    """The spot check of a result run alone disagreed: its node stops running alone on
+    that kind and backend, and what it ran or decided alone is replicated again."""
+    row = (
+        await conn.execute(
+            select(tasks.c.node_id, tasks.c.backend, jobs.c.kind)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id == task_id, tasks.c.node_id.is_not(None))
+        )
+    ).first()
+    if row is None:
+        return recheck.Rechecked()
+    backend = row.backend or "cpu"
+    current = await load_trust(
+        conn, row.node_id, row.kind, backend, settings=settings, now=now, for_update=True
+    )
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == row.node_id,
+            node_trust.c.kind == row.kind,
+            node_trust.c.backend == backend,
+        )
+        .values(**_trust_values(trust_policy.after_suspected(current.trust)), updated_at=now)
+    )
+    return await recheck.recheck_node(
+        conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
+    )
 
 
 async def suspend(

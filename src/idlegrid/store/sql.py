@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, NodeState, TaskState
-from idlegrid.store import accounts, claims, rows, scheduling, verification
+from idlegrid.store import accounts, audit, claims, rows, scheduling, verification
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import nodes as node_sql
 from idlegrid.store import replenish as replenish_sql
@@ -459,9 +459,20 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         async with self._tx() as conn:
             return await claims.run_alone(conn, shard_id, task_id, spot_check=spot_check)
 
-    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
+    async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
         async with self._tx() as conn:
-            return await claims.escalate(conn, shard_id, target=target, quorum=quorum)
+            return await claims.escalate(
+                conn, shard_id, target=target, quorum=quorum, trust=self.trust, now=now
+            )
+
+    async def unvouched_alone(self, job_id: int) -> list[int]:
+        async with self._read() as conn:
+            return await audit.unvouched_alone(conn, job_id)
+
+    @_retry_conflicts
+    async def audit(self, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+        async with self._tx() as conn:
+            return await audit.audit(conn, shard_ids, now=now)
 
     async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
         async with self._tx() as conn:
