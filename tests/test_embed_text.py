@@ -11,7 +11,7 @@ import pytest
 from pydantic import ValidationError
 
 from idlegrid.kinds import get_kind
-from idlegrid.kinds.base import Cancelled, InputError, RunContext, ShardSpec, Verdict
+from idlegrid.kinds.base import Cancelled, InputError, RunContext, ShardSpec, Verdict, WrongOutput
 from idlegrid.kinds.embed_text import (
     COSINE_AGREE,
     EMBEDDING_DIM,
@@ -188,6 +188,23 @@ def _npz() -> bytes:
 def test_check_output_refuses_bad_outputs(output: bytes, message: str) -> None:
     with pytest.raises(InputError, match=message):
         KIND.check_output(_payload(["a", "b"]), output, DEFAULT)
+
+
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (embeddings_to_npy(np.full((2, EMBEDDING_DIM), np.nan, np.float32)), "NaN"),
+        (embeddings_to_npy(np.zeros((2, EMBEDDING_DIM), np.float32)), "zeros"),
+        (embeddings_to_npy(np.full((2, EMBEDDING_DIM), 384**-0.5, np.float32)), "one value"),
+        (embeddings_to_npy(np.vstack([_unit_rows(1), np.zeros((1, 384), np.float32)])), "zeros"),
+    ],
+)
+def test_check_output_calls_nan_zeros_and_constants_lies(output: bytes, message: str) -> None:
+    # Well formed, but no honest run returns them: judged as wrong results, not errors.
+    with pytest.raises(WrongOutput, match=message):
+        KIND.check_output(_payload(["a", "b"]), output, DEFAULT)
+    with pytest.raises(WrongOutput, match=message):
+        KIND.check_output(_payload(["a", "b"]), output, EmbedTextParams(normalize=False))
 
 
 def test_check_output_allows_any_length_without_normalize() -> None:

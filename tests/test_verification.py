@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import Api, bearer
 from helpers import NODE_WS, SocketNode
@@ -20,6 +21,7 @@ from starlette.testclient import TestClient
 
 from idlegrid.coordinator.app import create_app
 from idlegrid.coordinator.grid import Grid
+from idlegrid.kinds import vectors
 from idlegrid.kinds.sleep import _digest
 from idlegrid.policy import credit
 from idlegrid.settings import CoordinatorSettings
@@ -58,12 +60,14 @@ class Fleet:
         self.api, self.stack = api, stack
         self.nodes: dict[str, tuple[SocketNode, int]] = {}
 
-    def join(self, name: str, *, account: str | None = None) -> SocketNode:
+    def join(
+        self, name: str, *, account: str | None = None, kinds: tuple[str, ...] = ("sleep",)
+    ) -> SocketNode:
         token = self.api.token(account=account or f"volunteer-{name}", kind="node")
         node = SocketNode(
             self.api, self.stack.enter_context(self.api.client.websocket_connect(NODE_WS)), token
         )
-        welcome = node.join(key=f"node-key-{name}")
+        welcome = node.join(key=f"node-key-{name}", kinds=kinds)
         self.nodes[name] = (node, welcome["node_id"])
         return node
 
@@ -302,3 +306,84 @@ def test_a_late_result_is_checked_against_the_canonical_one(api: Api, fleet: Fle
     trust = fleet.trust("slow")
     assert trust["valid"] == 1 and trust["errors"] == 1  # the missed deadline, then a pass
     assert fleet.info("slow")["credit_total"] > 0
+
+
+def _offer(node: SocketNode) -> dict[str, Any] | None:
+    """Ask for one task; the assignment, or None once the coordinator had none for it."""
+    node.ready()
+    node.ws.send_text("sync")
+    got = None
+    while True:
+        message = node.recv()
+        if message["type"] == "assign":
+            got = message
+        elif message["type"] == "error":
+            return got
+
+
+def test_zeros_are_a_lie_not_an_error(api: Api, fleet: Fleet) -> None:
+    researcher = api.token(account="alice")
+    job = api.submit(researcher, kind="vectors", params={"items": 2, "shard_size": 2})
+    liar = fleet.join("liar", kinds=("vectors",))
+    task = liar.take()
+    liar.result(task["task_id"], vectors.to_npy(np.zeros((2, vectors.DIM), np.float32)))
+    liar.expect("result_ack", status="accepted")  # told as little as any outvoted node
+    trust = fleet.trust("liar")
+    assert (trust["invalid"], trust["errors"], trust["consecutive_valid"]) == (1, 0, 0)
+    honest = vectors.to_npy(vectors.compute(0, 2, 0))
+    for name in ("h1", "h2", "h3"):  # the shard still gets its three replicas
+        node = fleet.join(name, kinds=("vectors",))
+        node.result(node.take()["task_id"], honest)
+        node.expect("result_ack", status="accepted")
+    assert api.job(researcher, job["id"])["state"] == "completed"
+    result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+    assert result.content == honest
+    assert fleet.info("liar")["credit_total"] == 0.0
+
+
+def test_a_caught_node_loses_alone_running_at_once_and_its_lone_shards_are_redone(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=0.0)
+    with _api(settings) as api, contextlib.ExitStack() as stack:
+        fleet = Fleet(api, stack)
+        _grid(api).random.random = lambda: 0.0  # type: ignore[method-assign]
+        researcher = api.token(account="alice")
+        nodes = [fleet.join(name) for name in ("a", "b", "c")]
+        api.submit(researcher, kind="sleep", params={"tasks": 2})
+        _warm_up(nodes)
+        assert fleet.trust("a")["runs_alone"]
+        honest = [*nodes[1:], fleet.join("d"), fleet.join("e")]
+
+        job = api.submit(researcher, kind="sleep", params={"tasks": 2})
+        for _ in range(2):  # "a" runs both shards alone, and lies on both
+            task = nodes[0].take()
+            nodes[0].result(
+                task["task_id"], json.dumps({"digest": f"forged-{task['shard_index']}"}).encode()
+            )
+            nodes[0].expect("result_ack", status="accepted")
+        assert fleet.trust("a")["runs_alone"]  # nothing checked it yet
+        # The job is held: "a" passed no check since, so its latest lone shard is
+        # spot-checked by a trusted node first.
+        audit = _offer(honest[0])
+        assert audit is not None and audit["shard_index"] == 1
+        honest[0].result(audit["task_id"], _digest(1))
+        honest[0].expect("result_ack", status="accepted")
+        # The check disagreed: in that same pass "a" stopped running alone, and the other
+        # shard it decided alone was opened again.
+        assert not fleet.trust("a")["runs_alone"]
+        shards = api.job(researcher, job["id"])["shards"]
+        assert [shard["state"] for shard in shards] == ["open", "open"]
+        assert api.job(researcher, job["id"])["state"] == "running"
+        for _ in range(4):  # honest replicas settle both shards
+            for node in honest:
+                task = _offer(node)
+                if task is not None:
+                    node.result(task["task_id"], _digest(task["shard_index"]))
+                    node.expect("result_ack", status="accepted")
+        done = api.job(researcher, job["id"])
+        assert done["state"] == "completed"
+        result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+        assert json.loads(result.content) == [json.loads(_digest(i)) for i in range(2)]
+        trust = fleet.trust("a")
+        assert trust["invalid"] == 2 and not trust["runs_alone"]

@@ -149,6 +149,13 @@ class Verification:
             # suspended meanwhile): one more replica, as BOINC raises a target.
             await store.raise_target(shard.id, results_seen=len(found.results))
 
+    async def reject(self, task_id: int, why: str) -> None:
+        """A stored result that cannot be right (NaN, zeros, a constant): invalid, as if
+        outvoted, with all that follows for its node (`store.recheck`)."""
+        log.info("task %s returned a wrong output: %s", task_id, why)
+        await self._ctx.store.judge_late(task_id, agrees=False, now=self._ctx.clock())
+        self._ctx.counters.verified["wrong_output"] += 1
+
     async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
         """Check results that came after their shard was decided against its canonical
         result: they count for or against their node's trust (and earn credit if valid).

@@ -32,7 +32,9 @@ from idlegrid.kinds.base import (
     ShardSpec,
     TaskKind,
     Verdict,
+    WrongOutput,
 )
+from idlegrid.kinds.lies import degenerate
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -133,6 +135,9 @@ class EmbedTextKind(TaskKind):
             raise InputError(
                 f"output has {embeddings.shape[0]} embeddings for {expected_rows} texts"
             )
+        problem = degenerate(embeddings)
+        if problem:
+            raise WrongOutput(problem)
         if params.normalize:
             norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
             if np.any(np.abs(norms - 1.0) > _UNIT_NORM_TOLERANCE):
@@ -284,8 +289,6 @@ def parse_embeddings(output: bytes) -> np.ndarray:
         raise InputError(f"output must be float32, got {embeddings.dtype}")
     if embeddings.ndim != 2 or embeddings.shape[1] != EMBEDDING_DIM:
         raise InputError(f"output must have shape (n, {EMBEDDING_DIM}), got {embeddings.shape}")
-    if not np.all(np.isfinite(embeddings)):
-        raise InputError("output contains NaN or infinite values")
     return embeddings
 
 

@@ -650,7 +650,8 @@ class VerificationStore(Protocol):
         ...
 
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
-        """Record whether a late result agreed with its shard's canonical one."""
+        """Record whether a late result agreed with its shard's canonical one (or, with
+        `agrees=False`, that any unjudged result is wrong)."""
         ...
 
 
