@@ -14,20 +14,31 @@ the honest output or a lie:
   the kind's tolerance); replay (its output for another shard); colluding (all colluders
   return the same wrong answer: the honest one with its components rotated);
   intermittent (random vectors on 10% of its tasks); stops (drops 5% of its tasks
-  without a word, so their leases run out).
+  without a word, so their leases run out);
+- pair: two nodes of different accounts with a side channel (they run in one process
+  and share what they hold). Each is honest for its first 100 tasks, then lies (the
+  same rotated answer) on a shard only when the other holds it too, waiting up to 0.5 s
+  to learn that, and is honest otherwise;
+- patient: honest for its first 100 tasks (by then it runs shards alone), then lies
+  (random vectors) on every task.
 
 All nodes connect from 127.0.0.1, so "one replica per network" is off (on a real grid it
 is one more wall against colluders); everything else is as shipped.
 
-Afterwards the coordinator's database says which results were accepted (outcome valid:
-in the winning group, or a trusted node's result run alone) and which were rejected; each
-result is compared with the honest output by the kind's own `compare`. Per scenario it
-prints shards, wrong results accepted, honest results wrongly rejected, effective
-replication (tasks run per shard, overall and over the second half of the job, after the
-nodes earned trust) and throughput. The last line is
+Afterwards the coordinator's database says which results were accepted (credit granted:
+in the winning group, or a trusted node's result run alone, even if a recheck later found
+it wrong) and which were rejected; each result, and each shard's rows of the job's final
+result, is compared with the honest output by the kind's own `compare`. Per scenario it
+prints shards, wrong results accepted, wrong shards in the final result, honest results
+wrongly rejected, effective replication (tasks run per shard, overall and over the
+second half of the job, after the nodes earned trust) and throughput; for the patient
+liar also the time from its first disagreement to its last shard run alone, and to the
+first extra replica of a shard it decided alone. The last line is
 `wrong_accepted_noncolluding: N wrong_accepted_colluding: P% wrong_accepted_intermittent: Q%
-honest_rejected: M replication_honest: R`, P and Q as shares of the wrong results those
-nodes returned, R the honest scenario's replication after warm-up.
+honest_rejected: M replication_honest: R wrong_final: F wrong_accepted_patient: W`, P and
+Q as shares of the wrong results those nodes returned, R the honest scenario's
+replication after warm-up, F the wrong shards in any final result, W the wrong results
+of the pair and the patient liar accepted.
 """
 
 from __future__ import annotations
@@ -60,6 +71,9 @@ LIE_NOISE = 1e-3
 INTERMITTENT_RATE = 0.1
 STOP_RATE = 0.05
 CHEATS = ("random", "zeros", "perturbed", "replay")
+HONEST_FIRST = 100  # tasks a pair member or a patient liar runs honestly first
+PAIR_WAIT_S = 0.5
+PATIENT = ("pair", "patient")
 
 # name: (strategy per node share): the rest of the nodes are honest.
 SCENARIOS: dict[str, list[tuple[str, float]]] = {
@@ -68,7 +82,15 @@ SCENARIOS: dict[str, list[tuple[str, float]]] = {
     "colluding-10%": [("colluding", 0.10)],
     "intermittent-20%": [("intermittent", 0.20)],
     "stops-10%": [("stops", 0.10)],
+    "zeros-10%": [("zeros", 0.10)],
+    "pair": [("pair", 0.0)],
+    "patient": [("patient", 0.0)],
 }
+# Strategies that come as a fixed number of nodes, not a share of the fleet.
+FIXED_COUNT = {"pair": 2, "patient": 1}
+
+# The pair's side channel: (job id, shard index) each member holds now, by node name.
+HELD: dict[str, set[tuple[int, int]]] = {}
 
 
 # -- the worker side ------------------------------------------------------------------------
@@ -84,6 +106,10 @@ def lie(
     match strategy:
         case "honest" | "stops":
             return None
+        case "pair":
+            out = np.roll(honest, 1, axis=1)
+        case "patient":
+            out = gen.standard_normal(honest.shape)
         case "random":
             out = gen.standard_normal(honest.shape)
         case "zeros":
@@ -107,6 +133,7 @@ def make_worker_class() -> type:
         def __init__(self, settings: Any, strategy: str, seed: int) -> None:
             super().__init__(settings)
             self.strategy = strategy
+            self.done = 0
             self.rng = random.Random(seed)
             self.history: list[np.ndarray] = []
 
@@ -122,9 +149,32 @@ def make_worker_class() -> type:
         async def _compute(self, task: RunningTask) -> bytes:
             honest_bytes = await super()._compute(task)
             honest = vectors_kind.parse(honest_bytes)
-            wrong = lie(self.strategy, honest, self.rng, self.history)
+            self.done += 1
+            strategy = self.strategy
+            if strategy in PATIENT and self.done <= HONEST_FIRST:
+                strategy = "honest"
+            elif strategy == "pair" and not await self._partner_holds(task):
+                strategy = "honest"
+            wrong = lie(strategy, honest, self.rng, self.history)
             self.history = (self.history + [honest])[-20:]
             return honest_bytes if wrong is None else vectors_kind.to_npy(wrong)
+
+        async def _partner_holds(self, task: RunningTask) -> bool:
+            shard = (task.assign.job_id, task.assign.shard_index)
+            mine = HELD.setdefault(self.settings.name, set())
+            mine.add(shard)
+            try:
+                deadline = time.monotonic() + PAIR_WAIT_S
+                while True:
+                    others = [s for name, s in HELD.items() if name != self.settings.name]
+                    if any(shard in held for held in others):
+                        return True
+                    if time.monotonic() > deadline:
+                        return False
+                    await asyncio.sleep(0.02)
+            finally:
+                # Held a little longer, so the partner still sees it while it decides.
+                asyncio.get_running_loop().call_later(PAIR_WAIT_S * 2, mine.discard, shard)
 
     return Adversary
 

@@ -369,3 +369,28 @@ def test_decide_with_credibility(
         dispute_credibility=NEW if margin else 1.0,
     )
     assert (decision.canonical, decision.valid, decision.invalid) == (canonical, valid, invalid)
+
+
+def test_an_undecided_dispute_names_the_outnumbered_as_suspects() -> None:
+    results = _results((1, "a"), (2, "z"), (3, "a"))
+    cred = {1: TRUSTED, 2: TRUSTED, 3: TRUSTED}
+    decision = verifier.decide(
+        results,
+        _compare,
+        min_quorum=2,
+        credibility=cred,
+        min_credibility=0.95,
+        dispute_margin=2,
+        dispute_credibility=NEW,
+    )
+    assert decision.canonical is None and decision.suspects == (2,)
+    tie = verifier.decide(
+        _results((1, "a"), (2, "z")),
+        _compare,
+        min_quorum=2,
+        credibility=cred,
+        min_credibility=0.95,
+        dispute_margin=2,
+        dispute_credibility=NEW,
+    )
+    assert tie.canonical is None and tie.suspects == ()  # a tie names nobody

@@ -90,7 +90,7 @@ class Verification:
             if outcome.job_done or (outcome.decided and self._rounds.drives(plan.kind)):
                 to_assemble[item.job.id] = None
             elif not outcome.decided:
-                await self._undecided(item, plan)
+                await self._undecided(item, plan, decision)
                 short = True
             # A node caught lying had what it decided alone opened again (store.recheck).
             short = short or bool(decision.invalid)
@@ -131,9 +131,14 @@ class Verification:
             size=sum(len(output) for _, output in outputs),
         )
 
-    async def _undecided(self, found: ShardForVerify, plan: JobPlan) -> None:
+    async def _undecided(
+        self, found: ShardForVerify, plan: JobPlan, decision: verifier.Decision
+    ) -> None:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
+        if decision.suspects:  # outnumbered in a dispute: alone no more, at once
+            await store.suspect(decision.suspects, now=self._ctx.clock())
+            self._ctx.counters.alone["suspected"] += len(decision.suspects)
         # The spot check disagreed (or the lone node lost its credibility): back to full
         # replication; the quorum then says who was wrong.
         if (

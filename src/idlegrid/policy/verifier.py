@@ -14,6 +14,9 @@ class Decision:
     valid: tuple[int, ...]
     invalid: tuple[int, ...]
     fail_reason: str | None = None
+    # Undecided for a dispute: the results outnumbered by the largest group. Their nodes
+    # run nothing alone until the dispute is settled (they may be lying right now).
+    suspects: tuple[int, ...] = ()
 
 
 def decide(
@@ -73,7 +76,13 @@ def decide(
         or (rival and len(best) - rival < dispute_margin)
         or (credibility is not None and posterior[ranked[0]] < min_credibility)
     ):
-        return Decision(canonical=None, valid=(), invalid=())
+        leader = voters[best[0]][1]
+        suspects = tuple(
+            task_id
+            for task_id, output in voters
+            if disputed and len(best) > rival and compare(leader, output) == Verdict.DISAGREE
+        )
+        return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
     canonical_task, canonical_output = voters[best[0]]
     winners = {voters[j][0] for j in best}
     # A non-voter that agrees is neither: it checked nobody (judged later as late).

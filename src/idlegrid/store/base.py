@@ -550,6 +550,12 @@ class DispatchStore(Protocol):
         lone node runs nothing alone until it passes checks again."""
         ...
 
+    async def suspect(self, task_ids: Sequence[int], *, now: float) -> None:
+        """These results are outnumbered in a dispute, or failed a spot check: their
+        nodes run nothing alone for now, and what they run or decided alone is
+        replicated again (`ledger.suspect`)."""
+        ...
+
     async def unvouched_alone(self, job_id: int) -> list[int]:
         """Per node that decided shards of the job alone, its latest one, if the node
         passed no check since (`store.recheck.unvouched_alone`)."""

@@ -29,7 +29,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, NodeState, TaskState
-from idlegrid.store import accounts, audit, claims, rows, scheduling, verification
+from idlegrid.store import accounts, audit, claims, ledger, rows, scheduling, verification
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import nodes as node_sql
 from idlegrid.store import replenish as replenish_sql
@@ -464,6 +464,12 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
             return await claims.escalate(
                 conn, shard_id, target=target, quorum=quorum, trust=self.trust, now=now
             )
+
+    @_retry_conflicts
+    async def suspect(self, task_ids: Sequence[int], *, now: float) -> None:
+        async with self._tx() as conn:
+            for task_id in sorted(set(task_ids)):  # one lock order (by task, not node)
+                await ledger.suspect(conn, task_id, settings=self.trust, now=now)
 
     async def unvouched_alone(self, job_id: int) -> list[int]:
         async with self._read() as conn:
