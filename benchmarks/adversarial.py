@@ -17,7 +17,7 @@ the honest output or a lie:
   without a word, so their leases run out);
 - pair: two nodes of different accounts with a side channel (they run in one process
   and share what they hold). Each is honest for its first 100 tasks, then lies (the
-  same rotated answer) on a shard only when the other holds it too, waiting up to 0.5 s
+  same rotated answer) on a shard only when the other holds it too, waiting up to 2 s
   to learn that, and is honest otherwise;
 - patient: honest for its first 100 tasks (by then it runs shards alone), then lies
   (random vectors) on every task.
@@ -71,8 +71,8 @@ LIE_NOISE = 1e-3
 INTERMITTENT_RATE = 0.1
 STOP_RATE = 0.05
 CHEATS = ("random", "zeros", "perturbed", "replay")
-HONEST_FIRST = 100  # tasks a pair member or a patient liar runs honestly first
-PAIR_WAIT_S = 0.5
+HONEST_FIRST = 100  # tasks a pair member or a patient liar runs honestly first (default)
+PAIR_WAIT_S = 2.0
 PATIENT = ("pair", "patient")
 
 # name: (strategy per node share): the rest of the nodes are honest.
@@ -130,8 +130,9 @@ def make_worker_class() -> type:
     from idlegrid.worker.daemon import RunningTask, Worker
 
     class Adversary(Worker):  # type: ignore[misc]
-        def __init__(self, settings: Any, strategy: str, seed: int) -> None:
+        def __init__(self, settings: Any, strategy: str, seed: int, honest_first: int) -> None:
             super().__init__(settings)
+            self.honest_first = honest_first
             self.strategy = strategy
             self.done = 0
             self.rng = random.Random(seed)
@@ -151,9 +152,9 @@ def make_worker_class() -> type:
             honest = vectors_kind.parse(honest_bytes)
             self.done += 1
             strategy = self.strategy
-            if strategy in PATIENT and self.done <= HONEST_FIRST:
+            if strategy in PATIENT and self.done <= self.honest_first:
                 strategy = "honest"
-            elif strategy == "pair" and not await self._partner_holds(task):
+            if strategy == "pair" and not await self._partner_holds(task):
                 strategy = "honest"
             wrong = lie(strategy, honest, self.rng, self.history)
             self.history = (self.history + [honest])[-20:]
@@ -197,6 +198,7 @@ async def serve_nodes(spec: dict[str, Any]) -> None:
             ),
             node["strategy"],
             node["seed"],
+            spec["honest_first"],
         )
         for node in spec["nodes"]
     ]
@@ -217,6 +219,13 @@ class Tally:
     returned_wrong: Counter[str] = field(default_factory=Counter)
     accepted_wrong: Counter[str] = field(default_factory=Counter)
     honest_rejected: int = 0
+    wrong_final: int = 0  # shards whose rows in the job's final result are wrong
+    # The patient liar: seconds from its first disagreement to its last shard claimed
+    # alone (0: none after), how many it claimed alone after, and seconds to the first
+    # extra replica of a shard it ran alone (None: no disagreement seen).
+    suspension_s: float | None = None
+    alone_after: int = 0
+    first_replica_s: float | None = None
     failed: str = ""
 
     @property
@@ -243,8 +252,16 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
     out = Tally(shards=sum(1 for s in shards.values() if s[2] == "done"), seconds=seconds)
     half = len(shards) // 2
     honest_cache: dict[int, bytes] = {}
-    for task_id, shard_id, output_hash, outcome, name in db.execute(
-        "SELECT tasks.id, shard_id, output_hash, outcome, nodes.name FROM tasks "
+
+    def honest(idx: int, count: int) -> bytes:
+        if idx not in honest_cache:
+            honest_cache[idx] = vectors_kind.to_npy(
+                vectors_kind.compute(idx * SHARD_SIZE, count, 0)
+            )
+        return honest_cache[idx]
+
+    for task_id, shard_id, output_hash, outcome, credit, name in db.execute(
+        "SELECT tasks.id, shard_id, output_hash, outcome, credit, nodes.name FROM tasks "
         "JOIN nodes ON nodes.id = tasks.node_id WHERE tasks.job_id = ? "
         "AND tasks.state = 'completed'",
         (job_id,),
@@ -253,22 +270,87 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
         out.tasks += 1
         if idx >= half:
             out.tasks_late_half += 1
-        if idx not in honest_cache:
-            honest = vectors_kind.compute(idx * SHARD_SIZE, count, 0)
-            honest_cache[idx] = vectors_kind.to_npy(honest)
-        right = kind.compare(honest_cache[idx], blobs.read(output_hash), params) == Verdict.AGREE
+        output = blobs.read(output_hash)
+        right = kind.compare(honest(idx, count), output, params) == Verdict.AGREE
         strategy = strategies[name]
         if not right:
             out.returned_wrong[strategy] += 1
-            if outcome == "valid":
+            # Credit stays with a result once granted: it was accepted at some point,
+            # even if a recheck found it wrong later.
+            if outcome == "valid" or credit is not None:
                 out.accepted_wrong[strategy] += 1
             if canonical == task_id:
                 out.wrong_shards += 1
         elif outcome == "invalid":
             out.honest_rejected += 1
     out.shards_late_half = sum(1 for s in shards.values() if s[0] >= half and s[2] == "done")
+    out.wrong_final = wrong_in_final(db, blobs, job_id, shards, honest)
+    patient_timing(db, job_id, strategies, out)
     db.close()
     return out
+
+
+def wrong_in_final(
+    db: sqlite3.Connection,
+    blobs: BlobStore,
+    job_id: int,
+    shards: dict[int, tuple[Any, ...]],
+    honest: Any,
+) -> int:
+    """Shards whose rows in the job's final result differ from the honest ones."""
+    (result_hash,) = db.execute("SELECT result_hash FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    if result_hash is None:
+        return 0
+    kind = get_kind("vectors")
+    params = kind.parse_params({"items": 1, "shard_size": SHARD_SIZE})
+    rows = vectors_kind.parse(blobs.read(result_hash))
+    wrong = 0
+    for idx, count, _, _ in shards.values():
+        part = vectors_kind.to_npy(rows[idx * SHARD_SIZE : idx * SHARD_SIZE + count])
+        wrong += kind.compare(honest(idx, count), part, params) != Verdict.AGREE
+    return wrong
+
+
+def patient_timing(
+    db: sqlite3.Connection, job_id: int, strategies: dict[str, str], out: Tally
+) -> None:
+    """How fast the patient liar stopped running shards alone once it was first caught.
+
+    Its first disagreement: the earliest moment one of its results that ended invalid
+    and another node's result of that shard were both in.
+    """
+    names = [name for name, strategy in strategies.items() if strategy == "patient"]
+    if not names:
+        return
+    marks = ",".join("?" * len(names))
+    caught = db.execute(
+        f"SELECT MIN(MAX(mine.finished_at, (SELECT MIN(other.finished_at) FROM tasks other "
+        f"WHERE other.shard_id = mine.shard_id AND other.id != mine.id "
+        f"AND other.state = 'completed'))) FROM tasks mine JOIN nodes ON nodes.id = "
+        f"mine.node_id WHERE mine.job_id = ? AND mine.outcome = 'invalid' "
+        f"AND nodes.name IN ({marks})",
+        (job_id, *names),
+    ).fetchone()[0]
+    if caught is None:
+        return
+    alone = db.execute(
+        f"SELECT COUNT(*), MAX(tasks.assigned_at) FROM tasks JOIN shards ON shards.id = "
+        f"tasks.shard_id JOIN nodes ON nodes.id = tasks.node_id WHERE tasks.job_id = ? "
+        f"AND shards.mode IN ('alone', 'spot') AND tasks.assigned_at > ? "
+        f"AND nodes.name IN ({marks})",
+        (job_id, caught, *names),
+    ).fetchone()
+    out.alone_after = alone[0]
+    out.suspension_s = max(0.0, (alone[1] or caught) - caught)
+    first = db.execute(
+        f"SELECT MIN(extra.assigned_at) FROM tasks extra JOIN shards ON shards.id = "
+        f"extra.shard_id WHERE extra.job_id = ? AND shards.mode = 'escalated' "
+        f"AND extra.created_at >= ? AND EXISTS (SELECT 1 FROM tasks mine JOIN nodes ON "
+        f"nodes.id = mine.node_id WHERE mine.shard_id = extra.shard_id "
+        f"AND nodes.name IN ({marks}))",
+        (job_id, caught, *names),
+    ).fetchone()[0]
+    out.first_replica_s = None if first is None else first - caught
 
 
 # -- one scenario -----------------------------------------------------------------------------
@@ -277,7 +359,7 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
 def strategies_for(scenario: str, nodes: int, rng: random.Random) -> list[str]:
     mix: list[str] = []
     for strategy, share in SCENARIOS[scenario]:
-        mix += [strategy] * max(1, round(share * nodes))
+        mix += [strategy] * FIXED_COUNT.get(strategy, max(1, round(share * nodes)))
     mix += ["honest"] * (nodes - len(mix))
     rng.shuffle(mix)
     return mix
@@ -292,6 +374,7 @@ def run_scenario(
     root: Path,
     timeout: float,
     adaptive_after: int | None = None,
+    honest_first: int = HONEST_FIRST,
 ) -> Tally:
     rng = random.Random(seed)
     plan = strategies_for(scenario, nodes, rng)
@@ -304,12 +387,16 @@ def run_scenario(
     with LocalGrid(
         root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=30.0, extra_env=env
     ) as grid:
-        specs: list[dict[str, Any]] = [{"server": grid.url, "nodes": []} for _ in range(PROCESSES)]
+        specs: list[dict[str, Any]] = [
+            {"server": grid.url, "nodes": [], "honest_first": honest_first}
+            for _ in range(PROCESSES)
+        ]
         strategies: dict[str, str] = {}
         for i, strategy in enumerate(plan):
             name = f"{strategy}-{i:03d}"
             strategies[name] = strategy
-            specs[i % PROCESSES]["nodes"].append(
+            # The pair shares one process: its side channel is that process's memory.
+            specs[0 if strategy == "pair" else i % PROCESSES]["nodes"].append(
                 {
                     "name": name,
                     "strategy": strategy,
@@ -357,12 +444,21 @@ def run_scenario(
 def report(scenario: str, t: Tally) -> None:
     wrong = sum(t.returned_wrong.values())
     accepted = sum(t.accepted_wrong.values())
+    timing = ""
+    if t.suspension_s is not None:
+        replica = "none" if t.first_replica_s is None else f"{t.first_replica_s:.2f} s"
+        timing = (
+            f"  caught -> last alone claim {t.suspension_s:.2f} s ({t.alone_after} after), "
+            f"-> first extra replica {replica}"
+        )
     print(
         f"{scenario:<17} shards {t.shards:>5}  wrong returned {wrong:>5}  "
-        f"wrong accepted {accepted:>4} (shards {t.wrong_shards})  "
+        f"wrong accepted {accepted:>4} (final result: {t.wrong_final})  "
         f"honest rejected {t.honest_rejected:>3}  replication {t.replication:.3f} "
         f"(2nd half {t.replication_after_warmup:.3f})  "
-        f"{t.shards / t.seconds:.1f} shards/s" + (f"  FAILED: {t.failed}" if t.failed else ""),
+        f"{t.shards / t.seconds:.1f} shards/s"
+        + timing
+        + (f"  FAILED: {t.failed}" if t.failed else ""),
         flush=True,
     )
 
@@ -385,6 +481,12 @@ def main() -> None:
         help="the coordinator's streak before a node runs alone (default: its own)",
     )
     parser.add_argument(
+        "--honest-first",
+        type=int,
+        default=HONEST_FIRST,
+        help="tasks a pair member or a patient liar runs honestly before it lies",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         default=None,
@@ -397,7 +499,8 @@ def main() -> None:
         return
     print(
         f"{args.nodes} nodes, {args.shards} shards of {SHARD_SIZE} vectors per scenario, "
-        f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}; "
+        f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}, "
+        f"honest_first {args.honest_first}; "
         f"{os.cpu_count()} CPUs",
         flush=True,
     )
@@ -413,6 +516,7 @@ def main() -> None:
                 root=root,
                 timeout=args.timeout,
                 adaptive_after=args.adaptive_after,
+                honest_first=args.honest_first,
             )
         report(scenario, results[scenario])
     total = Counter[str]()
@@ -431,7 +535,9 @@ def main() -> None:
         f"{pct(accepted['intermittent'], total['intermittent']):.2f}% "
         f"honest_rejected: {rejected} "
         f"replication_honest: "
-        f"{honest.replication_after_warmup if honest else float('nan'):.3f}"
+        f"{honest.replication_after_warmup if honest else float('nan'):.3f} "
+        f"wrong_final: {sum(t.wrong_final for t in results.values())} "
+        f"wrong_accepted_patient: {sum(accepted[s] for s in PATIENT)}"
     )
 
 

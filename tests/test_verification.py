@@ -387,3 +387,6 @@ def test_a_caught_node_loses_alone_running_at_once_and_its_lone_shards_are_redon
         assert json.loads(result.content) == [json.loads(_digest(i)) for i in range(2)]
         trust = fleet.trust("a")
         assert trust["invalid"] == 2 and not trust["runs_alone"]
+        # The credit its lies earned while accepted alone was taken back: what is left
+        # is the warm-up's two checked results.
+        assert fleet.info("a")["credit_total"] == pytest.approx(2 * credit.credit_for(1e6))

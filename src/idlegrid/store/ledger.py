@@ -151,6 +151,7 @@ async def apply_verdicts(
             settings=settings,
             now=now,
         )
+    await _take_back(conn, [row for row in rows if verdict_of[row.id] == "invalid"], now=now)
     # Credit: one task update for all, one grant per node and per account.
     earned = [
         (row, credit_policy.credit_for(row.cost_flops))
@@ -178,6 +179,21 @@ async def apply_verdicts(
     ]
     for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
         await grant(conn, teams, team_id, amount, now=now)
+
+
+async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> None:
+    """Credit granted to results found wrong since (accepted alone, then rechecked) is
+    taken back from their nodes and accounts; the task keeps credit 0 (granted once,
+    never again)."""
+    paid = [row for row in rows if row.credit]
+    if not paid:
+        return
+    await conn.execute(
+        update(tasks).where(tasks.c.id.in_([row.id for row in paid])).values(credit=0.0)
+    )
+    for row in paid:
+        await grant(conn, nodes, row.node_id, -row.credit, now=now)
+        await grant(conn, accounts, row.account_id, -row.credit, now=now)
 
 
 async def _judge_node(
