@@ -275,8 +275,9 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
         strategy = strategies[name]
         if not right:
             out.returned_wrong[strategy] += 1
-            # Credit stays with a result once granted: it was accepted at some point,
-            # even if a recheck found it wrong later.
+            # Accepted: valid now, or credited once (a lone result is credited when its
+            # node passes a later check; a recheck that finds it wrong takes the credit
+            # back but leaves the task's credit at 0, not empty).
             if outcome == "valid" or credit is not None:
                 out.accepted_wrong[strategy] += 1
             if canonical == task_id:

@@ -228,9 +228,12 @@ def test_trusted_nodes_run_shards_alone(tmp_path: Path) -> None:
         nodes[1].sync()  # the other replicas were withdrawn
         nodes[0].result(alone["task_id"], _digest(0))
         nodes[0].expect("result_ack", status="accepted")
-        # An unchecked result earns credit but not a longer streak (it was no check).
+        # An unchecked result does not lengthen the streak (it was no check), and its
+        # credit is pending until the node passes a check after it.
         assert fleet.trust("a")["consecutive_valid"] == 2
         assert fleet.trust("a")["valid"] == 3
+        shard_credit = credit.credit_for(1e6)
+        assert fleet.info("a")["credit_total"] == pytest.approx(2 * shard_credit)
         # "a" passed no check since its lone result: before the job is released, a
         # second trusted node checks it (the waiting node gets that spot check).
         assert api.job(researcher, job["id"])["state"] == "running"
@@ -241,6 +244,7 @@ def test_trusted_nodes_run_shards_alone(tmp_path: Path) -> None:
         done = api.job(researcher, job["id"])
         assert done["state"] == "completed" and done["effective_replication"] == 2.0
         assert _grid(api).counters.alone["audited"] == 1
+        assert fleet.info("a")["credit_total"] == pytest.approx(3 * shard_credit)
 
 
 def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(

@@ -117,19 +117,7 @@ async def apply_verdicts(
         return
     rows = (
         await conn.execute(
-            select(
-                tasks.c.id,
-                tasks.c.node_id,
-                tasks.c.backend,
-                tasks.c.credit,
-                nodes.c.account_id,
-                jobs.c.kind,
-                shards.c.cost_flops,
-            )
-            .join(nodes, nodes.c.id == tasks.c.node_id)
-            .join(jobs, jobs.c.id == tasks.c.job_id)
-            .join(shards, shards.c.id == tasks.c.shard_id)
-            .where(tasks.c.id.in_(list(verdict_of)))
+            _VERDICT_ROWS.where(tasks.c.id.in_(list(verdict_of)))
             # One lock order for every transaction: by node (deadlocks are retried anyway).
             .order_by(tasks.c.node_id, tasks.c.id)
         )
@@ -152,11 +140,21 @@ async def apply_verdicts(
             now=now,
         )
     await _take_back(conn, [row for row in rows if verdict_of[row.id] == "invalid"], now=now)
+    # A result a trusted node decided alone earns its credit once the node has passed a
+    # check after it (it is vouched for); until then it is pending, as in BOINC.
+    paying = {
+        row.id: row
+        for row in rows
+        if verdict_of[row.id] == "valid"
+        or (verdict_of[row.id] == "unchecked" and row.mode != "alone")
+    }
+    for row in await _vouched(conn, [row for row in rows if verdict_of[row.id] == "valid"]):
+        paying[row.id] = row
     # Credit: one task update for all, one grant per node and per account.
     earned = [
         (row, credit_policy.credit_for(row.cost_flops))
-        for row in rows
-        if verdict_of[row.id] in ("valid", "unchecked") and row.credit is None
+        for row in paying.values()
+        if row.credit is None
     ]
     if not earned:
         return
@@ -179,6 +177,46 @@ async def apply_verdicts(
     ]
     for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
         await grant(conn, teams, team_id, amount, now=now)
+
+
+_VERDICT_ROWS = (
+    select(
+        tasks.c.id,
+        tasks.c.node_id,
+        tasks.c.backend,
+        tasks.c.credit,
+        tasks.c.finished_at,
+        nodes.c.account_id,
+        jobs.c.kind,
+        shards.c.cost_flops,
+        shards.c.mode,
+    )
+    .join(nodes, nodes.c.id == tasks.c.node_id)
+    .join(jobs, jobs.c.id == tasks.c.job_id)
+    .join(shards, shards.c.id == tasks.c.shard_id)
+)
+
+
+async def _vouched(conn: AsyncConnection, checked: list[Any]) -> list[Any]:
+    """Results these nodes decided alone before the checks they just passed, and that
+    earned no credit yet: the checks vouch for them."""
+    last_check: dict[int, float] = {}
+    for row in checked:
+        last_check[row.node_id] = max(last_check.get(row.node_id, 0.0), row.finished_at or 0.0)
+    found: list[Any] = []
+    for node_id, until in sorted(last_check.items()):
+        found += (
+            await conn.execute(
+                _VERDICT_ROWS.where(
+                    tasks.c.node_id == node_id,
+                    tasks.c.outcome == "valid",
+                    tasks.c.credit.is_(None),
+                    shards.c.mode == "alone",
+                    tasks.c.finished_at <= until,
+                )
+            )
+        ).all()
+    return found
 
 
 async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> None:
