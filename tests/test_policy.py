@@ -394,3 +394,10 @@ def test_an_undecided_dispute_names_the_outnumbered_as_suspects() -> None:
         dispute_credibility=NEW,
     )
     assert tie.canonical is None and tie.suspects == ()  # a tie names nobody
+
+
+def test_invalid_results_that_agree_are_named_colluding() -> None:
+    results = _results((1, "x"), (2, "x"), (3, "a"), (4, "a"), (5, "a"), (6, "a"), (7, "z"))
+    decision = verifier.decide(results, _compare, min_quorum=2, dispute_margin=2)
+    assert decision.canonical == 3 and decision.invalid == (1, 2, 7)
+    assert decision.colluding == ((1, 2),)  # 7 is wrong on its own

@@ -394,3 +394,33 @@ def test_a_caught_node_loses_alone_running_at_once_and_its_lone_shards_are_redon
         # The credit its lies earned while accepted alone was taken back: what is left
         # is the warm-up's two checked results.
         assert fleet.info("a")["credit_total"] == pytest.approx(2 * credit.credit_for(1e6))
+
+
+def test_accounts_wrong_together_the_same_way_are_flagged(api: Api, fleet: Fleet) -> None:
+    researcher = api.token(account="alice")
+    pair = [fleet.join("c1"), fleet.join("c2")]
+    honest = [fleet.join(f"h{i}") for i in range(5)]
+    for _ in range(2):  # two jobs: the pair returns the same wrong answer for each
+        job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+        index = None
+        for node in pair:
+            task = node.take()
+            index = task["shard_index"]
+            node.result(task["task_id"], json.dumps({"digest": f"ours-{index}"}).encode())
+            node.expect("result_ack", status="accepted")
+        # Two against one: a dispute; every node counts as new and the winner needs a
+        # lead of 2: five honest nodes against the new pair decide it (0.98), four
+        # against the pair once it was caught (0.4 each).
+        for node in honest:
+            if api.job(researcher, job["id"])["state"] == "completed":
+                break
+            task = _offer(node)
+            assert task is not None and task["shard_index"] == index
+            node.result(task["task_id"], _digest(index))
+            node.expect("result_ack", status="accepted")
+        assert api.job(researcher, job["id"])["state"] == "completed"
+    for name in ("volunteer-c1", "volunteer-c2"):
+        me = api.client.get("/v1/me", headers=bearer(api.token(account=name))).json()
+        assert me["flagged"] and "collusion" in me["flag_reason"]
+    honest_me = api.client.get("/v1/me", headers=bearer(api.token(account="volunteer-h0")))
+    assert not honest_me.json()["flagged"]

@@ -188,9 +188,17 @@ class Verification:
     async def _shard_decided(
         self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
     ) -> None:
-        """After a decision committed: cancel the shard's other replicas, count verdicts."""
+        """After a decision committed: cancel the shard's other replicas, count verdicts,
+        flag accounts whose nodes were wrong together."""
         await self._fanout.send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
+        if outcome.decided and decision.colluding:
+            flagged = await self._ctx.store.flag_colluders(
+                decision.colluding, now=self._ctx.clock()
+            )
+            if flagged:
+                log.warning("accounts %s flagged: wrong together, the same way", flagged)
+                self._ctx.counters.verified["colluders_flagged"] += len(flagged)
 
     def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
         # The store marks results only for the decision that won (or an undecided one).

@@ -38,6 +38,9 @@ class TrustSettings:
     # A node caught lying: the shards it decided alone this long before are replicated
     # again (and open ones at once), unless their job's result was already released.
     recheck_window_s: float = 86_400.0
+    # Two accounts whose nodes were wrong together, the same way, in this many shards
+    # are flagged as colluders (honest nodes are almost never outvoted at all).
+    collusion_flag_after: int = 2
 
 
 @dataclass(frozen=True, kw_only=True)

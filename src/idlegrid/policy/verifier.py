@@ -17,6 +17,9 @@ class Decision:
     # Undecided for a dispute: the results outnumbered by the largest group. Their nodes
     # run nothing alone until the dispute is settled (they may be lying right now).
     suspects: tuple[int, ...] = ()
+    # Decided: invalid results that agree with each other (two or more). Independent
+    # wrong answers differ; the same wrong answer from several nodes was arranged.
+    colluding: tuple[tuple[int, ...], ...] = ()
 
 
 def decide(
@@ -92,7 +95,11 @@ def decide(
         if task_id not in winners and compare(canonical_output, output) == Verdict.DISAGREE
     )
     valid = tuple(task_id for task_id, _ in results if task_id in winners)
-    return Decision(canonical=canonical_task, valid=valid, invalid=invalid)
+    wrong = [(task_id, output) for task_id, output in results if task_id in invalid]
+    colluding = tuple(
+        tuple(wrong[i][0] for i in group) for group in _groups(wrong, compare) if len(group) > 1
+    )
+    return Decision(canonical=canonical_task, valid=valid, invalid=invalid, colluding=colluding)
 
 
 def _groups(

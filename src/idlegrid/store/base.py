@@ -556,6 +556,11 @@ class DispatchStore(Protocol):
         replicated again (`ledger.suspect`)."""
         ...
 
+    async def flag_colluders(self, groups: Sequence[Sequence[int]], *, now: float) -> list[int]:
+        """Groups of wrong results that agreed: flag the accounts that were wrong together
+        often enough (`store.collusion`); the accounts flagged now."""
+        ...
+
     async def unvouched_alone(self, job_id: int) -> list[int]:
         """Per node that decided shards of the job alone, its latest one, if the node
         passed no check since (`store.recheck.unvouched_alone`)."""

@@ -29,7 +29,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, NodeState, TaskState
-from idlegrid.store import accounts, audit, claims, ledger, rows, scheduling, verification
+from idlegrid.store import (
+    accounts,
+    audit,
+    claims,
+    collusion,
+    ledger,
+    rows,
+    scheduling,
+    verification,
+)
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import nodes as node_sql
 from idlegrid.store import replenish as replenish_sql
@@ -470,6 +479,13 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         async with self._tx() as conn:
             for task_id in sorted(set(task_ids)):  # one lock order (by task, not node)
                 await ledger.suspect(conn, task_id, settings=self.trust, now=now)
+
+    @_retry_conflicts
+    async def flag_colluders(self, groups: Sequence[Sequence[int]], *, now: float) -> list[int]:
+        async with self._tx() as conn:
+            return await collusion.flag_colluders(
+                conn, groups, flag_after=self.trust.collusion_flag_after, now=now
+            )
 
     async def unvouched_alone(self, job_id: int) -> list[int]:
         async with self._read() as conn:
