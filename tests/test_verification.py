@@ -250,7 +250,7 @@ def test_trusted_nodes_run_shards_alone(tmp_path: Path) -> None:
 def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(
     tmp_path: Path,
 ) -> None:
-    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=1.0)
+    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=1.0, double_check_rate=0.0)
     with _api(settings) as api, contextlib.ExitStack() as stack:
         fleet = Fleet(api, stack)
         _grid(api).random.random = lambda: 0.0  # type: ignore[method-assign]

@@ -222,7 +222,10 @@ class Dispatcher:
         if not trust_policy.may_run_alone(claim.trust, trust, draw=draw.random()):
             return
         spot = trust_policy.needs_spot_check(trust, draw=draw.random())
-        dropped = await self._ctx.store.run_alone(claim.shard_id, claim.task_id, spot_check=spot)
+        checkers = trust_policy.spot_checkers(trust, draw=draw.random())
+        dropped = await self._ctx.store.run_alone(
+            claim.shard_id, claim.task_id, spot_check=spot, checkers=checkers
+        )
         if dropped:
             await self._ctx.broker.discard(dropped)
             self._ctx.counters.alone["spot" if spot else "alone"] += 1

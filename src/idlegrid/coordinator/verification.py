@@ -102,14 +102,10 @@ class Verification:
     async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
         blobs, trust = self._ctx.blobs, self._ctx.settings.trust
         shard = found.shard
-        if (
-            shard.mode not in ("alone", "spot")
-            and shard.live_tasks
-            and (len(found.results) < shard.target)
-        ):
-            # A replicated shard waits for all the results it asked for (a backup copy
-            # of a straggler may stand in for one): two colluders that answer first must
-            # not decide it before the node they could not choose.
+        if shard.mode != "alone" and shard.live_tasks and len(found.results) < shard.target:
+            # A replicated or spot-checked shard waits for all the results it asked for
+            # (a backup copy of a straggler may stand in for one): two colluders that
+            # answer first must not decide it before the node they could not choose.
             return verifier.Decision(canonical=None, valid=(), invalid=())
         outputs = [(r.task_id, blobs.read(r.output_hash)) for r in found.results]
         credibility = {r.task_id: trust_policy.credibility(r.trust, trust) for r in found.results}

@@ -20,8 +20,12 @@ class TrustSettings:
     # its wrong answers through (it reaches 10 in a row 35% of the time, then runs
     # alone); 80 keeps them near 0.2% (docs/verification.md, benchmarks/adversarial.py).
     adaptive_after: int = 80
-    # Share of unreplicated results checked by a second, trusted node anyway.
-    spot_check_rate: float = 0.1
+    # Share of unreplicated results checked by a second, trusted node anyway; never 0
+    # for a node however long its streak (docs/verification.md has the bound).
+    spot_check_rate: float = 0.08
+    # Share of spot checks made by two trusted nodes, not one: a colluder drawn as the
+    # only checker of its partner's shard cannot tell whether an honest one comes too.
+    double_check_rate: float = 0.5
     # The credibility a quorum needs (Sarmenta 2002): 0.95 takes three new nodes that
     # agree, or two that have each passed a check; two new colluders (0.94) are not
     # enough. Jobs with less replication need at most what their replicas can give.
@@ -171,3 +175,8 @@ def may_run_alone(trust: Trust, settings: TrustSettings, *, draw: float) -> bool
 def needs_spot_check(settings: TrustSettings, *, draw: float) -> bool:
     """Whether an unreplicated result is checked by a second, trusted node."""
     return draw < settings.spot_check_rate
+
+
+def spot_checkers(settings: TrustSettings, *, draw: float) -> int:
+    """How many trusted nodes check a spot-checked shard: one, or two."""
+    return 2 if draw < settings.double_check_rate else 1

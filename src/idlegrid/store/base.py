@@ -536,10 +536,12 @@ class DispatchStore(Protocol):
         """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
         ...
 
-    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+    async def run_alone(
+        self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
+    ) -> list[int]:
         """Let the first replica of a shard run unreplicated (adaptive replication).
 
-        With `spot_check`, one other replica stays, for a trusted node only. Returns the
+        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
         ready tasks cancelled (to drop from the queue); none if another replica was
         handed out meanwhile (then the shard stays fully replicated).
         """

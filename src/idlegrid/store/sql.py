@@ -464,9 +464,13 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
                 )
 
     @_retry_conflicts
-    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+    async def run_alone(
+        self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
+    ) -> list[int]:
         async with self._tx() as conn:
-            return await claims.run_alone(conn, shard_id, task_id, spot_check=spot_check)
+            return await claims.run_alone(
+                conn, shard_id, task_id, spot_check=spot_check, checkers=checkers
+            )
 
     async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
         async with self._tx() as conn:
