@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import threading
@@ -18,9 +19,11 @@ from idlegrid.kinds.embed_text import (
     MODEL_PARAMETERS,
     EmbedTextKind,
     EmbedTextParams,
+    _low_precision,
     embed_reference,
     embeddings_to_npy,
     estimate_tokens,
+    load_model,
     parse_embeddings,
     row_cosines,
     texts_to_jsonl,
@@ -293,11 +296,32 @@ def test_compare_and_noise(batched_64: bytes) -> None:
         noise = rng.standard_normal(embeddings.shape).astype(np.float32) * scale
         return embeddings_to_npy(embeddings + noise)
 
-    # Measured (benchmarks/calibrate_embed.py): sigma 1e-5 per component moves cosines by
-    # ~2e-8, inside 1 - COSINE_AGREE = 1e-6; sigma 1e-4 by ~2e-6 and sigma 3e-3 by ~2e-3.
-    assert KIND.compare(batched_64, noisy(1e-5), DEFAULT) is Verdict.AGREE
-    assert KIND.compare(batched_64, noisy(1e-4), DEFAULT) is Verdict.DISAGREE
+    def relative(scale: float) -> bytes:
+        noise = rng.standard_normal(embeddings.shape) * scale
+        out = embeddings * (1 + noise)
+        return embeddings_to_npy(
+            (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
+        )
+
+    # Measured (benchmarks/calibrate_embed.py): honest runs differ by 1 - cos <= 3.5e-13;
+    # sigma 1e-7 per component moves cosines by ~2e-12, inside 1 - COSINE_AGREE = 1e-10;
+    # sigma 3e-6 by ~2e-9, noise of 1e-4 relative to each value by ~7e-9.
+    assert KIND.compare(batched_64, noisy(1e-7), DEFAULT) is Verdict.AGREE
+    assert KIND.compare(batched_64, noisy(3e-6), DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(batched_64, relative(1e-4), DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(batched_64, relative(1e-3), DEFAULT) is Verdict.DISAGREE
     assert KIND.compare(batched_64, noisy(3e-3), DEFAULT) is Verdict.DISAGREE
+
+
+@pytest.mark.slow
+def test_float16_arithmetic_disagrees(batched_64: bytes) -> None:
+    # Computed in float16, then normalized in float64 and stored as float32: the values
+    # have low mantissa bits (no structural tell); the cosine (~1e-6 off) catches it.
+    half = copy.deepcopy(load_model("cpu")).half()  # the shared model stays float32
+    raw = np.asarray(half.encode(TEXTS, batch_size=64, normalize_embeddings=False), np.float64)
+    out = (raw / np.linalg.norm(raw, axis=1, keepdims=True)).astype(np.float32)
+    assert not _low_precision(out)
+    assert KIND.compare(batched_64, embeddings_to_npy(out), DEFAULT) is Verdict.DISAGREE
 
 
 @pytest.mark.slow
@@ -305,9 +329,10 @@ def test_low_precision_output_disagrees(batched_64: bytes) -> None:
     embeddings = parse_embeddings(batched_64)
     half = embeddings.astype(np.float16).astype(np.float32)
     bf16 = (embeddings.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-    # Half-precision rounding moves cosines by only ~3e-8, inside 1 - COSINE_AGREE: the
-    # precision check, not the cosine, catches it.
-    assert row_cosines(embeddings, half).min() > COSINE_AGREE
+    # Half-precision rounding moves cosines by ~3e-8: the cosine catches it, and so does
+    # the structural check (every value exactly a 16-bit float), whatever the threshold.
+    assert row_cosines(embeddings, half).min() < COSINE_AGREE
+    assert _low_precision(half) and _low_precision(bf16) and not _low_precision(embeddings)
     assert KIND.compare(batched_64, embeddings_to_npy(half), DEFAULT) is Verdict.DISAGREE
     assert KIND.compare(batched_64, embeddings_to_npy(bf16), DEFAULT) is Verdict.DISAGREE
     # Two low-precision results of the same computation still agree with each other.

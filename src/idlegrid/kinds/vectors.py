@@ -29,8 +29,8 @@ from idlegrid.kinds.lies import degenerate
 
 DIM = 32
 HIDDEN = 64
-# Same rule as embed-text: honest float32 results agree far closer than this.
-COSINE_AGREE = 1.0 - 1e-6
+# Same threshold as embed-text: honest float32 results agree far closer than this.
+COSINE_AGREE = 1.0 - 1e-10
 
 
 class VectorsParams(KindParams):
