@@ -57,7 +57,11 @@ async def recheck_node(
                 jobs.c.kind == kind,
                 func.coalesce(tasks.c.backend, "cpu") == backend,
                 shards.c.mode.in_(UNREPLICATED),
-                shards.c.state.in_([ShardState.OPEN.value, ShardState.DONE.value]),
+                (shards.c.state == ShardState.OPEN.value)
+                | (
+                    (shards.c.state == ShardState.DONE.value)
+                    & (shards.c.finished_at >= now - window_s)
+                ),
             )
             .order_by(shards.c.id)
         )
