@@ -14,20 +14,31 @@ the honest output or a lie:
   the kind's tolerance); replay (its output for another shard); colluding (all colluders
   return the same wrong answer: the honest one with its components rotated);
   intermittent (random vectors on 10% of its tasks); stops (drops 5% of its tasks
-  without a word, so their leases run out).
+  without a word, so their leases run out);
+- pair: two nodes of different accounts with a side channel (they run in one process
+  and share what they hold). Each is honest for its first 100 tasks, then lies (the
+  same rotated answer) on a shard only when the other holds it too, waiting up to 2 s
+  to learn that, and is honest otherwise;
+- patient: honest for its first 100 tasks (by then it runs shards alone), then lies
+  (random vectors) on every task.
 
 All nodes connect from 127.0.0.1, so "one replica per network" is off (on a real grid it
 is one more wall against colluders); everything else is as shipped.
 
-Afterwards the coordinator's database says which results were accepted (outcome valid:
-in the winning group, or a trusted node's result run alone) and which were rejected; each
-result is compared with the honest output by the kind's own `compare`. Per scenario it
-prints shards, wrong results accepted, honest results wrongly rejected, effective
-replication (tasks run per shard, overall and over the second half of the job, after the
-nodes earned trust) and throughput. The last line is
+Afterwards the coordinator's database says which results were accepted (credit granted:
+in the winning group, or a trusted node's result run alone, even if a recheck later found
+it wrong) and which were rejected; each result, and each shard's rows of the job's final
+result, is compared with the honest output by the kind's own `compare`. Per scenario it
+prints shards, wrong results accepted, wrong shards in the final result, honest results
+wrongly rejected, effective replication (tasks run per shard, overall and over the
+second half of the job, after the nodes earned trust) and throughput; for the patient
+liar also the time from its first disagreement to its last shard run alone, and to the
+first extra replica of a shard it decided alone. The last line is
 `wrong_accepted_noncolluding: N wrong_accepted_colluding: P% wrong_accepted_intermittent: Q%
-honest_rejected: M replication_honest: R`, P and Q as shares of the wrong results those
-nodes returned, R the honest scenario's replication after warm-up.
+honest_rejected: M replication_honest: R wrong_final: F wrong_accepted_patient: W`, P and
+Q as shares of the wrong results those nodes returned, R the honest scenario's
+replication after warm-up, F the wrong shards in any final result, W the wrong results
+of the pair and the patient liar accepted.
 """
 
 from __future__ import annotations
@@ -60,6 +71,9 @@ LIE_NOISE = 1e-3
 INTERMITTENT_RATE = 0.1
 STOP_RATE = 0.05
 CHEATS = ("random", "zeros", "perturbed", "replay")
+HONEST_FIRST = 100  # tasks a pair member or a patient liar runs honestly first (default)
+PAIR_WAIT_S = 2.0
+PATIENT = ("pair", "patient")
 
 # name: (strategy per node share): the rest of the nodes are honest.
 SCENARIOS: dict[str, list[tuple[str, float]]] = {
@@ -68,7 +82,15 @@ SCENARIOS: dict[str, list[tuple[str, float]]] = {
     "colluding-10%": [("colluding", 0.10)],
     "intermittent-20%": [("intermittent", 0.20)],
     "stops-10%": [("stops", 0.10)],
+    "zeros-10%": [("zeros", 0.10)],
+    "pair": [("pair", 0.0)],
+    "patient": [("patient", 0.0)],
 }
+# Strategies that come as a fixed number of nodes, not a share of the fleet.
+FIXED_COUNT = {"pair": 2, "patient": 1}
+
+# The pair's side channel: (job id, shard index) each member holds now, by node name.
+HELD: dict[str, set[tuple[int, int]]] = {}
 
 
 # -- the worker side ------------------------------------------------------------------------
@@ -84,6 +106,10 @@ def lie(
     match strategy:
         case "honest" | "stops":
             return None
+        case "pair":
+            out = np.roll(honest, 1, axis=1)
+        case "patient":
+            out = gen.standard_normal(honest.shape)
         case "random":
             out = gen.standard_normal(honest.shape)
         case "zeros":
@@ -104,9 +130,11 @@ def make_worker_class() -> type:
     from idlegrid.worker.daemon import RunningTask, Worker
 
     class Adversary(Worker):  # type: ignore[misc]
-        def __init__(self, settings: Any, strategy: str, seed: int) -> None:
+        def __init__(self, settings: Any, strategy: str, seed: int, honest_first: int) -> None:
             super().__init__(settings)
+            self.honest_first = honest_first
             self.strategy = strategy
+            self.done = 0
             self.rng = random.Random(seed)
             self.history: list[np.ndarray] = []
 
@@ -122,9 +150,32 @@ def make_worker_class() -> type:
         async def _compute(self, task: RunningTask) -> bytes:
             honest_bytes = await super()._compute(task)
             honest = vectors_kind.parse(honest_bytes)
-            wrong = lie(self.strategy, honest, self.rng, self.history)
+            self.done += 1
+            strategy = self.strategy
+            if strategy in PATIENT and self.done <= self.honest_first:
+                strategy = "honest"
+            if strategy == "pair" and not await self._partner_holds(task):
+                strategy = "honest"
+            wrong = lie(strategy, honest, self.rng, self.history)
             self.history = (self.history + [honest])[-20:]
             return honest_bytes if wrong is None else vectors_kind.to_npy(wrong)
+
+        async def _partner_holds(self, task: RunningTask) -> bool:
+            shard = (task.assign.job_id, task.assign.shard_index)
+            mine = HELD.setdefault(self.settings.name, set())
+            mine.add(shard)
+            try:
+                deadline = time.monotonic() + PAIR_WAIT_S
+                while True:
+                    others = [s for name, s in HELD.items() if name != self.settings.name]
+                    if any(shard in held for held in others):
+                        return True
+                    if time.monotonic() > deadline:
+                        return False
+                    await asyncio.sleep(0.02)
+            finally:
+                # Held a little longer, so the partner still sees it while it decides.
+                asyncio.get_running_loop().call_later(PAIR_WAIT_S * 2, mine.discard, shard)
 
     return Adversary
 
@@ -147,6 +198,7 @@ async def serve_nodes(spec: dict[str, Any]) -> None:
             ),
             node["strategy"],
             node["seed"],
+            spec["honest_first"],
         )
         for node in spec["nodes"]
     ]
@@ -167,6 +219,13 @@ class Tally:
     returned_wrong: Counter[str] = field(default_factory=Counter)
     accepted_wrong: Counter[str] = field(default_factory=Counter)
     honest_rejected: int = 0
+    wrong_final: int = 0  # shards whose rows in the job's final result are wrong
+    # The patient liar: seconds from its first disagreement to its last shard claimed
+    # alone (0: none after), how many it claimed alone after, and seconds to the first
+    # extra replica of a shard it ran alone (None: no disagreement seen).
+    suspension_s: float | None = None
+    alone_after: int = 0
+    first_replica_s: float | None = None
     failed: str = ""
 
     @property
@@ -193,8 +252,16 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
     out = Tally(shards=sum(1 for s in shards.values() if s[2] == "done"), seconds=seconds)
     half = len(shards) // 2
     honest_cache: dict[int, bytes] = {}
-    for task_id, shard_id, output_hash, outcome, name in db.execute(
-        "SELECT tasks.id, shard_id, output_hash, outcome, nodes.name FROM tasks "
+
+    def honest(idx: int, count: int) -> bytes:
+        if idx not in honest_cache:
+            honest_cache[idx] = vectors_kind.to_npy(
+                vectors_kind.compute(idx * SHARD_SIZE, count, 0)
+            )
+        return honest_cache[idx]
+
+    for task_id, shard_id, output_hash, outcome, credit, name in db.execute(
+        "SELECT tasks.id, shard_id, output_hash, outcome, credit, nodes.name FROM tasks "
         "JOIN nodes ON nodes.id = tasks.node_id WHERE tasks.job_id = ? "
         "AND tasks.state = 'completed'",
         (job_id,),
@@ -203,22 +270,88 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
         out.tasks += 1
         if idx >= half:
             out.tasks_late_half += 1
-        if idx not in honest_cache:
-            honest = vectors_kind.compute(idx * SHARD_SIZE, count, 0)
-            honest_cache[idx] = vectors_kind.to_npy(honest)
-        right = kind.compare(honest_cache[idx], blobs.read(output_hash), params) == Verdict.AGREE
+        output = blobs.read(output_hash)
+        right = kind.compare(honest(idx, count), output, params) == Verdict.AGREE
         strategy = strategies[name]
         if not right:
             out.returned_wrong[strategy] += 1
-            if outcome == "valid":
+            # Accepted: valid now, or credited once (a lone result is credited when its
+            # node passes a later check; a recheck that finds it wrong takes the credit
+            # back but leaves the task's credit at 0, not empty).
+            if outcome == "valid" or credit is not None:
                 out.accepted_wrong[strategy] += 1
             if canonical == task_id:
                 out.wrong_shards += 1
         elif outcome == "invalid":
             out.honest_rejected += 1
     out.shards_late_half = sum(1 for s in shards.values() if s[0] >= half and s[2] == "done")
+    out.wrong_final = wrong_in_final(db, blobs, job_id, shards, honest)
+    patient_timing(db, job_id, strategies, out)
     db.close()
     return out
+
+
+def wrong_in_final(
+    db: sqlite3.Connection,
+    blobs: BlobStore,
+    job_id: int,
+    shards: dict[int, tuple[Any, ...]],
+    honest: Any,
+) -> int:
+    """Shards whose rows in the job's final result differ from the honest ones."""
+    (result_hash,) = db.execute("SELECT result_hash FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    if result_hash is None:
+        return 0
+    kind = get_kind("vectors")
+    params = kind.parse_params({"items": 1, "shard_size": SHARD_SIZE})
+    rows = vectors_kind.parse(blobs.read(result_hash))
+    wrong = 0
+    for idx, count, _, _ in shards.values():
+        part = vectors_kind.to_npy(rows[idx * SHARD_SIZE : idx * SHARD_SIZE + count])
+        wrong += kind.compare(honest(idx, count), part, params) != Verdict.AGREE
+    return wrong
+
+
+def patient_timing(
+    db: sqlite3.Connection, job_id: int, strategies: dict[str, str], out: Tally
+) -> None:
+    """How fast the patient liar stopped running shards alone once it was first caught.
+
+    Its first disagreement: the earliest moment one of its results that ended invalid
+    and another node's result of that shard were both in.
+    """
+    names = [name for name, strategy in strategies.items() if strategy == "patient"]
+    if not names:
+        return
+    marks = ",".join("?" * len(names))
+    caught = db.execute(
+        f"SELECT MIN(MAX(mine.finished_at, (SELECT MIN(other.finished_at) FROM tasks other "
+        f"WHERE other.shard_id = mine.shard_id AND other.id != mine.id "
+        f"AND other.state = 'completed'))) FROM tasks mine JOIN nodes ON nodes.id = "
+        f"mine.node_id WHERE mine.job_id = ? AND mine.outcome = 'invalid' "
+        f"AND nodes.name IN ({marks})",
+        (job_id, *names),
+    ).fetchone()[0]
+    if caught is None:
+        return
+    alone = db.execute(
+        f"SELECT COUNT(*), MAX(tasks.assigned_at) FROM tasks JOIN shards ON shards.id = "
+        f"tasks.shard_id JOIN nodes ON nodes.id = tasks.node_id WHERE tasks.job_id = ? "
+        f"AND shards.mode IN ('alone', 'spot') AND tasks.assigned_at > ? "
+        f"AND nodes.name IN ({marks})",
+        (job_id, caught, *names),
+    ).fetchone()
+    out.alone_after = alone[0]
+    out.suspension_s = max(0.0, (alone[1] or caught) - caught)
+    first = db.execute(
+        f"SELECT MIN(extra.assigned_at) FROM tasks extra JOIN shards ON shards.id = "
+        f"extra.shard_id WHERE extra.job_id = ? AND shards.mode = 'escalated' "
+        f"AND extra.created_at >= ? AND EXISTS (SELECT 1 FROM tasks mine JOIN nodes ON "
+        f"nodes.id = mine.node_id WHERE mine.shard_id = extra.shard_id "
+        f"AND nodes.name IN ({marks}))",
+        (job_id, caught, *names),
+    ).fetchone()[0]
+    out.first_replica_s = None if first is None else first - caught
 
 
 # -- one scenario -----------------------------------------------------------------------------
@@ -227,7 +360,7 @@ def tally(data_dir: Path, job_id: int, strategies: dict[str, str], seconds: floa
 def strategies_for(scenario: str, nodes: int, rng: random.Random) -> list[str]:
     mix: list[str] = []
     for strategy, share in SCENARIOS[scenario]:
-        mix += [strategy] * max(1, round(share * nodes))
+        mix += [strategy] * FIXED_COUNT.get(strategy, max(1, round(share * nodes)))
     mix += ["honest"] * (nodes - len(mix))
     rng.shuffle(mix)
     return mix
@@ -242,6 +375,7 @@ def run_scenario(
     root: Path,
     timeout: float,
     adaptive_after: int | None = None,
+    honest_first: int = HONEST_FIRST,
 ) -> Tally:
     rng = random.Random(seed)
     plan = strategies_for(scenario, nodes, rng)
@@ -254,12 +388,16 @@ def run_scenario(
     with LocalGrid(
         root, heartbeat_s=2.0, node_timeout_s=8.0, min_lease_s=30.0, extra_env=env
     ) as grid:
-        specs: list[dict[str, Any]] = [{"server": grid.url, "nodes": []} for _ in range(PROCESSES)]
+        specs: list[dict[str, Any]] = [
+            {"server": grid.url, "nodes": [], "honest_first": honest_first}
+            for _ in range(PROCESSES)
+        ]
         strategies: dict[str, str] = {}
         for i, strategy in enumerate(plan):
             name = f"{strategy}-{i:03d}"
             strategies[name] = strategy
-            specs[i % PROCESSES]["nodes"].append(
+            # The pair shares one process: its side channel is that process's memory.
+            specs[0 if strategy == "pair" else i % PROCESSES]["nodes"].append(
                 {
                     "name": name,
                     "strategy": strategy,
@@ -307,12 +445,21 @@ def run_scenario(
 def report(scenario: str, t: Tally) -> None:
     wrong = sum(t.returned_wrong.values())
     accepted = sum(t.accepted_wrong.values())
+    timing = ""
+    if t.suspension_s is not None:
+        replica = "none" if t.first_replica_s is None else f"{t.first_replica_s:.2f} s"
+        timing = (
+            f"  caught -> last alone claim {t.suspension_s:.2f} s ({t.alone_after} after), "
+            f"-> first extra replica {replica}"
+        )
     print(
         f"{scenario:<17} shards {t.shards:>5}  wrong returned {wrong:>5}  "
-        f"wrong accepted {accepted:>4} (shards {t.wrong_shards})  "
+        f"wrong accepted {accepted:>4} (final result: {t.wrong_final})  "
         f"honest rejected {t.honest_rejected:>3}  replication {t.replication:.3f} "
         f"(2nd half {t.replication_after_warmup:.3f})  "
-        f"{t.shards / t.seconds:.1f} shards/s" + (f"  FAILED: {t.failed}" if t.failed else ""),
+        f"{t.shards / t.seconds:.1f} shards/s"
+        + timing
+        + (f"  FAILED: {t.failed}" if t.failed else ""),
         flush=True,
     )
 
@@ -335,6 +482,12 @@ def main() -> None:
         help="the coordinator's streak before a node runs alone (default: its own)",
     )
     parser.add_argument(
+        "--honest-first",
+        type=int,
+        default=HONEST_FIRST,
+        help="tasks a pair member or a patient liar runs honestly before it lies",
+    )
+    parser.add_argument(
         "--keep",
         type=Path,
         default=None,
@@ -347,7 +500,8 @@ def main() -> None:
         return
     print(
         f"{args.nodes} nodes, {args.shards} shards of {SHARD_SIZE} vectors per scenario, "
-        f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}; "
+        f"seed {args.seed}, adaptive_after {args.adaptive_after or 'default'}, "
+        f"honest_first {args.honest_first}; "
         f"{os.cpu_count()} CPUs",
         flush=True,
     )
@@ -363,6 +517,7 @@ def main() -> None:
                 root=root,
                 timeout=args.timeout,
                 adaptive_after=args.adaptive_after,
+                honest_first=args.honest_first,
             )
         report(scenario, results[scenario])
     total = Counter[str]()
@@ -381,7 +536,9 @@ def main() -> None:
         f"{pct(accepted['intermittent'], total['intermittent']):.2f}% "
         f"honest_rejected: {rejected} "
         f"replication_honest: "
-        f"{honest.replication_after_warmup if honest else float('nan'):.3f}"
+        f"{honest.replication_after_warmup if honest else float('nan'):.3f} "
+        f"wrong_final: {sum(t.wrong_final for t in results.values())} "
+        f"wrong_accepted_patient: {sum(accepted[s] for s in PATIENT)}"
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import json
 import threading
@@ -11,16 +12,18 @@ import pytest
 from pydantic import ValidationError
 
 from idlegrid.kinds import get_kind
-from idlegrid.kinds.base import Cancelled, InputError, RunContext, ShardSpec, Verdict
+from idlegrid.kinds.base import Cancelled, InputError, RunContext, ShardSpec, Verdict, WrongOutput
 from idlegrid.kinds.embed_text import (
     COSINE_AGREE,
     EMBEDDING_DIM,
     MODEL_PARAMETERS,
     EmbedTextKind,
     EmbedTextParams,
+    _low_precision,
     embed_reference,
     embeddings_to_npy,
     estimate_tokens,
+    load_model,
     parse_embeddings,
     row_cosines,
     texts_to_jsonl,
@@ -190,6 +193,23 @@ def test_check_output_refuses_bad_outputs(output: bytes, message: str) -> None:
         KIND.check_output(_payload(["a", "b"]), output, DEFAULT)
 
 
+@pytest.mark.parametrize(
+    ("output", "message"),
+    [
+        (embeddings_to_npy(np.full((2, EMBEDDING_DIM), np.nan, np.float32)), "NaN"),
+        (embeddings_to_npy(np.zeros((2, EMBEDDING_DIM), np.float32)), "zeros"),
+        (embeddings_to_npy(np.full((2, EMBEDDING_DIM), 384**-0.5, np.float32)), "one value"),
+        (embeddings_to_npy(np.vstack([_unit_rows(1), np.zeros((1, 384), np.float32)])), "zeros"),
+    ],
+)
+def test_check_output_calls_nan_zeros_and_constants_lies(output: bytes, message: str) -> None:
+    # Well formed, but no honest run returns them: judged as wrong results, not errors.
+    with pytest.raises(WrongOutput, match=message):
+        KIND.check_output(_payload(["a", "b"]), output, DEFAULT)
+    with pytest.raises(WrongOutput, match=message):
+        KIND.check_output(_payload(["a", "b"]), output, EmbedTextParams(normalize=False))
+
+
 def test_check_output_allows_any_length_without_normalize() -> None:
     output = embeddings_to_npy(_unit_rows(2) * 3)
     KIND.check_output(_payload(["a", "b"]), output, EmbedTextParams(normalize=False))
@@ -276,11 +296,32 @@ def test_compare_and_noise(batched_64: bytes) -> None:
         noise = rng.standard_normal(embeddings.shape).astype(np.float32) * scale
         return embeddings_to_npy(embeddings + noise)
 
-    # Measured (benchmarks/calibrate_embed.py): sigma 1e-5 per component moves cosines by
-    # ~2e-8, inside 1 - COSINE_AGREE = 1e-6; sigma 1e-4 by ~2e-6 and sigma 3e-3 by ~2e-3.
-    assert KIND.compare(batched_64, noisy(1e-5), DEFAULT) is Verdict.AGREE
-    assert KIND.compare(batched_64, noisy(1e-4), DEFAULT) is Verdict.DISAGREE
+    def relative(scale: float) -> bytes:
+        noise = rng.standard_normal(embeddings.shape) * scale
+        out = embeddings * (1 + noise)
+        return embeddings_to_npy(
+            (out / np.linalg.norm(out, axis=1, keepdims=True)).astype(np.float32)
+        )
+
+    # Measured (benchmarks/calibrate_embed.py): honest runs differ by 1 - cos <= 3.5e-13;
+    # sigma 1e-7 per component moves cosines by ~2e-12, inside 1 - COSINE_AGREE = 1e-10;
+    # sigma 3e-6 by ~2e-9, noise of 1e-4 relative to each value by ~7e-9.
+    assert KIND.compare(batched_64, noisy(1e-7), DEFAULT) is Verdict.AGREE
+    assert KIND.compare(batched_64, noisy(3e-6), DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(batched_64, relative(1e-4), DEFAULT) is Verdict.DISAGREE
+    assert KIND.compare(batched_64, relative(1e-3), DEFAULT) is Verdict.DISAGREE
     assert KIND.compare(batched_64, noisy(3e-3), DEFAULT) is Verdict.DISAGREE
+
+
+@pytest.mark.slow
+def test_float16_arithmetic_disagrees(batched_64: bytes) -> None:
+    # Computed in float16, then normalized in float64 and stored as float32: the values
+    # have low mantissa bits (no structural tell); the cosine (~1e-6 off) catches it.
+    half = copy.deepcopy(load_model("cpu")).half()  # the shared model stays float32
+    raw = np.asarray(half.encode(TEXTS, batch_size=64, normalize_embeddings=False), np.float64)
+    out = (raw / np.linalg.norm(raw, axis=1, keepdims=True)).astype(np.float32)
+    assert not _low_precision(out)
+    assert KIND.compare(batched_64, embeddings_to_npy(out), DEFAULT) is Verdict.DISAGREE
 
 
 @pytest.mark.slow
@@ -288,9 +329,10 @@ def test_low_precision_output_disagrees(batched_64: bytes) -> None:
     embeddings = parse_embeddings(batched_64)
     half = embeddings.astype(np.float16).astype(np.float32)
     bf16 = (embeddings.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
-    # Half-precision rounding moves cosines by only ~3e-8, inside 1 - COSINE_AGREE: the
-    # precision check, not the cosine, catches it.
-    assert row_cosines(embeddings, half).min() > COSINE_AGREE
+    # Half-precision rounding moves cosines by ~3e-8: the cosine catches it, and so does
+    # the structural check (every value exactly a 16-bit float), whatever the threshold.
+    assert row_cosines(embeddings, half).min() < COSINE_AGREE
+    assert _low_precision(half) and _low_precision(bf16) and not _low_precision(embeddings)
     assert KIND.compare(batched_64, embeddings_to_npy(half), DEFAULT) is Verdict.DISAGREE
     assert KIND.compare(batched_64, embeddings_to_npy(bf16), DEFAULT) is Verdict.DISAGREE
     # Two low-precision results of the same computation still agree with each other.

@@ -50,3 +50,24 @@ def test_lying_workers_are_caught_their_work_redone_and_unpaid(tmp_path: Path) -
         ).fetchall()
     )
     assert all(accounts[f"volunteer-{name}"] == 0.0 for name in liars)
+
+
+@pytest.mark.slow
+def test_a_liar_honest_until_trusted_gets_no_wrong_result_into_a_job(tmp_path: Path) -> None:
+    adversarial = _adversarial()
+    tally = adversarial.run_scenario(
+        "patient",
+        shards=150,
+        nodes=8,
+        seed=0,
+        root=tmp_path,
+        timeout=600,
+        adaptive_after=5,
+        honest_first=15,
+    )
+    assert tally.failed == ""
+    assert tally.returned_wrong["patient"] > 0  # it did lie, once trusted
+    assert tally.wrong_final == 0 and tally.honest_rejected == 0
+    assert tally.accepted_wrong["patient"] <= 1
+    # Caught once, it ran nothing alone again.
+    assert tally.suspension_s is not None and tally.alone_after == 0

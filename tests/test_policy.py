@@ -220,3 +220,184 @@ def test_score_sums_priority_and_saturating_age() -> None:
     assert scheduler.score(
         CPU_ONLY, _task(1, priority=3, age_s=10), now=NOW, weights=weights
     ) == pytest.approx(sum(terms.values()))
+
+
+# -- the verifier with suspended nodes and colluders -----------------------------------------
+
+TRUSTED = 1 - 0.2 / 81  # a node that passed 80 checks in a row
+NEW = 0.8
+
+
+# (results, credibility, min_credibility, dispute_margin, canonical, valid, invalid)
+CREDIBLE_DECISIONS = [
+    (
+        # A suspended node's agreeing result used to multiply its 0 into the only group.
+        "suspended-agreeing-node-left-out",
+        _results((1, "a"), (2, "a"), (3, "a"), (4, "a")),
+        {1: 0.0, 2: 0.9975, 3: 0.9975, 4: 0.9975},
+        0.95,
+        1,
+        2,
+        (2, 3, 4),
+        (),
+    ),
+    (
+        "suspended-dissenter-is-invalid",
+        _results((1, "b"), (2, "a"), (3, "a"), (4, "a")),
+        {1: 0.0, 2: 0.9975, 3: 0.9975, 4: 0.9975},
+        0.95,
+        1,
+        2,
+        (2, 3, 4),
+        (1,),
+    ),
+    (
+        "quorum-not-reachable-without-the-suspended-node",
+        _results((1, "a"), (2, "a")),
+        {1: 0.0, 2: 0.9975},
+        0.95,
+        1,
+        None,
+        (),
+        (),
+    ),
+    (
+        "only-suspended-nodes",
+        _results((1, "a"), (2, "a")),
+        {1: 0.0, 2: 0.0},
+        0.95,
+        1,
+        None,
+        (),
+        (),
+    ),
+    (
+        "caught-node-still-votes-with-little-weight",
+        _results((1, "a"), (2, "a"), (3, "a")),
+        {1: 0.4, 2: NEW, 3: NEW},
+        0.95,
+        1,
+        None,  # 0.4 * 0.8 * 0.8 against the rest: below 0.95
+        (),
+        (),
+    ),
+    (
+        "two-trusted-colluders-against-one-trusted-honest-no-margin",
+        _results((1, "x"), (2, "x"), (3, "a")),
+        {1: TRUSTED, 2: TRUSTED, 3: TRUSTED},
+        0.95,
+        0,
+        1,  # credibility alone believes the pair
+        (1, 2),
+        (3,),
+    ),
+    (
+        "two-trusted-colluders-need-a-margin-of-2",
+        _results((1, "x"), (2, "x"), (3, "a")),
+        {1: TRUSTED, 2: TRUSTED, 3: TRUSTED},
+        0.95,
+        2,
+        None,
+        (),
+        (),
+    ),
+    (
+        "honest-replicas-settle-the-dispute",
+        _results((1, "x"), (2, "x"), (3, "a"), (4, "a"), (5, "a"), (6, "a"), (7, "a")),
+        {1: TRUSTED, 2: TRUSTED, 3: TRUSTED, 4: NEW, 5: NEW, 6: NEW, 7: NEW},
+        0.95,
+        2,
+        3,
+        (3, 4, 5, 6, 7),
+        (1, 2),
+    ),
+    (
+        # With trust capped at a new node's in a dispute, 4 against 2 gives 0.94.
+        "four-against-two-is-not-yet-enough",
+        _results((1, "x"), (2, "x"), (3, "a"), (4, "a"), (5, "a"), (6, "a")),
+        {1: TRUSTED, 2: TRUSTED, 3: TRUSTED, 4: NEW, 5: NEW, 6: NEW},
+        0.95,
+        2,
+        None,
+        (),
+        (),
+    ),
+    (
+        "an-honest-majority-of-two-over-a-random-liar",
+        _results((1, "a"), (2, "z"), (3, "a"), (4, "a"), (5, "a")),
+        {1: NEW, 2: NEW, 3: NEW, 4: NEW, 5: NEW},
+        0.95,
+        2,
+        1,
+        (1, 3, 4, 5),
+        (2,),
+    ),
+    (
+        "no-dispute-no-margin",
+        _results((1, "a"), (2, "a")),
+        {1: TRUSTED, 2: TRUSTED},
+        0.95,
+        2,
+        1,
+        (1, 2),
+        (),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("results", "credibility", "min_credibility", "margin", "canonical", "valid", "invalid"),
+    [row[1:] for row in CREDIBLE_DECISIONS],
+    ids=[row[0] for row in CREDIBLE_DECISIONS],
+)
+def test_decide_with_credibility(
+    results: list[tuple[int, bytes]],
+    credibility: dict[int, float],
+    min_credibility: float,
+    margin: int,
+    canonical: int | None,
+    valid: tuple[int, ...],
+    invalid: tuple[int, ...],
+) -> None:
+    decision = verifier.decide(
+        results,
+        _compare,
+        min_quorum=2,
+        credibility=credibility,
+        min_credibility=min_credibility,
+        dispute_margin=margin,
+        dispute_credibility=NEW if margin else 1.0,
+    )
+    assert (decision.canonical, decision.valid, decision.invalid) == (canonical, valid, invalid)
+
+
+def test_an_undecided_dispute_names_the_outnumbered_as_suspects() -> None:
+    results = _results((1, "a"), (2, "z"), (3, "a"))
+    cred = {1: TRUSTED, 2: TRUSTED, 3: TRUSTED}
+    decision = verifier.decide(
+        results,
+        _compare,
+        min_quorum=2,
+        credibility=cred,
+        min_credibility=0.95,
+        dispute_margin=2,
+        dispute_credibility=NEW,
+    )
+    assert decision.canonical is None and decision.suspects == (2,)
+    tie = verifier.decide(
+        _results((1, "a"), (2, "z")),
+        _compare,
+        min_quorum=2,
+        credibility=cred,
+        min_credibility=0.95,
+        dispute_margin=2,
+        dispute_credibility=NEW,
+    )
+    assert tie.canonical is None and tie.suspects == ()  # a tie names nobody
+
+
+def test_invalid_results_that_agree_are_named_colluding() -> None:
+    results = _results((1, "x"), (2, "x"), (3, "a"), (4, "a"), (5, "a"), (6, "a"), (7, "z"))
+    decision = verifier.decide(results, _compare, min_quorum=2, dispute_margin=2)
+    assert decision.canonical == 3 and decision.invalid == (1, 2, 7)
+    assert decision.colluding == ((1, 2),)  # 7 is wrong on its own

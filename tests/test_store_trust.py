@@ -153,7 +153,7 @@ async def test_a_spot_check_replica_is_for_trusted_nodes_only(store: SqlStore) -
     store.trust = TrustSettings(adaptive_after=5)  # ...and now none is
     assert await _claim(store, kept.task_id, second) is ClaimMiss.CONFLICT
     # Escalated (the check disagreed), the replica is anyone's again.
-    assert await store.escalate(claim.shard_id, target=3, quorum=2)
+    assert await store.escalate(claim.shard_id, target=3, quorum=2, now=T0 + 2)
     assert isinstance(await _claim(store, kept.task_id, second), Assignment)
 
 

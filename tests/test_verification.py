@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import Api, bearer
 from helpers import NODE_WS, SocketNode
@@ -20,6 +21,7 @@ from starlette.testclient import TestClient
 
 from idlegrid.coordinator.app import create_app
 from idlegrid.coordinator.grid import Grid
+from idlegrid.kinds import vectors
 from idlegrid.kinds.sleep import _digest
 from idlegrid.policy import credit
 from idlegrid.settings import CoordinatorSettings
@@ -58,12 +60,14 @@ class Fleet:
         self.api, self.stack = api, stack
         self.nodes: dict[str, tuple[SocketNode, int]] = {}
 
-    def join(self, name: str, *, account: str | None = None) -> SocketNode:
+    def join(
+        self, name: str, *, account: str | None = None, kinds: tuple[str, ...] = ("sleep",)
+    ) -> SocketNode:
         token = self.api.token(account=account or f"volunteer-{name}", kind="node")
         node = SocketNode(
             self.api, self.stack.enter_context(self.api.client.websocket_connect(NODE_WS)), token
         )
-        welcome = node.join(key=f"node-key-{name}")
+        welcome = node.join(key=f"node-key-{name}", kinds=kinds)
         self.nodes[name] = (node, welcome["node_id"])
         return node
 
@@ -172,8 +176,9 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
         honest = [fleet.join(f"h{i}") for i in range(4)]
         # Round 0, all new: two honest nodes against the liar give 0.76, three 0.93,
         # four 0.98 (replication 2 needs 0.94). Round 1: the honest nodes have passed a
-        # check (0.9) and the liar was caught (0.4): two honest nodes decide it.
-        for helpers in (honest, honest[:2]):
+        # check, but a dispute counts each as a new node (0.8) and the liar was caught
+        # (0.4): two honest nodes give 0.91, three 0.975 and a lead of 2.
+        for helpers in (honest, honest[:3]):
             job = api.submit(researcher, kind="sleep", params={"tasks": 1})
             _answer(liar, FORGED)
             for node in helpers:
@@ -196,9 +201,9 @@ def test_repeated_invalid_results_suspend_the_node_and_flag_its_account(
 
 
 def _warm_up(nodes: list[SocketNode]) -> None:
-    """Two shards: all three new nodes are needed for the first (0.985); after it each
-    has passed a check (0.9), and two that agree decide the second (0.988)."""
-    for node in (*nodes, *nodes[:2]):
+    """Two shards, each waiting for all three replicas; after them each node has passed
+    two checks."""
+    for node in (*nodes, *nodes):
         node.ready()
         task = node.expect("assign")
         node.result(task["task_id"], _digest(task["shard_index"]))
@@ -214,24 +219,38 @@ def test_trusted_nodes_run_shards_alone(tmp_path: Path) -> None:
         nodes = [fleet.join(name) for name in ("a", "b", "c")]
         warmup = api.submit(researcher, kind="sleep", params={"tasks": 2})
         _warm_up(nodes)
-        assert api.job(researcher, warmup["id"])["effective_replication"] == 2.5
+        assert api.job(researcher, warmup["id"])["effective_replication"] == 3.0
         assert fleet.trust("a")["runs_alone"]
 
         job = api.submit(researcher, kind="sleep", params={"tasks": 1})
-        _answer(nodes[0], _digest(0))  # a trusted node's first replica: alone
+        alone = nodes[0].take()  # a trusted node's first replica: alone
         nodes[1].ready()
         nodes[1].sync()  # the other replicas were withdrawn
-        done = api.job(researcher, job["id"])
-        assert done["state"] == "completed" and done["effective_replication"] == 1.0
-        # An unchecked result earns credit but not a longer streak (it was no check).
+        nodes[0].result(alone["task_id"], _digest(0))
+        nodes[0].expect("result_ack", status="accepted")
+        # An unchecked result does not lengthen the streak (it was no check), and its
+        # credit is pending until the node passes a check after it.
         assert fleet.trust("a")["consecutive_valid"] == 2
         assert fleet.trust("a")["valid"] == 3
+        shard_credit = credit.credit_for(1e6)
+        assert fleet.info("a")["credit_total"] == pytest.approx(2 * shard_credit)
+        # "a" passed no check since its lone result: before the job is released, a
+        # second trusted node checks it (the waiting node gets that spot check).
+        assert api.job(researcher, job["id"])["state"] == "running"
+        audit = nodes[1].expect("assign")
+        assert audit["shard_index"] == 0
+        nodes[1].result(audit["task_id"], _digest(0))
+        nodes[1].expect("result_ack", status="accepted")
+        done = api.job(researcher, job["id"])
+        assert done["state"] == "completed" and done["effective_replication"] == 2.0
+        assert _grid(api).counters.alone["audited"] == 1
+        assert fleet.info("a")["credit_total"] == pytest.approx(3 * shard_credit)
 
 
 def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(
     tmp_path: Path,
 ) -> None:
-    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=1.0)
+    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=1.0, double_check_rate=0.0)
     with _api(settings) as api, contextlib.ExitStack() as stack:
         fleet = Fleet(api, stack)
         _grid(api).random.random = lambda: 0.0  # type: ignore[method-assign]
@@ -247,12 +266,15 @@ def test_a_spot_check_that_disagrees_sends_the_shard_back_to_full_replication(
         newcomer.sync()  # the spot check is for a trusted node only
         _answer(nodes[1], _digest(0))  # the spot check disagrees: full replication again
         assert _grid(api).counters.alone["escalated"] == 1
-        # The newcomer asked before: it gets the replica the escalation added. With it,
-        # two against the cheat are not enough (0.79); the third node decides it (0.97).
+        # The newcomer asked before: it gets the replica the escalation added. In a
+        # dispute every node counts as a new one (0.8): two against the cheat are not
+        # enough, nor three (0.93); a fourth decides it (0.98, a lead of 3).
         task = newcomer.expect("assign")
         newcomer.result(task["task_id"], _digest(0))
         newcomer.expect("result_ack", status="accepted")
         _answer(nodes[2], _digest(0))
+        assert api.job(researcher, job["id"])["state"] == "running"
+        _answer(fleet.join("fourth"), _digest(0))
         done = api.job(researcher, job["id"])
         assert done["state"] == "completed"
         trust = fleet.trust("a")
@@ -288,3 +310,117 @@ def test_a_late_result_is_checked_against_the_canonical_one(api: Api, fleet: Fle
     trust = fleet.trust("slow")
     assert trust["valid"] == 1 and trust["errors"] == 1  # the missed deadline, then a pass
     assert fleet.info("slow")["credit_total"] > 0
+
+
+def _offer(node: SocketNode) -> dict[str, Any] | None:
+    """Ask for one task; the assignment, or None once the coordinator had none for it."""
+    node.ready()
+    node.ws.send_text("sync")
+    got = None
+    while True:
+        message = node.recv()
+        if message["type"] == "assign":
+            got = message
+        elif message["type"] == "error":
+            return got
+
+
+def test_zeros_are_a_lie_not_an_error(api: Api, fleet: Fleet) -> None:
+    researcher = api.token(account="alice")
+    job = api.submit(researcher, kind="vectors", params={"items": 2, "shard_size": 2})
+    liar = fleet.join("liar", kinds=("vectors",))
+    task = liar.take()
+    liar.result(task["task_id"], vectors.to_npy(np.zeros((2, vectors.DIM), np.float32)))
+    liar.expect("result_ack", status="accepted")  # told as little as any outvoted node
+    trust = fleet.trust("liar")
+    assert (trust["invalid"], trust["errors"], trust["consecutive_valid"]) == (1, 0, 0)
+    honest = vectors.to_npy(vectors.compute(0, 2, 0))
+    for name in ("h1", "h2", "h3"):  # the shard still gets its three replicas
+        node = fleet.join(name, kinds=("vectors",))
+        node.result(node.take()["task_id"], honest)
+        node.expect("result_ack", status="accepted")
+    assert api.job(researcher, job["id"])["state"] == "completed"
+    result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+    assert result.content == honest
+    assert fleet.info("liar")["credit_total"] == 0.0
+
+
+def test_a_caught_node_loses_alone_running_at_once_and_its_lone_shards_are_redone(
+    tmp_path: Path,
+) -> None:
+    settings = _settings(tmp_path, adaptive_after=2, spot_check_rate=0.0)
+    with _api(settings) as api, contextlib.ExitStack() as stack:
+        fleet = Fleet(api, stack)
+        _grid(api).random.random = lambda: 0.0  # type: ignore[method-assign]
+        researcher = api.token(account="alice")
+        nodes = [fleet.join(name) for name in ("a", "b", "c")]
+        api.submit(researcher, kind="sleep", params={"tasks": 2})
+        _warm_up(nodes)
+        assert fleet.trust("a")["runs_alone"]
+        honest = [*nodes[1:], fleet.join("d"), fleet.join("e")]
+
+        job = api.submit(researcher, kind="sleep", params={"tasks": 2})
+        for _ in range(2):  # "a" runs both shards alone, and lies on both
+            task = nodes[0].take()
+            nodes[0].result(
+                task["task_id"], json.dumps({"digest": f"forged-{task['shard_index']}"}).encode()
+            )
+            nodes[0].expect("result_ack", status="accepted")
+        assert fleet.trust("a")["runs_alone"]  # nothing checked it yet
+        # The job is held: "a" passed no check since, so its latest lone shard is
+        # spot-checked by a trusted node first.
+        audit = _offer(honest[0])
+        assert audit is not None and audit["shard_index"] == 1
+        honest[0].result(audit["task_id"], _digest(1))
+        honest[0].expect("result_ack", status="accepted")
+        # The check disagreed: in that same pass "a" stopped running alone, and the other
+        # shard it decided alone was opened again.
+        assert not fleet.trust("a")["runs_alone"]
+        shards = api.job(researcher, job["id"])["shards"]
+        assert [shard["state"] for shard in shards] == ["open", "open"]
+        assert api.job(researcher, job["id"])["state"] == "running"
+        for _ in range(4):  # honest replicas settle both shards
+            for node in honest:
+                task = _offer(node)
+                if task is not None:
+                    node.result(task["task_id"], _digest(task["shard_index"]))
+                    node.expect("result_ack", status="accepted")
+        done = api.job(researcher, job["id"])
+        assert done["state"] == "completed"
+        result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
+        assert json.loads(result.content) == [json.loads(_digest(i)) for i in range(2)]
+        trust = fleet.trust("a")
+        assert trust["invalid"] == 2 and not trust["runs_alone"]
+        # The credit its lies earned while accepted alone was taken back: what is left
+        # is the warm-up's two checked results.
+        assert fleet.info("a")["credit_total"] == pytest.approx(2 * credit.credit_for(1e6))
+
+
+def test_accounts_wrong_together_the_same_way_are_flagged(api: Api, fleet: Fleet) -> None:
+    researcher = api.token(account="alice")
+    pair = [fleet.join("c1"), fleet.join("c2")]
+    honest = [fleet.join(f"h{i}") for i in range(5)]
+    for _ in range(2):  # two jobs: the pair returns the same wrong answer for each
+        job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+        index = None
+        for node in pair:
+            task = node.take()
+            index = task["shard_index"]
+            node.result(task["task_id"], json.dumps({"digest": f"ours-{index}"}).encode())
+            node.expect("result_ack", status="accepted")
+        # Two against one: a dispute; every node counts as new and the winner needs a
+        # lead of 2: five honest nodes against the new pair decide it (0.98), four
+        # against the pair once it was caught (0.4 each).
+        for node in honest:
+            if api.job(researcher, job["id"])["state"] == "completed":
+                break
+            task = _offer(node)
+            assert task is not None and task["shard_index"] == index
+            node.result(task["task_id"], _digest(index))
+            node.expect("result_ack", status="accepted")
+        assert api.job(researcher, job["id"])["state"] == "completed"
+    for name in ("volunteer-c1", "volunteer-c2"):
+        me = api.client.get("/v1/me", headers=bearer(api.token(account=name))).json()
+        assert me["flagged"] and "collusion" in me["flag_reason"]
+    honest_me = api.client.get("/v1/me", headers=bearer(api.token(account="volunteer-h0")))
+    assert not honest_me.json()["flagged"]

@@ -65,7 +65,8 @@ class CoordinatorSettings:
     # Trust (policy.trust.TrustSettings): see docs/verification.md for the figures.
     prior_bad_fraction: float = 0.2
     adaptive_after: int = 80
-    spot_check_rate: float = 0.1
+    spot_check_rate: float = 0.08
+    double_check_rate: float = 0.5
     min_credibility: float = 0.95
     initial_daily_quota: int = 50
     suspend_after_invalids: int = 3
@@ -157,6 +158,7 @@ class CoordinatorSettings:
             prior_bad_fraction=self.prior_bad_fraction,
             adaptive_after=self.adaptive_after,
             spot_check_rate=self.spot_check_rate,
+            double_check_rate=self.double_check_rate,
             min_credibility=self.min_credibility,
             initial_daily_quota=self.initial_daily_quota,
             suspend_after_invalids=self.suspend_after_invalids,

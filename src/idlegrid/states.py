@@ -60,7 +60,8 @@ _ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
     },
     ShardState: {
         ShardState.OPEN: frozenset({ShardState.DONE, ShardState.FAILED, ShardState.CANCELLED}),
-        ShardState.DONE: frozenset(),
+        # Decided by a node alone that was then caught lying: replicated again.
+        ShardState.DONE: frozenset({ShardState.OPEN}),
         ShardState.FAILED: frozenset(),
         ShardState.CANCELLED: frozenset(),
     },

@@ -11,7 +11,7 @@ from idlegrid.broker import Broker
 from idlegrid.store.base import ReadyTask
 
 
-def _entry(task_id: int, *, job_id: int = 1, priority: int = 0) -> ReadyTask:
+def _entry(task_id: int, *, job_id: int = 1, priority: int = 0, urgent: bool = False) -> ReadyTask:
     return ReadyTask(
         task_id=task_id,
         shard_id=100 + task_id,
@@ -21,6 +21,7 @@ def _entry(task_id: int, *, job_id: int = 1, priority: int = 0) -> ReadyTask:
         created_at=1000.5 + task_id,
         items=3,
         cost_flops=2e9,
+        urgent=urgent,
     )
 
 
@@ -38,6 +39,21 @@ async def test_ready_queue_is_oldest_first_and_idempotent(broker: Broker) -> Non
     assert await broker.ready_count() == 3
     assert await broker.ready_candidates(limit=10) == [_entry(2, priority=3), _entry(5), _entry(9)]
     assert [e.task_id for e in await broker.ready_candidates(limit=2)] == [2, 5]
+
+
+async def test_urgent_entries_come_first_oldest_first(broker: Broker) -> None:
+    await broker.push_ready([_entry(i) for i in range(1, 5)])
+    await broker.push_ready([_entry(12, urgent=True), _entry(10, urgent=True)])
+    await broker.push_ready([_entry(11, urgent=True), _entry(5)])
+    ids = [e.task_id for e in await broker.ready_candidates(limit=10)]
+    assert ids == [10, 11, 12, 1, 2, 3, 4, 5]
+    assert [e.task_id for e in await broker.ready_candidates(limit=2)] == [10, 11]
+    assert (await broker.ready_candidates(limit=1))[0].urgent
+    await broker.discard([10, 3])
+    assert await broker.ready_count() == 6
+    await broker.replace_ready([_entry(9, urgent=True)])  # a rebuild keeps the lanes
+    ids = [e.task_id for e in await broker.ready_candidates(limit=10)]
+    assert ids == [9, 11, 12, 1, 2, 4, 5]
 
 
 async def test_discard_removes_entries(broker: Broker) -> None:

@@ -14,8 +14,10 @@ from idlegrid.store.base import ReadyTask
 
 class MemoryBroker:
     def __init__(self) -> None:
-        # Kept in task id order (ids grow, so mostly by insertion): oldest first.
+        # Kept in task id order (ids grow, so mostly by insertion): oldest first. Urgent
+        # entries (`ReadyTask.urgent`) come before all others.
         self._ready: dict[int, ReadyTask] = {}
+        self._urgent: dict[int, ReadyTask] = {}
         self._built = False
         self._seen: dict[int, float] = {}
         self._owners: dict[int, str] = {}
@@ -23,34 +25,43 @@ class MemoryBroker:
         self._leases: dict[str, tuple[str, float]] = {}  # name -> holder, until (monotonic)
 
     async def push_ready(self, entries: Sequence[ReadyTask]) -> None:
-        newest = next(reversed(self._ready), 0)
-        in_order = True
+        unsorted: set[bool] = set()
         for entry in entries:
-            if entry.task_id not in self._ready:
-                in_order = in_order and entry.task_id > newest
-                newest = max(newest, entry.task_id)
-                self._ready[entry.task_id] = entry
-        if not in_order:
-            self._ready = dict(sorted(self._ready.items()))  # rare: keep oldest first
+            if entry.task_id in self._ready or entry.task_id in self._urgent:
+                continue
+            lane = self._urgent if entry.urgent else self._ready
+            if lane and entry.task_id < next(reversed(lane)):
+                unsorted.add(entry.urgent)
+            lane[entry.task_id] = entry
+        if True in unsorted:  # rare: keep oldest first
+            self._urgent = dict(sorted(self._urgent.items()))
+        if False in unsorted:
+            self._ready = dict(sorted(self._ready.items()))
 
     async def ready_candidates(self, *, limit: int) -> list[ReadyTask]:
-        out = []
-        for entry in self._ready.values():
-            out.append(entry)
+        out: list[ReadyTask] = []
+        for entry in (*self._urgent.values(), *self._ready.values()):
             if len(out) >= limit:
                 break
+            out.append(entry)
         return out
 
     async def discard(self, task_ids: Iterable[int]) -> None:
         for task_id in task_ids:
             self._ready.pop(task_id, None)
+            self._urgent.pop(task_id, None)
 
     async def ready_count(self) -> int:
-        return len(self._ready)
+        return len(self._ready) + len(self._urgent)
 
     async def replace_ready(self, entries: Sequence[ReadyTask]) -> None:
-        merged = {**{entry.task_id: entry for entry in entries}, **self._ready}
-        self._ready = dict(sorted(merged.items()))
+        merged = {
+            **{entry.task_id: entry for entry in entries},
+            **self._ready,
+            **self._urgent,
+        }
+        self._urgent = {t: e for t, e in sorted(merged.items()) if e.urgent}
+        self._ready = {t: e for t, e in sorted(merged.items()) if not e.urgent}
         self._built = True
 
     async def needs_rebuild(self) -> bool:

@@ -2,7 +2,8 @@
 
 Keys (all under one prefix, so grids or test runs can share a Redis server):
 
-    {prefix}ready           sorted set of ready task ids, scored by id (oldest first)
+    {prefix}ready           sorted set of ready task ids, scored by id (oldest first;
+                            urgent entries below every id, so they come first)
     {prefix}ready:entries   hash: task id -> the ReadyTask as JSON
     {prefix}ready:built     marker: the queue was filled from the SQL store
     {prefix}presence        sorted set of node ids, scored by the last time each was heard from
@@ -37,6 +38,15 @@ _CHUNK = 5000
 _POOL_CONNECTIONS = 100
 _POOL_WAIT_S = 10.0
 _RESUBSCRIBE_S = 1.0
+
+# An urgent entry's score is its id less this: below every plain entry, still in id order
+# among urgent ones, and exact in a double (ids stay far below 2^52).
+_URGENT_OFFSET = float(2**52)
+
+
+def _score(entry: ReadyTask) -> float:
+    return entry.task_id - _URGENT_OFFSET if entry.urgent else float(entry.task_id)
+
 
 # Oldest `limit` entries in one round trip.
 _CANDIDATES = """
@@ -106,7 +116,7 @@ class RedisBroker:
                     self._entries,
                     mapping={str(e.task_id): json.dumps(dataclasses.asdict(e)) for e in chunk},
                 )
-                pipe.zadd(self._ready, {str(e.task_id): e.task_id for e in chunk})
+                pipe.zadd(self._ready, {str(e.task_id): _score(e) for e in chunk})
                 await pipe.execute()
 
     async def ready_candidates(self, *, limit: int) -> list[ReadyTask]:

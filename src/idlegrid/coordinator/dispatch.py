@@ -177,7 +177,9 @@ class Dispatcher:
             candidates.append(self._matcher.candidate(entry, plan, now=now))
         view = session.view_now(reliability=node_reliability(session))
         ranked = scheduler.rank(view, candidates, now=now, weights=self._matcher.weights)
-        return {entry.task_id: entry for entry in entries}, ranked
+        by_id = {entry.task_id: entry for entry in entries}
+        # Replicas that check a caught node's work first, whatever the score (stable).
+        return by_id, sorted(ranked, key=lambda c: not by_id[c.task_id].urgent)
 
     def _note_claim(
         self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float
@@ -232,7 +234,10 @@ class Dispatcher:
         if not trust_policy.may_run_alone(claim.trust, trust, draw=draw.random()):
             return
         spot = trust_policy.needs_spot_check(trust, draw=draw.random())
-        dropped = await self._ctx.store.run_alone(claim.shard_id, claim.task_id, spot_check=spot)
+        checkers = trust_policy.spot_checkers(trust, draw=draw.random())
+        dropped = await self._ctx.store.run_alone(
+            claim.shard_id, claim.task_id, spot_check=spot, checkers=checkers
+        )
         if dropped:
             await self._ctx.broker.discard(dropped)
             self._ctx.counters.alone["spot" if spot else "alone"] += 1

@@ -22,6 +22,7 @@ from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import Plans
 from idlegrid.coordinator.verification import Verification, compute
+from idlegrid.kinds import WrongOutput
 from idlegrid.store.base import NewResult, ResultReceipt, TaskInput
 
 log = logging.getLogger(__name__)
@@ -145,10 +146,15 @@ class ResultPath:
         inputs = await store.task_inputs([m.task_id for m in msgs], session.node_id)
         receipts: dict[int, ResultReceipt] = {}  # index in msgs -> receipt
         good: list[int] = []
+        lies: dict[int, str] = {}  # task id -> why its output cannot be right
         finished: list[int] = []  # tasks the node no longer holds once this commits
         failed = False
         for index, msg in enumerate(msgs):
-            problem = await self._check_output(msg, inputs.get(msg.task_id))
+            try:
+                problem = await self._check_output(msg, inputs.get(msg.task_id))
+            except WrongOutput as exc:
+                lies[msg.task_id] = str(exc)
+                problem = None  # stored like any result, then judged a lie
             if problem is None:
                 good.append(index)
                 continue
@@ -175,6 +181,10 @@ class ResultPath:
             receipts[index] = receipt
             if receipt.status != "rejected":
                 finished.append(msgs[index].task_id)
+            if receipt.status != "rejected" and msgs[index].task_id in lies:
+                # Before the verifier sees its shard: the lie never votes.
+                await self._verification.reject(msgs[index].task_id, lies[msgs[index].task_id])
+                failed = True  # its shard needs another replica
             if receipt.status == "accepted" and receipt.shard_id is not None:
                 to_verify.append(receipt.shard_id)
             elif receipt.status == "late" and not receipt.reason:
@@ -224,6 +234,8 @@ class ResultPath:
         try:
             size = len(payload) + len(output)
             await compute(plan.kind.check_output, payload, output, plan.params, size=size)
+        except WrongOutput:
+            raise  # a lie, not a malformed result: see _take_results
         except ValueError as exc:
             return str(exc)
         return None

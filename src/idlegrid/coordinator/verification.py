@@ -23,6 +23,7 @@ from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import Verdict
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy import verifier
+from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
 
 log = logging.getLogger(__name__)
@@ -89,8 +90,10 @@ class Verification:
             if outcome.job_done or (outcome.decided and self._rounds.drives(plan.kind)):
                 to_assemble[item.job.id] = None
             elif not outcome.decided:
-                await self._undecided(item, plan)
+                await self._undecided(item, plan, decision)
                 short = True
+            # A node caught lying had what it decided alone opened again (store.recheck).
+            short = short or bool(decision.invalid)
         for job_id in to_assemble:
             await self.assemble(job_id)
         if short:
@@ -98,6 +101,12 @@ class Verification:
 
     async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
         blobs, trust = self._ctx.blobs, self._ctx.settings.trust
+        shard = found.shard
+        if shard.mode != "alone" and shard.live_tasks and len(found.results) < shard.target:
+            # A replicated or spot-checked shard waits for all the results it asked for
+            # (a backup copy of a straggler may stand in for one): two colluders that
+            # answer first must not decide it before the node they could not choose.
+            return verifier.Decision(canonical=None, valid=(), invalid=())
         outputs = [(r.task_id, blobs.read(r.output_hash)) for r in found.results]
         credibility = {r.task_id: trust_policy.credibility(r.trust, trust) for r in found.results}
         return await compute(
@@ -110,27 +119,43 @@ class Verification:
                     if found.shard.mode == "alone"
                     else trust_policy.required_credibility(trust, plan.replication)
                 ),
+                dispute_margin=trust.dispute_margin,
+                dispute_credibility=1.0 - trust.prior_bad_fraction,
             ),
             outputs,
             lambda a, b: plan.kind.compare(a, b, plan.params),
             size=sum(len(output) for _, output in outputs),
         )
 
-    async def _undecided(self, found: ShardForVerify, plan: JobPlan) -> None:
+    async def _undecided(
+        self, found: ShardForVerify, plan: JobPlan, decision: verifier.Decision
+    ) -> None:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
+        if decision.suspects:  # outnumbered in a dispute: alone no more, at once
+            await store.suspect(decision.suspects, now=self._ctx.clock())
+            self._ctx.counters.alone["suspected"] += len(decision.suspects)
         # The spot check disagreed (or the lone node lost its credibility): back to full
         # replication; the quorum then says who was wrong.
         if (
             shard.mode in ("alone", "spot")
             and len(found.results) >= shard.target
-            and await store.escalate(shard.id, target=plan.replication, quorum=plan.min_quorum)
+            and await store.escalate(
+                shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
+            )
         ):
             self._ctx.counters.alone["escalated"] += 1
         elif shard.quorum == 1 and len(found.results) >= shard.target:
             # A lone result without the credibility to stand (its node was caught or
             # suspended meanwhile): one more replica, as BOINC raises a target.
             await store.raise_target(shard.id, results_seen=len(found.results))
+
+    async def reject(self, task_id: int, why: str) -> None:
+        """A stored result that cannot be right (NaN, zeros, a constant): invalid, as if
+        outvoted, with all that follows for its node (`store.recheck`)."""
+        log.info("task %s returned a wrong output: %s", task_id, why)
+        await self._ctx.store.judge_late(task_id, agrees=False, now=self._ctx.clock())
+        self._ctx.counters.verified["wrong_output"] += 1
 
     async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
         """Check results that came after their shard was decided against its canonical
@@ -140,6 +165,7 @@ class Verification:
         """
         store, blobs = self._ctx.store, self._ctx.blobs
         late = await store.late_results(limit=limit, task_ids=task_ids)
+        caught = False
         for result in late:
             plan = await self._plans.get(result.job_id)
             agrees = False
@@ -150,14 +176,25 @@ class Verification:
                 agrees = verdict == Verdict.AGREE
             await store.judge_late(result.task_id, agrees=agrees, now=self._ctx.clock())
             self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
+            caught = caught or not agrees
+        if caught:
+            await self._leases.replenish()  # what the caught node decided alone reopened
         return len(late)
 
     async def _shard_decided(
         self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
     ) -> None:
-        """After a decision committed: cancel the shard's other replicas, count verdicts."""
+        """After a decision committed: cancel the shard's other replicas, count verdicts,
+        flag accounts whose nodes were wrong together."""
         await self._fanout.send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
+        if outcome.decided and decision.colluding:
+            flagged = await self._ctx.store.flag_colluders(
+                decision.colluding, now=self._ctx.clock()
+            )
+            if flagged:
+                log.warning("accounts %s flagged: wrong together, the same way", flagged)
+                self._ctx.counters.verified["colluders_flagged"] += len(flagged)
 
     def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
         # The store marks results only for the decision that won (or an undecided one).
@@ -175,14 +212,33 @@ class Verification:
             await self._rounds.progress(job_id)
             return
         store = self._ctx.store
+        shards = await store.list_shards(job_id)
+        if any(shard.state != ShardState.DONE for shard in shards):
+            return  # a shard was opened again (its lone node was caught) meanwhile
+        if await self._hold_for_audit(job_id):
+            return
         hashes = await store.canonical_outputs(job_id)
-        inputs = [shard.input_hash for shard in await store.list_shards(job_id)]
+        inputs = [shard.input_hash for shard in shards]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
         if await store.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
         await self._fanout.job_ended(job_id)
+
+    async def _hold_for_audit(self, job_id: int) -> bool:
+        """Hold a job back while a node that decided some of its shards alone has passed
+        no check since: its latest such shard is spot-checked first (the job completes
+        when that check agrees; if it disagrees, the node's lone shards are replicated).
+        A lie told alone at the end of a job thus never reaches the researcher."""
+        store = self._ctx.store
+        unvouched = await store.unvouched_alone(job_id)
+        if not unvouched:
+            return False
+        ready = await store.audit(unvouched, now=self._ctx.clock())
+        self._ctx.counters.alone["audited"] += len(ready)
+        await self._fanout.enqueue(ready)
+        return True
 
     def _assemble(
         self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]

@@ -11,6 +11,7 @@ from idlegrid.kinds.base import (
     ShardSpec,
     TaskKind,
     Verdict,
+    WrongOutput,
 )
 from idlegrid.kinds.diloco import DilocoKind
 from idlegrid.kinds.embed_text import EmbedTextKind
@@ -50,6 +51,7 @@ __all__ = [
     "KINDS",
     "Cancelled",
     "InputError",
+    "WrongOutput",
     "KindParams",
     "Requirements",
     "RunContext",

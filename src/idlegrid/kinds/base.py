@@ -22,6 +22,11 @@ class InputError(ValueError):
     """A researcher's input cannot be used; the message says why (and where)."""
 
 
+class WrongOutput(InputError):
+    """A node's output is well formed but cannot be the right answer (NaN, all zeros, one
+    value repeated): a lie, judged like a result that was outvoted, not a failure to run."""
+
+
 class Verdict(enum.StrEnum):
     """Outcome of comparing two results of one shard."""
 

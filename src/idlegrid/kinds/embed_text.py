@@ -32,7 +32,9 @@ from idlegrid.kinds.base import (
     ShardSpec,
     TaskKind,
     Verdict,
+    WrongOutput,
 )
+from idlegrid.kinds.lies import degenerate
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -45,11 +47,12 @@ MAX_TOKENS = 256
 # Lowest per-row cosine similarity at which two results of one shard count as the same.
 # Measured by benchmarks/calibrate_embed.py (docs/verification.md): honest float32 runs
 # on CPU (1 or 2 threads, batches of 1 to 128, any batch order, even float64 arithmetic)
-# differ by 1 - cos <= 4e-13; cheats start at 2e-6 (noise of 1e-4, bfloat16 output or
-# arithmetic, weights perturbed by 0.1%). 1e-6 leaves six orders of magnitude for honest
-# GPUs in float32 (TF32 is switched off on the worker) and catches every cheat measured
-# but float16 rounding of the output (2.7e-8), which `_low_precision` catches instead.
-COSINE_AGREE = 1.0 - 1e-6
+# differ by 1 - cos <= 3.5e-13; the closest cheat measured, noise of 1e-4 relative to
+# each value, sits at 6.6e-9 (float16 output rounding 2.7e-8, float16 arithmetic 1.2e-6,
+# relative noise of 1e-3 6.9e-7). 1e-10 sits between, about 300x above the honest CPU
+# spread (room for honest float32 GPUs; TF32 is switched off on the worker) and 66x
+# below the closest cheat. `_low_precision` still catches 16-bit output structurally.
+COSINE_AGREE = 1.0 - 1e-10
 # With `normalize`, an honest row has unit length up to float32 rounding.
 _UNIT_NORM_TOLERANCE = 1e-3
 _NPY_MAGIC = b"\x93NUMPY"
@@ -133,6 +136,9 @@ class EmbedTextKind(TaskKind):
             raise InputError(
                 f"output has {embeddings.shape[0]} embeddings for {expected_rows} texts"
             )
+        problem = degenerate(embeddings)
+        if problem:
+            raise WrongOutput(problem)
         if params.normalize:
             norms = np.linalg.norm(embeddings.astype(np.float64), axis=1)
             if np.any(np.abs(norms - 1.0) > _UNIT_NORM_TOLERANCE):
@@ -284,8 +290,6 @@ def parse_embeddings(output: bytes) -> np.ndarray:
         raise InputError(f"output must be float32, got {embeddings.dtype}")
     if embeddings.ndim != 2 or embeddings.shape[1] != EMBEDDING_DIM:
         raise InputError(f"output must have shape (n, {EMBEDDING_DIM}), got {embeddings.shape}")
-    if not np.all(np.isfinite(embeddings)):
-        raise InputError("output contains NaN or infinite values")
     return embeddings
 
 

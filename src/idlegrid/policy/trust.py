@@ -20,8 +20,12 @@ class TrustSettings:
     # its wrong answers through (it reaches 10 in a row 35% of the time, then runs
     # alone); 80 keeps them near 0.2% (docs/verification.md, benchmarks/adversarial.py).
     adaptive_after: int = 80
-    # Share of unreplicated results checked by a second, trusted node anyway.
-    spot_check_rate: float = 0.1
+    # Share of unreplicated results checked by a second, trusted node anyway; never 0
+    # for a node however long its streak (docs/verification.md has the bound).
+    spot_check_rate: float = 0.08
+    # Share of spot checks made by two trusted nodes, not one: a colluder drawn as the
+    # only checker of its partner's shard cannot tell whether an honest one comes too.
+    double_check_rate: float = 0.5
     # The credibility a quorum needs (Sarmenta 2002): 0.95 takes three new nodes that
     # agree, or two that have each passed a check; two new colluders (0.94) are not
     # enough. Jobs with less replication need at most what their replicas can give.
@@ -32,6 +36,15 @@ class TrustSettings:
     # Invalid results within `invalid_window` results that suspend the node.
     suspend_after_invalids: int = 3
     invalid_window: int = 50
+    # When results of a shard disagree, the winner must outnumber the rest by this
+    # many nodes, each counted as a new node whatever its trust (policy.verifier).
+    dispute_margin: int = 2
+    # A node caught lying: the shards it decided alone this long before are replicated
+    # again (and open ones at once), unless their job's result was already released.
+    recheck_window_s: float = 86_400.0
+    # Two accounts whose nodes were wrong together, the same way, in this many shards
+    # are flagged as colluders (honest nodes are almost never outvoted at all).
+    collusion_flag_after: int = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +98,12 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
         daily_quota=max(1, trust.daily_quota // 2),
         suspended=trust.suspended or recent >= settings.suspend_after_invalids,
     )
+
+
+def after_suspected(trust: Trust) -> Trust:
+    """A spot check of a result this node ran alone disagreed: until the quorum says who
+    lied, the node runs nothing alone (its streak starts again; nothing is counted)."""
+    return dataclasses.replace(trust, consecutive_valid=0)
 
 
 def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
@@ -156,3 +175,8 @@ def may_run_alone(trust: Trust, settings: TrustSettings, *, draw: float) -> bool
 def needs_spot_check(settings: TrustSettings, *, draw: float) -> bool:
     """Whether an unreplicated result is checked by a second, trusted node."""
     return draw < settings.spot_check_rate
+
+
+def spot_checkers(settings: TrustSettings, *, draw: float) -> int:
+    """How many trusted nodes check a spot-checked shard: one, or two."""
+    return 2 if draw < settings.double_check_rate else 1

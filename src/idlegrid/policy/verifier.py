@@ -14,6 +14,12 @@ class Decision:
     valid: tuple[int, ...]
     invalid: tuple[int, ...]
     fail_reason: str | None = None
+    # Undecided for a dispute: the results outnumbered by the largest group. Their nodes
+    # run nothing alone until the dispute is settled (they may be lying right now).
+    suspects: tuple[int, ...] = ()
+    # Decided: invalid results that agree with each other (two or more). Independent
+    # wrong answers differ; the same wrong answer from several nodes was arranged.
+    colluding: tuple[tuple[int, ...], ...] = ()
 
 
 def decide(
@@ -23,6 +29,8 @@ def decide(
     min_quorum: int,
     credibility: Mapping[int, float] | None = None,
     min_credibility: float = 0.0,
+    dispute_margin: int = 0,
+    dispute_credibility: float = 1.0,
 ) -> Decision:
     """Pick a canonical result once enough results, and enough credibility, agree.
 
@@ -34,33 +42,64 @@ def decide(
     let two colluders outvote one honest node; credibility makes new or caught nodes
     count for little. The winner's earliest member is canonical; results that disagree
     with it are invalid; inconclusive ones are neither.
+
+    A result whose credibility is 0 (its node is suspended) is left out of the vote: it
+    neither counts towards a quorum nor weighs on the posterior (a factor of 0 would
+    sink every group it agrees with); it is invalid if it disagrees with the winner.
+    `dispute_margin`: when voters disagree, the winner must outnumber the largest
+    group outside it by this much (0: the largest group wins, ties as above), and every
+    voter's credibility counts for at most `dispute_credibility`. Credibility assumes
+    nodes err independently; trusted colluders are not independent, and a dispute
+    among trusted nodes shows that some trust was misplaced: then only the number of
+    nodes, which colluders cannot choose, settles it.
     """
     if min_quorum < 1:
         raise ValueError("min_quorum must be at least 1")
-    if not results:
-        return Decision(canonical=None, valid=(), invalid=())
-    groups = _groups(results, compare)
     cred = {task_id: (credibility or {}).get(task_id, 1.0) for task_id, _ in results}
-    posterior = group_posteriors([[results[i][0] for i in g] for g in groups], cred)
+    voters = [(task_id, output) for task_id, output in results if cred[task_id] > 0.0]
+    if not voters:
+        return Decision(canonical=None, valid=(), invalid=())
+    groups = _groups(voters, compare)
+    disputed = any(
+        compare(voters[g[0]][1], voters[h[0]][1]) == Verdict.DISAGREE
+        for g in groups
+        for h in groups
+        if g is not h
+    )
+    if disputed:
+        cred = {task: min(c, dispute_credibility) for task, c in cred.items()}
+    posterior = group_posteriors([[voters[i][0] for i in g] for g in groups], cred)
     ranked = sorted(
         range(len(groups)), key=lambda g: (-len(groups[g]), -posterior[g], groups[g][0])
     )
     best = groups[ranked[0]]
-    if len(best) < min_quorum or (
-        credibility is not None and posterior[ranked[0]] < min_credibility
+    rival = max((len(set(groups[g]) - set(best)) for g in ranked[1:]), default=0)
+    if (
+        len(best) < min_quorum
+        or (rival and len(best) - rival < dispute_margin)
+        or (credibility is not None and posterior[ranked[0]] < min_credibility)
     ):
-        return Decision(canonical=None, valid=(), invalid=())
-    canonical_output = results[best[0]][1]
+        leader = voters[best[0]][1]
+        suspects = tuple(
+            task_id
+            for task_id, output in voters
+            if disputed and len(best) > rival and compare(leader, output) == Verdict.DISAGREE
+        )
+        return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
+    canonical_task, canonical_output = voters[best[0]]
+    winners = {voters[j][0] for j in best}
+    # A non-voter that agrees is neither: it checked nobody (judged later as late).
     invalid = tuple(
         task_id
-        for j, (task_id, output) in enumerate(results)
-        if j not in best and compare(canonical_output, output) == Verdict.DISAGREE
+        for task_id, output in results
+        if task_id not in winners and compare(canonical_output, output) == Verdict.DISAGREE
     )
-    return Decision(
-        canonical=results[best[0]][0],
-        valid=tuple(results[j][0] for j in best),
-        invalid=invalid,
+    valid = tuple(task_id for task_id, _ in results if task_id in winners)
+    wrong = [(task_id, output) for task_id, output in results if task_id in invalid]
+    colluding = tuple(
+        tuple(wrong[i][0] for i in group) for group in _groups(wrong, compare) if len(group) > 1
     )
+    return Decision(canonical=canonical_task, valid=valid, invalid=invalid, colluding=colluding)
 
 
 def _groups(

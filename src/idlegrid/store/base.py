@@ -186,6 +186,9 @@ class ReadyTask:
     created_at: float
     items: int
     cost_flops: float
+    # A replica of a shard sent back to full replication (a node was caught lying):
+    # ahead of everything else in the queue, so the check comes before more work.
+    urgent: bool = False
 
 
 @dataclass(frozen=True)
@@ -545,17 +548,40 @@ class DispatchStore(Protocol):
         """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
         ...
 
-    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+    async def run_alone(
+        self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
+    ) -> list[int]:
         """Let the first replica of a shard run unreplicated (adaptive replication).
 
-        With `spot_check`, one other replica stays, for a trusted node only. Returns the
+        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
         ready tasks cancelled (to drop from the queue); none if another replica was
         handed out meanwhile (then the shard stays fully replicated).
         """
         ...
 
-    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
-        """Send a shard run alone back to full replication (a spot check disagreed)."""
+    async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
+        """Send a shard run alone back to full replication (a spot check disagreed); its
+        lone node runs nothing alone until it passes checks again."""
+        ...
+
+    async def suspect(self, task_ids: Sequence[int], *, now: float) -> None:
+        """These results are outnumbered in a dispute, or failed a spot check: their
+        nodes run nothing alone for now, and what they run or decided alone is
+        replicated again (`ledger.suspect`)."""
+        ...
+
+    async def flag_colluders(self, groups: Sequence[Sequence[int]], *, now: float) -> list[int]:
+        """Groups of wrong results that agreed: flag the accounts that were wrong together
+        often enough (`store.collusion`); the accounts flagged now."""
+        ...
+
+    async def unvouched_alone(self, job_id: int) -> list[int]:
+        """Per node that decided shards of the job alone, its latest one, if the node
+        passed no check since (`store.recheck.unvouched_alone`)."""
+        ...
+
+    async def audit(self, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+        """Open decided lone shards again for a spot check each; the new ready tasks."""
         ...
 
     async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
@@ -649,7 +675,8 @@ class VerificationStore(Protocol):
         ...
 
     async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
-        """Record whether a late result agreed with its shard's canonical one."""
+        """Record whether a late result agreed with its shard's canonical one (or, with
+        `agrees=False`, that any unjudged result is wrong)."""
         ...
 
 

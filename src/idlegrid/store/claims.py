@@ -215,9 +215,10 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
 
 
 async def run_alone(
-    conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool
+    conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
 ) -> list[int]:
-    """Let a trusted node's first replica decide the shard alone (or with one spot check).
+    """Let a trusted node's first replica decide the shard alone (or with a spot check by
+    `checkers` trusted nodes: two make a colluding checker meet an honest one).
 
     Returns the ready tasks of the shard it cancelled; nothing when another replica is
     already out or the shard's mode was already set.
@@ -235,7 +236,7 @@ async def run_alone(
             ),
         )
         .values(
-            target=2 if spot_check else 1,
+            target=1 + checkers if spot_check else 1,
             quorum=2 if spot_check else 1,
             mode="spot" if spot_check else "alone",
         )
@@ -253,9 +254,9 @@ async def run_alone(
         .scalars()
         .all()
     )
-    keep, drop = (ready[:1], ready[1:]) if spot_check else ([], ready)
+    keep, drop = (ready[:checkers], ready[checkers:]) if spot_check else ([], ready)
     if keep:
-        await conn.execute(update(tasks).where(tasks.c.id == keep[0]).values(trusted_only=True))
+        await conn.execute(update(tasks).where(tasks.c.id.in_(keep)).values(trusted_only=True))
     if drop:
         await conn.execute(
             update(tasks)
@@ -271,8 +272,30 @@ async def run_alone(
     return drop
 
 
-async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> bool:
-    """A shard run alone (or spot-checked) goes back to full replication."""
+async def escalate(
+    conn: AsyncConnection,
+    shard_id: int,
+    *,
+    target: int,
+    quorum: int,
+    trust: TrustSettings,
+    now: float,
+) -> bool:
+    """A shard run alone (or spot-checked) goes back to full replication, and its lone
+    node stops running alone at once (`ledger.suspect`), in the same transaction."""
+    lone = (
+        (
+            await conn.execute(
+                select(tasks.c.id).where(
+                    tasks.c.shard_id == shard_id,
+                    tasks.c.state == TaskState.COMPLETED.value,
+                    tasks.c.trusted_only.is_(False),  # the spot check's task is trusted-only
+                )
+            )
+        )
+        .scalars()
+        .all()
+    )
     changed = await conn.execute(
         update(shards)
         .where(
@@ -289,6 +312,8 @@ async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum:
             .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
             .values(trusted_only=False)
         )
+        for task_id in lone:
+            await ledger.suspect(conn, task_id, settings=trust, now=now)
     return changed.rowcount == 1
 
 

@@ -8,6 +8,7 @@ credit it grants commit together or not at all.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any
 
@@ -19,10 +20,11 @@ from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
-from idlegrid.store import stats
+from idlegrid.store import recheck, stats
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, teams
 
+log = logging.getLogger(__name__)
 DAY_S = 86_400.0
 
 
@@ -115,19 +117,7 @@ async def apply_verdicts(
         return
     rows = (
         await conn.execute(
-            select(
-                tasks.c.id,
-                tasks.c.node_id,
-                tasks.c.backend,
-                tasks.c.credit,
-                nodes.c.account_id,
-                jobs.c.kind,
-                shards.c.cost_flops,
-            )
-            .join(nodes, nodes.c.id == tasks.c.node_id)
-            .join(jobs, jobs.c.id == tasks.c.job_id)
-            .join(shards, shards.c.id == tasks.c.shard_id)
-            .where(tasks.c.id.in_(list(verdict_of)))
+            _VERDICT_ROWS.where(tasks.c.id.in_(list(verdict_of)))
             # One lock order for every transaction: by node (deadlocks are retried anyway).
             .order_by(tasks.c.node_id, tasks.c.id)
         )
@@ -149,11 +139,22 @@ async def apply_verdicts(
             settings=settings,
             now=now,
         )
+    await _take_back(conn, [row for row in rows if verdict_of[row.id] == "invalid"], now=now)
+    # A result a trusted node decided alone earns its credit once the node has passed a
+    # check after it (it is vouched for); until then it is pending, as in BOINC.
+    paying = {
+        row.id: row
+        for row in rows
+        if verdict_of[row.id] == "valid"
+        or (verdict_of[row.id] == "unchecked" and row.mode != "alone")
+    }
+    for row in await _vouched(conn, [row for row in rows if verdict_of[row.id] == "valid"]):
+        paying[row.id] = row
     # Credit: one task update for all, one grant per node and per account.
     earned = [
         (row, credit_policy.credit_for(row.cost_flops))
-        for row in rows
-        if verdict_of[row.id] in ("valid", "unchecked") and row.credit is None
+        for row in paying.values()
+        if row.credit is None
     ]
     if not earned:
         return
@@ -176,6 +177,61 @@ async def apply_verdicts(
     ]
     for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
         await grant(conn, teams, team_id, amount, now=now)
+
+
+_VERDICT_ROWS = (
+    select(
+        tasks.c.id,
+        tasks.c.node_id,
+        tasks.c.backend,
+        tasks.c.credit,
+        tasks.c.finished_at,
+        nodes.c.account_id,
+        jobs.c.kind,
+        shards.c.cost_flops,
+        shards.c.mode,
+    )
+    .join(nodes, nodes.c.id == tasks.c.node_id)
+    .join(jobs, jobs.c.id == tasks.c.job_id)
+    .join(shards, shards.c.id == tasks.c.shard_id)
+)
+
+
+async def _vouched(conn: AsyncConnection, checked: list[Any]) -> list[Any]:
+    """Results these nodes decided alone before the checks they just passed, and that
+    earned no credit yet: the checks vouch for them."""
+    last_check: dict[int, float] = {}
+    for row in checked:
+        last_check[row.node_id] = max(last_check.get(row.node_id, 0.0), row.finished_at or 0.0)
+    found: list[Any] = []
+    for node_id, until in sorted(last_check.items()):
+        found += (
+            await conn.execute(
+                _VERDICT_ROWS.where(
+                    tasks.c.node_id == node_id,
+                    tasks.c.outcome == "valid",
+                    tasks.c.credit.is_(None),
+                    shards.c.mode == "alone",
+                    tasks.c.finished_at <= until,
+                )
+            )
+        ).all()
+    return found
+
+
+async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> None:
+    """Credit granted to results found wrong since (accepted alone, then rechecked) is
+    taken back from their nodes and accounts; the task keeps credit 0 (granted once,
+    never again)."""
+    paid = [row for row in rows if row.credit]
+    if not paid:
+        return
+    await conn.execute(
+        update(tasks).where(tasks.c.id.in_([row.id for row in paid])).values(credit=0.0)
+    )
+    for row in paid:
+        await grant(conn, nodes, row.node_id, -row.credit, now=now)
+        await grant(conn, accounts, row.account_id, -row.credit, now=now)
 
 
 async def _judge_node(
@@ -214,6 +270,51 @@ async def _judge_node(
     )
     if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
         await suspend(conn, node_id, account_id, kind, now=now)
+    if "invalid" in verdicts:
+        # Caught once: whatever it ran or decided alone is replicated again, now.
+        found = await recheck.recheck_node(
+            conn, node_id, kind, backend, window_s=settings.recheck_window_s, now=now
+        )
+        if found.released:
+            log.warning(
+                "node %s was caught lying; %d shard(s) it decided alone belong to jobs "
+                "that already ended: %s",
+                node_id,
+                len(found.released),
+                found.released,
+            )
+
+
+async def suspect(
+    conn: AsyncConnection, task_id: int, *, settings: TrustSettings, now: float
+) -> recheck.Rechecked:
+    """The spot check of a result run alone disagreed: its node stops running alone on
+    that kind and backend, and what it ran or decided alone is replicated again."""
+    row = (
+        await conn.execute(
+            select(tasks.c.node_id, tasks.c.backend, jobs.c.kind)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id == task_id, tasks.c.node_id.is_not(None))
+        )
+    ).first()
+    if row is None:
+        return recheck.Rechecked()
+    backend = row.backend or "cpu"
+    current = await load_trust(
+        conn, row.node_id, row.kind, backend, settings=settings, now=now, for_update=True
+    )
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == row.node_id,
+            node_trust.c.kind == row.kind,
+            node_trust.c.backend == backend,
+        )
+        .values(**_trust_values(trust_policy.after_suspected(current.trust)), updated_at=now)
+    )
+    return await recheck.recheck_node(
+        conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
+    )
 
 
 async def suspend(

@@ -54,6 +54,7 @@ def _candidates_query() -> Any:
             shards.c.cost_flops,
             shards.c.target,
             shards.c.quorum,
+            shards.c.mode,
             jobs.c.max_attempts,
             jobs.c.kind,
             jobs.c.priority,
@@ -142,6 +143,7 @@ async def _insert_tasks(
                 created_at=now,
                 items=row.item_count,
                 cost_flops=row.cost_flops,
+                urgent=row.mode == "escalated",
             )
         )
     return ready

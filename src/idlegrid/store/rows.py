@@ -36,6 +36,7 @@ READY_COLUMNS = (
     jobs.c.priority,
     shards.c.item_count,
     shards.c.cost_flops,
+    shards.c.mode,
 )
 
 # What a node needs to hear of a task it claimed (`assignment`).
@@ -144,6 +145,7 @@ def ready(row: Any) -> ReadyTask:
         created_at=row.created_at,
         items=row.item_count,
         cost_flops=row.cost_flops,
+        urgent=row.mode == "escalated",
     )
 
 

@@ -29,7 +29,16 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, NodeState, TaskState
-from idlegrid.store import accounts, claims, rows, scheduling, verification
+from idlegrid.store import (
+    accounts,
+    audit,
+    claims,
+    collusion,
+    ledger,
+    rows,
+    scheduling,
+    verification,
+)
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import nodes as node_sql
 from idlegrid.store import replenish as replenish_sql
@@ -465,13 +474,41 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
                 )
 
     @_retry_conflicts
-    async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
+    async def run_alone(
+        self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
+    ) -> list[int]:
         async with self._tx() as conn:
-            return await claims.run_alone(conn, shard_id, task_id, spot_check=spot_check)
+            return await claims.run_alone(
+                conn, shard_id, task_id, spot_check=spot_check, checkers=checkers
+            )
 
-    async def escalate(self, shard_id: int, *, target: int, quorum: int) -> bool:
+    async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
         async with self._tx() as conn:
-            return await claims.escalate(conn, shard_id, target=target, quorum=quorum)
+            return await claims.escalate(
+                conn, shard_id, target=target, quorum=quorum, trust=self.trust, now=now
+            )
+
+    @_retry_conflicts
+    async def suspect(self, task_ids: Sequence[int], *, now: float) -> None:
+        async with self._tx() as conn:
+            for task_id in sorted(set(task_ids)):  # one lock order (by task, not node)
+                await ledger.suspect(conn, task_id, settings=self.trust, now=now)
+
+    @_retry_conflicts
+    async def flag_colluders(self, groups: Sequence[Sequence[int]], *, now: float) -> list[int]:
+        async with self._tx() as conn:
+            return await collusion.flag_colluders(
+                conn, groups, flag_after=self.trust.collusion_flag_after, now=now
+            )
+
+    async def unvouched_alone(self, job_id: int) -> list[int]:
+        async with self._read() as conn:
+            return await audit.unvouched_alone(conn, job_id)
+
+    @_retry_conflicts
+    async def audit(self, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+        async with self._tx() as conn:
+            return await audit.audit(conn, shard_ids, now=now)
 
     async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
         async with self._tx() as conn:

@@ -19,7 +19,7 @@ from idlegrid.policy import replication
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import TrustSettings
-from idlegrid.states import ShardState, TaskState
+from idlegrid.states import LIVE_TASK_STATES, ShardState, TaskState
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import (
@@ -100,6 +100,12 @@ async def shards_for_verify(
         assert job is not None
         job_of[job_id] = job
     found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
+    live_query = (
+        select(tasks.c.shard_id, func.count().label("n"))
+        .where(tasks.c.shard_id.in_(ids), tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)))
+        .group_by(tasks.c.shard_id)
+    )
+    live = {row.shard_id: row.n for row in (await conn.execute(live_query)).all()}
     by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
     for r in found:
         by_shard[r.shard_id].append(
@@ -118,7 +124,9 @@ async def shards_for_verify(
         )
     return {
         row.id: ShardForVerify(
-            shard=rows.shard(row), job=job_of[row.job_id], results=by_shard[row.id]
+            shard=rows.shard(row, live=live.get(row.id, 0)),
+            job=job_of[row.job_id],
+            results=by_shard[row.id],
         )
         for row in shard_rows
     }

@@ -1,0 +1,153 @@
+"""SQL of audits: a job is released only when its lone results are vouched for.
+
+A shard decided by one trusted node alone had no second opinion. Before a job
+completes, each node that decided shards of it alone must have passed a check since its
+latest one (`unvouched_alone`): a result that agreed with another node's. If it has not,
+that shard gets a spot check by a trusted node first (`audit`); the job completes when
+the check agrees, and if it disagrees the node's lone shards are replicated again
+(`store.recheck`). Functions over an open connection, in the caller's transaction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from sqlalchemy import func, insert, select, update
+from sqlalchemy.ext.asyncio import AsyncConnection
+
+from idlegrid.states import ShardState, TaskState
+from idlegrid.store import rows
+from idlegrid.store.base import ReadyTask
+from idlegrid.store.schema import jobs, shards, tasks
+
+# Made once (see claims.OTHER): the results of a shard that agreed with each other.
+_AGREEING = tasks.alias("agreeing")
+
+
+async def unvouched_alone(conn: AsyncConnection, job_id: int) -> list[int]:
+    """Per node that decided shards of this job alone, its latest such shard, if the
+    node has passed no check since (a result of its that agreed with another node's).
+
+    An earlier lone result is vouched for by any later check: the node cannot tell
+    which of its shards run alone, nor which result will be checked.
+    """
+    latest = (
+        await conn.execute(
+            select(
+                tasks.c.node_id,
+                func.max(tasks.c.finished_at).label("finished_at"),
+            )
+            .join(shards, shards.c.canonical_task_id == tasks.c.id)
+            .where(
+                shards.c.job_id == job_id,
+                shards.c.mode == "alone",
+                shards.c.state == ShardState.DONE.value,
+            )
+            .group_by(tasks.c.node_id)
+        )
+    ).all()
+    found = []
+    for node_id, finished_at in latest:
+        if not await _checked_since(conn, node_id, finished_at):
+            shard_id = (
+                await conn.execute(
+                    select(shards.c.id)
+                    .join(tasks, tasks.c.id == shards.c.canonical_task_id)
+                    .where(
+                        shards.c.job_id == job_id,
+                        shards.c.mode == "alone",
+                        tasks.c.node_id == node_id,
+                        tasks.c.finished_at == finished_at,
+                    )
+                    .limit(1)
+                )
+            ).scalar_one()
+            found.append(shard_id)
+    return found
+
+
+async def _checked_since(conn: AsyncConnection, node_id: int, since: float) -> bool:
+    """Whether a result of this node that finished at `since` or later agreed with
+    another node's (valid in a shard with two valid results or more)."""
+    agreed = (
+        select(func.count())
+        .where(_AGREEING.c.shard_id == tasks.c.shard_id, _AGREEING.c.outcome == "valid")
+        .scalar_subquery()
+    )
+    query = (
+        select(tasks.c.id)
+        .where(
+            tasks.c.node_id == node_id,
+            tasks.c.outcome == "valid",
+            tasks.c.finished_at >= since,
+            agreed >= 2,
+        )
+        .limit(1)
+    )
+    return (await conn.execute(query)).first() is not None
+
+
+async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+    """Open decided lone shards again for one spot check each, by a trusted node.
+
+    Their result votes again; a check that disagrees escalates the shard like any spot
+    check (`escalate`). The new replicas go to the front of the queue.
+    """
+    if not shard_ids:
+        return []
+    ids = sorted(set(shard_ids))
+    await conn.execute(
+        update(shards)
+        .where(shards.c.id.in_(ids), shards.c.state == ShardState.DONE.value)
+        .values(
+            state=ShardState.OPEN.value,
+            target=2,
+            quorum=2,
+            mode="spot",
+            canonical_task_id=None,
+            output_hash=None,
+            output_size=None,
+            finished_at=None,
+            attempts=shards.c.attempts + 1,
+        )
+    )
+    await conn.execute(
+        update(tasks)
+        .where(
+            tasks.c.shard_id.in_(ids),
+            tasks.c.state == TaskState.COMPLETED.value,
+            tasks.c.outcome == "valid",
+        )
+        .values(outcome=None)
+    )
+    values = [
+        dict(shard_id=shard_id, job_id=job_id, state=TaskState.READY.value, created_at=now)
+        for shard_id, job_id in (
+            await conn.execute(
+                select(shards.c.id, shards.c.job_id)
+                .where(shards.c.id.in_(ids))
+                .order_by(shards.c.id)
+            )
+        ).all()
+    ]
+    created = (
+        (
+            await conn.execute(
+                insert(tasks)
+                .values(trusted_only=True)
+                .returning(tasks.c.id, sort_by_parameter_order=True),
+                values,
+            )
+        )
+        .scalars()
+        .all()
+    )
+    found = await conn.execute(
+        select(*rows.READY_COLUMNS)
+        .join(jobs, jobs.c.id == tasks.c.job_id)
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(tasks.c.id.in_(list(created)))
+        .order_by(tasks.c.id)
+    )
+    return [dataclasses.replace(rows.ready(row), urgent=True) for row in found]
