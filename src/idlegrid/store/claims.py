@@ -222,6 +222,11 @@ async def run_alone(
     Returns the ready tasks of the shard it cancelled; nothing when another replica is
     already out or the shard's mode was already set.
     """
+    if rows.row_locks(conn):
+        # A claim of another replica locks the shard (key share) until it commits; this
+        # lock waits for it, so the check below sees that replica: the shard then stays
+        # replicated, rather than run "alone" on two nodes.
+        await conn.execute(select(shards.c.id).where(shards.c.id == shard_id).with_for_update())
     changed = await conn.execute(
         update(shards)
         .where(
@@ -256,19 +261,29 @@ async def run_alone(
     keep, drop = (ready[:1], ready[1:]) if spot_check else ([], ready)
     if keep:
         await conn.execute(update(tasks).where(tasks.c.id == keep[0]).values(trusted_only=True))
-    if drop:
-        await conn.execute(
-            update(tasks)
-            .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
-            .values(state=TaskState.CANCELLED.value)
+    if not drop:
+        return []
+    # Only what this update cancelled: another node may have claimed one of them since.
+    cancelled = sorted(
+        (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
+                .values(state=TaskState.CANCELLED.value)
+                .returning(tasks.c.id)
+            )
         )
+        .scalars()
+        .all()
+    )
+    if cancelled:
         # Not attempts of the shard after all: its budget stays for real retries.
         await conn.execute(
             update(shards)
             .where(shards.c.id == shard_id)
-            .values(attempts=shards.c.attempts - len(drop))
+            .values(attempts=shards.c.attempts - len(cancelled))
         )
-    return drop
+    return cancelled
 
 
 async def escalate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> bool:

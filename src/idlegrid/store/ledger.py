@@ -8,7 +8,7 @@ credit it grants commit together or not at all.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import bindparam, select, update
@@ -103,12 +103,14 @@ async def apply_verdicts(
     *,
     settings: TrustSettings,
     now: float,
+    credit: bool = True,
 ) -> None:
     """Update the trust of each task's node and grant credit for valid work.
 
     Credit comes from the shard's cost estimate (made by the coordinator when it split
     the job), never from anything the node said. A node whose trust becomes suspended
-    is suspended, and its account flagged.
+    is suspended, and its account flagged. `credit` False: trust only (a result that
+    came after its shard was decided and credited: the work is paid for once).
     """
     verdict_of = dict(verdicts)
     if not verdict_of:
@@ -149,6 +151,8 @@ async def apply_verdicts(
             settings=settings,
             now=now,
         )
+    if not credit:
+        return
     # Credit: one task update for all, one grant per node and per account.
     earned = [
         (row, credit_policy.credit_for(row.cost_flops))
@@ -176,6 +180,43 @@ async def apply_verdicts(
     ]
     for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
         await grant(conn, teams, team_id, amount, now=now)
+
+
+async def withdraw_errors(
+    conn: AsyncConnection, task_ids: Sequence[int], *, settings: TrustSettings, now: float
+) -> None:
+    """Take back the error charged to each task's node when the task expired (it
+    delivered after all: policy.trust.after_error_withdrawn)."""
+    if not task_ids:
+        return
+    found = (
+        await conn.execute(
+            select(tasks.c.node_id, tasks.c.backend, jobs.c.kind)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id.in_(list(task_ids)), tasks.c.node_id.is_not(None))
+            .order_by(tasks.c.node_id, tasks.c.id)  # the lock order of apply_verdicts
+        )
+    ).all()
+    counts: dict[tuple[int, str, str], int] = {}
+    for row in found:
+        key = (row.node_id, row.kind, row.backend or "cpu")
+        counts[key] = counts.get(key, 0) + 1
+    for (node_id, kind, backend), count in counts.items():
+        current = await load_trust(
+            conn, node_id, kind, backend, settings=settings, now=now, for_update=True
+        )
+        after = current.trust
+        for _ in range(count):
+            after = trust_policy.after_error_withdrawn(after)
+        await conn.execute(
+            update(node_trust)
+            .where(
+                node_trust.c.node_id == node_id,
+                node_trust.c.kind == kind,
+                node_trust.c.backend == backend,
+            )
+            .values(**_trust_values(after), updated_at=now)
+        )
 
 
 async def _judge_node(

@@ -342,6 +342,7 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         async with self._tx() as conn:
             await node_sql.set_node_offline(conn, node_id, now=now)
 
+    @_retry_conflicts
     async def touch_nodes(self, seen: dict[int, float]) -> None:
         """Record last-seen times and add the time since the previous touch to uptime."""
         if not seen:
@@ -488,7 +489,9 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
         if not results:
             return []
         async with self._tx() as conn:
-            return await result_sql.accept_results(conn, node_id, results, now=now)
+            return await result_sql.accept_results(
+                conn, node_id, results, trust=self.trust, now=now
+            )
 
     async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
         async with self._read() as conn:
