@@ -9,9 +9,17 @@ SQLite and PostgreSQL.
 from __future__ import annotations
 
 import hashlib
+from pathlib import Path
 
+from helpers import fake_node
 from sqlalchemy import select
 
+from idlegrid.blobs import BlobStore
+from idlegrid.broker.memory import MemoryBroker
+from idlegrid.coordinator import peers
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.monitor import Monitor
+from idlegrid.settings import CoordinatorSettings
 from idlegrid.states import TaskState
 from idlegrid.store.base import (
     AccountRecord,
@@ -155,3 +163,148 @@ async def test_run_alone_gives_back_the_attempts_of_the_replicas_it_cancelled(
     assert (shard.mode, shard.target, shard.attempts) == ("alone", 1, 1)
     # Asked again (another process, say), it changes and cancels nothing.
     assert await store.run_alone(first.shard_id, first.task_id, spot_check=False) == []
+
+
+# -- a restarted coordinator waits for its workers -----------------------------------------
+
+
+async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be_back(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    now = [T0]
+    settings = CoordinatorSettings(
+        data_dir=tmp_path,
+        monitor_interval_s=3600.0,  # the test runs the passes
+        heartbeat_interval_s=2.0,
+        node_timeout_s=6.0,
+        worker_backoff_max_s=10.0,
+        min_lease_s=5.0,
+        default_replication=1,
+    )
+    assert settings.restart_grace_s == 12.0
+    grid = Grid(
+        settings=settings,
+        store=store,
+        broker=MemoryBroker(),
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 20),
+        clock=lambda: now[0],
+    )
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    away = await fake_node(store, alice.id, "away", now=T0)
+    back = await fake_node(store, alice.id, "back", now=T0)
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 2, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    for node in (away, back):
+        await peers.attach(grid.context, node.session)
+        node.session.requested = 1
+        assert await grid.fill(node.session) == 1
+    [away_task], [back_task] = away.session.live, back.session.live
+    for node in (away, back):
+        await peers.detach(grid.context, node.session)
+    # The coordinator restarts after an outage longer than the leases and the timeout.
+    now[0] += 60.0
+    monitor = Monitor(grid)
+    await monitor.start()
+    try:
+        await monitor._pass(grid)
+        # One worker reconnects within the grace, holding its task; the other does not.
+        now[0] += settings.restart_grace_s - 1
+        await peers.heard_from(grid.context, back.session)
+        await monitor._pass(grid)
+        assert {(await _task(store, t)).state for t in (away_task, back_task)} == {"assigned"}
+        # After the grace: the one that stayed away goes offline, and its task expires.
+        now[0] += 2
+        await monitor._pass(grid)
+        assert (await _task(store, away_task)).state == TaskState.EXPIRED.value
+        [away_row] = [n for n in await store.list_nodes() if n.id == away.session.node_id]
+        assert away_row.state == "offline"
+    finally:
+        await monitor.stop()
+        await grid.aclose()
+
+
+# -- claims for a connection that is gone --------------------------------------------------
+
+
+async def _grid(store: SqlStore, tmp_path: Path) -> Grid:
+    settings = CoordinatorSettings(
+        data_dir=tmp_path, monitor_interval_s=3600.0, default_replication=1
+    )
+    blobs = BlobStore(tmp_path / "blobs", max_bytes=1 << 20)
+    return Grid(settings=settings, store=store, broker=MemoryBroker(), blobs=blobs)
+
+
+async def _shard_tasks(store: SqlStore) -> list[tuple[str, int | None]]:
+    async with store.engine.connect() as conn:
+        found = await conn.execute(select(tasks.c.state, tasks.c.node_id).order_by(tasks.c.id))
+        return [(row.state, row.node_id) for row in found]
+
+
+async def test_claims_made_while_the_connection_closed_are_released_at_once(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    grid = await _grid(store, tmp_path)
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await fake_node(store, alice.id, "leaving", now=T0)
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 1, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    await peers.attach(grid.context, node.session)
+    node.session.requested = 1
+    claim = grid.dispatcher._claim
+
+    async def claim_then_leave(session):  # type: ignore[no-untyped-def]
+        claimed = await claim(session)
+        grid.hub.remove(session)  # e.g. it moved to another coordinator meanwhile
+        return claimed
+
+    grid.dispatcher._claim = claim_then_leave  # type: ignore[method-assign]
+    try:
+        assert await grid.fill(node.session) == 0
+    finally:
+        await grid.aclose()
+    # The claim was cancelled and its shard got a new task at once, not after a lease;
+    # the node was told nothing and is charged nothing.
+    node_id = node.session.node_id
+    assert await _shard_tasks(store) == [("cancelled", node_id), ("ready", None)]
+    assert node.assigned() == [] and node.session.live == set()
+    assert await _trust(store, await _record(store, node_id)) == (0, 0, 0)
+    [row] = await store.node_trust(node_id)
+    assert row.quota_used_today == 0
+    async with store.engine.connect() as conn:
+        [attempts] = (await conn.execute(select(shards.c.attempts))).scalars().all()
+    assert attempts == 1
+
+
+async def test_claims_that_cannot_be_sent_are_released_at_once(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    grid = await _grid(store, tmp_path)
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await fake_node(store, alice.id, "broken", now=T0, slots=2)
+
+    async def broken(text: str) -> None:
+        raise ConnectionResetError("gone")
+
+    node.session.send_text = broken
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 2, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    await peers.attach(grid.context, node.session)
+    node.session.requested = 2
+    try:
+        assert await grid.fill(node.session) == 0
+    finally:
+        await grid.aclose()
+    states = await _shard_tasks(store)
+    assert sorted(state for state, _ in states) == ["cancelled"] * 2 + ["ready"] * 2
+    assert node.session.live == set()
+
+
+async def _record(store: SqlStore, node_id: int) -> NodeRecord:
+    [found] = [n for n in await store.list_nodes() if n.id == node_id]
+    return found

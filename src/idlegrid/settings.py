@@ -37,6 +37,10 @@ class CoordinatorSettings:
     heartbeat_interval_s: float = 15.0
     # A node that sends nothing for this long is offline; its tasks go back to the queue.
     node_timeout_s: float = 45.0
+    # The longest wait between the workers' reconnect attempts (their backoff_max_s).
+    # A coordinator that (re)starts expires no task for `restart_grace_s`: its workers
+    # come back within this plus a heartbeat, and reclaim what they hold.
+    worker_backoff_max_s: float = 30.0
     # Lease = max(min_lease_s, estimated shard time on the node x lease_slack).
     min_lease_s: float = 120.0
     lease_slack: float = 4.0
@@ -106,6 +110,13 @@ class CoordinatorSettings:
     web_upload_quota_bytes: int = 1024 * MIB
     # The statistics exports (users, teams, nodes) are written this often.
     web_export_interval_s: float = 86_400.0
+
+    @property
+    def restart_grace_s(self) -> float:
+        """How long a (re)started coordinator waits for its workers before it expires
+        tasks: a worker's longest reconnect backoff plus a heartbeat, and at least one
+        node timeout."""
+        return max(self.node_timeout_s, self.worker_backoff_max_s + self.heartbeat_interval_s)
 
     @property
     def database(self) -> str:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from idlegrid import protocol
 from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession
-from idlegrid.coordinator.leases import lease_seconds
+from idlegrid.coordinator.leases import Leases, lease_seconds
 from idlegrid.coordinator.matching import Matcher, node_reliability
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.coordinator.plans import JobPlan, Plans
@@ -36,10 +36,11 @@ BACKUP_OFFERS_PER_PASS = 4
 
 
 class Dispatcher:
-    def __init__(self, ctx: Context, *, plans: Plans, matcher: Matcher) -> None:
+    def __init__(self, ctx: Context, *, plans: Plans, matcher: Matcher, leases: Leases) -> None:
         self._ctx = ctx
         self._plans = plans
         self._matcher = matcher
+        self._leases = leases
         settings = ctx.settings
         self._distinct = Distinct(
             accounts=settings.distinct_accounts, networks=settings.distinct_networks
@@ -48,16 +49,39 @@ class Dispatcher:
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
         async with session.fill_lock:
+            if session.closed:
+                return 0  # a pass over the hub's sessions may come just after it left
             # The node's whole request in one transaction: one commit, not one per task.
             claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
+            if session.closed:
+                # It left while the claims were written: it will never hear of them.
+                await self._release(session, claimed, why="its connection closed")
+                return 0
             for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
-            for assignment in claimed:
+            for sent, assignment in enumerate(claimed):
                 if not await session.send(_assign_message(assignment)):
-                    break  # the lease runs out and the monitor requeues the task
+                    await self._release(session, claimed[sent:], why="its connection failed")
+                    return sent
         return len(claimed)
+
+    async def _release(
+        self, session: NodeSession, claimed: Sequence[Assignment], *, why: str
+    ) -> None:
+        """Give back claims its node never heard of, at once: otherwise they would sit
+        until their leases ran out, and be charged to the node as errors."""
+        if not claimed:
+            return
+        released = await self._ctx.store.release_claims(
+            [a.task_id for a in claimed], session.node_id, now=self._ctx.clock()
+        )
+        for assignment in claimed:
+            session.forget_task(assignment.task_id)
+        if released:
+            log.info("node %s: %d claim(s) released: %s", session.node_id, len(released), why)
+            await self._leases.replenish()
 
     async def _claim(self, session: NodeSession) -> list[Assignment]:
         """Claim what the node wants: many at once while it can, then one by one."""

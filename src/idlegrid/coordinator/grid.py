@@ -90,7 +90,9 @@ class Grid:
         )
         self.leases = Leases(ctx, self.fanout)
         self.intake = Intake(ctx, fanout=self.fanout, matcher=self.matcher, rounds=self.rounds)
-        self.dispatcher = Dispatcher(ctx, plans=self.plans, matcher=self.matcher)
+        self.dispatcher = Dispatcher(
+            ctx, plans=self.plans, matcher=self.matcher, leases=self.leases
+        )
         self.verification = Verification(
             ctx, fanout=self.fanout, plans=self.plans, rounds=self.rounds, leases=self.leases
         )

@@ -214,6 +214,53 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     ]
 
 
+async def release_claims(
+    conn: AsyncConnection, task_ids: Sequence[int], node_id: int, *, now: float
+) -> list[int]:
+    """Cancel tasks claimed for a node that never heard of them; see `Store.release_claims`.
+
+    Cancelled rather than made ready again: a backup copy released so is simply gone,
+    and a shard short of a task gets a new one from the top-up.
+    """
+    released = (
+        await conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.id.in_(sorted(set(task_ids))),
+                tasks.c.node_id == node_id,
+                tasks.c.state == TaskState.ASSIGNED.value,
+            )
+            .values(state=TaskState.CANCELLED.value, finished_at=now)
+            .returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
+        )
+    ).all()
+    if not released:
+        return []
+    per_shard: dict[int, int] = {}
+    per_job: dict[int, list[Any]] = {}
+    for row in released:
+        per_shard[row.shard_id] = per_shard.get(row.shard_id, 0) + 1
+        per_job.setdefault(row.job_id, []).append(row)
+    for shard_id, count in sorted(per_shard.items()):
+        await conn.execute(
+            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts - count)
+        )
+    kinds = {
+        row.id: row.kind
+        for row in await conn.execute(
+            select(jobs.c.id, jobs.c.kind).where(jobs.c.id.in_(list(per_job)))
+        )
+    }
+    used: dict[tuple[str, str], int] = {}
+    for job_id, found in per_job.items():
+        for row in found:
+            key = (kinds[job_id], row.backend or "cpu")
+            used[key] = used.get(key, 0) + 1
+    for (kind, backend), count in sorted(used.items()):
+        await ledger.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
+    return sorted(row.id for row in released)
+
+
 async def run_alone(
     conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool
 ) -> list[int]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -94,6 +94,26 @@ async def use_quota(
             node_trust.c.backend == backend,
         )
         .values(quota_day=day_of(now), quota_used=used + count)
+    )
+
+
+async def give_back_quota(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, count: int, now: float
+) -> None:
+    """Claims released unheard-of do not count against today's quota."""
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == node_id,
+            node_trust.c.kind == kind,
+            node_trust.c.backend == backend,
+            node_trust.c.quota_day == day_of(now),
+        )
+        .values(
+            quota_used=case(
+                (node_trust.c.quota_used > count, node_trust.c.quota_used - count), else_=0
+            )
+        )
     )
 
 

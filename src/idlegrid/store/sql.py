@@ -456,6 +456,15 @@ class SqlStore(TrainingRoundsSql, DashboardSql):
                 )
 
     @_retry_conflicts
+    async def release_claims(
+        self, task_ids: Sequence[int], node_id: int, *, now: float
+    ) -> list[int]:
+        if not task_ids:
+            return []
+        async with self._tx() as conn:
+            return await claims.release_claims(conn, task_ids, node_id, now=now)
+
+    @_retry_conflicts
     async def run_alone(self, shard_id: int, task_id: int, *, spot_check: bool) -> list[int]:
         async with self._tx() as conn:
             return await claims.run_alone(conn, shard_id, task_id, spot_check=spot_check)
