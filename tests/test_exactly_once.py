@@ -181,7 +181,7 @@ async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be
         min_lease_s=5.0,
         default_replication=1,
     )
-    assert settings.restart_grace_s == 12.0
+    assert settings.restart_grace_s == 16.0  # the longest backoff, then a node timeout
     grid = Grid(
         settings=settings,
         store=store,

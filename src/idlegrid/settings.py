@@ -39,7 +39,7 @@ class CoordinatorSettings:
     node_timeout_s: float = 45.0
     # The longest wait between the workers' reconnect attempts (their backoff_max_s).
     # A coordinator that (re)starts expires no task for `restart_grace_s`: its workers
-    # come back within this plus a heartbeat, and reclaim what they hold.
+    # come back within this, and reclaim what they hold.
     worker_backoff_max_s: float = 30.0
     # Lease = max(min_lease_s, estimated shard time on the node x lease_slack).
     min_lease_s: float = 120.0
@@ -114,9 +114,9 @@ class CoordinatorSettings:
     @property
     def restart_grace_s(self) -> float:
         """How long a (re)started coordinator waits for its workers before it expires
-        tasks: a worker's longest reconnect backoff plus a heartbeat, and at least one
-        node timeout."""
-        return max(self.node_timeout_s, self.worker_backoff_max_s + self.heartbeat_interval_s)
+        tasks: a worker's longest reconnect backoff, then a node timeout (at least a
+        heartbeat: the silence of a worker that is back is judged as any node's)."""
+        return self.worker_backoff_max_s + max(self.node_timeout_s, self.heartbeat_interval_s)
 
     @property
     def database(self) -> str:

@@ -34,14 +34,16 @@ def test_coordinator_killed_three_times_mid_job(tmp_path: Path, replication: int
         node_timeout_s=3.0,
         min_lease_s=60.0,
         replication=replication,
-        backoff_max_s=2.0,
+        # Longer than the node timeout, as a real worker's backoff (30 s) is longer than
+        # a heartbeat: a restart that gave the workers one timeout would expire tasks.
+        backoff_max_s=4.0,
         # One result per replica is what is counted: no speculative copies.
         extra_env={"IDLEGRID_BACKUPS": "false"},
     ) as grid:
         workers = max(2, replication)
         for i in range(workers):
             grid.start_worker(
-                f"w{i}", kinds="sleep", benchmark=False, slots=4, extra=("--prefetch", "8")
+                f"w{i}", kinds="sleep", benchmark=False, slots=2, extra=("--prefetch", "8")
             )
         grid.wait_for_nodes(workers)
         query = query_of(grid)
@@ -52,13 +54,13 @@ def test_coordinator_killed_three_times_mid_job(tmp_path: Path, replication: int
             wait_until(
                 lambda k=kill: shards_done(query) >= k * SHARDS // (KILLS + 1),
                 f"progress before kill {kill}",
-                timeout_s=120,
+                timeout_s=300,
             )
             assert shards_done(query) < SHARDS, "the job finished before the kill"
             grid.kill_coordinator()
             grid.start_coordinator(port=port)
         with grid.client() as client:
-            info = client.job(job.id).wait(timeout=180)
+            info = client.job(job.id).wait(timeout=300)
             assert info["state"] == "completed"
             assert client.job(job.id).result() == [json.loads(_digest(i)) for i in range(SHARDS)]
         wait_until(lambda: all_judged(query), "late results judged", timeout_s=30)

@@ -67,11 +67,11 @@ def _job_through(grid: LocalGrid, fault: Callable[[], None], *, jobs_before: int
     with Client(url, grid.admin_token) as client:
         job = client.submit("sleep", params={"tasks": SHARDS, "seconds": 0.01})
         wait_until(
-            lambda: shards_done(query) >= done_before + SHARDS // 4, "progress", timeout_s=120
+            lambda: shards_done(query) >= done_before + SHARDS // 4, "progress", timeout_s=300
         )
         fault()
         assert shards_done(query) < done_before + SHARDS, "the job finished before the fault"
-        info = client.job(job.id).wait(timeout=180)
+        info = client.job(job.id).wait(timeout=300)
         assert info["state"] == "completed"
         assert client.job(job.id).result() == [json.loads(_digest(i)) for i in range(SHARDS)]
     wait_until(lambda: all_judged(query), "late results judged", timeout_s=30)

@@ -179,7 +179,7 @@ class Monitor:
         now = self.grid.clock()
         # The workers of a coordinator that was down retry with a backoff: tasks expired
         # before they are back would run twice, and their nodes be charged errors. So
-        # nothing expires until the longest backoff plus a heartbeat has passed; a worker
+        # nothing expires until the longest backoff and a node timeout have passed; a worker
         # back by then reclaims what it holds (nodes.py, `_reconcile`), and the nodes
         # not heard from by then go offline at the first pass after it.
         self.grace_until = now + self.grid.settings.restart_grace_s
