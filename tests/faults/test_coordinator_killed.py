@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from tables import all_judged, assert_exactly_once, errors, query_of, shards_done
+from invariants import all_judged, assert_exactly_once, errors, query_of, shards_done
 
 from idlegrid.kinds.sleep import _digest
 from idlegrid.localgrid import LocalGrid

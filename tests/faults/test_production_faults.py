@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from conftest import off_loop
 from helpers import wait_until
-from tables import all_judged, assert_exactly_once, errors, query_of, shards_done
+from invariants import all_judged, assert_exactly_once, errors, query_of, shards_done
 
 from idlegrid.client import Client
 from idlegrid.kinds.sleep import _digest
