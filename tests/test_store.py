@@ -538,7 +538,7 @@ async def test_late_result_after_decision_changes_nothing(store: SqlStore) -> No
         store, ready.shard_id, replacement.task_id, valid=(replacement.task_id,)
     )
     assert outcome.decided
-    # The expired task was cancelled with the decision; its node is not connected to hear.
+    # The expired task is to be stopped with the decision; its node is not connected to hear.
     assert [t.task_id for t in outcome.to_cancel] == [first]
 
     late = await _result(store, first, slow, OUT_B, now=T0 + 500)

@@ -39,8 +39,11 @@ class LocalGrid:
         redis: str = "",
         redis_prefix: str = "",
         replication: int | None = None,
+        backoff_max_s: float = 2.0,
     ) -> None:
         """`replication`: the coordinator's default replicas per shard (None: its own).
+        `backoff_max_s`: the workers' longest wait between reconnect attempts, which the
+        coordinators are told too (their grace after a restart covers it).
 
         Every worker is a volunteer with an account of its own (replicas of a shard go to
         distinct accounts), and all connect from this machine, so "distinct networks"
@@ -55,6 +58,8 @@ class LocalGrid:
             **os.environ,
             "PYTHONUNBUFFERED": "1",
             "IDLEGRID_DISTINCT_NETWORKS": "false",
+            "IDLEGRID_BACKOFF_MAX_S": str(backoff_max_s),
+            "IDLEGRID_WORKER_BACKOFF_MAX_S": str(backoff_max_s),
             **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
             **(extra_env or {}),
         }

@@ -38,6 +38,10 @@ class CoordinatorSettings:
     heartbeat_interval_s: float = 15.0
     # A node that sends nothing for this long is offline; its tasks go back to the queue.
     node_timeout_s: float = 45.0
+    # The longest wait between the workers' reconnect attempts (their backoff_max_s).
+    # A coordinator that (re)starts expires no task for `restart_grace_s`: its workers
+    # come back within this, and reclaim what they hold.
+    worker_backoff_max_s: float = 30.0
     # Lease = the shard's time on the node as the coordinator measured it (its validated
     # tasks of the kind), else the kind's default, x lease_slack; clamped to
     # [min_lease_s, max_lease_s]. What a node says of its speed never sets it.
@@ -147,6 +151,13 @@ class CoordinatorSettings:
     web_upload_quota_bytes: int = 1024 * MIB
     # The statistics exports (users, teams, nodes) are written this often.
     web_export_interval_s: float = 86_400.0
+
+    @property
+    def restart_grace_s(self) -> float:
+        """How long a (re)started coordinator waits for its workers before it expires
+        tasks: a worker's longest reconnect backoff, then a node timeout (at least a
+        heartbeat: the silence of a worker that is back is judged as any node's)."""
+        return self.worker_backoff_max_s + max(self.node_timeout_s, self.heartbeat_interval_s)
 
     @property
     def database(self) -> str:

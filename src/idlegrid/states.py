@@ -29,7 +29,9 @@ class ShardState(enum.StrEnum):
 class TaskState(enum.StrEnum):
     READY = "ready"  # waiting in the ready queue for a node
     ASSIGNED = "assigned"  # leased to a node until its lease deadline
-    EXPIRED = "expired"  # lease lost; a late result still counts while the shard is open
+    # Lease lost: an error of its node, for good unless a result still comes (it counts
+    # while the shard is open, and is checked against the canonical one after).
+    EXPIRED = "expired"
     COMPLETED = "completed"  # result received and stored
     FAILED = "failed"  # the node reported a failure
     CANCELLED = "cancelled"  # no longer needed (shard decided, job cancelled)

@@ -49,27 +49,38 @@ class Dispatcher:
     async def fill(self, session: NodeSession) -> int:
         """Give a node as many tasks as it wants and can run; return how many it got."""
         async with session.fill_lock:
+            if session.closed:
+                return 0  # a pass over the hub's sessions may come just after it left
             await measure(self._ctx, session)  # its leases follow what it was measured at
             # The node's whole request in one transaction: one commit, not one per task.
             claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
+            if session.closed:
+                # It left while the claims were written: it will never hear of them.
+                await self._release(session, claimed, why="its connection closed")
+                return 0
             for assignment in claimed:  # committed: the node must hear of each one
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
             unsent = await _send_assigns(session, claimed)
-            if unsent:
-                await self._release(session, unsent)
+            await self._release(session, unsent, why="its assignment could not be sent")
         return len(claimed) - len(unsent)
 
-    async def _release(self, session: NodeSession, unsent: Sequence[Assignment]) -> None:
-        """Give back claims the node never heard of, now: their shards are queued again."""
-        expired = []
-        for assignment in unsent:
-            expired += await self._ctx.store.expire_task(assignment.task_id, now=self._ctx.clock())
-        log.warning(
-            "node %s: %d claim(s) could not be sent; released", session.node_id, len(unsent)
+    async def _release(
+        self, session: NodeSession, claimed: Sequence[Assignment], *, why: str
+    ) -> None:
+        """Give back claims its node never heard of, at once: otherwise they would sit
+        until their leases ran out, and be charged to the node as errors."""
+        if not claimed:
+            return
+        released = await self._ctx.store.release_claims(
+            [a.task_id for a in claimed], session.node_id, now=self._ctx.clock()
         )
-        await self._leases.expire(expired, why="the assignment could not be sent")
+        for assignment in claimed:
+            session.forget_task(assignment.task_id)
+        if released:
+            log.info("node %s: %d claim(s) released: %s", session.node_id, len(released), why)
+            await self._leases.replenish()
 
     async def _claim(self, session: NodeSession) -> list[Assignment]:
         """Claim what the node wants: many at once while it can, then one by one."""

@@ -84,6 +84,9 @@ class NodeSession:
     tasks_expired: int = 0
     send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     fill_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Left the hub (disconnected, replaced, found silent, moved to another process):
+    # nothing more is claimed for it (dispatch).
+    closed: bool = False
 
     @property
     def wants(self) -> int:
@@ -147,12 +150,15 @@ class Hub:
         """Register a session; return the one it replaces, if any."""
         old = self._sessions.get(session.node_id)
         self._sessions[session.node_id] = session
+        if old is not None and old is not session:
+            old.closed = True
         return old
 
     def remove(self, session: NodeSession) -> bool:
         """Unregister `session` if it is still the node's current one."""
         if self._sessions.get(session.node_id) is session:
             del self._sessions[session.node_id]
+            session.closed = True
             return True
         return False
 

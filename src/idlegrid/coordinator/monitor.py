@@ -110,11 +110,19 @@ async def close_due_rounds(grid: Grid) -> int:
     return await grid.rounds.close_due()
 
 
-async def run_once(grid: Grid) -> None:
-    """One pass of the leader (or of the only process): the whole grid."""
+async def run_once(grid: Grid, *, expire: bool = True) -> None:
+    """One pass of the leader (or of the only process): the whole grid.
+
+    `expire` False (a restart's grace, `Monitor`): no task expires, and no node goes
+    offline, while the workers reconnect; this process still closes its own connections
+    to silent nodes.
+    """
     await check_broker(grid)
-    await expire_leases(grid)
-    await mark_silent_nodes_offline(grid)
+    if expire:
+        await expire_leases(grid)
+        await mark_silent_nodes_offline(grid)
+    else:
+        await mark_silent_nodes_offline(grid, leader=False)
     await finish_pending(grid)
     await close_due_rounds(grid)
     offer_work(grid)
@@ -137,6 +145,8 @@ class Monitor:
         )
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
+        # Until then (grid.clock) this process expires nothing: see `_startup`.
+        self.grace_until = 0.0
 
     async def start(self) -> None:
         await self.leadership.renew()
@@ -167,7 +177,12 @@ class Monitor:
         # refilling it anyway only re-adds what is there.
         await self.grid.rebuild_queue()
         now = self.grid.clock()
-        # Nodes that held leases get one timeout's grace to reconnect before they expire.
+        # The workers of a coordinator that was down retry with a backoff: tasks expired
+        # before they are back would run twice, and their nodes be charged errors. So
+        # nothing expires until the longest backoff and a node timeout have passed; a worker
+        # back by then reclaims what it holds (nodes.py, `_reconcile`), and the nodes
+        # not heard from by then go offline at the first pass after it.
+        self.grace_until = now + self.grid.settings.restart_grace_s
         for node in await self.grid.store.list_nodes():
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)
@@ -184,7 +199,10 @@ class Monitor:
         await self.leadership.release()
 
     async def _pass(self, grid: Grid) -> None:
-        await (run_once if self.leadership.is_leader else run_local)(grid)
+        if self.leadership.is_leader:
+            await run_once(grid, expire=grid.clock() >= self.grace_until)
+        else:
+            await run_local(grid)
 
     async def _lead(self) -> None:
         while not self._stopping.is_set():

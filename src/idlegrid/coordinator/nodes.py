@@ -234,16 +234,16 @@ async def _register(
 async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set[int]:
     """Match what a reconnecting node holds with what the store says it holds.
 
-    Tasks the store leased to the node that it no longer has go back to the queue; tasks
-    it still runs stay its own; tasks it claims but does not hold are dropped.
+    Tasks it still runs (or has results of) stay its own; tasks it claims but does not
+    hold are dropped. Tasks the store leased to it that it does not have are released at
+    once, not left to their leases: most often a coordinator that died claimed them and
+    never sent them, and the node is not charged for that.
     """
     held = {task.task_id: task for task in await grid.store.node_tasks(session.node_id)}
-    lost = [held[t] for t in held.keys() - claimed]
-    if lost:
-        expired = []
-        for task in lost:
-            expired += await grid.store.expire_task(task.task_id, now=grid.clock())
-        await grid.expire(expired, why=f"node {session.node_id} reconnected without them")
+    lost = sorted(held.keys() - claimed)
+    if lost and await grid.store.release_claims(lost, session.node_id, now=grid.clock()):
+        log.info("node %s reconnected without %d task(s): released", session.node_id, len(lost))
+        await grid.replenish()
     session.live = set(held.keys() & claimed)
     return claimed - held.keys()
 

@@ -126,6 +126,12 @@ def after_error(trust: Trust) -> Trust:
     return dataclasses.replace(trust, error_total=trust.error_total + 1)
 
 
+def after_error_withdrawn(trust: Trust) -> Trust:
+    """A task charged as an error (its lease ran out) delivered after all: the error is
+    taken back, and its result is judged like any other."""
+    return dataclasses.replace(trust, error_total=max(0, trust.error_total - 1))
+
+
 def credibility(trust: Trust, settings: TrustSettings) -> float:
     """Probability that this node's next result is right (Sarmenta 2002, spot-checking).
 

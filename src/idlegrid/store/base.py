@@ -548,6 +548,14 @@ class DispatchStore(Protocol):
         """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
         ...
 
+    async def release_claims(
+        self, task_ids: Sequence[int], node_id: int, *, now: float
+    ) -> list[int]:
+        """Give back tasks claimed for a node that never heard of them (its connection
+        closed first): cancelled, not attempts of their shards, not in its daily quota.
+        Returns those released (still assigned to it); the shards are then topped up."""
+        ...
+
     async def run_alone(
         self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
     ) -> list[int]:

@@ -214,6 +214,53 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     ]
 
 
+async def release_claims(
+    conn: AsyncConnection, task_ids: Sequence[int], node_id: int, *, now: float
+) -> list[int]:
+    """Cancel tasks claimed for a node that never heard of them; see `Store.release_claims`.
+
+    Cancelled rather than made ready again: a backup copy released so is simply gone,
+    and a shard short of a task gets a new one from the top-up.
+    """
+    released = (
+        await conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.id.in_(sorted(set(task_ids))),
+                tasks.c.node_id == node_id,
+                tasks.c.state == TaskState.ASSIGNED.value,
+            )
+            .values(state=TaskState.CANCELLED.value, finished_at=now)
+            .returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
+        )
+    ).all()
+    if not released:
+        return []
+    per_shard: dict[int, int] = {}
+    per_job: dict[int, list[Any]] = {}
+    for row in released:
+        per_shard[row.shard_id] = per_shard.get(row.shard_id, 0) + 1
+        per_job.setdefault(row.job_id, []).append(row)
+    for shard_id, count in sorted(per_shard.items()):
+        await conn.execute(
+            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts - count)
+        )
+    kinds = {
+        row.id: row.kind
+        for row in await conn.execute(
+            select(jobs.c.id, jobs.c.kind).where(jobs.c.id.in_(list(per_job)))
+        )
+    }
+    used: dict[tuple[str, str], int] = {}
+    for job_id, found in per_job.items():
+        for row in found:
+            key = (kinds[job_id], row.backend or "cpu")
+            used[key] = used.get(key, 0) + 1
+    for (kind, backend), count in sorted(used.items()):
+        await ledger.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
+    return sorted(row.id for row in released)
+
+
 async def run_alone(
     conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
 ) -> list[int]:
@@ -223,6 +270,11 @@ async def run_alone(
     Returns the ready tasks of the shard it cancelled; nothing when another replica is
     already out or the shard's mode was already set.
     """
+    if rows.row_locks(conn):
+        # A claim of another replica locks the shard (key share) until it commits; this
+        # lock waits for it, so the check below sees that replica: the shard then stays
+        # replicated, rather than run "alone" on two nodes.
+        await conn.execute(select(shards.c.id).where(shards.c.id == shard_id).with_for_update())
     changed = await conn.execute(
         update(shards)
         .where(
@@ -257,19 +309,29 @@ async def run_alone(
     keep, drop = (ready[:checkers], ready[checkers:]) if spot_check else ([], ready)
     if keep:
         await conn.execute(update(tasks).where(tasks.c.id.in_(keep)).values(trusted_only=True))
-    if drop:
-        await conn.execute(
-            update(tasks)
-            .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
-            .values(state=TaskState.CANCELLED.value)
+    if not drop:
+        return []
+    # Only what this update cancelled: another node may have claimed one of them since.
+    cancelled = sorted(
+        (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
+                .values(state=TaskState.CANCELLED.value)
+                .returning(tasks.c.id)
+            )
         )
+        .scalars()
+        .all()
+    )
+    if cancelled:
         # Not attempts of the shard after all: its budget stays for real retries.
         await conn.execute(
             update(shards)
             .where(shards.c.id == shard_id)
-            .values(attempts=shards.c.attempts - len(drop))
+            .values(attempts=shards.c.attempts - len(cancelled))
         )
-    return drop
+    return cancelled
 
 
 async def escalate(

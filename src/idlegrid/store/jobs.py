@@ -19,7 +19,10 @@ from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 OPEN_JOB = rows.states(JobState.QUEUED, JobState.RUNNING)
-_CANCELLABLE = rows.states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
+_CANCELLABLE = rows.states(TaskState.READY, TaskState.ASSIGNED)
+# Expired tasks are told to stop too (their node may still run them), but stay expired:
+# an error of their node, which only a result that still comes takes back.
+_TO_STOP = rows.states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
 
 
 async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
@@ -156,11 +159,12 @@ async def cancel_live(conn: AsyncConnection, where: Any, *, now: float) -> list[
 
 
 async def cancel_live_by_shard(conn: AsyncConnection, where: Any, *, now: float) -> list[HeldTask]:
-    """`cancel_live`, each held task with its shard id."""
+    """`cancel_live`, each held task with its shard id (expired ones too, to be told to
+    stop, though they stay expired)."""
     found = (
         await conn.execute(
             select(tasks.c.id, tasks.c.node_id, tasks.c.state, tasks.c.shard_id).where(
-                where, tasks.c.state.in_(_CANCELLABLE)
+                where, tasks.c.state.in_(_TO_STOP)
             )
         )
     ).all()

@@ -9,10 +9,10 @@ credit it grants commit together or not at all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -99,18 +99,40 @@ async def use_quota(
     )
 
 
+async def give_back_quota(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, count: int, now: float
+) -> None:
+    """Claims released unheard-of do not count against today's quota."""
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == node_id,
+            node_trust.c.kind == kind,
+            node_trust.c.backend == backend,
+            node_trust.c.quota_day == day_of(now),
+        )
+        .values(
+            quota_used=case(
+                (node_trust.c.quota_used > count, node_trust.c.quota_used - count), else_=0
+            )
+        )
+    )
+
+
 async def apply_verdicts(
     conn: AsyncConnection,
     verdicts: Iterable[tuple[int, ResultVerdict]],
     *,
     settings: TrustSettings,
     now: float,
+    credit: bool = True,
 ) -> None:
     """Update the trust of each task's node and grant credit for valid work.
 
     Credit comes from the shard's cost estimate (made by the coordinator when it split
     the job), never from anything the node said. A node whose trust becomes suspended
-    is suspended, and its account flagged.
+    is suspended, and its account flagged. `credit` False: trust only (a result that
+    came after its shard was decided and credited: the work is paid for once).
     """
     verdict_of = dict(verdicts)
     if not verdict_of:
@@ -141,15 +163,20 @@ async def apply_verdicts(
         )
     await _take_back(conn, [row for row in rows if verdict_of[row.id] == "invalid"], now=now)
     # A result a trusted node decided alone earns its credit once the node has passed a
-    # check after it (it is vouched for); until then it is pending, as in BOINC.
+    # check after it (it is vouched for); until then it is pending, as in BOINC. Results
+    # judged without credit still vouch for the node's earlier ones.
     paying = {
         row.id: row
         for row in rows
-        if verdict_of[row.id] == "valid"
-        or (verdict_of[row.id] == "unchecked" and row.mode != "alone")
+        if credit
+        and (
+            verdict_of[row.id] == "valid"
+            or (verdict_of[row.id] == "unchecked" and row.mode != "alone")
+        )
     }
     for row in await _vouched(conn, [row for row in rows if verdict_of[row.id] == "valid"]):
-        paying[row.id] = row
+        if credit or row.id not in verdict_of:
+            paying[row.id] = row
     # Credit: one task update for all, one grant per node and per account.
     earned = [
         (row, credit_policy.credit_for(row.cost_flops))
@@ -232,6 +259,43 @@ async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> N
     for row in paid:
         await grant(conn, nodes, row.node_id, -row.credit, now=now)
         await grant(conn, accounts, row.account_id, -row.credit, now=now)
+
+
+async def withdraw_errors(
+    conn: AsyncConnection, task_ids: Sequence[int], *, settings: TrustSettings, now: float
+) -> None:
+    """Take back the error charged to each task's node when the task expired (it
+    delivered after all: policy.trust.after_error_withdrawn)."""
+    if not task_ids:
+        return
+    found = (
+        await conn.execute(
+            select(tasks.c.node_id, tasks.c.backend, jobs.c.kind)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .where(tasks.c.id.in_(list(task_ids)), tasks.c.node_id.is_not(None))
+            .order_by(tasks.c.node_id, tasks.c.id)  # the lock order of apply_verdicts
+        )
+    ).all()
+    counts: dict[tuple[int, str, str], int] = {}
+    for row in found:
+        key = (row.node_id, row.kind, row.backend or "cpu")
+        counts[key] = counts.get(key, 0) + 1
+    for (node_id, kind, backend), count in counts.items():
+        current = await load_trust(
+            conn, node_id, kind, backend, settings=settings, now=now, for_update=True
+        )
+        after = current.trust
+        for _ in range(count):
+            after = trust_policy.after_error_withdrawn(after)
+        await conn.execute(
+            update(node_trust)
+            .where(
+                node_trust.c.node_id == node_id,
+                node_trust.c.kind == kind,
+                node_trust.c.backend == backend,
+            )
+            .values(**_trust_values(after), updated_at=now)
+        )
 
 
 async def _judge_node(

@@ -139,8 +139,10 @@ _TOUCH = _touch_statement()
 
 async def touch_nodes(conn: AsyncConnection, seen: dict[int, float]) -> None:
     """Record last-seen times and add the time since the previous touch to uptime."""
-    # One statement executed for many rows: a fleet's presence in one round trip.
-    params = [{"node": node, "at": t} for node, t in seen.items()]
+    # One statement executed for many rows: a fleet's presence in one round trip. In node
+    # id order, the order every transaction locks node rows in: two processes touching
+    # overlapping fleets (two leaders for a moment) wait for each other, never deadlock.
+    params = [{"node": node, "at": seen[node]} for node in sorted(seen)]
     # In chunks: binding a whole fleet's rows at once would hold the event loop.
     for start in range(0, len(params), TOUCH_CHUNK):
         await conn.execute(_TOUCH, params[start : start + TOUCH_CHUNK])

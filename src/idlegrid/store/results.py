@@ -17,7 +17,6 @@ from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import ShardState, TaskState, check_transition
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
-from idlegrid.store.nodes import HELD
 from idlegrid.store.schema import shards, tasks
 
 _TAKE = (
@@ -35,9 +34,19 @@ _TAKE = (
 
 
 async def accept_results(
-    conn: AsyncConnection, node_id: int, results: Sequence[NewResult], *, now: float
+    conn: AsyncConnection,
+    node_id: int,
+    results: Sequence[NewResult],
+    *,
+    trust: TrustSettings,
+    now: float,
 ) -> list[ResultReceipt]:
-    """Record a node's results; one receipt for each, in order."""
+    """Record a node's results; one receipt for each, in order.
+
+    A task that expired and delivers after all was slow, not lost: the error its expiry
+    charged is withdrawn, and its result is judged like any other. A node's error count
+    is then the number of its tasks that failed or expired for good.
+    """
     if not results:
         return []
     # One read and one write for the batch. The rows are locked on PostgreSQL (in id
@@ -62,6 +71,7 @@ async def accept_results(
     receipts: list[ResultReceipt] = []
     changes: list[dict[str, Any]] = []
     taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
+    delivered_late: list[int] = []  # expired tasks that delivered after all
     for result in results:
         if result.task_id in taken:  # the same task twice in one batch
             receipts.append(_repeat(result, taken[result.task_id]))
@@ -75,6 +85,8 @@ async def accept_results(
         shard_open = row.shard_state == ShardState.OPEN.value
         check_transition(TaskState(row.state), TaskState.COMPLETED)
         taken[result.task_id] = result.output_hash
+        if row.state == TaskState.EXPIRED.value:
+            delivered_late.append(result.task_id)
         changes.append(
             {
                 "b_task": result.task_id,
@@ -92,6 +104,7 @@ async def accept_results(
         )
     if changes:
         await conn.execute(_TAKE, changes)
+    await ledger.withdraw_errors(conn, delivered_late, settings=trust, now=now)
     return receipts
 
 
@@ -145,29 +158,44 @@ async def record_failure(
     trust: TrustSettings,
     now: float,
 ) -> bool:
+    """The node that holds the task reports it failed; False if it does not hold it.
+
+    An error of the node, unless the task had expired: that was charged already.
+    """
+    values = dict(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
+    mine = (tasks.c.id == task_id, tasks.c.node_id == node_id)
     changed = await conn.execute(
-        update(tasks)
-        .where(tasks.c.id == task_id, tasks.c.node_id == node_id, tasks.c.state.in_(HELD))
-        .values(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
+        update(tasks).where(*mine, tasks.c.state == TaskState.ASSIGNED.value).values(**values)
     )
     if changed.rowcount == 1:
         await ledger.apply_verdicts(conn, [(task_id, "error")], settings=trust, now=now)
+        return True
+    changed = await conn.execute(
+        update(tasks).where(*mine, tasks.c.state == TaskState.EXPIRED.value).values(**values)
+    )
     return changed.rowcount == 1
 
 
 async def expire(
     conn: AsyncConnection, where: Any, *, trust: TrustSettings, now: float
 ) -> list[NodeTask]:
-    """Expire the assigned tasks matching `where`: their nodes missed the lease."""
-    found = (await conn.execute(select(tasks.c.id, tasks.c.node_id).where(where))).all()
-    if not found:
+    """Expire the assigned tasks matching `where`: their nodes missed the lease.
+
+    Only the rows this update changed are charged and returned: another process may have
+    expired (or completed) some of the same tasks a moment before, and a task is an
+    error of its node once.
+    """
+    changed = (
+        await conn.execute(
+            update(tasks)
+            .where(where, tasks.c.state == TaskState.ASSIGNED.value)
+            .values(state=TaskState.EXPIRED.value)
+            .returning(tasks.c.id, tasks.c.node_id)
+        )
+    ).all()
+    if not changed:
         return []
-    ids = [r.id for r in found]
-    await conn.execute(
-        update(tasks)
-        .where(tasks.c.id.in_(ids), tasks.c.state == TaskState.ASSIGNED.value)
-        .values(state=TaskState.EXPIRED.value)
-    )
+    found = sorted(changed, key=lambda r: r.id)
     # A missed deadline is an error of the node (BOINC counts it so too).
-    await ledger.apply_verdicts(conn, [(i, "error") for i in ids], settings=trust, now=now)
+    await ledger.apply_verdicts(conn, [(r.id, "error") for r in found], settings=trust, now=now)
     return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in found]

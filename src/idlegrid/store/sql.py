@@ -353,6 +353,7 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
         async with self._tx() as conn:
             await node_sql.set_node_offline(conn, node_id, now=now)
 
+    @_retry_conflicts
     async def touch_nodes(self, seen: dict[int, float]) -> None:
         """Record last-seen times and add the time since the previous touch to uptime."""
         if not seen:
@@ -474,6 +475,15 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
                 )
 
     @_retry_conflicts
+    async def release_claims(
+        self, task_ids: Sequence[int], node_id: int, *, now: float
+    ) -> list[int]:
+        if not task_ids:
+            return []
+        async with self._tx() as conn:
+            return await claims.release_claims(conn, task_ids, node_id, now=now)
+
+    @_retry_conflicts
     async def run_alone(
         self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
     ) -> list[int]:
@@ -535,7 +545,9 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
         if not results:
             return []
         async with self._tx() as conn:
-            return await result_sql.accept_results(conn, node_id, results, now=now)
+            return await result_sql.accept_results(
+                conn, node_id, results, trust=self.trust, now=now
+            )
 
     async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
         async with self._read() as conn:

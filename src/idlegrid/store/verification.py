@@ -321,8 +321,12 @@ async def judge_late(
         .values(outcome="valid" if agrees else "invalid")
     )
     if changed.rowcount == 1:
+        # It counts for its node's trust, as any check does; the shard's work was
+        # credited with its decision, and is not paid for twice.
         verdict: ResultVerdict = "valid" if agrees else "invalid"
-        await ledger.apply_verdicts(conn, [(task_id, verdict)], settings=trust, now=now)
+        await ledger.apply_verdicts(
+            conn, [(task_id, verdict)], settings=trust, now=now, credit=False
+        )
 
 
 async def mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:

@@ -1,0 +1,154 @@
+"""What the fault tests check after each fault, read from the tables themselves.
+
+Every shard has exactly one canonical result, which is a valid, credited result of that
+shard; no task is credited twice (a node's and an account's credit are the sum of their
+tasks' credit, and a replication-1 shard has one credited task); and the trust counters
+equal what the tasks' final states imply: a node's valid and invalid results are its
+tasks judged so, its errors are its tasks that failed or expired for good.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+from collections.abc import Callable
+from typing import Any
+
+from conftest import off_loop
+
+from idlegrid.localgrid import LocalGrid
+
+Query = Callable[[str], list[dict[str, Any]]]
+
+# Results stored but not judged yet: the monitor judges them within a pass or two.
+UNJUDGED = (
+    "SELECT COUNT(*) AS n FROM tasks WHERE state = 'completed' "
+    "AND (outcome IS NULL OR outcome = 'late')"
+)
+
+
+def query_of(grid: LocalGrid) -> Query:
+    """Run SQL on the grid's store (its SQLite file, or its PostgreSQL schema)."""
+    if not grid.database:
+        path = grid.data_dir / "idlegrid.db"
+
+        def sqlite_query(sql: str) -> list[dict[str, Any]]:
+            conn = sqlite3.connect(path, timeout=30)
+            conn.row_factory = sqlite3.Row
+            try:
+                return [dict(row) for row in conn.execute(sql).fetchall()]
+            finally:
+                conn.close()
+
+        return sqlite_query
+
+    async def fetch(sql: str) -> list[dict[str, Any]]:
+        import asyncpg
+
+        conn = await asyncpg.connect(
+            grid.database, server_settings={"search_path": grid.database_schema}
+        )
+        try:
+            return [dict(row) for row in await conn.fetch(sql)]
+        finally:
+            await conn.close()
+
+    return lambda sql: list(off_loop(fetch(sql)))
+
+
+def shards_done(query: Query) -> int:
+    return int(query("SELECT COUNT(*) AS n FROM shards WHERE state = 'done'")[0]["n"])
+
+
+def all_judged(query: Query) -> bool:
+    return int(query(UNJUDGED)[0]["n"]) == 0
+
+
+def assert_exactly_once(query: Query, *, shards: int) -> None:
+    """The invariants of the module docstring, over every job in the store."""
+    _assert_one_canonical_result(query, shards)
+    _assert_credited_once(query)
+    _assert_trust_follows_outcomes(query)
+
+
+def _assert_one_canonical_result(query: Query, shards: int) -> None:
+    rows = query(
+        "SELECT s.id, s.state, s.output_hash, t.id AS task, t.shard_id AS task_shard, "
+        "t.state AS task_state, t.outcome, t.output_hash AS task_output, t.credit "
+        "FROM shards s LEFT JOIN tasks t ON t.id = s.canonical_task_id"
+    )
+    assert len(rows) == shards
+    wrong = [
+        r
+        for r in rows
+        if not (
+            r["state"] == "done"
+            and r["task"] is not None
+            and r["task_shard"] == r["id"]
+            and r["task_state"] == "completed"
+            and r["outcome"] == "valid"
+            and r["task_output"] == r["output_hash"]
+            and (r["credit"] or 0) > 0
+        )
+    ]
+    assert not wrong, (
+        f"{len(wrong)} shards without one valid, credited canonical result: {wrong[:3]}"
+    )
+
+
+def _assert_credited_once(query: Query) -> None:
+    credited = query(
+        "SELECT t.shard_id, j.replication, COUNT(*) AS n, "
+        "SUM(CASE WHEN t.outcome = 'valid' THEN 1 ELSE 0 END) AS valid "
+        "FROM tasks t JOIN jobs j ON j.id = t.job_id WHERE t.credit IS NOT NULL "
+        "GROUP BY t.shard_id, j.replication"
+    )
+    unearned = [r for r in credited if r["n"] != r["valid"]]
+    assert not unearned, f"credit for results not valid: {unearned[:3]}"
+    twice = [
+        r for r in credited if r["n"] > r["replication"] or (r["replication"] == 1 and r["n"] != 1)
+    ]
+    assert not twice, f"shards whose work was credited more than once: {twice[:3]}"
+    for table, key in (("nodes", "node_id"), ("accounts", "account_id")):
+        sums = query(
+            f"SELECT x.id, x.credit_total, COALESCE(SUM(t.credit), 0) AS earned "
+            f"FROM {table} x LEFT JOIN tasks t ON t.{key} = x.id GROUP BY x.id, x.credit_total"
+        )
+        off = [
+            r
+            for r in sums
+            if not math.isclose(r["credit_total"], float(r["earned"]), rel_tol=1e-9, abs_tol=1e-6)
+        ]
+        assert not off, f"{table} credited other than their tasks' credit: {off[:3]}"
+
+
+def _assert_trust_follows_outcomes(query: Query) -> None:
+    counters = {
+        (r["node_id"], r["kind"], r["backend"]): (r["v"], r["i"], r["e"])
+        for r in query(
+            "SELECT node_id, kind, backend, valid_total AS v, invalid_total AS i, "
+            "error_total AS e FROM node_trust"
+        )
+    }
+    implied = {
+        (r["node_id"], r["kind"], r["backend"]): (int(r["v"]), int(r["i"]), int(r["e"]))
+        for r in query(
+            "SELECT t.node_id, j.kind, COALESCE(t.backend, 'cpu') AS backend, "
+            "SUM(CASE WHEN t.state = 'completed' AND t.outcome = 'valid' THEN 1 ELSE 0 END) AS v, "
+            "SUM(CASE WHEN t.state = 'completed' AND t.outcome = 'invalid' THEN 1 ELSE 0 END) "
+            "AS i, SUM(CASE WHEN t.state IN ('failed', 'expired') THEN 1 ELSE 0 END) AS e "
+            "FROM tasks t JOIN jobs j ON j.id = t.job_id WHERE t.node_id IS NOT NULL "
+            "GROUP BY t.node_id, j.kind, COALESCE(t.backend, 'cpu')"
+        )
+    }
+    none = (0, 0, 0)
+    off = {
+        k: (counters.get(k, none), implied.get(k, none))
+        for k in counters.keys() | implied.keys()
+        if counters.get(k, none) != implied.get(k, none)
+    }
+    assert not off, f"trust counters (valid, invalid, errors) vs the tasks' outcomes: {off}"
+
+
+def errors(query: Query) -> int:
+    return int(query("SELECT COALESCE(SUM(error_total), 0) AS n FROM node_trust")[0]["n"])
