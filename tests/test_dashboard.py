@@ -151,6 +151,28 @@ def test_failed_sign_ins_are_rate_limited_per_account(tmp_path: Path) -> None:
         assert browser.sign_in("ghost", "wrong password!!").status_code == 429
 
 
+def test_failed_sign_ins_are_rate_limited_per_address(tmp_path: Path) -> None:
+    """One address trying many names is stopped, whichever names exist; another address
+    is not."""
+    settings = CoordinatorSettings(
+        data_dir=tmp_path,
+        monitor_interval_s=3600.0,
+        web_signin_failures_per_account=100,
+        web_signin_failures_per_address=4,
+    )
+    with TestClient(create_app(settings)) as client:
+        browser = Browser(client)
+        browser.sign_up("dora")
+        browser.sign_out()
+        for name in ("ann", "bob", "cid", "dora"):
+            assert browser.sign_in(name, "wrong password!!").status_code == 401
+        limited = browser.sign_in("dora")
+        assert limited.status_code == 429 and "Too many failed sign-ins" in limited.text
+        # The same name from another address still signs in.
+        elsewhere = Browser(TestClient(client.app, client=("10.1.2.3", 5000)))
+        assert elsewhere.sign_in("dora").status_code == 303
+
+
 def test_bad_sign_ups_are_explained(browser: Browser) -> None:
     browser.sign_up("dave", "dave@example.org")
     browser.sign_out()
