@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -91,7 +91,8 @@ class TaskHost:
         self._process = context.Process(
             target=host_main, args=(child, self.threads), name=self.name, daemon=True
         )
-        self._process.start()
+        with _interrupts_blocked():
+            self._process.start()
         child.close()
         self._conn = parent
         self.suspended = False
@@ -253,6 +254,23 @@ def ignore_interrupts() -> None:
     foreground process group, children too, and the daemon decides what happens to its
     tasks (finish, or give back); it ends its children itself."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # blocked since its start (_interrupts_blocked)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+@contextlib.contextmanager
+def _interrupts_blocked() -> Iterator[None]:
+    """SIGINT blocked while a child starts: the child inherits the mask, so a Ctrl-C
+    during its interpreter's start-up (before `ignore_interrupts`) waits instead of
+    killing it. The daemon gets its own copy of the signal when the mask is restored."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def host_main(conn: Connection, threads: int) -> None:
