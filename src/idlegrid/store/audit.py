@@ -112,15 +112,8 @@ async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) 
             attempts=shards.c.attempts + 1,
         )
     )
-    await conn.execute(
-        update(tasks)
-        .where(
-            tasks.c.shard_id.in_(ids),
-            tasks.c.state == TaskState.COMPLETED.value,
-            tasks.c.outcome == "valid",
-        )
-        .values(outcome=None)
-    )
+    # Their results stay valid and vote again (the vote reads valid results too); the
+    # decision judges only what it changes, so no node's trust counts a result twice.
     values = [
         dict(shard_id=shard_id, job_id=job_id, state=TaskState.READY.value, created_at=now)
         for shard_id, job_id in (

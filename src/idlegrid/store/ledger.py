@@ -9,7 +9,7 @@ credit it grants commit together or not at all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from sqlalchemy import bindparam, case, select, update
@@ -126,6 +126,7 @@ async def apply_verdicts(
     settings: TrustSettings,
     now: float,
     credit: bool = True,
+    trust_counted: Collection[int] = (),
 ) -> None:
     """Update the trust of each task's node and grant credit for valid work.
 
@@ -133,6 +134,8 @@ async def apply_verdicts(
     the job), never from anything the node said. A node whose trust becomes suspended
     is suspended, and its account flagged. `credit` False: trust only (a result that
     came after its shard was decided and credited: the work is paid for once).
+    `trust_counted`: results whose valid verdict the node's trust has counted already (a
+    shard reopened for a check voted again): credit only.
     """
     verdict_of = dict(verdicts)
     if not verdict_of:
@@ -149,6 +152,8 @@ async def apply_verdicts(
     # through them one by one, in task order.
     groups: dict[tuple[int, str, str], list[Any]] = {}
     for row in rows:
+        if row.id in trust_counted and verdict_of[row.id] != "invalid":
+            continue
         groups.setdefault((row.node_id, row.kind, row.backend or "cpu"), []).append(row)
     for (node_id, kind, backend), group in groups.items():
         await _judge_node(
@@ -183,6 +188,23 @@ async def apply_verdicts(
         for row in paying.values()
         if row.credit is None
     ]
+    if not earned:
+        return
+    # Only the rows this transaction pays: another process vouching for the same lone
+    # results at once waits on these row locks, then finds them paid.
+    unpaid = set(
+        (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_([row.id for row, _ in earned]), tasks.c.credit.is_(None))
+                .values(credit=0.0)
+                .returning(tasks.c.id)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    earned = [(row, amount) for row, amount in earned if row.id in unpaid]
     if not earned:
         return
     await conn.execute(

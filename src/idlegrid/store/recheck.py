@@ -80,17 +80,9 @@ async def recheck_node(
     for shard_id in out.escalated + out.reopened:
         row = by_id[shard_id]
         await _replicate(conn, shard_id, target=row.replication, quorum=row.min_quorum)
-    if out.reopened:
-        # Their results vote again, with what their nodes' trust is now.
-        await conn.execute(
-            update(tasks)
-            .where(
-                tasks.c.shard_id.in_(out.reopened),
-                tasks.c.state == TaskState.COMPLETED.value,
-                tasks.c.outcome == "valid",
-            )
-            .values(outcome=None)
-        )
+    # Their results stay valid and vote again, with what their nodes' trust is now (the
+    # vote reads valid results too); the decision judges only what it changes, so no
+    # node's trust counts a result twice.
     return out
 
 

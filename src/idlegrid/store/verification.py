@@ -160,16 +160,20 @@ async def decide(
     verdicts: list[tuple[int, ResultVerdict]] = [(t, "invalid") for t in pending_invalid]
     final = [d for d in decisions if d.canonical_task_id is not None or d.fail_reason is not None]
     decided = Decided()
+    judged: set[int] = set()
     if final:
         decided = await _take_final(conn, final, now=now)
         taking = [d for d in final if d.shard_id in decided.won]
         taking = list({d.shard_id: d for d in taking}.values())  # one per shard
         # Only the decision that won marks results: a lost race leaves them to it.
+        # A shard reopened for a check votes again with its earlier valid results; their
+        # nodes' trust counted them already, and counts them again only if they changed.
+        judged |= await _valid_already(conn, [t for d in taking for t in d.valid])
         await mark(conn, [t for d in taking for t in d.valid], "valid")
         await mark(conn, [t for d in taking for t in d.invalid], "invalid")
         for d in taking:
             verdicts += replication.decision_verdicts(d.valid, d.invalid)
-    await ledger.apply_verdicts(conn, verdicts, settings=trust, now=now)
+    await ledger.apply_verdicts(conn, verdicts, settings=trust, now=now, trust_counted=judged)
     return decided
 
 
@@ -327,6 +331,16 @@ async def judge_late(
         await ledger.apply_verdicts(
             conn, [(task_id, verdict)], settings=trust, now=now, credit=False
         )
+
+
+async def _valid_already(conn: AsyncConnection, task_ids: Sequence[int]) -> set[int]:
+    """Those of these tasks judged valid before (their shard was reopened for a check)."""
+    if not task_ids:
+        return set()
+    found = await conn.execute(
+        select(tasks.c.id).where(tasks.c.id.in_(list(task_ids)), tasks.c.outcome == "valid")
+    )
+    return set(found.scalars().all())
 
 
 async def mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
