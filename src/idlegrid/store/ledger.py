@@ -309,15 +309,22 @@ async def withdraw_errors(
         after = current.trust
         for _ in range(count):
             after = trust_policy.after_error_withdrawn(after)
-        await conn.execute(
-            update(node_trust)
-            .where(
-                node_trust.c.node_id == node_id,
-                node_trust.c.kind == kind,
-                node_trust.c.backend == backend,
-            )
-            .values(**_trust_values(after), updated_at=now)
+        await _save_trust(conn, node_id, kind, backend, after, now=now)
+
+
+async def _save_trust(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, trust: Trust, *, now: float
+) -> None:
+    """Write a node's trust for one kind and backend (its row locked by `load_trust`)."""
+    await conn.execute(
+        update(node_trust)
+        .where(
+            node_trust.c.node_id == node_id,
+            node_trust.c.kind == kind,
+            node_trust.c.backend == backend,
         )
+        .values(**_trust_values(trust), updated_at=now)
+    )
 
 
 async def _judge_node(
@@ -345,15 +352,7 @@ async def _judge_node(
                 after = trust_policy.after_invalid(after, settings)
             case "error":
                 after = trust_policy.after_error(after)
-    await conn.execute(
-        update(node_trust)
-        .where(
-            node_trust.c.node_id == node_id,
-            node_trust.c.kind == kind,
-            node_trust.c.backend == backend,
-        )
-        .values(**_trust_values(after), updated_at=now)
-    )
+    await _save_trust(conn, node_id, kind, backend, after, now=now)
     if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
         await suspend(conn, node_id, account_id, kind, now=now)
     if "invalid" in verdicts:
@@ -389,15 +388,8 @@ async def suspect(
     current = await load_trust(
         conn, row.node_id, row.kind, backend, settings=settings, now=now, for_update=True
     )
-    await conn.execute(
-        update(node_trust)
-        .where(
-            node_trust.c.node_id == row.node_id,
-            node_trust.c.kind == row.kind,
-            node_trust.c.backend == backend,
-        )
-        .values(**_trust_values(trust_policy.after_suspected(current.trust)), updated_at=now)
-    )
+    suspected = trust_policy.after_suspected(current.trust)
+    await _save_trust(conn, row.node_id, row.kind, backend, suspected, now=now)
     return await recheck.recheck_node(
         conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
     )
