@@ -50,6 +50,7 @@ from typing import Any
 
 import psutil
 import websockets
+from production import cpu_seconds, drop_run, service_pids
 from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
@@ -232,11 +233,11 @@ async def measure(
     # This process's own stalls count in the round trips it measures: watch them.
     lags: list[float] = []
     watcher = asyncio.create_task(watch_loop_lag(lags))
-    cpu_before, wall_before = _cpu_seconds(pids), time.monotonic()
+    cpu_before, wall_before = cpu_seconds(pids), time.monotonic()
     sent_before, dropped_before = fleet.heartbeats_sent, fleet.dropped
     load_before = os.getloadavg()[0]
     await asyncio.sleep(args.window)
-    cpu_after, wall_after = _cpu_seconds(pids), time.monotonic()
+    cpu_after, wall_after = cpu_seconds(pids), time.monotonic()
     fleet.stop.set()
     watcher.cancel()
     gc.enable()
@@ -282,30 +283,11 @@ def _run(coro):  # type: ignore[no-untyped-def]
     return uvloop.run(coro)
 
 
-def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each group's processes (gone ones: 0)."""
-    totals: dict[str, float] = {}
-    for group, group_pids in pids.items():
-        total = 0.0
-        for pid in group_pids:
-            try:
-                times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
-            except psutil.Error:
-                pass
-        totals[group] = total
-    return totals
-
-
 def _rss_mib(pid: int) -> float:
     try:
         return float(psutil.Process(pid).memory_info().rss) / 2**20
     except psutil.Error:
         return 0.0
-
-
-def _service_pids(name: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "") == name]
 
 
 def main() -> None:
@@ -358,7 +340,7 @@ def main() -> None:
             line = _run(measure(args, grid.urls, token, _measured_pids(grid, production)))
     finally:
         if production:
-            asyncio.run(_drop(args.database, schema, args.redis, prefix))
+            asyncio.run(drop_run(args.database, schema, args.redis, prefix))
     print(line)
 
 
@@ -416,28 +398,9 @@ def _measured_pids(grid: LocalGrid, production: dict[str, Any]) -> dict[str, lis
         return {"coordinator": [processes[0].pid], "simulator": [os.getpid()]}
     pids = {f"coordinator {i + 1}": [proc.pid] for i, proc in enumerate(processes)}
     pids["simulator"] = [os.getpid()]
-    pids["postgres"] = _service_pids("postgres")
-    pids["redis"] = _service_pids("redis-server")
+    pids["postgres"] = service_pids("postgres")
+    pids["redis"] = service_pids("redis-server")
     return pids
-
-
-async def _drop(database: str, schema: str, redis_url: str, prefix: str) -> None:
-    """Remove the run's schema and Redis keys."""
-    import asyncpg
-    import redis.asyncio as redis
-
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        await conn.close()
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = [key async for key in client.scan_iter(match=prefix + "*")]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
+from production import cpu_seconds, drop_run, service_pids
 
 from idlegrid.localgrid import LocalGrid
 
@@ -62,25 +62,6 @@ class Run:
             f"{self.seconds:.2f} s = {self.rate:.1f} tasks/s, coordinator CPU "
             f"{self.coordinator_cpu_ms:.2f} ms a task (CPU s: {cpu})"
         )
-
-
-def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each group's processes."""
-    totals: dict[str, float] = {}
-    for group, group_pids in pids.items():
-        total = 0.0
-        for pid in group_pids:
-            try:
-                times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
-            except psutil.Error:
-                pass
-        totals[group] = total
-    return totals
-
-
-def _service_pids(name: str) -> list[int]:
-    return [p.pid for p in psutil.process_iter(["name"]) if (p.info["name"] or "") == name]
 
 
 def measure(args: argparse.Namespace, coordinators: int, root: Path, *, sqlite: bool) -> Run:
@@ -115,12 +96,12 @@ def measure(args: argparse.Namespace, coordinators: int, root: Path, *, sqlite: 
                     "workers": [p.pid for p in grid.workers],
                 }
                 if not sqlite:
-                    pids["postgres"] = _service_pids("postgres")
-                    pids["redis"] = _service_pids("redis-server")
-                before = _cpu_seconds(pids)
+                    pids["postgres"] = service_pids("postgres")
+                    pids["redis"] = service_pids("redis-server")
+                before = cpu_seconds(pids)
                 job = client.submit("sleep", params={"tasks": args.tasks, "seconds": 0})
                 info = _wait_light(client, job.id)
-                after = _cpu_seconds(pids)
+                after = cpu_seconds(pids)
         if info["state"] != "completed":
             raise SystemExit(f"job ended {info['state']}: {info.get('error')}")
         seconds = float(info["finished_at"]) - float(info["created_at"])
@@ -129,7 +110,7 @@ def measure(args: argparse.Namespace, coordinators: int, root: Path, *, sqlite: 
         return Run(store, coordinators=coordinators, tasks=args.tasks, seconds=seconds, cpu=cpu)
     finally:
         if not sqlite:
-            asyncio.run(_drop(args.database, schema, args.redis, prefix))
+            asyncio.run(drop_run(args.database, schema, args.redis, prefix))
 
 
 def _start_workers(grid: LocalGrid, args: argparse.Namespace) -> None:
@@ -155,24 +136,6 @@ def _wait_light(client: Any, job_id: int) -> dict[str, Any]:
             return dict(info)
         time.sleep(0.5)
     raise SystemExit(f"job {job_id} did not finish within an hour")
-
-
-async def _drop(database: str, schema: str, redis_url: str, prefix: str) -> None:
-    import asyncpg
-    import redis.asyncio as redis
-
-    conn = await asyncpg.connect(database)
-    try:
-        await conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        await conn.close()
-    client = redis.Redis.from_url(redis_url)
-    try:
-        keys = [key async for key in client.scan_iter(match=prefix + "*")]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 def main() -> None:
