@@ -286,8 +286,12 @@ async def _serve(node: Any) -> None:
 
 def _show_idle(state_dir: Path) -> None:
     from idlegrid.worker.idle import IdleSource, default_probes
+    from idlegrid.worker.idle.wayland import WaylandIdleProbe
 
     source = IdleSource(default_probes(state_dir))
+    for probe in source.probes:
+        if isinstance(probe, WaylandIdleProbe):  # its first reading takes one timeout
+            probe.wait_ready()
     for reading in source.read_all():
         value = f"idle {reading.idle_s:.1f} s" if reading.idle_s is not None else "cannot tell"
         click.echo(

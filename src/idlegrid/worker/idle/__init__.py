@@ -23,6 +23,7 @@ from idlegrid.worker.idle.linux import (
     TerminalsProbe,
     XScreenSaverProbe,
 )
+from idlegrid.worker.idle.wayland import GnomeIdleMonitorProbe, WaylandIdleProbe
 
 __all__ = [
     "IdleProbe",
@@ -42,5 +43,12 @@ def default_probes(state_dir: Path, platform: str = sys.platform) -> list[IdlePr
     elif platform == "win32":
         probes = [WindowsLastInputProbe()]
     else:
-        probes = [XScreenSaverProbe(), InputDevicesProbe(), LogindProbe(), TerminalsProbe()]
+        probes = [
+            XScreenSaverProbe(),
+            WaylandIdleProbe(),
+            GnomeIdleMonitorProbe(),
+            InputDevicesProbe(),
+            LogindProbe(),
+            TerminalsProbe(),
+        ]
     return [*probes, HelperFileProbe(state_dir)]
