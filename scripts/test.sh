@@ -4,12 +4,18 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/bootstrap.sh
-# The browser and desktop tests need Debian's chromium and Xvfb; as root (CI) they are
-# installed here when missing. Without them those tests skip, and fail under CI=true.
+# The browser and desktop tests need Debian's chromium and Xvfb, the Wayland ones sway,
+# wtype, dbus-daemon and the wayland-protocols XML; as root (CI) they are installed here
+# when missing. Without them those tests skip, and fail under CI=true.
 missing=()
 command -v chromium >/dev/null || missing+=(chromium chromium-driver)
 command -v Xvfb >/dev/null || missing+=(xvfb)
 command -v xdotool >/dev/null || missing+=(xdotool)
+command -v sway >/dev/null || missing+=(sway)
+command -v wtype >/dev/null || missing+=(wtype)
+command -v dbus-daemon >/dev/null || missing+=(dbus)
+[ -f /usr/share/wayland-protocols/staging/ext-idle-notify/ext-idle-notify-v1.xml ] ||
+    missing+=(wayland-protocols)
 if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
         echo "installing ${missing[*]} for the browser and desktop tests"

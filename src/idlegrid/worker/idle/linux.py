@@ -1,4 +1,5 @@
-"""Linux idle probes: X11's XScreenSaver, input devices, logind, and terminals.
+"""Linux idle probes: X11's XScreenSaver, input devices, logind, and terminals (Wayland:
+wayland.py).
 
 Why four: each sees a different part of the machine, and each is blind somewhere.
 XScreenSaver is exact but needs the X display (a Wayland session's XWayland sees only

@@ -4,7 +4,7 @@ A Wayland compositor tells no client about other clients' input, so there is no 
 time to query as X11's XScreenSaver answers. What a compositor may offer is a
 notification: "tell me when the seat has been idle for N ms, and when it is used again".
 `WaylandIdleProbe` asks for one with a 1 s timeout, over the staging protocol
-`ext_idle_notifier_v1` (sway 1.8+, KDE Plasma 5.27+, GNOME 45+, Hyprland, labwc) or,
+`ext_idle_notifier_v1` (sway 1.8+, KDE Plasma 5.27+, Hyprland, labwc) or,
 where the compositor lacks it, KDE's older `org_kde_kwin_idle` (KWin, wlroots'
 compositors such as sway 1.7). It speaks the Wayland wire protocol itself over the
 compositor's unix socket (no libwayland), and a reader thread keeps the state, so a
