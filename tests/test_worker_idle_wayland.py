@@ -365,6 +365,28 @@ def test_a_compositor_without_idle_protocols_is_refused_and_not_asked_again(
         peer.close()
 
 
+def test_a_protocol_error_is_reported_and_not_asked_again_at_once(
+    ext_spec: dict[str, Any], tmp_path: Path
+) -> None:
+    peer = ScriptedCompositor(tmp_path / "wayland-err", ["wl_seat", EXT_IDLE], ext_spec)
+    probe = WaylandIdleProbe(tmp_path / "wayland-err")
+    try:
+        with pytest.raises(ProbeUnavailable, match="first idle notification"):
+            probe.idle_seconds()
+        (asked,) = peer.wait_notifications(1)
+        # wl_display.error(object, code, message): the core protocol's event 0 on object 1.
+        body = struct.pack("=II", asked["id"], 3) + _string("timeout out of range")
+        peer.send(asked["conn"], 1, 0, body)
+        _until(lambda: probe._connection is None, 2, "the probe to see the error")
+        for _ in range(2):
+            with pytest.raises(ProbeUnavailable, match="refused us: protocol error 3: timeout"):
+                probe.idle_seconds()
+        assert len(peer.connections) == 1
+    finally:
+        probe.close()
+        peer.close()
+
+
 # -- GNOME: a real session bus ------------------------------------------------------------------
 
 

@@ -61,6 +61,10 @@ class WaylandError(Exception):
     """The compositor closed the connection or sent a protocol error."""
 
 
+class WaylandProtocolError(WaylandError):
+    """wl_display.error: the compositor found a request of ours invalid."""
+
+
 def wayland_socket(environ: dict[str, str] | None = None) -> Path:
     """The compositor's socket, as libwayland finds it; ProbeUnavailable if there is none."""
     env = os.environ if environ is None else environ
@@ -124,7 +128,7 @@ class WaylandConnection:
                     if obj == 1 and word & 0xFFFF == WL_DISPLAY_ERROR:
                         _, code = struct.unpack_from("=II", body)
                         message, _ = _unpack_string(body, 8)
-                        raise WaylandError(f"protocol error {code}: {message}")
+                        raise WaylandProtocolError(f"protocol error {code}: {message}")
                     return obj, word & 0xFFFF, body
             chunk = self.sock.recv(4096)
             if not chunk:
@@ -254,7 +258,9 @@ class WaylandIdleProbe:
             raise
         except (OSError, WaylandError) as exc:
             connection.close()
-            self._refuse(UNREACHABLE_RETRY_S, f"Wayland handshake with {path} failed: {exc}")
+            # A compositor that hangs or refuses the handshake is not asked every reading:
+            # each try could hold the governor for HANDSHAKE_S.
+            self._refuse(UNSUPPORTED_RETRY_S, f"Wayland handshake with {path} failed: {exc}")
         connection.sock.settimeout(None)
         now = time.monotonic()
         with self._lock:
@@ -295,6 +301,9 @@ class WaylandIdleProbe:
                 if self._connection is connection:  # not closed by us: reconnect next time
                     log.info("wayland idle probe: %s; reconnecting at the next reading", exc)
                     self._connection = None
+                    if isinstance(exc, WaylandProtocolError):  # it would only refuse again
+                        retry_at = time.monotonic() + UNSUPPORTED_RETRY_S
+                        self._refused = (retry_at, f"the compositor refused us: {exc}")
                     self._changed.notify_all()
             connection.close()
 
