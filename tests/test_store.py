@@ -309,7 +309,10 @@ async def test_claim_is_atomic_under_concurrency(store: SqlStore) -> None:
     )
     winners = [c for c in claims if isinstance(c, Assignment)]
     assert len(winners) == 1
-    assert claims.count(ClaimMiss.GONE) == 49
+    # The others miss: the task is gone, or (PostgreSQL) it was being claimed, and the
+    # claim skipped it rather than wait for that transaction.
+    misses = [c for c in claims if not isinstance(c, Assignment)]
+    assert len(misses) == 49 and set(misses) <= {ClaimMiss.GONE, ClaimMiss.CONFLICT}
     winner_node = nodes[claims.index(winners[0])]
     assert (await _task_row(store, ready.task_id)).node_id == winner_node.id
 

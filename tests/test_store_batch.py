@@ -8,7 +8,7 @@ import pytest
 from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.policy.trust import TrustSettings
-from idlegrid.states import TaskState
+from idlegrid.states import NodeState, TaskState
 from idlegrid.store.base import Assignment, ClaimMiss, StoreConflict
 from idlegrid.store.sql import SqlStore
 
@@ -151,35 +151,27 @@ async def test_after_commit_runs_once_the_batch_committed_and_never_after_a_roll
 
 
 async def test_a_deadlocked_batch_raises_a_conflict_and_runs_again(store: SqlStore) -> None:
-    """Two batches claim two tasks in opposite orders: PostgreSQL aborts one of them."""
+    """Two batches write two nodes' rows in opposite orders: PostgreSQL aborts one."""
     if store.is_sqlite:
         pytest.skip("SQLite has one writer at a time: its batches cannot deadlock")
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
-    _, ready = await store.create_job(_job(account, shards=3), now=T0)
-    # The job's first claim marks it running (a write both batches would queue behind).
-    await _try(store, ready.pop().task_id, nodes[0])
-    first_claims = [asyncio.Event(), asyncio.Event()]
+    first_writes = [asyncio.Event(), asyncio.Event()]
     attempts = [0, 0]
 
-    async def claim_both(side: int) -> list[Assignment | ClaimMiss]:
+    async def both_offline(side: int) -> None:
         attempts[side] += 1
-        order = [ready[side].task_id, ready[1 - side].task_id]
-        claims = [await _try(store, order[0], nodes[side])]
-        first_claims[side].set()
-        await first_claims[1 - side].wait()  # each holds its first row when it asks for more
-        claims.append(await _try(store, order[1], nodes[side]))
-        return claims
+        await store.set_node_offline(nodes[side].id, now=T0)
+        first_writes[side].set()
+        await first_writes[1 - side].wait()  # each holds its first row when it asks for more
+        await store.set_node_offline(nodes[1 - side].id, now=T0)
 
-    outcomes = await asyncio.wait_for(
-        asyncio.gather(*(store.run_batch(lambda s=side: claim_both(s)) for side in (0, 1))),
+    await asyncio.wait_for(
+        asyncio.gather(*(store.run_batch(lambda s=side: both_offline(s)) for side in (0, 1))),
         timeout=30,
     )
     assert sorted(attempts) == [1, 2]  # one batch was aborted and ran again
-    won = [c for claims in outcomes for c in claims if isinstance(c, Assignment)]
-    assert sorted(c.task_id for c in won) == sorted(e.task_id for e in ready)
-    for entry in ready:
-        assert (await _task_row(store, entry.task_id)).state == TaskState.ASSIGNED.value
+    assert {n.state for n in await store.list_nodes()} == {NodeState.OFFLINE}
 
 
 async def test_a_batch_that_meets_a_deadlock_raises_store_conflict(store: SqlStore) -> None:
@@ -187,23 +179,52 @@ async def test_a_batch_that_meets_a_deadlock_raises_store_conflict(store: SqlSto
         pytest.skip("SQLite has one writer at a time: its batches cannot deadlock")
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
-    _, ready = await store.create_job(_job(account, shards=3), now=T0)
-    # The job's first claim marks it running (a write both batches would queue behind).
-    await _try(store, ready.pop().task_id, nodes[0])
     held = [asyncio.Event(), asyncio.Event()]
 
-    async def claim_both(side: int) -> None:
+    async def both_offline(side: int) -> None:
         async with store.batch():
-            await _try(store, ready[side].task_id, nodes[side])
+            await store.set_node_offline(nodes[side].id, now=T0)
             held[side].set()
             await held[1 - side].wait()
-            await _try(store, ready[1 - side].task_id, nodes[side])
+            await store.set_node_offline(nodes[1 - side].id, now=T0)
 
     results = await asyncio.wait_for(
-        asyncio.gather(claim_both(0), claim_both(1), return_exceptions=True), timeout=30
+        asyncio.gather(both_offline(0), both_offline(1), return_exceptions=True), timeout=30
     )
     assert sum(isinstance(r, StoreConflict) for r in results) == 1, results
     assert sum(r is None for r in results) == 1, results
+
+
+async def test_a_claim_skips_a_task_another_batch_is_claiming(store: SqlStore) -> None:
+    """One task's claim does not wait for another open transaction's claim of it: it
+    misses (CONFLICT) at once, and its caller tries the next candidate."""
+    if store.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a second batch waits for the first")
+    account = await _account(store)
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
+    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    await _try(store, ready.pop().task_id, nodes[0])  # the job runs: no job-row write below
+    holding, done = asyncio.Event(), asyncio.Event()
+
+    async def hold_first() -> None:
+        async with store.batch():
+            await _try(store, ready[0].task_id, nodes[0])
+            holding.set()
+            await done.wait()
+
+    holder = asyncio.create_task(hold_first())
+    await holding.wait()
+    try:
+        missed = await asyncio.wait_for(_try(store, ready[0].task_id, nodes[1]), timeout=10)
+        other = await asyncio.wait_for(_try(store, ready[1].task_id, nodes[1]), timeout=10)
+    finally:
+        done.set()
+        await holder
+    assert missed is ClaimMiss.CONFLICT
+    assert isinstance(other, Assignment)
+    assert (await _task_row(store, ready[0].task_id)).node_id == nodes[0].id
+    # Once the holder committed, the task is gone for everyone else.
+    assert await _try(store, ready[0].task_id, nodes[1]) is ClaimMiss.GONE
 
 
 async def _try(store: SqlStore, task_id: int, node: object) -> Assignment | ClaimMiss:

@@ -81,6 +81,12 @@ async def claim_task(
             .with_for_update(key_share=True)
         )
     where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
+    if rows.row_locks(conn):
+        # A task another transaction is claiming now is skipped, not waited for (its
+        # claim may be a whole batch long, and it will most likely win): the caller
+        # tries its next candidate at once, as `claim_tasks` does.
+        free = select(tasks.c.id).where(*where).with_for_update(skip_locked=True, key_share=True)
+        where.append(tasks.c.id.in_(free.scalar_subquery()))
     where += distinct_from(claimer, distinct)
     if not trust_policy.is_trusted(found.trust, trust):
         where.append(tasks.c.trusted_only.is_(False))

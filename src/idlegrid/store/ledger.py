@@ -20,9 +20,9 @@ from idlegrid.policy import credit as credit_policy
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
-from idlegrid.store import recheck, stats
+from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
-from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks, teams
+from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
 
 log = logging.getLogger(__name__)
 DAY_S = 86_400.0
@@ -217,15 +217,14 @@ async def apply_verdicts(
         per_node[row.node_id] = per_node.get(row.node_id, 0.0) + amount
         per_account[row.account_id] = per_account.get(row.account_id, 0.0) + amount
     for node_id, amount in per_node.items():
-        await grant(conn, nodes, node_id, amount, now=now)
+        await totals.grant(conn, "nodes", node_id, amount, now=now)
     for account_id, amount in per_account.items():
-        await grant(conn, accounts, account_id, amount, now=now)
+        await totals.grant(conn, "accounts", account_id, amount, now=now)
     # The dashboard's aggregates, in the same transaction: no page reads the task table.
     work = [
         stats.Earned(row.node_id, row.account_id, row.cost_flops, amount) for row, amount in earned
     ]
-    for team_id, amount in (await stats.record_validated(conn, work, now=now)).items():
-        await grant(conn, teams, team_id, amount, now=now)
+    await totals.validated(conn, work, now=now)
 
 
 _VERDICT_ROWS = (
@@ -279,8 +278,8 @@ async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> N
         update(tasks).where(tasks.c.id.in_([row.id for row in paid])).values(credit=0.0)
     )
     for row in paid:
-        await grant(conn, nodes, row.node_id, -row.credit, now=now)
-        await grant(conn, accounts, row.account_id, -row.credit, now=now)
+        await totals.grant(conn, "nodes", row.node_id, -row.credit, now=now)
+        await totals.grant(conn, "accounts", row.account_id, -row.credit, now=now)
 
 
 async def withdraw_errors(
@@ -412,34 +411,6 @@ async def suspend(
             flag_reason=f"node {node_id} was suspended for repeated invalid {kind} results",
         )
     )
-
-
-async def grant(
-    conn: AsyncConnection, table: Any, row_id: int, amount: float, *, now: float
-) -> None:
-    """Add credit to a node's or an account's totals (decayed sum: policy.credit)."""
-    row = (
-        await conn.execute(
-            select(table.c.credit_total, table.c.credit_decayed, table.c.credit_updated_at)
-            .where(table.c.id == row_id)
-            .with_for_update(key_share=True)
-        )
-    ).one()
-    totals = credit_policy.grant(credit_of(row), amount, now=now)
-    await conn.execute(
-        update(table)
-        .where(table.c.id == row_id)
-        .values(
-            credit_total=totals.total,
-            credit_decayed=totals.decayed,
-            credit_updated_at=totals.updated_at,
-            credit_rank=credit_policy.rank_key(totals),
-        )
-    )
-
-
-def credit_of(row: Any) -> credit_policy.CreditTotals:
-    return credit_policy.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at)
 
 
 def trust_of(row: Any) -> Trust:

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
-from idlegrid.store import ledger
+from idlegrid.store import totals
 from idlegrid.store.base import (
     AccountRecord,
     Assignment,
@@ -87,7 +87,7 @@ def node(row: Any) -> NodeRecord:
         connected_seconds=row.connected_seconds,
         network=row.network,
         suspended_at=row.suspended_at,
-        credit=ledger.credit_of(row),
+        credit=totals.credit_of(row),
     )
 
 
@@ -98,7 +98,7 @@ def account(row: Any) -> AccountRecord:
         is_admin=row.is_admin,
         flagged_at=row.flagged_at,
         flag_reason=row.flag_reason,
-        credit=ledger.credit_of(row),
+        credit=totals.credit_of(row),
     )
 
 

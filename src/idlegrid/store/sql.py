@@ -37,6 +37,7 @@ from idlegrid.store import (
     ledger,
     rows,
     scheduling,
+    totals,
     verification,
 )
 from idlegrid.store import jobs as job_sql
@@ -204,12 +205,14 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
             return
         batch = _Batch(contextlib.AsyncExitStack())
         try:
-            async with batch.stack:
+            async with batch.stack, totals.deferred() as pending:
                 token = _BATCH.set(batch)
                 try:
                     yield
                 finally:
                     _BATCH.reset(token)
+                if pending:  # the shared rows last, just before the commit
+                    await totals.write(await self._batch_connection(batch), pending)
         except DBAPIError as exc:
             if _is_conflict(exc):
                 raise StoreConflict(f"the database aborted a batch: {exc.orig}") from exc
@@ -248,11 +251,13 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
             yield await self._batch_connection(batch)
             return
         if self._write_lock is None:
-            async with self.engine.begin() as conn:
+            async with self.engine.begin() as conn, totals.deferred() as pending:
                 yield conn
+                await totals.write(conn, pending)
             return
-        async with self._write_lock, self.engine.begin() as conn:
+        async with self._write_lock, self.engine.begin() as conn, totals.deferred() as pending:
             yield conn
+            await totals.write(conn, pending)
 
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
