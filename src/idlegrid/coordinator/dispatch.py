@@ -83,15 +83,20 @@ class Dispatcher:
             await self._leases.replenish()
 
     async def _claim(self, session: NodeSession) -> list[Assignment]:
-        """Claim what the node wants: many at once while it can, then one by one."""
+        """Claim what the node wants: many at once while it can, then one by one.
+
+        Candidates another transaction was claiming (skipped, not waited for) are passed
+        over for the rest of this fill: each round either claims or passes over some.
+        """
         wanted = session.wants
         claimed: list[Assignment] = []
+        passed: set[int] = set()
         while len(claimed) < wanted:
-            many = await self._claim_many(session, wanted - len(claimed))
+            many = await self._claim_many(session, wanted - len(claimed), passed)
             if many:
                 claimed += many
                 continue
-            assignment = await self._claim_one(session)
+            assignment = await self._claim_one(session, passed)
             if assignment is None and self._ctx.settings.backups:
                 assignment = await self._matcher.claim_backup(session)
             if assignment is None:
@@ -118,7 +123,9 @@ class Dispatcher:
             if got_none and await broker.ready_count() == 0:
                 return
 
-    async def _claim_many(self, session: NodeSession, wanted: int) -> list[Assignment]:
+    async def _claim_many(
+        self, session: NodeSession, wanted: int, passed: set[int]
+    ) -> list[Assignment]:
         """Claim up to `wanted` of the best tasks for the node at once, while they are of
         replication-1 jobs and of one kind.
 
@@ -129,7 +136,7 @@ class Dispatcher:
         if wanted < 1 or time.monotonic() < session.idle_until:
             return []
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now)
+        by_id, ranked = await self._ranked(session, now=now, passed=passed)
         if not ranked:
             return []
         kind = ranked[0].kind
@@ -143,18 +150,20 @@ class Dispatcher:
         if not picked:
             return []
         settings = self._ctx.settings
-        claimed = await self._ctx.store.claim_tasks(
-            {t: now + lease_seconds(settings, session, by_id[t]) for t in picked},
-            _claimer(session),
-            kind=kind,
-            now=now,
-        )
+        with self._matcher.claiming(picked):
+            claimed = await self._ctx.store.claim_tasks(
+                {t: now + lease_seconds(settings, session, by_id[t]) for t in picked},
+                _claimer(session),
+                kind=kind,
+                now=now,
+            )
         if isinstance(claimed, ClaimMiss):
             _back_off(session, claimed)
             return []
         for claim in claimed:
             self._note_claim(session, claim, by_id[claim.task_id], now=now)
         await self._drop_from_queue(picked, claimed)
+        passed.update(picked)
         return claimed
 
     async def _drop_from_queue(self, picked: Sequence[int], claimed: Sequence[Assignment]) -> None:
@@ -172,13 +181,16 @@ class Dispatcher:
             await self._ctx.broker.discard(taken + gone)
 
     async def _ranked(
-        self, session: NodeSession, *, now: float
+        self, session: NodeSession, *, now: float, passed: set[int]
     ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate]]:
         """The queue's candidates this node can run, best first, and the entries by id.
 
-        Entries of jobs that ended leave the queue on the way.
+        Entries of jobs that ended leave the queue on the way. Left out: those this fill
+        passed over, and those another claim of this process is taking now.
         """
         entries = await self._matcher.entries(CANDIDATES_PER_CLAIM)
+        skip = passed | self._matcher.in_flight
+        entries = [entry for entry in entries if entry.task_id not in skip]
         candidates = []
         for entry in entries:
             plan = await self._plans.get(entry.job_id)
@@ -199,23 +211,26 @@ class Dispatcher:
         self._matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
         session.reliability = trust_policy.credibility(claim.trust, self._ctx.settings.trust)
 
-    async def _claim_one(self, session: NodeSession) -> Assignment | None:
+    async def _claim_one(self, session: NodeSession, passed: set[int]) -> Assignment | None:
         if time.monotonic() < session.idle_until:
             return None  # its quota is used up, or it is suspended: ask again later
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now)
+        by_id, ranked = await self._ranked(session, now=now, passed=passed)
         claimer = _claimer(session)
         for candidate in ranked:
             entry = by_id[candidate.task_id]
             plan = self._plans.loaded(entry.job_id)
-            claim = await self._ctx.store.claim_task(
-                entry.task_id,
-                claimer,
-                kind=entry.kind,
-                now=now,
-                lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
-                distinct=self._distinct if plan.replication > 1 else None,
-            )
+            with self._matcher.claiming([entry.task_id]):
+                claim = await self._ctx.store.claim_task(
+                    entry.task_id,
+                    claimer,
+                    kind=entry.kind,
+                    now=now,
+                    lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
+                    distinct=self._distinct if plan.replication > 1 else None,
+                )
+            if claim is ClaimMiss.CONFLICT:
+                passed.add(entry.task_id)
             if isinstance(claim, Assignment):
                 self._note_claim(session, claim, entry, now=now)
                 # The claim is committed: the node must hear of it even if the broker is

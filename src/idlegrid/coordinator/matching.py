@@ -8,8 +8,9 @@ a job is waiting (`waiting_for`). `Shares` maps the configured shares of account
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from idlegrid import protocol
 from idlegrid.coordinator.context import Context
@@ -100,6 +101,9 @@ class Matcher:
         self._usage_at: tuple[float, dict[int, float]] = (float("-inf"), {})
         # job id -> {shard id: the node that holds state for that shard} (affinity)
         self._preferred: dict[int, dict[int, int]] = {}
+        # Task ids a claim of this process is taking now: other nodes' claims rank the
+        # rest rather than queue behind that transaction for the same rows.
+        self.in_flight: set[int] = set()
 
     @property
     def share_of(self) -> Mapping[int, float]:
@@ -118,6 +122,16 @@ class Matcher:
             self._heads = (now, await self._ctx.store.ready_heads(per_job=HEADS_PER_JOB))
         seen = {entry.task_id for entry in entries}
         return entries + [head for head in self._heads[1] if head.task_id not in seen]
+
+    @contextlib.contextmanager
+    def claiming(self, task_ids: Sequence[int]) -> Iterator[None]:
+        """Mark these tasks as being claimed by this process while the block runs."""
+        ids = set(task_ids) - self.in_flight
+        self.in_flight |= ids
+        try:
+            yield
+        finally:
+            self.in_flight -= ids
 
     def invalidate(self) -> None:
         """New ready tasks: read the job heads again at the next claim."""
