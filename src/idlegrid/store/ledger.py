@@ -22,7 +22,7 @@ from idlegrid.policy.replication import ResultVerdict
 from idlegrid.policy.trust import Trust, TrustSettings
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
-from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
+from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 
 log = logging.getLogger(__name__)
 DAY_S = 86_400.0
@@ -53,6 +53,7 @@ async def load_trust(
     if for_update:
         query = query.with_for_update(key_share=True)
     row = (await conn.execute(query)).first()
+    used = await _used_today(conn, node_id, kind, backend, now=now)
     if row is None:
         # ON CONFLICT: several claims of one new node may make its row at once.
         dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
@@ -63,19 +64,32 @@ async def load_trust(
                 kind=kind,
                 backend=backend,
                 **_trust_values(trust_policy.new_trust(settings)),
-                quota_day=day_of(now),
-                quota_used=0,
                 updated_at=now,
             )
             .on_conflict_do_nothing()
         )
         row = (await conn.execute(query)).one()
-    return NodeTrust(node_id, kind, backend, trust_of(row), used_today(row, now))
+    return NodeTrust(node_id, kind, backend, trust_of(row), used)
 
 
-def used_today(row: Any, now: float) -> int:
-    """Tasks a node_trust row's node claimed today (its count is yesterday's otherwise)."""
-    return int(row.quota_used) if row.quota_day == day_of(now) else 0
+def used_today(day: int | None, used: int | None, now: float) -> int:
+    """Tasks counted on `day` that count today (none if the count is of another day)."""
+    return int(used or 0) if day == day_of(now) else 0
+
+
+async def _used_today(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, now: float
+) -> int:
+    row = (
+        await conn.execute(
+            select(node_quota.c.day, node_quota.c.used).where(
+                node_quota.c.node_id == node_id,
+                node_quota.c.kind == kind,
+                node_quota.c.backend == backend,
+            )
+        )
+    ).first()
+    return 0 if row is None else used_today(row.day, row.used, now)
 
 
 async def use_quota(
@@ -88,14 +102,16 @@ async def use_quota(
     now: float,
     count: int = 1,
 ) -> None:
+    """Count claims against today's quota: `used` (read in the same transaction) + count."""
+    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    statement = dialect.insert(node_quota).values(
+        node_id=node_id, kind=kind, backend=backend, day=day_of(now), used=used + count
+    )
     await conn.execute(
-        update(node_trust)
-        .where(
-            node_trust.c.node_id == node_id,
-            node_trust.c.kind == kind,
-            node_trust.c.backend == backend,
+        statement.on_conflict_do_update(
+            index_elements=["node_id", "kind", "backend"],
+            set_={"day": statement.excluded.day, "used": statement.excluded.used},
         )
-        .values(quota_day=day_of(now), quota_used=used + count)
     )
 
 
@@ -104,18 +120,14 @@ async def give_back_quota(
 ) -> None:
     """Claims released unheard-of do not count against today's quota."""
     await conn.execute(
-        update(node_trust)
+        update(node_quota)
         .where(
-            node_trust.c.node_id == node_id,
-            node_trust.c.kind == kind,
-            node_trust.c.backend == backend,
-            node_trust.c.quota_day == day_of(now),
+            node_quota.c.node_id == node_id,
+            node_quota.c.kind == kind,
+            node_quota.c.backend == backend,
+            node_quota.c.day == day_of(now),
         )
-        .values(
-            quota_used=case(
-                (node_trust.c.quota_used > count, node_trust.c.quota_used - count), else_=0
-            )
-        )
+        .values(used=case((node_quota.c.used > count, node_quota.c.used - count), else_=0))
     )
 
 

@@ -22,7 +22,7 @@ from idlegrid.store.base import (
     RegistrationRefused,
     StateCounts,
 )
-from idlegrid.store.schema import accounts, jobs, node_trust, nodes, shards, tasks
+from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 
 HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
 TOUCH_CHUNK = 500  # nodes per presence statement
@@ -166,9 +166,15 @@ async def node_tasks(conn: AsyncConnection, node_id: int) -> list[NodeTask]:
 async def list_trust(
     conn: AsyncConnection, node_id: int, *, now: float | None = None
 ) -> list[NodeTrust]:
+    same = (
+        (node_quota.c.node_id == node_trust.c.node_id)
+        & (node_quota.c.kind == node_trust.c.kind)
+        & (node_quota.c.backend == node_trust.c.backend)
+    )
     found = (
         await conn.execute(
-            select(node_trust)
+            select(node_trust, node_quota.c.day.label("quota_day"), node_quota.c.used)
+            .select_from(node_trust.outerjoin(node_quota, same))
             .where(node_trust.c.node_id == node_id)
             .order_by(node_trust.c.kind, node_trust.c.backend)
         )
@@ -176,7 +182,11 @@ async def list_trust(
     at = time.time() if now is None else now
     return [
         NodeTrust(
-            row.node_id, row.kind, row.backend, ledger.trust_of(row), ledger.used_today(row, at)
+            row.node_id,
+            row.kind,
+            row.backend,
+            ledger.trust_of(row),
+            ledger.used_today(row.quota_day, row.used, at),
         )
         for row in found
     ]

@@ -212,10 +212,20 @@ node_trust = Table(
     Column("recent_invalid", Integer, nullable=False, default=0),
     Column("daily_quota", Integer, nullable=False),
     Column("suspended", Boolean, nullable=False, default=False),
-    # Tasks claimed on `quota_day` (days since the epoch, UTC).
-    Column("quota_day", Integer, nullable=False, default=0),
-    Column("quota_used", Integer, nullable=False, default=0),
     Column("updated_at", Double, nullable=False),
+)
+
+# Tasks a node claimed on `day` (days since the epoch, UTC), per kind and backend: its
+# daily quota's count. Apart from node_trust, so a claim (which counts) and a verdict
+# (which changes trust) of one node never wait for each other's row lock.
+node_quota = Table(
+    "node_quota",
+    metadata,
+    Column("node_id", Integer, ForeignKey("nodes.id"), primary_key=True),
+    Column("kind", String(40), primary_key=True),
+    Column("backend", String(20), primary_key=True),
+    Column("day", Integer, nullable=False),
+    Column("used", Integer, nullable=False),
 )
 
 # One row per round of a training job (`diloco-train`), written by the round driver.
