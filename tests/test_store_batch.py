@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from sqlalchemy import select
 from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import NodeState, TaskState
+from idlegrid.store import totals
 from idlegrid.store.base import Assignment, ClaimMiss, StoreConflict
+from idlegrid.store.schema import accounts
 from idlegrid.store.sql import SqlStore
 
 
@@ -263,3 +266,40 @@ async def test_claims_skip_tasks_another_batch_is_claiming(store: SqlStore) -> N
         await holder
     assert not isinstance(claimed, ClaimMiss)
     assert [c.task_id for c in claimed] == [ready[1].task_id]
+
+
+async def _credit_total(store: SqlStore, account_id: int) -> float:
+    async with store.engine.connect() as conn:
+        query = select(accounts.c.credit_total).where(accounts.c.id == account_id)
+        return float((await conn.execute(query)).scalar_one())
+
+
+async def test_credit_totals_are_written_at_the_end_of_a_batch(store: SqlStore) -> None:
+    """Shared total rows (an account's credit) are written just before the commit: while
+    the batch runs, another transaction writes the same row without waiting for it, and
+    neither grant is lost."""
+    account = await _account(store)
+    async with store.batch():
+        async with store._tx() as conn:
+            await totals.grant(conn, "accounts", account.id, 5.0, now=T0)
+        if not store.is_sqlite:  # SQLite: one writer at a time, the batch holds it
+            async with store.engine.begin() as other:
+                await asyncio.wait_for(
+                    totals.grant_now(other, accounts, account.id, 1.0, now=T0), timeout=5
+                )
+            assert await _credit_total(store, account.id) == 1.0  # ours is not written yet
+    assert await _credit_total(store, account.id) == (5.0 if store.is_sqlite else 6.0)
+
+
+async def test_credit_totals_of_a_rolled_back_batch_are_not_written(store: SqlStore) -> None:
+    account = await _account(store)
+    with pytest.raises(Boom):
+        async with store.batch():
+            async with store._tx() as conn:
+                await totals.grant(conn, "accounts", account.id, 5.0, now=T0)
+            raise Boom()
+    assert await _credit_total(store, account.id) == 0.0
+    # Outside a batch, one call's transaction writes them at its own end.
+    async with store._tx() as conn:
+        await totals.grant(conn, "accounts", account.id, 2.0, now=T0)
+    assert await _credit_total(store, account.id) == 2.0
