@@ -112,11 +112,6 @@ class Streaming:
         return cls(spans, float(raw["mix"]))
 
 
-def layer_count(architecture: str, config: Any) -> int:
-    """How many layers an architecture's fragments can be cut along."""
-    return len(_layers(models.param_list(architecture, config)))
-
-
 def partition(architecture: str, config: Any, fragments: int) -> tuple[Span, ...]:
     """P contiguous spans of the flat weights, each a block of whole layers.
 
