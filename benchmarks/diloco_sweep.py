@@ -105,17 +105,15 @@ def streaming_plan() -> list[tuple[str, list[str]]]:
     as plain DiLoCo's H = 100 syncs the whole model, with 1/P of the bytes a round; with
     rounds of H = 100 each fragment waits P * 100 steps and the run moves 1/P the bytes.
     """
-    plan = [
+    half = ["--total-steps", "3000", "--inner-steps", "50"]  # 60 rounds of H = 50
+    return [
         (f"sync-fp32 lr={SYNC_LR} seed=0", _sync(SYNC_LR, 0)),
         (f"diloco H=100 lr={BASE_LR} seed=0", _diloco(0)),
-        ("diloco fragments=2 H=50 seed=0", _diloco(0, "--fragments", "2", "--inner-steps", "50")),
+        ("diloco fragments=2 H=50 seed=0", _diloco(0, *half, "--fragments", "2")),
         ("diloco fragments=2 H=100 seed=0", _diloco(0, "--fragments", "2")),
-        (
-            "diloco fragments=2 H=50 mix=0.5 seed=0",
-            _diloco(0, "--fragments", "2", "--inner-steps", "50", "--mix", "0.5"),
-        ),  # fmt: skip
-    ]
-    return plan
+        ("diloco fragments=2 H=50 mix=0.5 seed=0",
+         _diloco(0, *half, "--fragments", "2", "--mix", "0.5")),
+    ]  # fmt: skip
 
 
 def tiny_plan() -> list[tuple[str, list[str]]]:
