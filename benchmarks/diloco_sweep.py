@@ -103,7 +103,8 @@ def streaming_plan() -> list[tuple[str, list[str]]]:
 
     With P fragments and rounds of H = 100 / P, each fragment is synced every 100 steps
     as plain DiLoCo's H = 100 syncs the whole model, with 1/P of the bytes a round; with
-    rounds of H = 100 each fragment waits P * 100 steps and the run moves 1/P the bytes.
+    rounds of H = 100 each fragment waits P * 100 steps and the run moves 1/P the bytes
+    (as plain DiLoCo with H = 200 does, the last run).
     """
     half = ["--total-steps", "3000", "--inner-steps", "50"]  # 60 rounds of H = 50
     return [
@@ -113,6 +114,9 @@ def streaming_plan() -> list[tuple[str, list[str]]]:
         ("diloco fragments=2 H=100 seed=0", _diloco(0, "--fragments", "2")),
         ("diloco fragments=2 H=50 mix=0.5 seed=0",
          _diloco(0, *half, "--fragments", "2", "--mix", "0.5")),
+        # The bytes of fragments=2 H=100 without fragments: the whole model every 200 steps.
+        ("diloco H=200 steps=3000 seed=0",
+         _diloco(0, "--total-steps", "3000", "--inner-steps", "200")),
     ]  # fmt: skip
 
 
