@@ -152,8 +152,9 @@ def asynchronous(timelines: dict[str, dict]) -> None:
 STREAMING = (
     "diloco H=100 lr=3e-3 seed=0",
     "diloco fragments=2 H=50 seed=0",
-    "diloco fragments=2 H=100 seed=0",
     "diloco fragments=2 H=50 mix=0.5 seed=0",
+    "diloco fragments=2 H=100 seed=0",
+    "diloco H=200 steps=3000 seed=0",
 )
 
 
