@@ -153,6 +153,7 @@ STREAMING = (
     "diloco H=100 lr=3e-3 seed=0",
     "diloco fragments=2 H=50 seed=0",
     "diloco fragments=2 H=50 mix=0.5 seed=0",
+    "diloco mix=0.5 seed=0",
     "diloco fragments=2 H=100 seed=0",
     "diloco H=200 steps=3000 seed=0",
 )

@@ -114,6 +114,8 @@ def streaming_plan() -> list[tuple[str, list[str]]]:
         ("diloco fragments=2 H=100 seed=0", _diloco(0, "--fragments", "2")),
         ("diloco fragments=2 H=50 mix=0.5 seed=0",
          _diloco(0, *half, "--fragments", "2", "--mix", "0.5")),
+        # Mixing without fragments: the whole model, each round A * local + (1 - A) * global.
+        ("diloco mix=0.5 seed=0", _diloco(0, "--mix", "0.5")),
         # The bytes of fragments=2 H=100 without fragments: the whole model every 200 steps.
         ("diloco H=200 steps=3000 seed=0",
          _diloco(0, "--total-steps", "3000", "--inner-steps", "200")),
