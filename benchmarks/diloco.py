@@ -58,6 +58,7 @@ def grid_params(setup: simulate.Setup) -> dict[str, Any]:
         "seed": setup.seed,
         "eval_batches": setup.eval_batches,
         "eval_every": 1,
+        "streaming": None if setup.streaming is None else setup.streaming.model_dump(mode="json"),
     }
 
 

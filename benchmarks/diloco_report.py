@@ -3,6 +3,8 @@
     PYTHONPATH=src .venv/bin/python benchmarks/diloco_report.py \\
         benchmarks/results/diloco_sweep_h200.jsonl benchmarks/results/diloco_horizon_h200.jsonl \\
         [--plot docs/img/diloco_loss.png]
+    PYTHONPATH=src .venv/bin/python benchmarks/diloco_report.py --streaming \\
+        benchmarks/results/diloco_streaming_cpu.jsonl
 
 Reads the `results.jsonl` files `benchmarks/diloco_sweep.py` wrote (runs named as its
 plans name them) and prints: the headline comparison over seeds (3,000 steps), the
@@ -10,7 +12,8 @@ tuning sweeps, each lever on its own, the longer horizon, and the asynchronous m
 the virtual clock. Losses are test losses; "selected" is the checkpoint of lowest
 validation loss, with the bytes moved up to it. The last line is the headline's
 `bytes_ratio: X loss_gap: Y%` (fp32 synchronous baseline against DiLoCo H=100, selected
-checkpoints).
+checkpoints). With `--streaming`, only the streaming plan's table: plain DiLoCo against
+its fragments, with the bytes each round moves.
 """
 
 from __future__ import annotations
@@ -146,6 +149,39 @@ def asynchronous(timelines: dict[str, dict]) -> None:
                   f"| {row['dropped_stale']} |")  # fmt: skip
 
 
+STREAMING = (
+    "diloco H=100 lr=3e-3 seed=0",
+    "diloco fragments=2 H=50 seed=0",
+    "diloco fragments=2 H=50 mix=0.5 seed=0",
+    "diloco mix=0.5 seed=0",
+    "diloco fragments=2 H=100 seed=0",
+    "diloco H=200 steps=3000 seed=0",
+)
+
+
+def streaming(reports: dict[str, Report]) -> None:
+    """Streaming DiLoCo's fragments against plain DiLoCo, seed 0, 3,000 steps."""
+    base = reports.get("sync-fp32 lr=1e-2 seed=0")
+    if base is None:
+        print("streaming: no sync-fp32 lr=1e-2 seed=0 run to compare with")
+        return
+    print("Streaming DiLoCo, 3,000 steps, seed 0, against sync fp32 (test loss; a round's "
+          "bytes: one worker's upload and download in the last round):")  # fmt: skip
+    print("| run | rounds | test, selected | test, final | loss_gap, selected "
+          "| bytes_ratio, selected | bytes a round per worker |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name in STREAMING:
+        run = reports.get(name)
+        if run is None:
+            print(f"| {name} | not run | | | | | |")
+            continue
+        one = compare([base], [run])
+        per_round = run.curve[-1].bytes - run.curve[-2].bytes
+        print(f"| {name} | {len(run.curve) - 1} | {run.selected.test:.4f} "
+              f"| {run.final.test:.4f} | {one.loss_gap:.2f}% | {one.bytes_ratio:.1f} "
+              f"| {per_round:,} |")  # fmt: skip
+
+
 def plot(reports: dict[str, Report], path: Path) -> None:
     import matplotlib
 
@@ -184,8 +220,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("results", type=Path, nargs="+")
     parser.add_argument("--plot", type=Path, default=None)
+    parser.add_argument("--streaming", action="store_true",
+                        help="only the streaming plan's table (`diloco_sweep.py --plan "
+                             "streaming`)")  # fmt: skip
     args = parser.parse_args(argv)
     reports, timelines = load(args.results)
+    if args.streaming:
+        streaming(reports)
+        return 0
     ratio, gap = headline(reports)
     base = reports["sync-fp32 lr=1e-2 seed=0"]
     print("\nTuning at 3,000 steps, seed 0 (chosen by validation loss):")

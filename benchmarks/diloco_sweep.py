@@ -1,7 +1,7 @@
 """The DiLoCo benchmark's sweeps: every run of docs/benchmarks.md's DiLoCo tables, at once.
 
     PYTHONPATH=src .venv/bin/python benchmarks/diloco_sweep.py --out results/ \\
-        [--cpu-slots 8 --cuda-slots 8] [--plan full|tiny] [--deadline 520]
+        [--cpu-slots 8 --cuda-slots 8] [--plan full|horizon|streaming|tiny] [--deadline 520]
 
 Each run is one `training/simulate.py` (or `training/timeline.py`) process with its own
 flags, given a free slot: a CPU core (one torch thread) or a share of a GPU. Runs start in
@@ -98,6 +98,30 @@ def horizon_plan() -> list[tuple[str, list[str]]]:
     return plan
 
 
+def streaming_plan() -> list[tuple[str, list[str]]]:
+    """Streaming DiLoCo's fragments as a lever: seed 0, 3,000 steps, one change each.
+
+    With P fragments and rounds of H = 100 / P, each fragment is synced every 100 steps
+    as plain DiLoCo's H = 100 syncs the whole model, with 1/P of the bytes a round; with
+    rounds of H = 100 each fragment waits P * 100 steps and the run moves 1/P the bytes
+    (as plain DiLoCo with H = 200 does, the last run).
+    """
+    half = ["--total-steps", "3000", "--inner-steps", "50"]  # 60 rounds of H = 50
+    return [
+        (f"sync-fp32 lr={SYNC_LR} seed=0", _sync(SYNC_LR, 0)),
+        (f"diloco H=100 lr={BASE_LR} seed=0", _diloco(0)),
+        ("diloco fragments=2 H=50 seed=0", _diloco(0, *half, "--fragments", "2")),
+        ("diloco fragments=2 H=100 seed=0", _diloco(0, "--fragments", "2")),
+        ("diloco fragments=2 H=50 mix=0.5 seed=0",
+         _diloco(0, *half, "--fragments", "2", "--mix", "0.5")),
+        # Mixing without fragments: the whole model, each round A * local + (1 - A) * global.
+        ("diloco mix=0.5 seed=0", _diloco(0, "--mix", "0.5")),
+        # The bytes of fragments=2 H=100 without fragments: the whole model every 200 steps.
+        ("diloco H=200 steps=3000 seed=0",
+         _diloco(0, "--total-steps", "3000", "--inner-steps", "200")),
+    ]  # fmt: skip
+
+
 def tiny_plan() -> list[tuple[str, list[str]]]:
     """A few seconds of each kind of run: the script's own check."""
     small = ["--total-steps", "4", "--inner-steps", "2", "--batch-size", "2", "--seq-len", "16",
@@ -106,6 +130,10 @@ def tiny_plan() -> list[tuple[str, list[str]]]:
         ("sync-fp32 tiny", ["simulate", *small, "--runs", "sync"]),
         ("sync-int4 tiny", ["simulate", *small, "--runs", "sync", "--sync-gradients", "int4"]),
         ("diloco tiny", ["simulate", *small, "--runs", "diloco"]),
+        (
+            "diloco fragments tiny",
+            ["simulate", *small, "--layers", "2", "--runs", "diloco", "--fragments", "2"],
+        ),
         ("timeline tiny", ["timeline", *small, "--modes", "asynchronous"]),
     ]
 
@@ -142,7 +170,8 @@ def run_one(name: str, flags: list[str], device: str, out: Path, lock: threading
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--plan", choices=["full", "horizon", "tiny"], default="full")
+    parser.add_argument("--plan", choices=["full", "horizon", "streaming", "tiny"],
+                        default="full")  # fmt: skip
     parser.add_argument("--cpu-slots", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--cuda-slots", type=int, default=0)
     parser.add_argument("--deadline", type=float, default=None,
@@ -151,7 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="s: a GPU slot starts nothing after")  # fmt: skip
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    plans = {"full": full_plan, "horizon": horizon_plan, "tiny": tiny_plan}
+    plans = {"full": full_plan, "horizon": horizon_plan, "streaming": streaming_plan,
+             "tiny": tiny_plan}  # fmt: skip
     pending = list(plans[args.plan]())
     slots = ["cuda"] * args.cuda_slots + ["cpu"] * args.cpu_slots
     lock, started = threading.Lock(), time.monotonic()

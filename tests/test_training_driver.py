@@ -429,3 +429,57 @@ async def test_round_0s_evaluation_draws_the_weights_from_the_seed(
             break
         await harness.deliver(fresh, assign, output)
     assert tasks.decode_result(output).fetched_bytes == 0  # no keyframe fetched
+
+
+@pytest.mark.parametrize(
+    ("changes", "reason"),
+    [
+        ({"asynchronous": True}, "streaming fragments need synchronous rounds"),
+        ({"streaming": {"fragments": 3}}, "streaming: 3 fragments for a model of 2 layers"),
+        ({"streaming": {"fragments": 2, "mix": 1.0}}, "mix"),
+        ({"streaming": {"fragments": 2, "overlap": 1}}, "overlap"),
+    ],
+)
+async def test_streaming_settings_that_cannot_work_are_refused(
+    harness: Harness, changes: dict[str, Any], reason: str
+) -> None:
+    with pytest.raises(ValidationError, match=reason):
+        await harness.submit(**{"streaming": {"fragments": 2}, **changes})
+    assert await harness.grid.store.list_jobs(harness.account_id, limit=10, offset=0) == []
+
+
+async def test_a_streaming_job_syncs_one_fragment_a_round_through_the_grid(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = await harness.submit(rounds=4)
+    streamed = await harness.submit(rounds=4, streaming={"fragments": 2, "mix": 0.5})
+    nodes = [await harness.node("a"), await harness.node("b")]
+    for _ in range(80):
+        if not any([await harness.work(node, monkeypatch) for node in nodes]):
+            break
+    found = {}
+    for job in (whole, streamed):
+        done = await harness.grid.store.get_job(job.id)
+        assert done is not None and done.state == "completed", done
+        found[job.id] = (await harness.metrics(job.id))["rounds"]
+    rows = found[streamed.id]
+    assert [r["updates"] for r in rows[:4]] == [2, 2, 2, 2]
+    assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.1
+    # Each round's weights differ from the last in that round's fragment alone.
+    params = KIND.parse_params({**MLP, "streaming": {"fragments": 2, "mix": 0.5}})
+    assert isinstance(params, diloco.DilocoParams)
+    spec = models.flat_spec("mlp", params.model_settings())
+    spans = params.fragments()
+    assert spans is not None
+    weights = [weights_from_safetensors(harness.grid.blobs.read(r["checkpoint"]), spec)
+               for r in rows]  # fmt: skip
+    for r in range(4):
+        moved = np.flatnonzero(weights[r + 1] != weights[r])
+        synced = spans.synced(r)
+        assert moved.size > 0 and synced.start <= moved.min() and moved.max() < synced.stop
+    # Each of a round's two int8 updates (a byte a value) covers its fragment alone; the
+    # rest of a result (sketch, header) is the whole model's job's.
+    plain = found[whole.id]
+    for r in range(4):
+        saved = plain[r]["bytes_up"] - rows[r]["bytes_up"]
+        assert saved == pytest.approx(2 * (spans.size - spans.synced(r).size), abs=16)

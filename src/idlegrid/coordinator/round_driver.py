@@ -247,7 +247,8 @@ class RoundDriver:
         log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
                  job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
         await self._fanout.send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
-        if training.params.inner.keep_state and not final:
+        keeps = training.params.inner.keep_state or training.params.streaming is not None
+        if keeps and not final:
             await self._prefer_holders(job_id, training, done)
         await self._fanout.enqueue(advance.ready)
 
@@ -255,7 +256,8 @@ class RoundDriver:
         self, job_id: int, training: Training, done: Sequence[ShardRecord]
     ) -> None:
         """Affinity: shard s of the next round prefers the node whose update for shard s
-        was just taken, which holds s's AdamW moments (`inner.keep_state`)."""
+        was just taken, which holds s's AdamW moments (`inner.keep_state`) and its local
+        weights (streaming fragments)."""
         holders = {}
         for shard in done:
             found = await self._ctx.store.shard_for_verify(shard.id)
@@ -333,6 +335,7 @@ class RoundDriver:
         closed = closing.close_round(
             state, updates, rule=params.aggregation, outer=params.outer, download=params.download,
             asynchronous=params.asynchronous, max_staleness=params.max_staleness,
+            fragment=params.synced(state.round),
         )  # fmt: skip
         return closed, fetched
 

@@ -29,6 +29,15 @@ weighted (1 + s)^-alpha (`aggregation.staleness_alpha`), if s <= `max_staleness`
 older one is dropped and counted in the job's metrics. Late updates are verified and
 aggregated (robust rules included) like fresh ones.
 
+With `streaming` ({"fragments": P, "mix": A}, `training.fragments`), the model is cut
+into P blocks of layers and round t syncs fragment t mod P alone: tasks upload that
+fragment's pseudo-gradient, the round driver steps it alone and publishes its update; the
+other fragments go on training from each node's local weights of its shard (kept like
+the AdamW moments, with the same affinity). A node without them starts from the global
+weights. Bytes per round fall about P-fold. Refused with `asynchronous` (a late update
+would be of another fragment) and with more fragments than the model has layers. As
+with `keep_state`, an update depends on the node's history: replication 1.
+
 torch is imported only inside `run` (through `training.inner`): the coordinator imports
 this module to split, compare and assemble without it.
 """
@@ -54,7 +63,7 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
-from idlegrid.training import closing, corpus, models, runner, tasks, verify
+from idlegrid.training import closing, corpus, fragments, models, runner, tasks, verify
 from idlegrid.training import data as datasets
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, method_of
@@ -65,6 +74,7 @@ from idlegrid.training.flat import (
     weights_from_safetensors,
     weights_to_safetensors,
 )
+from idlegrid.training.fragments import Span, Streaming, StreamingSettings
 from idlegrid.training.inner import InnerSettings, use_threads
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.task_checkpoint import Checkpointer
@@ -99,6 +109,11 @@ class DilocoParams(KindParams):
     max_staleness: int = Field(
         default=2, ge=0, le=100, description="asynchronous mode: older updates are dropped"
     )
+    streaming: StreamingSettings | None = Field(
+        default=None,
+        description="streaming DiLoCo: the model in `fragments` blocks of layers, round t "
+        "syncs fragment t mod fragments alone; the others go on training on each worker",
+    )
 
     @model_validator(mode="after")
     def _valid_model(self) -> DilocoParams:
@@ -115,7 +130,26 @@ class DilocoParams(KindParams):
         if self.asynchronous and self.max_staleness >= self.rounds:
             raise ValueError(f"max_staleness {self.max_staleness} must be less than rounds "
                              f"{self.rounds}: no update can be that late")  # fmt: skip
+        if self.streaming is not None:
+            if self.asynchronous:
+                raise ValueError("streaming fragments need synchronous rounds: a late update "
+                                 "would be of another fragment than the round syncs")  # fmt: skip
+            self.fragments()
         return self
+
+    def fragments(self) -> Streaming | None:
+        """The spans and mixing of streaming DiLoCo, or None (every round syncs it all)."""
+        if self.streaming is None:
+            return None
+        try:
+            return fragments.streaming(self.architecture, self.model_settings(), self.streaming)
+        except ValueError as exc:
+            raise ValueError(f"streaming: {exc}") from None
+
+    def synced(self, round_number: int) -> Span | None:
+        """The fragment round `round_number` syncs, or None (the whole model)."""
+        spans = self.fragments()
+        return None if spans is None else spans.synced(round_number)
 
     def train_spec(self) -> runner.TrainSpec:
         """What every task of this job shares, for the worker side."""
@@ -176,8 +210,8 @@ class DilocoKind(TaskKind):
         assert isinstance(params, DilocoParams)
         count = models.parameter_count(params.architecture, params.model_settings())
         # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies;
-        # kept moments (`inner.keep_state`) two more.
-        copies = 6 + (2 if params.inner.keep_state else 0)
+        # kept moments (`inner.keep_state`) two more; streaming's local weights one more.
+        copies = 6 + (2 if params.inner.keep_state else 0) + (params.streaming is not None)
         return Requirements(min_memory_mb=256 + math.ceil(4 * copies * count / 2**20))
 
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
@@ -231,8 +265,9 @@ class DilocoKind(TaskKind):
         state = closing.initial_state(initial_weights(params))
         updates = [_update_of(output, state) for output in outputs]
         closed = closing.close_round(
-            state, updates, rule=params.aggregation, outer=params.outer, download=params.download
-        )
+            state, updates, rule=params.aggregation, outer=params.outer, download=params.download,
+            fragment=params.synced(0),
+        )  # fmt: skip
         return checkpoint(params, closed.state, train_loss=closed.train_loss)
 
 
@@ -324,6 +359,7 @@ def round_task(
         keyframe_blob=keyframe_blob,
         chain=chain,
         init_seed=init_seed,
+        streaming=params.fragments(),
     )
 
 
@@ -399,6 +435,7 @@ def eval_shard(
         keyframe_blob=keyframe_blob,
         chain=chain,
         init_seed=init_seed,
+        streaming=params.fragments(),
     )
     count = models.parameter_count(params.architecture, params.model_settings())
     per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
@@ -473,6 +510,9 @@ def output_problem(
     if task.mode == "eval":
         return None
     size = models.parameter_count(params.architecture, params.model_settings())
+    synced = params.synced(task.round)
+    if synced is not None:
+        size = synced.size  # a streaming task sends its round's fragment alone
     if result.update is None or result.sketch is None:
         return "a training result needs an update and a sketch"
     if method_of(result.update) != params.upload.method:

@@ -18,6 +18,7 @@ import numpy as np
 from idlegrid.training import aggregate as aggregation
 from idlegrid.training.compression import Compression, Message
 from idlegrid.training.flat import digest
+from idlegrid.training.fragments import Span
 from idlegrid.training.outer import OuterSettings, nesterov_step, publish_update
 
 
@@ -69,6 +70,7 @@ def close_round(
     download: Compression,
     asynchronous: bool = False,
     max_staleness: int | None = None,
+    fragment: Span | None = None,
 ) -> ClosedRound:
     """Aggregate a round's updates, take the outer step, compress it for download.
 
@@ -76,7 +78,16 @@ def close_round(
     their staleness weight, up to `max_staleness` rounds old (None: any age). Updates
     for a later round are ignored. A round without updates keeps its momentum untouched
     and publishes only what download error feedback still owes the workers (often nothing).
+
+    `fragment` (streaming DiLoCo, `training.fragments`): the updates are pseudo-gradients
+    of this span of the weights alone; the outer step moves only it (with its slice of the
+    momentum and of the download residual), and the message covers only it. Synchronous
+    only: a late update would be of another fragment.
     """
+    if fragment is not None:
+        if asynchronous:
+            raise ValueError("streaming fragments need synchronous rounds")
+        return _close_fragment(state, updates, fragment, rule=rule, outer=outer, download=download)
     if not asynchronous:
         oldest = state.round
     else:
@@ -98,6 +109,52 @@ def close_round(
         suspicion=tuple(float(s) for s in suspicion),
         train_loss=float(np.mean(losses)) if losses else float("nan"),
         stale_applied=sum(1 for u in usable if u.base_round < state.round),
+        stale_dropped=dropped,
+    )
+
+
+def _close_fragment(
+    state: RoundState,
+    updates: Sequence[Update],
+    fragment: Span,
+    *,
+    rule: aggregation.Aggregation,
+    outer: OuterSettings,
+    download: Compression,
+) -> ClosedRound:
+    """`close_round` of one streaming fragment: the rest of the state stays as it was."""
+    if not 0 <= fragment.start < fragment.stop <= state.weights.size:
+        raise ValueError(f"fragment {fragment} does not fit weights of {state.weights.size}")
+    part = fragment.slice
+    usable = [u for u in updates if u.base_round == state.round]
+    dropped = sum(1 for u in updates if u.base_round < state.round)
+    for u in usable:
+        if u.delta.shape != (fragment.size,):
+            raise ValueError(f"an update of {u.delta.shape} for a fragment of {fragment.size}")
+    residual = state.download_residual
+    weights, momentum = state.weights, state.momentum
+    if usable:
+        deltas = [u.delta for u in usable]
+        outer_gradient = aggregation.aggregate(deltas, rule)
+        step, momentum_part = nesterov_step(outer_gradient, state.momentum[part], outer)
+        momentum = state.momentum.copy()
+        momentum[part] = momentum_part
+        suspicion = aggregation.distances(deltas, outer_gradient)
+    else:
+        step, suspicion = np.zeros(fragment.size, np.float32), np.zeros(0)
+    owed = None if residual is None else residual[part]
+    published = publish_update(weights[part], step, owed, download)
+    weights = weights.copy()
+    weights[part] = published.weights
+    if published.residual is not None:
+        residual = np.zeros_like(weights) if residual is None else residual.copy()
+        residual[part] = published.residual
+    losses = [u.loss for u in usable if np.isfinite(u.loss)]
+    return ClosedRound(
+        state=RoundState(state.round + 1, weights, momentum, residual),
+        message=published.message,
+        suspicion=tuple(float(s) for s in suspicion),
+        train_loss=float(np.mean(losses)) if losses else float("nan"),
         stale_dropped=dropped,
     )
 

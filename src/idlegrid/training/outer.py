@@ -43,14 +43,19 @@ def nesterov_step(
     return (-lr * step).astype(np.float32), buffer.astype(np.float32)
 
 
-def apply_update(weights: np.ndarray, message: Message) -> np.ndarray:
+def apply_update(weights: np.ndarray, message: Message, at: slice | None = None) -> np.ndarray:
     """New global weights from the old ones and a published update (both sides run this).
 
     Only float32 element-wise adds: correctly rounded by IEEE 754, so identical on every
-    machine and numpy build. A new array is returned; `weights` is left as it was.
+    machine and numpy build. A new array is returned; `weights` is left as it was. `at`:
+    the update covers only these values (one streaming fragment, `training.fragments`).
     """
     if weights.dtype != np.float32:
         raise TypeError(f"weights must be float32, got {weights.dtype}")
+    if at is not None:
+        updated = weights.copy()
+        updated[at] = apply_update(weights[at], message)
+        return updated
     if isinstance(message, Sparse):
         updated = weights.copy()
         updated[message.indices] += message.values

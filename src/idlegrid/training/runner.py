@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.training import models, tasks, verify
+from idlegrid.training import fragments, models, tasks, verify
 from idlegrid.training.compression import Compression, compress
 from idlegrid.training.data import Dataset
 from idlegrid.training.flat import weights_from_safetensors
@@ -66,21 +66,36 @@ def run_task(
     moments = None
     if settings.keep_state:
         moments = state.optimizer_state(task.stream, task.shard, task.round)
+    start = weights
+    if task.streaming is not None:
+        local = state.local_weights(task.stream, task.shard, task.round)
+        start = fragments.starting_weights(task.streaming, task.round, weights, local)
     trained = inner.train_inner(
-        spec.architecture, spec.config, weights, data, settings,
+        spec.architecture, spec.config, start, data, settings,
         seed=task.seed, device=device, on_step=on_step, state=moments, checkpoint=checkpoint,
     )  # fmt: skip
     if trained.state is not None:
         state.set_optimizer_state(task.stream, task.shard, task.round, trained.state)
+    delta, part = trained.delta, slice(None)
+    if task.streaming is not None:
+        local_after = start - trained.delta
+        state.set_local_weights(task.stream, task.shard, task.round, local_after)
+        delta = fragments.pseudo_gradient(task.streaming, task.round, weights, local_after)
+        part = task.streaming.synced(task.round).slice
+    # The error-feedback residual covers the whole vector; a fragment uses its slice.
     residual = state.residual(task.stream) if spec.upload.stateful else None
-    if residual is not None and residual.shape != trained.delta.shape:
+    if residual is not None and residual.shape != weights.shape:
         residual = None
-    message, residual = compress(trained.delta, spec.upload, residual)
-    state.set_residual(task.stream, residual)
+    owed = None if residual is None else residual[part]
+    message, kept = compress(delta, spec.upload, owed)
+    if kept is not None:
+        residual = np.zeros_like(weights) if residual is None else residual.copy()
+        residual[part] = kept
+    state.set_residual(task.stream, None if kept is None else residual)
     return tasks.TaskResult(
         "train", task.round, task.shard, task.seed, task.target.digest,
         trained.loss_first, trained.loss_mean, trained.loss_last,
-        update=message, sketch=verify.sketch(trained.delta),
+        update=message, sketch=verify.sketch(delta),
     )  # fmt: skip
 
 

@@ -46,11 +46,12 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.training import closing, corpus, models, tasks
+from idlegrid.training import closing, corpus, fragments, models, tasks
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, Message, compress, decode
 from idlegrid.training.data import TokenData
 from idlegrid.training.flat import digest
+from idlegrid.training.fragments import Streaming, StreamingSettings
 from idlegrid.training.inner import InnerSettings, run_lr
 from idlegrid.training.outer import OuterSettings
 from idlegrid.training.runner import TrainSpec, run_task
@@ -97,6 +98,8 @@ class Setup:
     # Nodes build round 0's weights from the seed (as the baseline's workers would) and
     # round 0's payload leaves them out; otherwise it carries them inline (fp32).
     seeded_start: bool = False
+    # Streaming DiLoCo: round t syncs fragment t mod P alone (`training.fragments`).
+    streaming: StreamingSettings | None = None
     device: str = "cpu"
 
     @property
@@ -107,6 +110,12 @@ class Setup:
     def spec(self) -> TrainSpec:
         """What every task runs with (`run_task` finds a round's H and place in the run)."""
         return TrainSpec(ARCHITECTURE, self.model, self.inner, self.upload, self.eval_batches)
+
+    def streaming_spans(self) -> Streaming | None:
+        """The spans and mixing of streaming DiLoCo, or None (every round syncs all)."""
+        if self.streaming is None:
+            return None
+        return fragments.streaming(ARCHITECTURE, self.model, self.streaming)
 
     def round_ends(self) -> list[int]:
         """The inner step (per worker) at which each round ends."""
@@ -208,10 +217,11 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
     curve = [checkpoint(setup, 0, state.weights, 0)]
     chain: tuple[tasks.Link, ...] = ()
     initial = np.zeros(setup.workers, np.int64)
+    streaming = setup.streaming_spans()
     for round_number in range(setup.rounds):
         updates = []
         for shard, node in enumerate(nodes):
-            task = _task(setup, state, train, shard, chain)
+            task = _task(setup, state, train, shard, chain, streaming)
             payload = tasks.encode_task(task)
             if task.weights is not None:
                 lean = tasks.encode_task(dataclasses.replace(task, weights=None))
@@ -226,8 +236,9 @@ def run_diloco(setup: Setup, progress: Progress = print) -> Report:
             sent[shard] += len(output)
             updates.append(_update(output))
         closed = closing.close_round(
-            state, updates, rule=setup.aggregation, outer=setup.outer, download=setup.download
-        )
+            state, updates, rule=setup.aggregation, outer=setup.outer, download=setup.download,
+            fragment=None if streaming is None else streaming.synced(state.round),
+        )  # fmt: skip
         chain = (tasks.Link(tasks.WeightsRef(state.round, state.digest), closed.message),)
         state = closed.state
         moved = int(sent.mean() + received.mean())
@@ -248,6 +259,7 @@ def _task(
     train: tasks.CorpusSlice,
     shard: int,
     chain: tuple[tasks.Link, ...],
+    streaming: Streaming | None = None,
 ) -> tasks.TaskPayload:
     return tasks.TaskPayload(
         mode="train",
@@ -259,6 +271,7 @@ def _task(
         data=tasks.shard_ref(train, shard, setup.workers),
         weights=state.weights if not chain else None,
         chain=chain,
+        streaming=streaming,
     )
 
 
@@ -498,6 +511,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="nodes build round 0's weights from the seed, not the payload",
     )
+    parser.add_argument(
+        "--fragments",
+        type=int,
+        default=1,
+        help="streaming DiLoCo: P fragments of layers, round t syncs t mod P",
+    )
+    parser.add_argument("--mix", type=float, default=0.0,
+                        help="streaming: the synced fragment restarts from "
+                             "mix * local + (1 - mix) * global")  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="averaged")
     parser.add_argument("--runs", default="both", choices=["both", "sync", "diloco"],
                         help="one run alone (tuning); the ratio line needs both")  # fmt: skip
@@ -510,6 +532,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if len(args.inner_steps) > 1:
             parser.error("several --inner-steps need --total-steps (the same run length)")
         args.total_steps = args.rounds * args.inner_steps[0]
+    if args.fragments < 1 or args.fragments > args.layers:
+        parser.error(f"--fragments {args.fragments}: between 1 and --layers ({args.layers})")
+    if not 0.0 <= args.mix < 1.0:
+        parser.error(f"--mix {args.mix}: in [0, 1)")
     rest = args.total_steps - sum(args.ramp)
     for h in args.inner_steps:
         if rest <= 0 or rest % h:
@@ -569,6 +595,9 @@ def setup_from(
         sync_lr=args.sync_lr,
         sync_gradients=wire,
         seeded_start=args.seeded_start,
+        streaming=None
+        if args.fragments == 1 and args.mix == 0.0
+        else StreamingSettings(fragments=args.fragments, mix=args.mix),
         device=args.device,
     )
 

@@ -32,6 +32,7 @@ import numpy as np
 from idlegrid.training import compression, corpus
 from idlegrid.training import data as datasets
 from idlegrid.training.flat import ContainerError, digest, pack, unpack
+from idlegrid.training.fragments import Streaming
 from idlegrid.training.outer import apply_update
 
 TASK_FORMAT = "idlegrid/diloco-task"
@@ -101,6 +102,9 @@ class TaskPayload:
     keyframe_blob: str | None = None  # SHA-256 of the checkpoint of the target weights
     chain: tuple[Link, ...] = field(default=())
     init_seed: int | None = None  # the target weights are the initialization from this seed
+    # Streaming DiLoCo: the fragments (a chain link of round r covers spans[r % P]), the
+    # one this round syncs, and the mixing of the one synced last (`training.fragments`).
+    streaming: Streaming | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ def encode_task(task: TaskPayload) -> bytes:
         "keyframe_blob": task.keyframe_blob,
         "chain": links,
         "init_seed": task.init_seed,
+        "streaming": None if task.streaming is None else task.streaming.to_json(),
     }
     if isinstance(task.data, CorpusSlice):
         header["data"] = {"source": "corpus", "sha256": corpus.get(task.data.corpus).sha256,
@@ -184,6 +189,9 @@ def decode_task(blob: bytes) -> TaskPayload:
             else str(header["keyframe_blob"]),
             chain=chain,
             init_seed=None if header.get("init_seed") is None else int(header["init_seed"]),
+            streaming=None
+            if header.get("streaming") is None
+            else Streaming.from_json(header["streaming"]),
         )
     except ContainerError:
         raise
@@ -271,7 +279,8 @@ def resolve_weights(
     if weights is None:
         return _checked(_keyframe(task, fetch, read_checkpoint), task.target, "keyframe")
     for link in task.chain[start:]:
-        weights = apply_update(weights, _message(link, fetch))
+        at = None if task.streaming is None else task.streaming.synced(link.base.round).slice
+        weights = apply_update(weights, _message(link, fetch), at)
     return _checked(weights, task.target, "weights rebuilt from the chain")
 
 

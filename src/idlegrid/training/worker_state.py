@@ -11,6 +11,10 @@ With `InnerSettings.keep_state` a node also keeps the AdamW moments of each shar
 trained (per training run and shard, as DiLoCo's replicas do), for the next round's task
 of that shard; the coordinator prefers to give it that task (matching's affinity). A
 node without them (new, restarted, or given another shard) starts the moments at zero.
+
+Streaming DiLoCo (`training.fragments`) keeps each shard's local weights the same way:
+the fragments not synced in a round go on training from them in the next; a node without
+the previous round's local weights of a shard starts from the global ones.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class WorkerState:
         self._residuals: dict[str, np.ndarray] = {}
         # (stream, shard) -> (round that made it, state), least recently used first.
         self._optimizers: OrderedDict[tuple[str, int], tuple[int, OptimizerState]] = OrderedDict()
+        # (stream, shard) -> (round that made them, local weights), least recently used first.
+        self._locals: OrderedDict[tuple[str, int], tuple[int, np.ndarray]] = OrderedDict()
         self._lock = threading.Lock()
 
     def weights(self, weights_digest: str) -> np.ndarray | None:
@@ -95,6 +101,27 @@ class WorkerState:
             while len(self._optimizers) > self.optimizer_capacity:
                 self._optimizers.popitem(last=False)
 
+    def local_weights(self, stream: str, shard: int, round_number: int) -> np.ndarray | None:
+        """The shard's local weights after this node's task of the round before, if held."""
+        with self._lock:
+            held = self._locals.get((stream, shard))
+            if held is None or held[0] != round_number - 1:
+                return None
+            self._locals.move_to_end((stream, shard))
+            return held[1]
+
+    def set_local_weights(
+        self, stream: str, shard: int, round_number: int, weights: np.ndarray
+    ) -> None:
+        """Keep a streaming task's local weights, dropping the least recently used."""
+        frozen = np.array(weights, dtype=np.float32, copy=True)
+        frozen.flags.writeable = False
+        with self._lock:
+            self._locals[(stream, shard)] = (round_number, frozen)
+            self._locals.move_to_end((stream, shard))
+            while len(self._locals) > self.optimizer_capacity:
+                self._locals.popitem(last=False)
+
     def optimizer_shards(self, stream: str) -> list[int]:
         """The shards of a training run whose AdamW moments this node holds."""
         with self._lock:
@@ -105,3 +132,4 @@ class WorkerState:
             self._weights.clear()
             self._residuals.clear()
             self._optimizers.clear()
+            self._locals.clear()
