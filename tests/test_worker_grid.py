@@ -129,12 +129,12 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
         held, computing, most_computing = [0], [0], [0]
         compute = worker._compute
 
-        async def counting_compute(task):  # type: ignore[no-untyped-def]
+        async def counting_compute(task, data):  # type: ignore[no-untyped-def]
             computing[0] += 1
             most_computing[0] = max(most_computing[0], computing[0])
             held[0] = max(held[0], len(worker.running))
             try:
-                return await compute(task)
+                return await compute(task, data)
             finally:
                 computing[0] -= 1
 

@@ -42,10 +42,12 @@ class Transfers:
         if digest in self._uploaded:
             return  # blobs are content-addressed and never deleted: it is still there
 
+        # Straight to PUT, no HEAD first: an output is new to the coordinator almost
+        # always, and a PUT of a blob it already has is answered 201 like a new one (the
+        # bytes are checked against the hash and the stored file is kept).
         async def put(http: httpx.AsyncClient) -> None:
-            if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
-                response = await http.put(f"/v1/blobs/{digest}", content=output)
-                response.raise_for_status()
+            response = await http.put(f"/v1/blobs/{digest}", content=output)
+            response.raise_for_status()
 
         await self._with_connection(put)
         if len(self._uploaded) >= UPLOADED_MEMORY:
