@@ -158,3 +158,53 @@ async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slot
     assert info["state"] == "completed", info
     assert most_computing[0] == 2  # never more than its slots at once
     assert 3 <= held[0] <= 5  # the buffer was used, and never beyond slots + prefetch
+
+
+async def test_a_held_task_downloads_its_input_while_the_slot_computes(
+    coordinator: tuple[str, str], tmp_path: Path
+) -> None:
+    url, admin = coordinator
+    headers = {"Authorization": f"Bearer {admin}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=30) as http:
+        made = await http.post("/v1/tokens", json={"kind": "node"})
+        worker = _worker(url, made.json()["token"], tmp_path / "worker", kinds=("sleep",))
+        assert (worker.settings.slots, worker.settings.prefetch) == (1, 1)  # the defaults
+        computing: list[int] = []  # task ids in a slot now
+        fetched_while_busy: list[int] = []  # tasks whose input came while another computed
+        compute, fetch = worker._compute, worker._fetch
+
+        async def watched_compute(task, data):  # type: ignore[no-untyped-def]
+            computing.append(task.assign.task_id)
+            try:
+                return await compute(task, data)
+            finally:
+                computing.remove(task.assign.task_id)
+
+        async def watched_fetch(blob_hash: str) -> bytes:
+            for task_id, task in worker.running.items():
+                if task.assign.input.hash == blob_hash and computing and task_id not in computing:
+                    fetched_while_busy.append(task_id)
+            return await fetch(blob_hash)
+
+        worker._compute = watched_compute  # type: ignore[method-assign]
+        worker._fetch = watched_fetch  # type: ignore[method-assign]
+        running = asyncio.create_task(worker.run())
+        try:
+            job = (
+                await http.post(
+                    "/v1/jobs",
+                    json={
+                        "kind": "sleep",
+                        "params": {"tasks": 6, "seconds": 0.3},
+                        "replication": 1,
+                    },
+                )
+            ).json()
+            info = await _finished(http, job["id"])
+        finally:
+            worker.stop()
+            await running
+    assert info["state"] == "completed", info
+    # The next task's input came while the one slot computed: the hand-over waits for no
+    # download. (The sleep kind fetches nothing itself while it runs.)
+    assert fetched_while_busy
