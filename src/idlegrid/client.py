@@ -316,7 +316,7 @@ class Job:
             bar = JobProgress(self.id, metrics=self.metrics if training else None)
         longest = max(0.0, min(poll_s, MAX_WAIT_S, self.client.read_timeout() / 2))
         try:
-            info = self.info(shards=bar is not None)
+            info = self.info()
             while True:
                 if bar is not None:
                     bar.update(info)
@@ -328,7 +328,7 @@ class Job:
                 wait_s = longest if left is None else min(longest, left)
                 asked = time.monotonic()
                 seen = (info["state"], info["shards_done"])
-                info = self.info(shards=bar is not None, wait_s=wait_s)
+                info = self.info(wait_s=wait_s)
                 if (info["state"], info["shards_done"]) == seen and (
                     time.monotonic() - asked < wait_s / 2
                 ):

@@ -361,7 +361,8 @@ async def get_job(
     wait_s: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
     shards: bool = True,
 ) -> JobOut:
-    """One job with per-shard progress (`shards=false`: without the shard list).
+    """One job with per-shard progress (`shards=false`: without the shard list; its
+    `waiting_for` is there either way).
 
     `wait_s` (0 to 60): a long poll. The answer comes when the job has ended, or when its
     progress (shards done, or its state) moved since the request came, or after `wait_s`
@@ -370,7 +371,10 @@ async def get_job(
     job = await _own_job(grid, token, job_id)
     if wait_s > 0:
         job = await _changed_job(grid, token, job, wait_s)
-    return await _job_out(grid, job, with_shards=shards)
+    out = await _job_out(grid, job, with_shards=shards)
+    if not shards:
+        out.waiting_for = await grid.waiting_for(job)
+    return out
 
 
 async def _changed_job(grid: Grid, token: TokenInfo, job: JobRecord, wait_s: float) -> JobRecord:
