@@ -112,8 +112,9 @@ async def test_daemon_runs_noop_tasks_in_batches_and_times_heartbeats(
     assert sent["results"] >= 1
     assert sent["results"] + sent["result"] < 40
     assert sent["ready"] < 40  # one ready per batch, each asking for several tasks
-    # Every noop shard has the one input blob: fetched by the first tasks, at once, only.
-    assert worker.cache.misses <= 4 and worker.cache.hits >= 36
+    # Every noop shard has the one input blob: downloaded once, though the first five
+    # tasks (four slots and one held) asked for it at the same moment.
+    assert worker.cache.misses == 1 and worker.cache.hits == 39
 
 
 async def test_a_work_buffer_holds_tasks_beyond_the_slots_but_runs_only_the_slots(

@@ -165,6 +165,8 @@ class Worker(Stepping, Transfers):
         self._heartbeat_seq = 0
         # Output blobs this connection's coordinator already has: no HEAD for them again.
         self._uploaded: set[str] = set()
+        # Blob downloads on their way, by hash: a second fetch of one joins it (transfers).
+        self._fetching: dict[str, asyncio.Future[bytes]] = {}
         self._unreported: list[int] = []
         self._reporting = False
         # Round trip of the latest acknowledged heartbeat, in seconds (None: none yet).
