@@ -147,8 +147,8 @@ def make_worker_class() -> type:
                 return
             await super()._execute(task_id)
 
-        async def _compute(self, task: RunningTask) -> bytes:
-            honest_bytes = await super()._compute(task)
+        async def _compute(self, task: RunningTask, data: bytes) -> bytes:
+            honest_bytes = await super()._compute(task, data)
             honest = vectors_kind.parse(honest_bytes)
             self.done += 1
             strategy = self.strategy

@@ -85,7 +85,7 @@ def grid_run(
         model, {"x": rows}, batch_size=args.batch_size, shard_size=args.shard_size, replication=1
     )
     marks.append(time.perf_counter())
-    job.wait(poll_s=0.1)
+    job.wait()
     marks.append(time.perf_counter())
     result = job.result()["y"]
     marks.append(time.perf_counter())

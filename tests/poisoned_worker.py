@@ -40,8 +40,8 @@ class PoisonedWorker(Worker):
         super().__init__(settings)
         self.scale = scale
 
-    async def _compute(self, task: RunningTask) -> bytes:
-        output = await super()._compute(task)
+    async def _compute(self, task: RunningTask, data: bytes) -> bytes:
+        output = await super()._compute(task, data)
         if task.assign.kind != "diloco-train":
             return output
         params = get_kind(task.assign.kind).parse_params(task.assign.params)

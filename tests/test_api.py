@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -338,6 +340,49 @@ def test_cancel(api: Api) -> None:
     assert_error(
         api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(alice)), 409, "not_ready"
     )
+
+
+@pytest.mark.parametrize("wait_s", ["-1", "61", "nan", "inf", "soon"])
+def test_bad_long_poll_waits_are_422(api: Api, wait_s: str) -> None:
+    job = api.submit(api.admin_token, kind="sleep")
+    response = api.client.get(f"/v1/jobs/{job['id']}?wait_s={wait_s}", headers=api.admin)
+    assert "wait_s" in assert_error(response, 422)
+
+
+def test_long_poll_of_an_unchanged_job_answers_after_wait_s(api: Api) -> None:
+    job = api.submit(api.admin_token, kind="sleep", params={"tasks": 2})
+    started = time.monotonic()
+    response = api.client.get(
+        f"/v1/jobs/{job['id']}", params={"wait_s": 0.3, "shards": "false"}, headers=api.admin
+    )
+    assert response.status_code == 200
+    assert time.monotonic() - started >= 0.3
+    assert response.json()["state"] == "queued" and response.json()["shards"] is None
+
+
+def test_long_poll_of_an_ended_job_answers_at_once(api: Api) -> None:
+    job = api.submit(api.admin_token, kind="sleep")
+    api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.admin)
+    started = time.monotonic()
+    response = api.client.get(f"/v1/jobs/{job['id']}?wait_s=30", headers=api.admin)
+    assert response.json()["state"] == "cancelled" and time.monotonic() - started < 10
+
+
+def test_long_poll_wakes_when_the_job_ends(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    # No re-reads on a timer during this test: only the job's end can answer the poll.
+    monkeypatch.setattr("idlegrid.coordinator.api.RECHECK_S", 60.0)
+    job = api.submit(api.admin_token, kind="sleep", params={"tasks": 2})
+    cancel = threading.Timer(
+        0.3, lambda: api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.admin)
+    )
+    started = time.monotonic()
+    cancel.start()
+    try:
+        response = api.client.get(f"/v1/jobs/{job['id']}?wait_s=50", headers=api.admin)
+    finally:
+        cancel.join()
+    assert response.json()["state"] == "cancelled"
+    assert 0.3 <= time.monotonic() - started < 30
 
 
 def test_unknown_kind_is_422(api: Api) -> None:

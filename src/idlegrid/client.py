@@ -30,6 +30,7 @@ TERMINAL = frozenset(state.value for state in TERMINAL_JOB_STATES)
 
 
 TRAINING_KIND = "diloco-train"
+MAX_WAIT_S = 60.0  # the coordinator's longest long poll of a job
 
 
 class IdlegridError(RuntimeError):
@@ -93,6 +94,11 @@ class Client:
         if response.status_code >= 400:
             raise _error(response)
         return response
+
+    def read_timeout(self) -> float:
+        """Seconds a request may wait for its answer (inf: no limit)."""
+        read = self._http.timeout.read
+        return float("inf") if read is None else float(read)
 
     def request_status(self, method: str, path: str) -> int:
         """The status of a request whose answer may be an error (e.g. HEAD of a blob)."""
@@ -266,8 +272,13 @@ class Job:
     def __repr__(self) -> str:
         return f"Job(id={self.id}, state={self.state!r})"
 
-    def info(self, *, shards: bool = False) -> dict[str, Any]:
-        self._info = dict(self.client.request("GET", f"/v1/jobs/{self.id}").json())
+    def info(self, *, shards: bool = False, wait_s: float = 0.0) -> dict[str, Any]:
+        """The job's status (`shards`: with each shard's). `wait_s` (up to 60): a long
+        poll, answered when the job ends or its progress moves, or after `wait_s`."""
+        params: dict[str, str] = {"shards": "true" if shards else "false"}
+        if wait_s > 0:
+            params["wait_s"] = f"{wait_s:.3f}"
+        self._info = dict(self.client.request("GET", f"/v1/jobs/{self.id}", params=params).json())
         if not shards:
             self._info.pop("shards", None)
         return self._info
@@ -286,10 +297,13 @@ class Job:
         return self._info
 
     def wait(
-        self, *, progress: bool = False, timeout: float | None = None, poll_s: float = 0.5
+        self, *, progress: bool = False, timeout: float | None = None, poll_s: float = 20.0
     ) -> dict[str, Any]:
         """Block until the job ends; raise JobFailed if it failed or was cancelled.
 
+        It long-polls the coordinator (`GET /v1/jobs/{id}?wait_s=`), which answers as
+        soon as the job ends or moves on: no sleeping between polls, so the wait ends
+        when the job does. `poll_s`: the longest one poll (at most 60 s).
         `progress`: show a bar (one line per change when stderr is not a terminal), with
         the reason beside it whenever the job waits for something the fleet lacks.
         """
@@ -300,16 +314,26 @@ class Job:
         if progress:
             training = (self._info or self.info())["kind"] == TRAINING_KIND
             bar = JobProgress(self.id, metrics=self.metrics if training else None)
+        longest = max(0.0, min(poll_s, MAX_WAIT_S, self.client.read_timeout() / 2))
         try:
+            info = self.info()
             while True:
-                info = self.info()
                 if bar is not None:
                     bar.update(info)
                 if info["state"] in TERMINAL:
                     break
-                if deadline is not None and time.monotonic() > deadline:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
                     raise TimeoutError(f"job {self.id} still {info['state']} after {timeout} s")
-                time.sleep(poll_s)
+                wait_s = longest if left is None else min(longest, left)
+                asked = time.monotonic()
+                seen = (info["state"], info["shards_done"])
+                info = self.info(wait_s=wait_s)
+                if (info["state"], info["shards_done"]) == seen and (
+                    time.monotonic() - asked < wait_s / 2
+                ):
+                    # Unchanged, and answered early: a coordinator without long polls.
+                    time.sleep(min(0.5, wait_s))
         finally:
             if bar is not None:
                 bar.close()

@@ -221,8 +221,9 @@ class WorkerSettings:
     state_dir: Path = field(default_factory=lambda: Path.home() / ".idlegrid" / "worker")
     name: str = ""
     slots: int = 1
-    # Tasks held beyond the slots, to start as soon as one frees (for short tasks).
-    prefetch: int = 0
+    # Tasks held beyond the slots, to start as soon as one frees: the next task's input
+    # downloads while the current one computes.
+    prefetch: int = 1
     # Kinds this worker offers; empty means every built-in kind it can import.
     kinds: tuple[str, ...] = ()
     device: str = ""  # empty: best available

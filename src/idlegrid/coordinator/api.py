@@ -6,6 +6,7 @@ Every error is JSON: {"error": <code>, "message": <human-readable text>}.
 from __future__ import annotations
 
 import math
+import time
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Path, Query, Request
@@ -18,11 +19,13 @@ from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.intake import JobInputError
+from idlegrid.coordinator.jobwatch import RECHECK_S
 from idlegrid.coordinator.quotas import QuotaExceeded
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average
 from idlegrid.protocol import MAX_ID, SHA256_PATTERN
+from idlegrid.states import TERMINAL_JOB_STATES
 from idlegrid.store.base import (
     AccountExists,
     JobRecord,
@@ -347,10 +350,49 @@ async def list_jobs(
     return [await _job_out(grid, job, with_shards=False) for job in jobs]
 
 
+MAX_WAIT_S = 60.0  # the longest long poll of a job: below every proxy's idle timeout
+
+
 @router.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
-async def get_job(job_id: JobId, token: Researcher, grid: GridDep) -> JobOut:
-    """One job with per-shard progress."""
-    return await _job_out(grid, await _own_job(grid, token, job_id), with_shards=True)
+async def get_job(
+    job_id: JobId,
+    token: Researcher,
+    grid: GridDep,
+    wait_s: Annotated[float, Query(ge=0, le=MAX_WAIT_S, allow_inf_nan=False)] = 0.0,
+    shards: bool = True,
+) -> JobOut:
+    """One job with per-shard progress (`shards=false`: without the shard list; its
+    `waiting_for` is there either way).
+
+    `wait_s` (0 to 60): a long poll. The answer comes when the job has ended, or when its
+    progress (shards done, or its state) moved since the request came, or after `wait_s`
+    seconds, whichever is first; a client waiting for a job sends the next one at once.
+    """
+    job = await _own_job(grid, token, job_id)
+    if wait_s > 0:
+        job = await _changed_job(grid, token, job, wait_s)
+    out = await _job_out(grid, job, with_shards=shards)
+    if not shards:
+        out.waiting_for = await grid.waiting_for(job)
+    return out
+
+
+async def _changed_job(grid: Grid, token: TokenInfo, job: JobRecord, wait_s: float) -> JobRecord:
+    """`job` once it ended or moved on, or after `wait_s` seconds (its latest record)."""
+    deadline = time.monotonic() + wait_s
+    seen = (job.state, job.shard_counts.get("done", 0))
+    while job.state not in TERMINAL_JOB_STATES and seen == (
+        job.state,
+        job.shard_counts.get("done", 0),
+    ):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        # Woken by a commit or a job end in this process; re-read now and then anyway,
+        # for results another coordinator process stored.
+        await grid.context.job_watch.wait(job.id, min(left, RECHECK_S))
+        job = await _own_job(grid, token, job.id)
+    return job
 
 
 @router.post("/jobs/{job_id}/cancel", response_model=JobOut, tags=["jobs"])

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from idlegrid.blobs import BlobStore
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub
+from idlegrid.coordinator.jobwatch import JobWatch
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import NodeTask, ReadyTask, Store
 
@@ -65,6 +66,8 @@ class Context:
     # Draws of adaptive replication; a test may seed or replace it.
     random: random.Random
     presence_pause: PresencePause
+    # Long polls of jobs (`GET /v1/jobs/{id}?wait_s=`), woken by results and job ends.
+    job_watch: JobWatch = field(default_factory=JobWatch)
 
 
 class FanOut(Protocol):

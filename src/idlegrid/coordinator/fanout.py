@@ -47,6 +47,7 @@ class GridFanOut:
 
     async def job_ended(self, job_id: int) -> None:
         self._plans.forget(job_id)
+        self._ctx.job_watch.changed([job_id])
         await self.publish({"type": "job_ended", "job_id": job_id})
 
     async def publish(self, message: dict[str, Any]) -> None:

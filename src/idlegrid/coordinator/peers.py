@@ -94,6 +94,7 @@ async def on_message(ctx: Context, plans: Plans, message: dict[str, Any]) -> Non
                 await stale.close()
         case "job_ended":
             plans.forget(int(message["job_id"]))
+            ctx.job_watch.changed([int(message["job_id"])])
 
 
 async def rebuild_queue(ctx: Context) -> None:

@@ -198,15 +198,21 @@ class ResultPath:
         if failed:
             await self._leases.replenish()
         ordered = [receipts[index] for index in range(len(msgs))]
-        await store.after_commit(self._settle(session, finished, ordered))
+        jobs = {inputs[t].job_id for t in finished if t in inputs}
+        await store.after_commit(self._settle(session, finished, ordered, jobs))
         return ordered
 
     def _settle(
-        self, session: NodeSession, finished: Sequence[int], receipts: Sequence[ResultReceipt]
+        self,
+        session: NodeSession,
+        finished: Sequence[int],
+        receipts: Sequence[ResultReceipt],
+        jobs: set[int],
     ) -> Callable[[], Awaitable[None]]:
         """In-memory bookkeeping for after the commit: a group commit that fails is stored
-        again, and must not count its results twice."""
+        again, and must not count its results twice. Long polls of `jobs` wake."""
         counters = self._ctx.counters
+        watch = self._ctx.job_watch
 
         async def settle() -> None:
             for task_id in finished:
@@ -214,6 +220,7 @@ class ResultPath:
             for receipt in receipts:
                 counters.results[receipt.status] += 1
                 session.tasks_returned += receipt.status == "accepted"
+            watch.changed(jobs)
 
         return settle
 

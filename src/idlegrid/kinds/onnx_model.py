@@ -93,7 +93,8 @@ def inspect_model(data: bytes) -> ModelFacts:
     if len(model.graph.node) > MAX_NODES:
         raise InputError(f"model has {len(model.graph.node)} nodes, over the {MAX_NODES} limit")
     try:
-        onnx.checker.check_model(model)
+        # The original bytes: given the parsed model, the checker would serialise it again.
+        onnx.checker.check_model(data)
     except onnx.checker.ValidationError as exc:
         raise InputError(f"model fails onnx.checker: {_first_line(exc)}") from None
     opset = _default_opset(model)

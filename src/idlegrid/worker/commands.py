@@ -106,9 +106,10 @@ def _policy_options(command: Any) -> Any:
 @click.option("--slots", default=1, show_default=True, help="Tasks to run at once.")
 @click.option(
     "--prefetch",
-    default=0,
+    default=1,
     show_default=True,
-    help="Tasks to hold beyond the slots, started when one frees (for short tasks).",
+    help="Tasks to hold beyond the slots, started when one frees; their inputs download "
+    "while the slots compute.",
 )
 @click.option("--kinds", default="", help="Comma list of kinds to offer (default: all usable).")
 @click.option("--device", default="", help="Torch device (default: best of cuda/mps/cpu).")

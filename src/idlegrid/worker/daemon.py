@@ -165,6 +165,8 @@ class Worker(Stepping, Transfers):
         self._heartbeat_seq = 0
         # Output blobs this connection's coordinator already has: no HEAD for them again.
         self._uploaded: set[str] = set()
+        # Blob downloads on their way, by hash: a second fetch of one joins it (transfers).
+        self._fetching: dict[str, asyncio.Future[bytes]] = {}
         self._unreported: list[int] = []
         self._reporting = False
         # Round trip of the latest acknowledged heartbeat, in seconds (None: none yet).
@@ -461,6 +463,13 @@ class Worker(Stepping, Transfers):
         task = self.running[task_id]
         assign = task.assign
         try:
+            # The input comes before a slot: a task held in the prefetch buffer downloads
+            # while the slot's task computes, and starts the moment the slot frees. A
+            # paused machine downloads nothing.
+            await self.governor.may_run.wait()
+            if task.cancel.is_set():
+                return
+            data = await self._fetch(assign.input.hash)
             host = await self._free_hosts.get()
             try:
                 if task.cancel.is_set():
@@ -468,7 +477,7 @@ class Worker(Stepping, Transfers):
                 await self.governor.may_run.wait()  # a paused machine starts nothing
                 task.host, task.started = host, time.monotonic()
                 task.started_at = task.started
-                output = await self._compute(task)
+                output = await self._compute(task, data)
             finally:
                 task.host = None
                 self._free_hosts.put_nowait(host)
@@ -523,10 +532,9 @@ class Worker(Stepping, Transfers):
             self._reporting = False  # even if cancelled: the next one delivers them all
         await self._send_ready()
 
-    async def _compute(self, task: RunningTask) -> bytes:
+    async def _compute(self, task: RunningTask, data: bytes) -> bytes:
         assign = task.assign
         assert task.host is not None
-        data = await self._fetch(assign.input.hash)
         scratch = self.scratch.for_task(assign.kind, dict(assign.params), data)
         spec = TaskSpec(
             task_id=assign.task_id,

@@ -32,20 +32,44 @@ class Transfers:
     _online: asyncio.Event
     _stop: asyncio.Event
     _uploaded: set[str]
+    _fetching: dict[str, asyncio.Future[bytes]]
 
     async def _fetch(self, blob_hash: str) -> bytes:
-        """A blob through the cache (a task's input, or one a kind asks for while it runs)."""
-        data: bytes = await self._with_connection(lambda http: self.cache.get(http, blob_hash))
+        """A blob through the cache (a task's input, or one a kind asks for while it runs).
+
+        One download per blob however many tasks want it at once (held tasks of one job
+        often share an input, and every shard of a model names the same model blob): a
+        fetch that finds the same blob on its way joins that download."""
+        pending = self._fetching.get(blob_hash)
+        if pending is not None:
+            self.cache.hits += 1
+            return await asyncio.shield(pending)
+        download = asyncio.ensure_future(
+            self._with_connection(lambda http: self.cache.get(http, blob_hash))
+        )
+        # Its failure is each caller's to handle; none left waiting is no unread error.
+        download.add_done_callback(lambda done: done.cancelled() or done.exception())
+        self._fetching[blob_hash] = download
+        try:
+            data: bytes = await asyncio.shield(download)
+        finally:
+            if download.done():
+                self._fetching.pop(blob_hash, None)
+            else:
+                # This caller was cancelled; the download goes on for any that joined it.
+                download.add_done_callback(lambda _: self._fetching.pop(blob_hash, None))
         return data
 
     async def _upload(self, digest: str, output: bytes) -> None:
         if digest in self._uploaded:
             return  # blobs are content-addressed and never deleted: it is still there
 
+        # Straight to PUT, no HEAD first: an output is new to the coordinator almost
+        # always, and a PUT of a blob it already has is answered 201 like a new one (the
+        # bytes are checked against the hash and the stored file is kept).
         async def put(http: httpx.AsyncClient) -> None:
-            if (await http.head(f"/v1/blobs/{digest}")).status_code != 200:
-                response = await http.put(f"/v1/blobs/{digest}", content=output)
-                response.raise_for_status()
+            response = await http.put(f"/v1/blobs/{digest}", content=output)
+            response.raise_for_status()
 
         await self._with_connection(put)
         if len(self._uploaded) >= UPLOADED_MEMORY:
