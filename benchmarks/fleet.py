@@ -50,7 +50,7 @@ from typing import Any
 
 import psutil
 import websockets
-from production import cpu_seconds, drop_run, service_pids
+from production import cpu_seconds, cpu_spent, drop_run, service_pids
 from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
@@ -242,7 +242,8 @@ async def measure(
     watcher.cancel()
     gc.enable()
     wall = wall_after - wall_before
-    shares = {group: 100.0 * (cpu_after[group] - cpu_before[group]) / wall for group in pids}
+    spent = cpu_spent(cpu_before, cpu_after)
+    shares = {group: 100.0 * spent[group] / wall for group in pids}
     window = [rtt * 1000 for at, rtt in fleet.rtts if wall_before <= at <= wall_after]
     sent = fleet.heartbeats_sent - sent_before
     coordinators = [group for group in pids if group.startswith("coordinator")]

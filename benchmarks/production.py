@@ -6,19 +6,33 @@ from __future__ import annotations
 import psutil
 
 
-def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
-    """CPU seconds (user + system) so far of each group's processes (gone ones: 0)."""
-    totals: dict[str, float] = {}
+def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, dict[int, float]]:
+    """CPU seconds (user + system) so far of each group's processes, by pid (gone: left out)."""
+    totals: dict[str, dict[int, float]] = {}
     for group, group_pids in pids.items():
-        total = 0.0
+        totals[group] = {}
         for pid in group_pids:
             try:
                 times = psutil.Process(pid).cpu_times()
-                total += times.user + times.system
             except psutil.Error:
-                pass
-        totals[group] = total
+                continue
+            totals[group][pid] = times.user + times.system
     return totals
+
+
+def cpu_spent(
+    before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]
+) -> dict[str, float]:
+    """CPU seconds each group spent between two readings, over the processes alive at
+    both (a database backend that exits meanwhile takes its CPU with it: not negative)."""
+    return {
+        group: sum(
+            seconds - before[group][pid]
+            for pid, seconds in after[group].items()
+            if pid in before[group]
+        )
+        for group in before
+    }
 
 
 def service_pids(name: str) -> list[int]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from production import cpu_seconds, drop_run, service_pids
+from production import cpu_seconds, cpu_spent, drop_run, service_pids
 
 from idlegrid.localgrid import LocalGrid
 
@@ -105,7 +105,7 @@ def measure(args: argparse.Namespace, coordinators: int, root: Path, *, sqlite: 
         if info["state"] != "completed":
             raise SystemExit(f"job ended {info['state']}: {info.get('error')}")
         seconds = float(info["finished_at"]) - float(info["created_at"])
-        cpu = {group: after[group] - before[group] for group in pids}
+        cpu = cpu_spent(before, after)
         store = "sqlite" if sqlite else "postgres"
         return Run(store, coordinators=coordinators, tasks=args.tasks, seconds=seconds, cpu=cpu)
     finally:
