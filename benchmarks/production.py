@@ -23,14 +23,12 @@ def cpu_seconds(pids: dict[str, list[int]]) -> dict[str, dict[int, float]]:
 def cpu_spent(
     before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]
 ) -> dict[str, float]:
-    """CPU seconds each group spent between two readings, over the processes alive at
-    both (a database backend that exits meanwhile takes its CPU with it: not negative)."""
+    """CPU seconds each group spent between two readings. A process first seen in
+    `after` (a database backend started meanwhile: list the service's pids again for
+    it) counts whole; one gone by then takes its CPU with it (counted as none, never
+    negative)."""
     return {
-        group: sum(
-            seconds - before[group][pid]
-            for pid, seconds in after[group].items()
-            if pid in before[group]
-        )
+        group: sum(seconds - before[group].get(pid, 0.0) for pid, seconds in after[group].items())
         for group in before
     }
 

@@ -101,6 +101,9 @@ def measure(args: argparse.Namespace, coordinators: int, root: Path, *, sqlite: 
                 before = cpu_seconds(pids)
                 job = client.submit("sleep", params={"tasks": args.tasks, "seconds": 0})
                 info = _wait_light(client, job.id)
+                if not sqlite:  # backends started meanwhile count too
+                    pids["postgres"] = service_pids("postgres")
+                    pids["redis"] = service_pids("redis-server")
                 after = cpu_seconds(pids)
         if info["state"] != "completed":
             raise SystemExit(f"job ended {info['state']}: {info.get('error')}")
