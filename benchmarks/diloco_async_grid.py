@@ -5,10 +5,11 @@
 A `LocalGrid` (`idlegrid serve` and three `idlegrid worker` processes over WebSockets)
 trains the same `diloco-train` job twice on the `cpython-stdlib` corpus, three shards a
 round: synchronous rounds (a round closes when all three updates are in) and
-asynchronous ones (a round closes on two; the third counts in a later round, weighted by
-its staleness, up to `max_staleness` 2). One worker is made `--slowdown` times slower
-for real: the benchmark stops its process tree (the worker and its task processes) with
-SIGSTOP and resumes it with SIGCONT, running 1 / slowdown of every 0.3 s.
+asynchronous ones (a round closes on two of its own updates; the third counts in a later
+round, weighted by its staleness, up to `max_staleness` 2). One worker is made
+`--slowdown` times slower for real: the benchmark stops its process tree (the worker and
+its task processes) with SIGSTOP and resumes it with SIGCONT, running 1 / slowdown of
+every 0.3 s.
 
 Per mode it prints the job's wall time, the time to the validation loss both runs reach
 (the higher of the two final ones; the grid's evaluation task measures the held-out

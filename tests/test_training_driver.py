@@ -46,20 +46,29 @@ MLP: dict[str, Any] = {
 
 
 @pytest.mark.parametrize(
-    ("updates", "min_updates", "expired", "decision"),
+    ("updates", "late", "min_updates", "expired", "decision"),
     [
-        (0, 2, False, Close.WAIT),
-        (1, 2, False, Close.WAIT),
-        (2, 2, False, Close.QUORUM),
-        (3, 2, True, Close.QUORUM),
-        (1, 2, True, Close.TIMER),
-        (0, 2, True, Close.EXTEND),
+        (0, 0, 2, False, Close.WAIT),
+        (1, 0, 2, False, Close.WAIT),
+        (2, 0, 2, False, Close.QUORUM),
+        (3, 0, 2, True, Close.QUORUM),
+        (1, 0, 2, True, Close.TIMER),
+        (0, 0, 2, True, Close.EXTEND),
+        # Late updates (asynchronous) never make a quorum, but the timer closes on them.
+        (0, 2, 2, False, Close.WAIT),
+        (1, 3, 2, False, Close.WAIT),
+        (1, 1, 2, False, Close.WAIT),
+        (2, 1, 2, False, Close.QUORUM),
+        (0, 1, 2, True, Close.TIMER),
     ],
 )
-def test_close_decision(updates: int, min_updates: int, expired: bool, decision: Close) -> None:
-    assert close_decision(updates=updates, min_updates=min_updates, timer_expired=expired) == (
-        decision
+def test_close_decision(
+    updates: int, late: int, min_updates: int, expired: bool, decision: Close
+) -> None:
+    found = close_decision(
+        updates=updates, late=late, min_updates=min_updates, timer_expired=expired
     )
+    assert found == decision
 
 
 @pytest.mark.parametrize(
@@ -303,12 +312,14 @@ async def test_asynchronous_a_late_update_counts_in_the_next_round(
     assert slow["task_id"] not in c.cancelled()  # it goes on
     late = await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
     assert late.status == "accepted"
-    # Round 1 has the late update and needs one fresh one for its quorum of two.
+    # Round 1 has the late update, but its quorum of two counts its own updates only.
     assert (await harness.metrics(job.id))["rounds"][1]["state"] == "open"
     await harness.work(a, monkeypatch)
+    assert (await harness.metrics(job.id))["rounds"][1]["state"] == "open"
+    await harness.work(b, monkeypatch)
     found = await harness.metrics(job.id)
     first, second = found["rounds"][0], found["rounds"][1]
-    assert second["state"] == "closed" and second["updates"] == 2
+    assert second["state"] == "closed" and second["updates"] == 3
     assert second["stale_applied"] == 1 and found["stale_applied"] == 1
     assert found["asynchronous"] and found["stale_dropped"] == 0
     assert first["updates"] == 2
@@ -483,3 +494,63 @@ async def test_a_streaming_job_syncs_one_fragment_a_round_through_the_grid(
     for r in range(4):
         saved = plain[r]["bytes_up"] - rows[r]["bytes_up"]
         assert saved == pytest.approx(2 * (spans.size - spans.synced(r).size), abs=16)
+
+
+async def _train_start(harness: Harness, node: Node, monkeypatch: Any) -> dict[str, Any]:
+    """A training task taken by `node`; an evaluation it is given first is done on the way."""
+    while True:
+        assign = await harness.take(node)
+        assert assign is not None
+        workers = KIND.parse_params(assign["params"]).workers
+        if assign["shard_index"] % (workers + 1) < workers:  # the last of a round's: eval
+            return assign
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+
+
+async def test_asynchronous_a_round_does_not_close_on_stale_updates_alone(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(workers=4, min_updates=2, asynchronous=True, max_staleness=2,
+                               eval_every=100)  # fmt: skip
+    nodes = [await harness.node(key) for key in "abcd"]
+    started = [await _train_start(harness, node, monkeypatch) for node in nodes]
+    for node, assign in zip(nodes[:2], started[:2], strict=True):
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+    assert (await harness.metrics(job.id))["rounds"][0]["closed_by"] == "quorum"
+    # Round 0's other two updates arrive in round 1: two, as many as its quorum, but stale.
+    for node, assign in zip(nodes[2:], started[2:], strict=True):
+        receipt = await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+        assert receipt.status == "accepted"
+    second = (await harness.metrics(job.id))["rounds"][1]
+    assert second["state"] == "open" and second["updates"] == 0
+    # Two fresh updates close it, and the two stale ones count in it, weighted.
+    for node in nodes[:2]:
+        await harness.work(node, monkeypatch)
+    found = await harness.metrics(job.id)
+    second = found["rounds"][1]
+    assert second["state"] == "closed" and second["closed_by"] == "quorum"
+    assert second["updates"] == 4 and second["stale_applied"] == 2
+
+
+async def test_asynchronous_a_closed_rounds_task_no_node_started_is_cancelled(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    job = await harness.submit(workers=3, min_updates=2, asynchronous=True, max_staleness=2,
+                               eval_every=100)  # fmt: skip
+    a, b, c = [await harness.node(key) for key in "abc"]
+    for node in (a, b):
+        assign = await _train_start(harness, node, monkeypatch)
+        await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
+    found = await harness.metrics(job.id)
+    assert found["rounds"][0]["closed_by"] == "quorum"
+    # Round 0's third task was never started: trained now, it would start from round 0's
+    # weights and arrive stale. It is cancelled; the next node trains round 1.
+    assign = await harness.take(c)
+    assert assign is not None and assign["shard_index"] >= 4
+    shards = {s.index: s for s in await harness.grid.store.list_shards(job.id)}
+    assert (
+        [i for i in range(3) if shards[i].state == "cancelled"]
+        == [i for i in range(3) if shards[i].state != "done"]
+        != []
+    )
+    assert found["rounds"][0]["stale_dropped"] == 0

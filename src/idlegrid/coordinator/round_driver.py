@@ -10,12 +10,15 @@ checkpoints the new weights and momentum as safetensors blobs, cancels the round
 unfinished tasks (their late updates would be dropped), and opens round t+1, whose
 payloads carry the compressed update by reference and the checkpoint as a keyframe.
 
-In asynchronous mode (`asynchronous`) a closing round leaves its unfinished tasks
+In asynchronous mode (`asynchronous`) a closing round leaves its running tasks
 running: an update of round r that is decided while round t is open counts in round t's
 close, weighted by its staleness t - r (`closing.close_round`), if t - r <=
 `max_staleness`; older ones are dropped, and tasks that can only arrive too late are
-cancelled. Each round's metrics list the shards it aggregated (`applied`) and count the
-stale updates it applied and dropped; the job's metrics sum them.
+cancelled. The quorum counts round t's own updates only (a round never closes on stale
+updates alone), and a closing round's tasks no node started yet are cancelled: a node
+always starts from the newest weights, as on `training.timeline`'s virtual clock.
+Each round's metrics list the shards it aggregated (`applied`) and count the stale
+updates it applied and dropped; the job's metrics sum them.
 
 After the last round one evaluation task measures the final weights; the job's result is
 their checkpoint.
@@ -180,8 +183,9 @@ class RoundDriver:
         if training.params.asynchronous:
             late, too_stale = late_updates(records, shards, training.params.max_staleness)
         decision = close_decision(
-            updates=len(done) + len(late), min_updates=training.min_updates, timer_expired=expired
-        )
+            updates=len(done), late=len(late), min_updates=training.min_updates,
+            timer_expired=expired,
+        )  # fmt: skip
         if decision == Close.EXTEND:
             log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
             deadline = self._ctx.clock() + training.params.round_timeout_s
@@ -231,9 +235,14 @@ class RoundDriver:
         }
         open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
         if training.params.asynchronous:
-            # Tasks that could only arrive past max_staleness are dropped now, counted.
-            open_left = hopeless(records, shards, next_state.round, training.params.max_staleness)
-            running = await self._started(job_id, open_left)
+            # The closed round's tasks no node started are cancelled: started now, they would
+            # train from weights already a round old. Those running go on (their updates
+            # count later, weighted), unless they could only arrive past max_staleness:
+            # those are dropped now, counted.
+            unstarted = await self._unstarted(job_id, open_left)
+            doomed = hopeless(records, shards, next_state.round, training.params.max_staleness)
+            running = await self._started(job_id, doomed)
+            open_left = sorted({*unstarted, *doomed})
             dropped = [shard.index for shard in too_stale] + running
             metrics.update({"stale_dropped": len(dropped), "dropped": dropped})
         advance = await self._ctx.store.advance_round(
@@ -375,6 +384,11 @@ class RoundDriver:
             if traffic.payload_bytes > 0:
                 started.append(index)
         return started
+
+    async def _unstarted(self, job_id: int, indexes: Sequence[int]) -> list[int]:
+        """The shards among `indexes` no node was given yet."""
+        started = set(await self._started(job_id, indexes))
+        return [index for index in indexes if index not in started]
 
     def _new_round(
         self,

@@ -1,9 +1,14 @@
 """When a training round closes: a pure decision of the round driver, tested by table.
 
-A round closes on quorum (`min_updates` training shards have a canonical update) or,
-once its timer ran out, with whatever arrived; a timer that runs out with no update at
-all extends the round instead of closing it empty (an empty round would only burn a
-round of the schedule: nothing can move the weights).
+A round closes on quorum (`min_updates` training shards of the round itself have a
+canonical update) or, once its timer ran out, with whatever arrived; a timer that runs out
+with no update at all extends the round instead of closing it empty (an empty round would
+only burn a round of the schedule: nothing can move the weights).
+
+In asynchronous mode, late updates (of older rounds, counted in the open one) do not count
+toward the quorum: a round never closes on stale updates alone, so every outer step has at
+least `min_updates` pseudo-gradients of the weights it moves (`training.timeline` plays the
+same rule). They do count for the timer: one late update is enough to close on it.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ class Close(enum.StrEnum):
     EXTEND = "extend"  # the timer ran out with nothing to aggregate: wait another period
 
 
-def close_decision(*, updates: int, min_updates: int, timer_expired: bool) -> Close:
-    """What to do with an open training round that has `updates` canonical updates."""
+def close_decision(*, updates: int, min_updates: int, timer_expired: bool, late: int = 0) -> Close:
+    """What to do with an open training round that has `updates` canonical updates of its
+    own and `late` ones of older rounds (asynchronous mode) waiting to count in it."""
     if updates >= min_updates:
         return Close.QUORUM
     if not timer_expired:
         return Close.WAIT
-    return Close.TIMER if updates > 0 else Close.EXTEND
+    return Close.TIMER if updates + late > 0 else Close.EXTEND
 
 
 def finish_decision(*, evaluated: bool, timer_expired: bool) -> bool:
