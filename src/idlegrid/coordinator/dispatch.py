@@ -96,6 +96,8 @@ class Dispatcher:
             if many:
                 claimed += many
                 continue
+            if many is not None:
+                continue  # others took every one it picked: pick again, without them
             assignment = await self._claim_one(session, passed)
             if assignment is None and self._ctx.settings.backups:
                 assignment = await self._matcher.claim_backup(session)
@@ -125,20 +127,21 @@ class Dispatcher:
 
     async def _claim_many(
         self, session: NodeSession, wanted: int, passed: set[int]
-    ) -> list[Assignment]:
+    ) -> list[Assignment] | None:
         """Claim up to `wanted` of the best tasks for the node at once, while they are of
-        replication-1 jobs and of one kind.
+        replication-1 jobs and of one kind. None: nothing to try this way (an empty
+        list: it tried, and other claims had taken them; they join `passed`).
 
         One statement for them all (the daily quota is per kind); tasks of replicated
         jobs, whose claims check the distinct-replica rules and may run alone, are left
         to `_claim_one`, as is everything ranked below the first of them.
         """
         if wanted < 1 or time.monotonic() < session.idle_until:
-            return []
+            return None
         now = self._ctx.clock()
         by_id, ranked = await self._ranked(session, now=now, passed=passed)
         if not ranked:
-            return []
+            return None
         kind = ranked[0].kind
         picked: list[int] = []
         for candidate in ranked:
@@ -148,7 +151,7 @@ class Dispatcher:
             if len(picked) == wanted:
                 break
         if not picked:
-            return []
+            return None
         settings = self._ctx.settings
         with self._matcher.claiming(picked):
             claimed = await self._ctx.store.claim_tasks(
@@ -159,7 +162,7 @@ class Dispatcher:
             )
         if isinstance(claimed, ClaimMiss):
             _back_off(session, claimed)
-            return []
+            return None
         for claim in claimed:
             self._note_claim(session, claim, by_id[claim.task_id], now=now)
         await self._drop_from_queue(picked, claimed)
