@@ -251,9 +251,21 @@ def _decided_shard(decision: ShardDecision, output: Any | None, *, now: float) -
 
 
 async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dict[int, int]:
-    """Per job, its shards not done (jobs with none are absent)."""
+    """Per job, its shards not done (jobs with none are absent).
+
+    The jobs' rows are locked first (PostgreSQL): two transactions deciding a job's last
+    shards at once would each count the other's shard as open and neither would end the
+    job. Locked, the second counts after the first committed, and sees its shard done.
+    """
     if not job_ids:
         return {}
+    if rows.row_locks(conn):
+        await conn.execute(
+            select(jobs.c.id)
+            .where(jobs.c.id.in_(sorted(set(job_ids))))
+            .order_by(jobs.c.id)
+            .with_for_update(key_share=True)
+        )
     query = (
         select(shards.c.job_id, func.count().label("n"))
         .where(shards.c.job_id.in_(sorted(set(job_ids))), shards.c.state != ShardState.DONE.value)
