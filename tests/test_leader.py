@@ -107,7 +107,10 @@ def test_a_leader_killed_mid_pass_leaves_nothing_undone_and_nothing_done_twice(
     )
     survivor_url = grid.add_coordinator()
     [survivor] = grid.others.values()
-    silent = grid.start_worker("silent", kinds="sleep", benchmark=False, slots=2)
+    # No prefetch: the node holds exactly its two running tasks when it goes silent.
+    silent = grid.start_worker(
+        "silent", kinds="sleep", benchmark=False, slots=2, extra=("--prefetch", "0")
+    )
     grid.wait_for_nodes(1)
     grid.volunteer_token("volunteer-healthy")  # made now: the leader will be gone
     tasks = 6
