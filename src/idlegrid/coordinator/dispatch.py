@@ -223,15 +223,16 @@ class Dispatcher:
         for candidate in ranked:
             entry = by_id[candidate.task_id]
             plan = self._plans.loaded(entry.job_id)
-            with self._matcher.claiming([entry.task_id]):
-                claim = await self._ctx.store.claim_task(
-                    entry.task_id,
-                    claimer,
-                    kind=entry.kind,
-                    now=now,
-                    lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
-                    distinct=self._distinct if plan.replication > 1 else None,
-                )
+            # Not marked in flight: a replica's claim may fail for this node alone (one
+            # replica per node, account and network), and another node must still try it.
+            claim = await self._ctx.store.claim_task(
+                entry.task_id,
+                claimer,
+                kind=entry.kind,
+                now=now,
+                lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
+                distinct=self._distinct if plan.replication > 1 else None,
+            )
             if claim is ClaimMiss.CONFLICT:
                 passed.add(entry.task_id)
             if isinstance(claim, Assignment):
