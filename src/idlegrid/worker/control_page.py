@@ -92,18 +92,33 @@ function show(s) {
       form.elements[name].value = s.settings[name];
   }
 }
-async function refresh() { try { show(await call("/api/status")); } catch (e) {} }
+// A status read that was on its way while an action ran is older than the action's answer:
+// it is dropped, so it cannot put back what the owner just changed.
+let actions = 0;
+async function refresh() {
+  const before = actions;
+  try { const s = await call("/api/status"); if (before === actions) show(s); } catch (e) {}
+}
+async function act(path, body) {
+  actions += 1;
+  try { return await call(path, body); } finally { actions += 1; }
+}
 for (const action of ["pause", "resume", "finish", "snooze"])
-  $(action).onclick = async () => show(await call("/api/" + action, {}));
-$("settings").onfocusin = () => { editing = true; };
+  $(action).onclick = async () => show(await act("/api/" + action, {}));
+// Any touch of the form (focus, typing, a choice) keeps the refresh off its fields until the
+// owner saves, so what they typed is what is sent.
+for (const event of ["focusin", "input", "change"])
+  $("settings").addEventListener(event, () => { editing = true; });
 $("settings").onsubmit = async (event) => {
   event.preventDefault();
   const form = event.target, values = {};
   for (const name of ["cpu_mode", "gpu_mode", "windows"]) values[name] = form.elements[name].value;
   for (const name of ["cpu_percent", "in_use_cpu_percent"])
     values[name] = Number(form.elements[name].value);
-  try { show(await call("/api/settings", values)); $("error").textContent = ""; editing = false; }
-  catch (e) { $("error").textContent = e.message; }
+  try {
+    const s = await act("/api/settings", values);
+    editing = false; show(s); $("error").textContent = "";
+  } catch (e) { $("error").textContent = e.message; }
 };
 refresh(); setInterval(refresh, 1000);
 </script>
