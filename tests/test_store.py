@@ -86,7 +86,9 @@ def _job(
 async def _claim(
     store: SqlStore, task_id: int, node: NodeRecord, *, now: float = T0, distinct: bool = False
 ) -> Assignment:
-    claim = await _try_claim(store, task_id, node, lease_deadline=now + LEASE, now=now)
+    claim = await _try_claim(
+        store, task_id, node, lease_deadline=now + LEASE, now=now, distinct=distinct
+    )
     assert isinstance(claim, Assignment), claim
     return claim
 
@@ -352,6 +354,35 @@ async def test_distinct_nodes_also_counts_finished_replicas(store: SqlStore) -> 
     _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
     await _claim(store, ready[0].task_id, node, distinct=True)
     assert (await _result(store, ready[0].task_id, node)).status == "accepted"
+    assert (
+        await _try_claim(
+            store, ready[1].task_id, node, lease_deadline=T0 + LEASE, now=T0, distinct=True
+        )
+        is ClaimMiss.CONFLICT
+    )
+
+
+async def test_a_claim_released_unheard_does_not_bar_its_node(store: SqlStore) -> None:
+    # Two nodes, two replicas: the coordinator claimed one for `first` and died before
+    # sending it. Released on reconnection, it must not keep `first` off the shard, or
+    # the shard's second replica would have no node left to run it.
+    alice = await _account(store)
+    first, second = await _node(store, alice), await _node(store, alice, "node-key-2")
+    _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
+    one, two = (r.task_id for r in ready)
+    await _claim(store, one, first, distinct=True)
+    assert await store.release_claims([one], first.id, now=T0) == [one]
+    await _claim(store, two, second, distinct=True)
+    [again] = (await store.replenish(now=T0)).ready
+    await _claim(store, again.task_id, first, distinct=True)
+
+
+async def test_a_failed_replica_still_bars_its_node(store: SqlStore) -> None:
+    alice = await _account(store)
+    node = await _node(store, alice)
+    _, ready = await store.create_job(_job(alice, replication=2, min_quorum=2), now=T0)
+    await _claim(store, ready[0].task_id, node, distinct=True)
+    assert await store.record_failure(ready[0].task_id, node.id, reason="it broke", now=T0)
     assert (
         await _try_claim(
             store, ready[1].task_id, node, lease_deadline=T0 + LEASE, now=T0, distinct=True

@@ -204,12 +204,14 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     """Conditions for "no other replica of this shard on this node, account or network".
 
     A node never runs two replicas of a shard, even after one failed (it may fail the
-    same way). Accounts and networks count only replicas that ran or run: a replica that
-    failed or expired on one of them does not bar its other nodes.
+    same way). A claim released before the node heard of it (`release_claims`) does not
+    count: the node never ran it, and with as many nodes as replicas it would otherwise
+    bar the only node left. Accounts and networks count only replicas that ran or run:
+    a replica that failed or expired on one of them does not bar its other nodes.
     """
     if distinct is None:
         return []
-    same = [OTHER.c.node_id == claimer.node_id]
+    same = [(OTHER.c.node_id == claimer.node_id) & (OTHER.c.state != TaskState.CANCELLED.value)]
     counted = OTHER.c.state.in_(_RAN)
     if distinct.accounts:
         same.append(counted & (OTHER.c.account_id == claimer.account_id))
