@@ -60,7 +60,7 @@ def main() -> None:
     settings = WorkerSettings(
         servers=(args.server,), token=args.token, state_dir=args.state_dir, name=args.name,
         kinds=("diloco-train",), benchmark=False, threads=1, dedicated=True,
-        control_port=-1, prefetch=0,  # one shard of a round, as the honest ones
+        control_port=-1,
     )  # fmt: skip
     asyncio.run(PoisonedWorker(settings, args.scale).run())
 

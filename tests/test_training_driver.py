@@ -197,6 +197,18 @@ async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
     assert '"round":3' in read_metadata(result)["idlegrid"]
 
 
+async def test_a_rounds_shards_are_not_buffered_on_one_node(harness: Harness) -> None:
+    # A node with one slot and a buffer of four asks for five tasks: it gets one shard of
+    # the round, and the round's other shard is left for another node.
+    await harness.submit()
+    greedy, other = await harness.node("greedy"), await harness.node("other")
+    greedy.session.prefetch = 4
+    greedy.session.requested = 5
+    await harness.grid.fill(greedy.session)
+    assert len(greedy.assigned()) == 1
+    assert await harness.take(other) is not None
+
+
 async def test_later_rounds_send_the_update_not_the_weights_and_a_new_node_gets_a_keyframe(
     harness: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,11 +42,8 @@ def _grid(root: Path, env: dict[str, str]) -> Iterator[LocalGrid]:
         ) as local,  # fmt: skip
         (root / "poisoner.log").open("w") as log,
     ):
-        # No prefetch: each worker holds one shard of a round, so the poisoner gets one.
         for name in ("honest-1", "honest-2", "honest-3"):
-            local.start_worker(
-                name, kinds="diloco-train", threads=1, benchmark=False, extra=("--prefetch", "0")
-            )
+            local.start_worker(name, kinds="diloco-train", threads=1, benchmark=False)
         local.workers.append(subprocess.Popen(
             [sys.executable, str(POISONER), "--server", local.url,
              "--token", local.volunteer_token("volunteer-poisoner"),

@@ -92,13 +92,16 @@ class Dispatcher:
         claimed: list[Assignment] = []
         passed: set[int] = set()
         while len(claimed) < wanted:
-            many = await self._claim_many(session, wanted - len(claimed), passed)
+            # Beyond its free slots a claim goes to the node's buffer, which only kinds
+            # that may wait there (TaskKind.buffered) fill.
+            slots = session.slots - len(session.live) - len(claimed)
+            many = await self._claim_many(session, wanted - len(claimed), passed, slots=slots)
             if many:
                 claimed += many
                 continue
             if many is not None:
                 continue  # others took every one it picked: pick again, without them
-            assignment = await self._claim_one(session, passed)
+            assignment = await self._claim_one(session, passed, slots=slots)
             if assignment is None and self._ctx.settings.backups:
                 assignment = await self._matcher.claim_backup(session)
             if assignment is None:
@@ -126,7 +129,7 @@ class Dispatcher:
                 return
 
     async def _claim_many(
-        self, session: NodeSession, wanted: int, passed: set[int]
+        self, session: NodeSession, wanted: int, passed: set[int], *, slots: int
     ) -> list[Assignment] | None:
         """Claim up to `wanted` of the best tasks for the node at once, while they are of
         replication-1 jobs and of one kind. None: nothing to try this way (an empty
@@ -139,10 +142,13 @@ class Dispatcher:
         if wanted < 1 or time.monotonic() < session.idle_until:
             return None
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now, passed=passed)
+        by_id, ranked = await self._ranked(session, now=now, passed=passed, slots=slots)
         if not ranked:
             return None
         kind = ranked[0].kind
+        plan = self._plans.loaded(ranked[0].job_id)
+        if not plan.kind.buffered:
+            wanted = min(wanted, slots)  # `_ranked` left it out when no slot is free
         picked: list[int] = []
         for candidate in ranked:
             if self._plans.loaded(candidate.job_id).replication != 1 or candidate.kind != kind:
@@ -184,12 +190,13 @@ class Dispatcher:
             await self._ctx.broker.discard(taken + gone)
 
     async def _ranked(
-        self, session: NodeSession, *, now: float, passed: set[int]
+        self, session: NodeSession, *, now: float, passed: set[int], slots: int
     ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate]]:
         """The queue's candidates this node can run, best first, and the entries by id.
 
         Entries of jobs that ended leave the queue on the way. Left out: those this fill
-        passed over, and those another claim of this process is taking now.
+        passed over, those another claim of this process is taking now, and, with no
+        free slot (`slots` < 1), those of kinds that may not wait in a node's buffer.
         """
         entries = await self._matcher.entries(CANDIDATES_PER_CLAIM)
         skip = passed | self._matcher.in_flight
@@ -199,6 +206,8 @@ class Dispatcher:
             plan = await self._plans.get(entry.job_id)
             if plan is None:
                 await self._ctx.broker.discard([entry.task_id])
+                continue
+            if slots < 1 and not plan.kind.buffered:
                 continue
             candidates.append(self._matcher.candidate(entry, plan, now=now))
         view = session.view_now(reliability=node_reliability(session))
@@ -214,11 +223,13 @@ class Dispatcher:
         self._matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
         session.reliability = trust_policy.credibility(claim.trust, self._ctx.settings.trust)
 
-    async def _claim_one(self, session: NodeSession, passed: set[int]) -> Assignment | None:
+    async def _claim_one(
+        self, session: NodeSession, passed: set[int], *, slots: int
+    ) -> Assignment | None:
         if time.monotonic() < session.idle_until:
             return None  # its quota is used up, or it is suspended: ask again later
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now, passed=passed)
+        by_id, ranked = await self._ranked(session, now=now, passed=passed, slots=slots)
         claimer = _claimer(session)
         for candidate in ranked:
             entry = by_id[candidate.task_id]

@@ -109,6 +109,11 @@ class TaskKind(ABC):
     # Speed (GFLOPS of a shard's nominal cost) the coordinator assumes of a node it has
     # not yet timed on this kind, for its leases: a slow machine's.
     default_gflops: ClassVar[float] = 1.0
+    # Whether a node may hold a task of this kind in its buffer (`--prefetch`), beyond
+    # its slots. False where a job's shards must run side by side (a training round):
+    # one node buffering a round's shards would leave other nodes idle and the round
+    # waiting on it.
+    buffered: ClassVar[bool] = True
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""

@@ -172,6 +172,8 @@ class DilocoKind(TaskKind):
     # Training updates are combined by a (robust) aggregation, and two replicas of one
     # shard train the same steps twice: replication is the researcher's choice here.
     default_replication = 1
+    # A round's shards run side by side on as many nodes: none waits in a node's buffer.
+    buffered = False
     params_model = DilocoParams
     input_names = ("dataset",)
     result_media_type = "application/x-safetensors"
