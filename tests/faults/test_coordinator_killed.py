@@ -1,5 +1,5 @@
 """SIGKILL of the coordinator (embedded mode: SQLite, in-process broker), three times
-during one job of 2,000 shards, restarted each time on the same port and data directory.
+during one job of 500 shards, restarted each time on the same port and data directory.
 
 The workers keep running their tasks, reconnect with their backoff, and reclaim what
 they hold; the restarted coordinator expires nothing until they can be back. Afterwards
@@ -22,7 +22,7 @@ from idlegrid.localgrid import LocalGrid
 
 pytestmark = pytest.mark.slow
 
-SHARDS = 2000
+SHARDS = 500
 KILLS = 3
 
 
