@@ -38,4 +38,6 @@ fi
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/ruff format --check src tests benchmarks
 .venv/bin/mypy src/idlegrid
-exec .venv/bin/python -m pytest "$@"
+# Two test processes (IDLEGRID_TEST_PROCESSES, 0 for one): most tests wait on real
+# processes and sockets more than they compute, so two share two cores well.
+exec .venv/bin/python -m pytest -n "${IDLEGRID_TEST_PROCESSES:-2}" --dist worksteal "$@"
