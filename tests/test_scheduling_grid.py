@@ -176,6 +176,22 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
     assert original["task_id"] not in states  # no longer held: cancelled
 
 
+async def test_no_backup_for_a_node_whose_slots_are_busy(grid: Grid) -> None:
+    # A backup is worth its cost only if it starts now: one that waited in the fast
+    # node's buffer behind its running task would gain nothing.
+    alice = await _account(grid, "alice")
+    slow = await _node(grid, alice, "slow-node", gflops=1.0)
+    await _submit(grid, alice, tasks=1, seconds=30.0)
+    original = await _take(grid, slow)
+    assert original is not None
+    slow.session.live.add(original["task_id"])
+    fast = await _node(grid, alice, "fast-node", gflops=100.0)
+    fast.session.prefetch = 1
+    fast.session.live.add(10**9)  # its one slot computes something else
+    assert await _take(grid, fast) is None
+    assert grid.counters.backups == 0
+
+
 async def test_no_backup_when_the_holder_is_about_as_fast(grid: Grid) -> None:
     alice = await _account(grid, "alice")
     holder = await _node(grid, alice, "holder", gflops=40.0)

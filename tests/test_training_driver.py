@@ -7,6 +7,7 @@ a worker daemon does, and hands the result to `Grid.accept_result`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,6 +208,26 @@ async def test_a_rounds_shards_are_not_buffered_on_one_node(harness: Harness) ->
     await harness.grid.fill(greedy.session)
     assert len(greedy.assigned()) == 1
     assert await harness.take(other) is not None
+
+
+async def test_a_rounds_slow_shard_gets_no_backup_copy(harness: Harness) -> None:
+    # Slow holders and a fast idle node: the round's timer and quorum handle stragglers,
+    # and a copy would add a second update of one node to the round.
+    await harness.submit(round_timeout_s=3600.0)
+    slow = [await harness.node("slow-a"), await harness.node("slow-b")]
+    held = set()
+    for node in slow:
+        node.session.view = dataclasses.replace(node.session.view, gflops=0.001)
+        assign = await harness.take(node)
+        assert assign is not None
+        held.add(assign["shard_index"])
+    harness.now[0] += 600.0  # the slow holders are far behind
+    fast = await harness.node("fast")
+    fast.session.view = dataclasses.replace(fast.session.view, gflops=1000.0)
+    while (assign := await harness.take(fast)) is not None:  # what is left unheld, if any
+        assert assign["shard_index"] not in held, assign
+        fast.session.live.discard(assign["task_id"])
+    assert harness.grid.counters.backups == 0
 
 
 async def test_later_rounds_send_the_update_not_the_weights_and_a_new_node_gets_a_keyframe(

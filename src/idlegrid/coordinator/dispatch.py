@@ -102,7 +102,8 @@ class Dispatcher:
             if many is not None:
                 continue  # others took every one it picked: pick again, without them
             assignment = await self._claim_one(session, passed, slots=slots)
-            if assignment is None and self._ctx.settings.backups:
+            # A backup copy is worth its cost only if it starts now, in a free slot.
+            if assignment is None and self._ctx.settings.backups and slots > 0:
                 assignment = await self._matcher.claim_backup(session)
             if assignment is None:
                 break

@@ -232,7 +232,7 @@ class Matcher:
         out = []
         for row in rows:
             plan = await self._plans.get(row.job_id)
-            if plan is None or row.node_id == session.node_id:
+            if plan is None or row.node_id == session.node_id or not plan.kind.backups:
                 continue
             holder = self._ctx.hub.get(row.node_id)
             view = holder.view if holder is not None else holder_view(row.node_benchmark)

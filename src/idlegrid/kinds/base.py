@@ -114,6 +114,10 @@ class TaskKind(ABC):
     # one node buffering a round's shards would leave other nodes idle and the round
     # waiting on it.
     buffered: ClassVar[bool] = True
+    # Whether a straggling shard of this kind may get a backup copy on a faster node.
+    # False where the job has its own answer to stragglers (a training round's timer and
+    # quorum) and a copy would let one node's result count twice in one aggregate.
+    backups: ClassVar[bool] = True
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""

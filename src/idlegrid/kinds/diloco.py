@@ -174,6 +174,9 @@ class DilocoKind(TaskKind):
     default_replication = 1
     # A round's shards run side by side on as many nodes: none waits in a node's buffer.
     buffered = False
+    # A slow shard is the round's timer's and quorum's to handle: a backup copy would add
+    # a second update of one node to the round (robust aggregation counts each once).
+    backups = False
     params_model = DilocoParams
     input_names = ("dataset",)
     result_media_type = "application/x-safetensors"
