@@ -303,3 +303,48 @@ async def test_credit_totals_of_a_rolled_back_batch_are_not_written(store: SqlSt
     async with store._tx() as conn:
         await totals.grant(conn, "accounts", account.id, 2.0, now=T0)
     assert await _credit_total(store, account.id) == 2.0
+
+
+async def test_a_jobs_last_two_shards_decided_at_once_end_the_job(store: SqlStore) -> None:
+    """Two batches each decide one of a job's last two shards: each counts the other's as
+    open until that one committed, so the one counting last must wait for it and end
+    the job (PostgreSQL's row lock; SQLite has one writer at a time)."""
+    if store.is_sqlite:
+        pytest.skip("SQLite has one writer at a time: a second batch waits for the first")
+    from idlegrid.store.base import ShardDecision
+
+    account = await _account(store)
+    # Two nodes: one node's trust row, written by both decisions, would order them.
+    nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
+    job, ready = await store.create_job(_job(account, shards=2), now=T0)
+    for entry, node in zip(ready, nodes, strict=True):
+        await _claim(store, entry.task_id, node)
+        await _result(store, entry.task_id, node)
+    task_of = {r.shard_id: r.task_id for r in ready}
+    shards = sorted(task_of)
+
+    def decision(index: int) -> ShardDecision:
+        task = task_of[shards[index]]
+        return ShardDecision(shards[index], task, [task], [], None)
+
+    decided_first, go_on = asyncio.Event(), asyncio.Event()
+
+    async def first() -> bool:
+        async with store.batch():
+            [outcome] = await store.decide_shards([decision(0)], now=T0 + 2)
+            decided_first.set()
+            await go_on.wait()
+        return outcome.job_done
+
+    async def second() -> bool:
+        async with store.batch():
+            [outcome] = await store.decide_shards([decision(1)], now=T0 + 2)
+        return outcome.job_done
+
+    holder = asyncio.create_task(first())
+    await decided_first.wait()
+    other = asyncio.create_task(second())
+    await asyncio.sleep(0.5)  # the second decides while the first has not committed
+    go_on.set()
+    done = await asyncio.wait_for(asyncio.gather(holder, other), timeout=30)
+    assert done == [False, True]

@@ -250,25 +250,47 @@ def _decided_shard(decision: ShardDecision, output: Any | None, *, now: float) -
     }
 
 
+# A job with at most this many shards open (as one transaction sees it) has its row
+# locked before they are counted again; see `open_shards_left`.
+LOCK_JOB_BELOW = 32
+
+
 async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dict[int, int]:
     """Per job, its shards not done (jobs with none are absent).
 
-    The jobs' rows are locked first (PostgreSQL): two transactions deciding a job's last
-    shards at once would each count the other's shard as open and neither would end the
-    job. Locked, the second counts after the first committed, and sees its shard done.
+    Two transactions deciding a job's last shards at once would each count the other's
+    shard as open, and neither would end the job. So a job near its end (at most
+    `LOCK_JOB_BELOW` open shards in this transaction's view) has its row locked
+    (PostgreSQL) and is counted again: the second transaction counts after the first
+    committed, and sees its shard done. Far from its end no lock is taken, so result
+    batches of one job from several coordinators do not queue on its row; should more
+    than `LOCK_JOB_BELOW` transactions decide its last shards at once, the monitor's
+    pass (`jobs_to_assemble`) ends the job.
     """
     if not job_ids:
         return {}
+    wanted = sorted(set(job_ids))
+    counted = await _open_shards(conn, wanted)
     if rows.row_locks(conn):
-        await conn.execute(
-            select(jobs.c.id)
-            .where(jobs.c.id.in_(sorted(set(job_ids))))
-            .order_by(jobs.c.id)
-            .with_for_update(key_share=True)
-        )
+        near_end = [job_id for job_id in wanted if counted.get(job_id, 0) <= LOCK_JOB_BELOW]
+        if near_end:
+            await conn.execute(
+                select(jobs.c.id)
+                .where(jobs.c.id.in_(near_end))
+                .order_by(jobs.c.id)
+                .with_for_update(key_share=True)
+            )
+            counted = {
+                **{j: n for j, n in counted.items() if j not in near_end},
+                **await _open_shards(conn, near_end),
+            }
+    return counted
+
+
+async def _open_shards(conn: AsyncConnection, job_ids: Sequence[int]) -> dict[int, int]:
     query = (
         select(shards.c.job_id, func.count().label("n"))
-        .where(shards.c.job_id.in_(sorted(set(job_ids))), shards.c.state != ShardState.DONE.value)
+        .where(shards.c.job_id.in_(job_ids), shards.c.state != ShardState.DONE.value)
         .group_by(shards.c.job_id)
     )
     return {row.job_id: row.n for row in (await conn.execute(query)).all()}
