@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from idlegrid import faults
 from idlegrid.kinds import onnx_data
 from idlegrid.kinds.base import Cancelled, InputError, RunContext
 from idlegrid.kinds.onnx_runtime import (
@@ -55,6 +56,11 @@ def run_shard(
     for start in range(0, rows, batch):
         if ctx.is_cancelled():
             raise Cancelled()
+        if start:  # a provider that breaks after its first batch (tests: faults.failure)
+            faults.failure(
+                f"onnx-after-first-batch-threads-{ctx.threads}",
+                RuntimeError("CUDA failure 700: an illegal memory access (fault point)"),
+            )
         results = session.run(names, feed_of(start, min(start + batch, rows)))
         for piece, result in zip(pieces, results, strict=True):
             piece.append(np.asarray(result))
