@@ -1,6 +1,7 @@
 """Asynchronous against synchronous DiLoCo rounds through real worker processes, one slow.
 
     PYTHONPATH=src .venv/bin/python benchmarks/diloco_async_grid.py [--rounds 16] [--slowdown 3]
+    PYTHONPATH=src .venv/bin/python benchmarks/diloco_async_grid.py --churn-every 6
 
 A `LocalGrid` (`idlegrid serve` and three `idlegrid worker` processes over WebSockets)
 trains the same `diloco-train` job twice on the `cpython-stdlib` corpus, three shards a
@@ -9,7 +10,10 @@ asynchronous ones (a round closes on two of its own updates; the third counts in
 round, weighted by its staleness, up to `max_staleness` 2). One worker is made
 `--slowdown` times slower for real: the benchmark stops its process tree (the worker and
 its task processes) with SIGSTOP and resumes it with SIGCONT, running 1 / slowdown of
-every 0.3 s.
+every 0.3 s. With `--churn-every N` there is no slow worker; instead one worker (in
+turn) is killed with its task processes every N s, as a machine that goes off, and
+started again `--churn-down` s later on its state dir (it reconnects and resumes its
+task from its checkpoint, or the coordinator gives the task to another node).
 
 Per mode it prints the job's wall time, the time to the validation loss both runs reach
 (the higher of the two final ones; the grid's evaluation task measures the held-out
@@ -93,6 +97,47 @@ class Throttle:
             time.sleep(PERIOD_S * (1 - self.running_share))
 
 
+class Churn:
+    """Every `every_s`, kill one worker (in turn) with its task processes, as a machine
+    that goes off would, and start it again `down_s` later on the same state dir."""
+
+    def __init__(self, local: LocalGrid, names: Sequence[str], every_s: float, down_s: float):
+        self._local, self._names = local, list(names)
+        self._every_s, self._down_s = every_s, down_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self.kills = 0
+
+    def __enter__(self) -> Churn:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        turn = 0
+        while not self._stop.wait(self._every_s):
+            name = self._names[turn % len(self._names)]
+            turn += 1
+            proc = next(p for p in reversed(self._local.workers) if _worker_name(p) == name)
+            with contextlib.suppress(psutil.NoSuchProcess):
+                tree = psutil.Process(proc.pid)
+                for process in [*tree.children(recursive=True), tree]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        process.kill()
+            proc.wait()
+            self.kills += 1
+            time.sleep(self._down_s)  # back even when the job ended meanwhile
+            self._local.start_worker(name, kinds="diloco-train", threads=1, benchmark=False)
+
+
+def _worker_name(proc: Any) -> str:
+    args = [str(a) for a in proc.args]
+    return args[args.index("--name") + 1] if "--name" in args else ""
+
+
 def run_mode(
     local: LocalGrid, rounds: int, asynchronous: bool, timeout: float, steps: int = 50
 ) -> dict[str, Any]:
@@ -128,6 +173,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--slowdown", type=float, default=3.0)
     parser.add_argument("--timeout", type=float, default=900.0, help="s a job may take")
+    parser.add_argument(
+        "--churn-every", type=float, default=0.0,
+        help="instead of a slow worker: kill one worker (in turn) every N s, and start it "
+        "again --churn-down s later",
+    )  # fmt: skip
+    parser.add_argument("--churn-down", type=float, default=2.0)
     args = parser.parse_args(argv)
     results = []
     with (
@@ -139,12 +190,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         local.wait_for_nodes(3)
         # Every worker's task process imports torch once: a short job first, not timed.
         run_mode(local, 2, False, args.timeout, steps=2)
-        with Throttle(workers[-1].pid, args.slowdown):
-            for asynchronous in (False, True):
-                results.append(run_mode(local, args.rounds, asynchronous, args.timeout))
+        kills = []
+        for asynchronous in (False, True):
+            if args.churn_every > 0:
+                names = [f"w{k}" for k in range(3)]
+                with Churn(local, names, args.churn_every, args.churn_down) as churn:
+                    results.append(run_mode(local, args.rounds, asynchronous, args.timeout))
+                kills.append(churn.kills)
+                local.wait_for_nodes(3)
+            else:
+                with Throttle(workers[-1].pid, args.slowdown):
+                    results.append(run_mode(local, args.rounds, asynchronous, args.timeout))
     target = max(result["final"] for result in results)
-    print(f"{args.rounds} rounds, 3 workers, one {args.slowdown:g}x slower; "
-          f"validation loss target {target:.4f}")  # fmt: skip
+    case = (
+        f"a worker killed every {args.churn_every:g} s and back {args.churn_down:g} s later "
+        f"(kills: synchronous {kills[0]}, asynchronous {kills[1]})"
+        if args.churn_every > 0
+        else f"one {args.slowdown:g}x slower"
+    )
+    print(f"{args.rounds} rounds, 3 workers, {case}; validation loss target {target:.4f}")
     print("| mode | wall time, s | time to target, s | final validation loss "
           "| stale applied | stale dropped |")  # fmt: skip
     print("|---|---:|---:|---:|---:|---:|")
