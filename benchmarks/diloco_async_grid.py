@@ -29,12 +29,13 @@ import argparse
 import contextlib
 import os
 import signal
+import subprocess
 import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import psutil
 
@@ -61,81 +62,81 @@ def job_params(rounds: int, asynchronous: bool, steps: int = 50) -> dict[str, An
     return params
 
 
-class Throttle:
+def signal_tree(pid: int, sig: int) -> None:
+    """Send `sig` to a process and all its descendants (a worker and its task processes)."""
+    try:
+        root = psutil.Process(pid)
+        for process in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(process.pid, sig)
+    except psutil.NoSuchProcess:
+        pass
+
+
+class Background:
+    """A loop (`_loop`, until `_stop` is set) on a thread for the length of a `with`."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        raise NotImplementedError
+
+
+class Throttle(Background):
     """Runs a process tree 1/slowdown of the time: SIGSTOP, then SIGCONT, every period."""
 
     def __init__(self, pid: int, slowdown: float) -> None:
+        super().__init__()
         self.pid, self.running_share = pid, 1.0 / slowdown
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-
-    def __enter__(self) -> Throttle:
-        self._thread.start()
-        return self
 
     def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._signal(signal.SIGCONT)
-
-    def _signal(self, sig: int) -> None:
-        try:
-            root = psutil.Process(self.pid)
-            for process in [root, *root.children(recursive=True)]:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(process.pid, sig)
-        except psutil.NoSuchProcess:
-            pass
+        super().__exit__(*exc)
+        signal_tree(self.pid, signal.SIGCONT)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            self._signal(signal.SIGCONT)
+            signal_tree(self.pid, signal.SIGCONT)
             time.sleep(PERIOD_S * self.running_share)
             if self._stop.is_set():
                 break
-            self._signal(signal.SIGSTOP)
+            signal_tree(self.pid, signal.SIGSTOP)
             time.sleep(PERIOD_S * (1 - self.running_share))
 
 
-class Churn:
+class Churn(Background):
     """Every `every_s`, kill one worker (in turn) with its task processes, as a machine
     that goes off would, and start it again `down_s` later on the same state dir."""
 
-    def __init__(self, local: LocalGrid, names: Sequence[str], every_s: float, down_s: float):
-        self._local, self._names = local, list(names)
+    def __init__(
+        self, local: LocalGrid, workers: dict[str, subprocess.Popen[str]], every_s: float,
+        down_s: float,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        self._local, self._workers = local, workers
         self._every_s, self._down_s = every_s, down_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
         self.kills = 0
 
-    def __enter__(self) -> Churn:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
     def _loop(self) -> None:
-        turn = 0
+        names = list(self._workers)
         while not self._stop.wait(self._every_s):
-            name = self._names[turn % len(self._names)]
-            turn += 1
-            proc = next(p for p in reversed(self._local.workers) if _worker_name(p) == name)
-            with contextlib.suppress(psutil.NoSuchProcess):
-                tree = psutil.Process(proc.pid)
-                for process in [*tree.children(recursive=True), tree]:
-                    with contextlib.suppress(psutil.NoSuchProcess):
-                        process.kill()
-            proc.wait()
+            name = names[self.kills % len(names)]
+            signal_tree(self._workers[name].pid, signal.SIGKILL)
+            self._workers[name].wait()
             self.kills += 1
             time.sleep(self._down_s)  # back even when the job ended meanwhile
-            self._local.start_worker(name, kinds="diloco-train", threads=1, benchmark=False)
-
-
-def _worker_name(proc: Any) -> str:
-    args = [str(a) for a in proc.args]
-    return args[args.index("--name") + 1] if "--name" in args else ""
+            self._workers[name] = self._local.start_worker(
+                name, kinds="diloco-train", threads=1, benchmark=False
+            )
 
 
 def run_mode(
@@ -185,21 +186,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         tempfile.TemporaryDirectory() as root,
         LocalGrid(Path(root), heartbeat_s=1.0, node_timeout_s=10.0) as local,
     ):
-        workers = [local.start_worker(f"w{k}", kinds="diloco-train", threads=1,
-                                      benchmark=False) for k in range(3)]  # fmt: skip
+        workers = {f"w{k}": local.start_worker(f"w{k}", kinds="diloco-train", threads=1,
+                                               benchmark=False) for k in range(3)}  # fmt: skip
         local.wait_for_nodes(3)
         # Every worker's task process imports torch once: a short job first, not timed.
         run_mode(local, 2, False, args.timeout, steps=2)
         kills = []
         for asynchronous in (False, True):
             if args.churn_every > 0:
-                names = [f"w{k}" for k in range(3)]
-                with Churn(local, names, args.churn_every, args.churn_down) as churn:
+                with Churn(local, workers, args.churn_every, args.churn_down) as churn:
                     results.append(run_mode(local, args.rounds, asynchronous, args.timeout))
                 kills.append(churn.kills)
                 local.wait_for_nodes(3)
             else:
-                with Throttle(workers[-1].pid, args.slowdown):
+                with Throttle(workers["w2"].pid, args.slowdown):
                     results.append(run_mode(local, args.rounds, asynchronous, args.timeout))
     target = max(result["final"] for result in results)
     case = (

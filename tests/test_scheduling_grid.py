@@ -143,13 +143,19 @@ async def test_a_node_without_a_gpu_never_receives_a_gpu_task(grid: Grid) -> Non
     assert [m["job_id"] for m in got if m] == [gpu_job] * 6
 
 
-async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid) -> None:
+async def _straggler(grid: Grid) -> tuple[int, int, FakeNode, dict[str, Any]]:
+    """A one-task job whose task runs on a slow node; the account, job, node and assign."""
     alice = await _account(grid, "alice")
     slow = await _node(grid, alice, "slow-node", gflops=1.0)
     job_id = await _submit(grid, alice, tasks=1, seconds=30.0)  # 30 s on the slow node
     original = await _take(grid, slow)
     assert original is not None
     slow.session.live.add(original["task_id"])  # it keeps running there
+    return alice, job_id, slow, original
+
+
+async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid) -> None:
+    alice, job_id, slow, original = await _straggler(grid)
     fast = await _node(grid, alice, "fast-node", gflops=100.0)  # 0.3 s here
     backup = await _take(grid, fast)
     assert backup is not None and backup["task_id"] != original["task_id"]
@@ -179,12 +185,7 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
 async def test_no_backup_for_a_node_whose_slots_are_busy(grid: Grid) -> None:
     # A backup is worth its cost only if it starts now: one that waited in the fast
     # node's buffer behind its running task would gain nothing.
-    alice = await _account(grid, "alice")
-    slow = await _node(grid, alice, "slow-node", gflops=1.0)
-    await _submit(grid, alice, tasks=1, seconds=30.0)
-    original = await _take(grid, slow)
-    assert original is not None
-    slow.session.live.add(original["task_id"])
+    alice, _, _, _ = await _straggler(grid)
     fast = await _node(grid, alice, "fast-node", gflops=100.0)
     fast.session.prefetch = 1
     fast.session.live.add(10**9)  # its one slot computes something else

@@ -15,15 +15,17 @@ import os
 import signal
 
 
+def _armed(name: str) -> bool:
+    return name in os.environ.get("IDLEGRID_FAULTS", "").split(",")
+
+
 def point(name: str) -> None:
     """Die here if `name` is armed."""
-    armed = os.environ.get("IDLEGRID_FAULTS")
-    if armed and name in armed.split(","):
+    if _armed(name):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
 def failure(name: str, error: Exception) -> None:
     """Raise `error` here if `name` is armed."""
-    armed = os.environ.get("IDLEGRID_FAULTS")
-    if armed and name in armed.split(","):
+    if _armed(name):
         raise error

@@ -280,10 +280,8 @@ async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dic
                 .order_by(jobs.c.id)
                 .with_for_update(key_share=True)
             )
-            counted = {
-                **{j: n for j, n in counted.items() if j not in near_end},
-                **await _open_shards(conn, near_end),
-            }
+            far = {j: n for j, n in counted.items() if j not in near_end}
+            counted = far | await _open_shards(conn, near_end)
     return counted
 
 
