@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import httpx
@@ -106,11 +107,19 @@ async def test_blob_cache_evicts_least_recently_used(tmp_path: Path) -> None:
             ),
         )
     )
+    digests = [hashlib.sha256(b).hexdigest() for b in blobs]
     cache = BlobCache(tmp_path, max_bytes=250)
     async with httpx.AsyncClient(transport=transport, base_url="http://c") as http:
-        for blob in blobs:
-            await cache.get(http, hashlib.sha256(blob).hexdigest())
-    assert len(cache.holds()) == 2
+        for digest in digests[:3]:
+            await cache.get(http, digest)
+        assert cache.holds() == digests[1:3]
+        await cache.get(http, digests[1])  # used again: now the most recent
+        await cache.get(http, digests[3])
+        assert cache.holds() == [digests[1], digests[3]]
+    assert sorted(os.listdir(tmp_path)) == sorted(cache.holds())
+    # A restarted daemon finds the same blobs in the same order of use.
+    os.utime(cache.path(digests[1]), (1, 1))
+    assert BlobCache(tmp_path, max_bytes=250).holds() == [digests[1], digests[3]]
 
 
 async def _let_it_block() -> None:
@@ -188,3 +197,18 @@ async def test_a_result_the_coordinator_could_not_store_goes_again_and_a_refused
     assert 1 in worker.outbox
     await worker._on_frame(protocol.ResultAck(task_id=1, status="accepted").model_dump_json())
     assert 1 not in worker.outbox
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
+def test_task_threads_follow_the_cores_the_daemon_may_use(tmp_path: Path) -> None:
+    """Under `taskset` or a container's CPU set, one slot gets the cores it may use, not
+    the machine's count (two threads on one core wait for each other at every step)."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+        assert [host.threads for host in worker.hosts] == [1]
+    finally:
+        os.sched_setaffinity(0, allowed)
+    two = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",), slots=2))
+    assert [host.threads for host in two.hosts] == [max(1, len(allowed) // 2)] * 2

@@ -35,6 +35,7 @@ from idlegrid.policy.idle import Action
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
 from idlegrid.worker.governor import Governor, idle_settings
+from idlegrid.worker.hardware import cpu_cores
 from idlegrid.worker.held import RunningTask
 from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.system import Sensors
@@ -108,8 +109,9 @@ class Worker(Stepping, Transfers):
             raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
         self.key = node_key(settings.state_dir)
         self.cache = BlobCache(settings.state_dir / "blobs")
-        cores = os.cpu_count() or 1
-        threads = settings.threads or max(1, cores // settings.slots)
+        # The cores this process may use (a container's or `taskset`'s share), not the
+        # machine's: more threads than cores makes every parallel step wait for a turn.
+        threads = settings.threads or max(1, cpu_cores() // settings.slots)
         self.hosts = [
             TaskHost(name=f"idlegrid-task-{slot}", threads=threads)
             for slot in range(settings.slots)
