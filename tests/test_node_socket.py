@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -508,3 +510,38 @@ def test_replicated_shard_with_disagreeing_results_gets_a_third_node(
     assert done["state"] == "completed" and done["tasks_completed"] == 5
     result = api.client.get(f"/v1/jobs/{job['id']}/result", headers=bearer(researcher))
     assert json.loads(result.content) == [json.loads(_digest(0))]
+
+
+def test_long_poll_holds_progress_back_but_not_the_end(
+    api: Api, connect: Any, researcher: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shards that finish many times a second do not each cost the waiting client a
+    round trip (progress is answered PROGRESS_EVERY_S after the request at the soonest);
+    the job's end is not held back."""
+    monkeypatch.setattr("idlegrid.coordinator.api.PROGRESS_EVERY_S", 2.0)  # clear of jitter
+    job = api.submit(researcher, kind="sleep", params={"tasks": 3})
+    node = connect()
+    node.join(slots=3)
+    node.ready(free_slots=3)
+    assigns = [node.expect("assign") for _ in range(3)]
+    url = f"/v1/jobs/{job['id']}?wait_s=30&shards=false"
+
+    def poll(results: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
+        answer: list[Any] = []
+        poller = threading.Thread(
+            target=lambda: answer.append(api.client.get(url, headers=bearer(researcher)))
+        )
+        started = time.monotonic()
+        poller.start()
+        time.sleep(0.05)
+        for assign in results:
+            node.result(assign["task_id"], _digest(assign["shard_index"]))
+            node.expect("result_ack", task_id=assign["task_id"], status="accepted")
+        poller.join(30)
+        return answer[0].json(), time.monotonic() - started
+
+    moved, took = poll(assigns[:1])
+    assert moved["shards_done"] == 1 and moved["state"] == "running"
+    assert 2.0 <= took < 20
+    ended, took = poll(assigns[1:])
+    assert ended["state"] == "completed" and took < 2.0

@@ -334,3 +334,24 @@ def test_a_saturated_output_is_no_16_bit_cheat() -> None:
     rng = np.random.default_rng(0)
     honest = rng.standard_normal((32, 10)).astype(np.float32)
     assert not arrays_agree(honest, honest.astype(np.float16).astype(np.float32), Tolerance())
+
+
+def test_a_checked_model_is_not_parsed_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Facts are kept by the model's hash: the same bytes are not checked twice, other
+    bytes are, and a model that failed fails again with its reason."""
+    from idlegrid.kinds import onnx_model
+
+    model = mlp(features=8, hidden=16, outputs=4, layers=2, seed=11)
+    other = mlp(features=8, hidden=16, outputs=4, layers=2, seed=12)
+    monkeypatch.setattr(onnx_model, "_checked", onnx_model._FactsCache())
+    parsed = []
+    real = onnx_model._inspect
+    monkeypatch.setattr(onnx_model, "_inspect", lambda data: parsed.append(data) or real(data))
+    first = inspect_model(model)
+    assert inspect_model(model) == first
+    inspect_model(other)
+    assert parsed == [model, other]
+    for _ in range(2):
+        with pytest.raises(InputError, match="not an ONNX file"):
+            inspect_model(b"\x00\x01 no protobuf \xff")
+    assert len(parsed) == 4

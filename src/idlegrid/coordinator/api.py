@@ -351,6 +351,7 @@ async def list_jobs(
 
 
 MAX_WAIT_S = 60.0  # the longest long poll of a job: below every proxy's idle timeout
+PROGRESS_EVERY_S = 0.5  # a long poll answers progress no sooner (a job's end at once)
 
 
 @router.get("/jobs/{job_id}", response_model=JobOut, tags=["jobs"])
@@ -365,8 +366,9 @@ async def get_job(
     `waiting_for` is there either way).
 
     `wait_s` (0 to 60): a long poll. The answer comes when the job has ended, or when its
-    progress (shards done, or its state) moved since the request came, or after `wait_s`
-    seconds, whichever is first; a client waiting for a job sends the next one at once.
+    progress (shards done, or its state) moved since the request came (at most twice a
+    second), or after `wait_s` seconds, whichever is first; a client waiting for a job
+    sends the next one at once.
     """
     job = await _own_job(grid, token, job_id)
     if wait_s > 0:
@@ -378,19 +380,24 @@ async def get_job(
 
 
 async def _changed_job(grid: Grid, token: TokenInfo, job: JobRecord, wait_s: float) -> JobRecord:
-    """`job` once it ended or moved on, or after `wait_s` seconds (its latest record)."""
-    deadline = time.monotonic() + wait_s
+    """`job` once it ended or moved on, or after `wait_s` seconds (its latest record).
+
+    Its end is answered at once; progress no sooner than PROGRESS_EVERY_S after the
+    request came: a job whose shards finish many times a second would otherwise cost a
+    request (its token check, its record, `waiting_for`) per shard, for a progress bar
+    that moves a little less often."""
+    asked = time.monotonic()
+    deadline = asked + wait_s
     seen = (job.state, job.shard_counts.get("done", 0))
-    while job.state not in TERMINAL_JOB_STATES and seen == (
-        job.state,
-        job.shard_counts.get("done", 0),
-    ):
-        left = deadline - time.monotonic()
-        if left <= 0:
+    while job.state not in TERMINAL_JOB_STATES:
+        now = time.monotonic()
+        moved = (job.state, job.shard_counts.get("done", 0)) != seen
+        if now >= deadline or (moved and now - asked >= PROGRESS_EVERY_S):
             break
+        until = min(deadline, asked + PROGRESS_EVERY_S) if moved else deadline
         # Woken by a commit or a job end in this process; re-read now and then anyway,
         # for results another coordinator process stored.
-        await grid.context.job_watch.wait(job.id, min(left, RECHECK_S))
+        await grid.context.job_watch.wait(job.id, min(until - now, RECHECK_S))
         job = await _own_job(grid, token, job.id)
     return job
 

@@ -11,6 +11,9 @@ no ONNX Runtime, no torch.
 
 from __future__ import annotations
 
+import hashlib
+import threading
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
 import numpy as np
@@ -82,11 +85,51 @@ class ModelFacts(BaseModel):
         return SESSION_OVERHEAD_MB + -(-(weights + activations) // 2**20)
 
 
+FACTS_KEPT = 64  # models whose facts a coordinator keeps, most recently used
+
+
+class _FactsCache:
+    """The facts of models that passed, by the SHA-256 of their bytes: a researcher who
+    submits job after job with one model pays for its parse, check and shape inference
+    once (a 9 MB model: 25 ms against 8 ms of hashing). A model that failed is checked
+    again each time (its error is what the researcher needs to see)."""
+
+    def __init__(self, kept: int = FACTS_KEPT) -> None:
+        self._kept = kept
+        self._facts: OrderedDict[str, ModelFacts] = OrderedDict()
+        self._lock = threading.Lock()  # submissions split in worker threads
+
+    def get(self, digest: str) -> ModelFacts | None:
+        with self._lock:
+            facts = self._facts.get(digest)
+            if facts is not None:
+                self._facts.move_to_end(digest)
+            return facts
+
+    def put(self, digest: str, facts: ModelFacts) -> None:
+        with self._lock:
+            self._facts[digest] = facts
+            while len(self._facts) > self._kept:
+                self._facts.popitem(last=False)
+
+
+_checked = _FactsCache()
+
+
 def inspect_model(data: bytes) -> ModelFacts:
     """Check a model blob for volunteers and describe it; InputError naming the problem."""
-    onnx = _onnx()
     if len(data) > MAX_MODEL_BYTES:
         raise InputError(f"model is {len(data)} bytes, over the {MAX_MODEL_BYTES} byte limit")
+    digest = hashlib.sha256(data).hexdigest()
+    facts = _checked.get(digest)
+    if facts is None:
+        facts = _inspect(data)
+        _checked.put(digest, facts)
+    return facts
+
+
+def _inspect(data: bytes) -> ModelFacts:
+    onnx = _onnx()
     model = _parse(onnx, data)
     _check_domains(model)
     _check_no_external_data(onnx, model)
