@@ -18,6 +18,17 @@ first), so the raw side runs at the same priority by default (`--raw-nice`): on 
 machine shared with other busy processes a nice-0 raw side would get several times the
 CPU share of the worker's task, and the ratio would measure the scheduler, not the grid.
 On an idle machine the priority makes no difference.
+
+Each grid round also prints the CPU seconds each of the grid's processes spent on it
+(coordinator, worker daemon, task process, and this process's SDK calls): on a machine
+whose cores the task already fills, that CPU is what the grid costs.
+
+`--split-cores` (Linux) measures the deployment's shape instead of everything on one
+machine's shared cores: the coordinator and the SDK (the researcher's side) get the
+first core, the worker daemon with its task process and the raw side the others, and
+both ONNX Runtime sides use as many threads as those cores. The grid's cost left on the
+volunteer's cores is then the daemon's own, plus whatever of the submission and the
+result's trip is not overlapped with computing.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from typing import Any
 
 import numpy as np
 import onnxruntime as ort
+import psutil
 
 from idlegrid.client import Client
 from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
@@ -57,12 +69,67 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default=NICE,
         help=f"niceness of the raw side (default {NICE}, the worker's tasks'; 0: normal)",
     )
+    parser.add_argument(
+        "--split-cores",
+        action="store_true",
+        help="coordinator and SDK on the first core; worker, task and raw side on the rest",
+    )
     args = parser.parse_args(argv)
+    if args.split_cores and len(_usable_cores()) < 2:
+        parser.error("--split-cores needs CPU affinity (Linux) and at least 2 cores")
     if min(args.rows, args.rounds, args.shard_size, args.batch_size, args.hidden) < 1:
         parser.error("--rows, --rounds, --shard-size, --batch-size, --hidden must be >= 1")
     if args.layers < 2:
         parser.error("--layers must be >= 2")
     return args
+
+
+def _usable_cores() -> list[int]:
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    return sorted(os.sched_getaffinity(0))
+
+
+class CpuMeter:
+    """CPU seconds (user + system) of the grid's processes, by role, between two reads:
+    the coordinator, the worker daemon, its task processes, and this process (the SDK:
+    read only around grid rounds, so the raw side is not in it)."""
+
+    def __init__(self, grid: LocalGrid) -> None:
+        self._grid = grid
+
+    def read(self) -> dict[str, float]:
+        totals = {"coordinator": 0.0, "daemon": 0.0, "task": 0.0, "sdk": _cpu(psutil.Process())}
+        if self._grid.coordinator is not None:
+            totals["coordinator"] = _cpu(psutil.Process(self._grid.coordinator.pid))
+        for worker in self._grid.workers:
+            daemon = psutil.Process(worker.pid)
+            totals["daemon"] += _cpu(daemon)
+            for child in daemon.children(recursive=True):
+                totals["task"] += _cpu(child)
+        return totals
+
+
+def _cpu(process: psutil.Process) -> float:
+    try:
+        times = process.cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
+
+
+def _pin(grid: LocalGrid, worker_cores: set[int], grid_cores: set[int]) -> None:
+    """Every thread of the grid's processes onto its side's cores (threads made later
+    inherit it from the thread that makes them)."""
+    assert grid.coordinator is not None
+    sides = [(psutil.Process(grid.coordinator.pid), grid_cores)]
+    for worker in grid.workers:
+        daemon = psutil.Process(worker.pid)
+        sides += [(daemon, worker_cores)]
+        sides += [(child, worker_cores) for child in daemon.children(recursive=True)]
+    for process, cores in sides:
+        for thread in process.threads():
+            os.sched_setaffinity(thread.id, cores)
 
 
 def raw_run(session: ort.InferenceSession, rows: np.ndarray, batch_size: int) -> np.ndarray:
@@ -98,31 +165,49 @@ def _rounds(
     model: bytes,
     rng: np.random.Generator,
     args: argparse.Namespace,
-) -> tuple[list[float], list[float]]:
+    meter: CpuMeter,
+    raw_cores: set[int] | None,
+    grid_cores: set[int] | None,
+) -> tuple[list[float], list[float], dict[str, float]]:
     raw_s, grid_s = [], []
+    spent: dict[str, float] = {}
     for index in range(args.rounds):
         # New rows every round: blobs are stored by hash and would be found again.
         rows = rng.standard_normal((args.rows, FEATURES), np.float32)
+        if raw_cores:
+            os.sched_setaffinity(0, raw_cores)  # this thread, where the raw side computes
         started = time.perf_counter()
         reference = raw_run(session, rows, args.batch_size)
         raw_s.append(time.perf_counter() - started)
+        if grid_cores:
+            os.sched_setaffinity(0, grid_cores)
+        before = meter.read()
         started = time.perf_counter()
         result, legs = grid_run(client, model, rows, args)
         grid_s.append(time.perf_counter() - started)
+        after = meter.read()
+        for role, seconds in after.items():
+            spent[role] = spent.get(role, 0.0) + seconds - before.get(role, 0.0)
         if not arrays_agree(result, reference, Tolerance()):
             raise SystemExit("the grid's result does not match raw ONNX Runtime")
+        cpu = ", ".join(f"{role} {after[role] - before[role]:.2f}" for role in after)
         print(
             f"round {index + 1}: raw {args.rows / raw_s[-1]:8.0f} rows/s "
             f"({raw_s[-1]:.2f} s), grid {args.rows / grid_s[-1]:8.0f} rows/s "
             f"({grid_s[-1]:.2f} s: submit {legs[0]:.2f}, run {legs[1]:.2f}, fetch {legs[2]:.2f}), "
-            f"ratio {raw_s[-1] / grid_s[-1]:.2f}"
+            f"ratio {raw_s[-1] / grid_s[-1]:.2f}; CPU s: {cpu}"
         )
-    return raw_s, grid_s
+    return raw_s, grid_s, {role: seconds / args.rounds for role, seconds in spent.items()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    cores = os.cpu_count() or 1
+    usable = _usable_cores()
+    cores = len(usable) or os.cpu_count() or 1
+    grid_cores = raw_cores = None
+    if args.split_cores:
+        grid_cores, raw_cores = set(usable[:1]), set(usable[1:])
+        cores = len(raw_cores)
     hidden, layers = args.hidden, args.layers
     model = mlp(features=FEATURES, hidden=hidden, outputs=64, layers=layers, seed=1)
     rng = np.random.default_rng(0)
@@ -130,27 +215,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(
         f"model: mlp {FEATURES}-{hidden}x{layers - 1}-64, {len(model) / 2**20:.1f} MiB; "
         f"{args.rows} rows ({flops / 1e9:.0f} GFLOP), shards of {args.shard_size}, "
-        f"batches of {args.batch_size}, {cores} cores, raw side at nice {args.raw_nice}"
+        f"batches of {args.batch_size}, raw side at nice {args.raw_nice}, "
+        + (
+            f"coordinator and SDK on core {sorted(grid_cores)}, worker and raw side on "
+            f"cores {sorted(raw_cores)} ({cores} threads)"
+            if grid_cores and raw_cores
+            else f"everything on {cores} cores"
+        )
     )
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-bench-") as tmp,
         LocalGrid(Path(tmp), replication=1) as grid,
     ):
-        grid.start_worker("worker", kinds="onnx-infer", benchmark=False)
+        # --threads as the raw side's: the daemon would count the machine's cores.
+        grid.start_worker("worker", kinds="onnx-infer", benchmark=False, threads=cores)
         # The grid's processes started at normal priority; from here this thread, and the
         # session's threads made below, run at the raw side's (Linux: per thread).
         os.nice(max(0, args.raw_nice - os.nice(0)))
+        if raw_cores:
+            os.sched_setaffinity(0, raw_cores)  # ONNX Runtime's threads inherit it
         options = ort.SessionOptions()
         options.intra_op_num_threads = cores  # the worker's default: every core for one slot
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(
             model, sess_options=options, providers=["CPUExecutionProvider"]
         )
+        if grid_cores:
+            os.sched_setaffinity(0, grid_cores)
         grid.wait_for_nodes(1, timeout=600)
         with grid.client() as client:
             grid_run(client, model, rng.standard_normal((64, FEATURES), np.float32), args)
-            raw_s, grid_s = _rounds(client, session, model, rng, args)
+            if grid_cores and raw_cores:  # after the warm-up: its task process exists now
+                _pin(grid, raw_cores, grid_cores)
+            raw_s, grid_s, spent = _rounds(
+                client, session, model, rng, args, CpuMeter(grid), raw_cores, grid_cores
+            )
     raw, on_grid = statistics.median(raw_s), statistics.median(grid_s)
+    print("CPU s per grid round (means): " + ", ".join(f"{r} {s:.2f}" for r, s in spent.items()))
     print(f"raw: {args.rows / raw:.0f} rows/s, grid: {args.rows / on_grid:.0f} rows/s (medians)")
     print(f"ratio: {raw / on_grid:.2f}")
     return 0

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from idlegrid.blobs import BlobError, BlobStore, is_blob_hash, sha256_hex
+from idlegrid.blobs import BlobError, BlobStore, digest, is_blob_hash, names_known, sha256_hex
 
 LIMIT = 1000
 
@@ -138,3 +138,13 @@ async def test_put_stream_interrupted_upload_leaves_nothing(blobs: BlobStore) ->
         await blobs.put_stream(sha256_hex(b"partial and more"), broken())
     assert _tmp_files(blobs) == []
     assert _stored(blobs) == []
+
+
+def test_a_named_blob_is_not_hashed_again_and_other_bytes_are() -> None:
+    data = b"a model read from the store" * 100
+    name = sha256_hex(data)
+    equal = bytes(bytearray(data))  # equal bytes, another object
+    with names_known([(data, "f" * 64)]):  # a name that is not its hash shows it
+        assert digest(data) == "f" * 64
+        assert digest(equal) == name
+    assert digest(data) == name  # outside the block: hashed

@@ -7,14 +7,21 @@ place only after the hash matched, so a crash never leaves a half blob under a r
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import hashlib
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from pathlib import Path
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
+
+# Blobs read from the store whose names (hashes) are known: (the very bytes object, hash).
+_named: contextvars.ContextVar[tuple[tuple[bytes, str], ...]] = contextvars.ContextVar(
+    "named_blobs", default=()
+)
 
 
 class BlobError(ValueError):
@@ -28,6 +35,26 @@ class BlobError(ValueError):
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+@contextlib.contextmanager
+def names_known(blobs: Iterable[tuple[bytes, str]]) -> Iterator[None]:
+    """Within this block, `digest` of one of these bytes objects (the same object, not
+    equal bytes) is its given hash, not hashed again: blobs read from the store by name,
+    handed to code that wants their hash (a 133 MB model: 130 ms a hash)."""
+    token = _named.set(tuple(blobs))
+    try:
+        yield
+    finally:
+        _named.reset(token)
+
+
+def digest(data: bytes) -> str:
+    """The SHA-256 of `data`: its name where `names_known` gave it, else computed."""
+    for known, blob_hash in _named.get():
+        if known is data:
+            return blob_hash
+    return sha256_hex(data)
 
 
 def is_blob_hash(value: str) -> bool:

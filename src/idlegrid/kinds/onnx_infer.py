@@ -12,12 +12,12 @@ input order. The job's result is a safetensors file, one array per output.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from idlegrid import blobs
 from idlegrid.kinds import onnx_data
 from idlegrid.kinds.base import (
     InputError,
@@ -63,7 +63,7 @@ class OnnxInferKind(TaskKind):
         facts = params.model_facts or inspect_model(model)
         _check_params(facts, params)
         data = _input(inputs, "data")
-        header = {"model": hashlib.sha256(model).hexdigest()}
+        header = {"model": blobs.digest(model)}
         if onnx_data.kind_of(data) in ("zip", "tar"):
             return _image_shards(data, facts, params, header)
         return _array_shards(data, facts, params, header)

@@ -11,7 +11,6 @@ no ONNX Runtime, no torch.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -19,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from idlegrid import blobs
 from idlegrid.kinds.base import InputError
 
 # The standard operator domains; everything else is a custom operator.
@@ -120,7 +120,7 @@ def inspect_model(data: bytes) -> ModelFacts:
     """Check a model blob for volunteers and describe it; InputError naming the problem."""
     if len(data) > MAX_MODEL_BYTES:
         raise InputError(f"model is {len(data)} bytes, over the {MAX_MODEL_BYTES} byte limit")
-    digest = hashlib.sha256(data).hexdigest()
+    digest = blobs.digest(data)
     facts = _checked.get(digest)
     if facts is None:
         facts = _inspect(data)

@@ -537,7 +537,7 @@ class Worker(Stepping, Transfers):
     async def _compute(self, task: RunningTask, data: bytes) -> bytes:
         assign = task.assign
         assert task.host is not None
-        scratch = self.scratch.for_task(assign.kind, dict(assign.params), data)
+        scratch = self.scratch.for_task(assign.kind, dict(assign.params), assign.input.hash)
         spec = TaskSpec(
             task_id=assign.task_id,
             kind=assign.kind,

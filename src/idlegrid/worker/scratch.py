@@ -1,10 +1,11 @@
 """Per-task scratch directories: where a kind keeps a long task's checkpoint.
 
-A task's directory is named by what it computes (kind, params, payload), not by its task
-id, so the same work handed to this node again (after a restart, a reboot, or a task
-given back and reassigned) finds the progress saved by the earlier attempt. It is removed
-when the task ends with a result or a failure; one left by work that never came back is
-removed after `KEEP_S`.
+A task's directory is named by what it computes (kind, params, and its input's hash: the
+input was checked against that hash on arrival), not by its task id, so the same work
+handed to this node again (after a restart, a reboot, or a task given back and
+reassigned) finds the progress saved by the earlier attempt. It is removed when the task
+ends with a result or a failure; one left by work that never came back is removed after
+`KEEP_S`.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ class ScratchDirs:
     def __init__(self, root: Path) -> None:
         self.root = root
 
-    def for_task(self, kind: str, params: dict[str, Any], payload: bytes) -> Path:
+    def for_task(self, kind: str, params: dict[str, Any], input_hash: str) -> Path:
         digest = hashlib.sha256()
         digest.update(kind.encode())
         digest.update(json.dumps(params, sort_keys=True, default=str).encode())
-        digest.update(payload)
+        digest.update(input_hash.encode())
         return self.root / digest.hexdigest()[:32]
 
     def remove(self, path: Path) -> None:
