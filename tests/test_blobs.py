@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from idlegrid.blobs import BlobError, BlobStore, digest, is_blob_hash, names_known, sha256_hex
+from idlegrid.blobs import (
+    BlobError,
+    BlobStore,
+    StoredInputs,
+    input_hash,
+    is_blob_hash,
+    sha256_hex,
+)
 
 LIMIT = 1000
 
@@ -140,11 +147,16 @@ async def test_put_stream_interrupted_upload_leaves_nothing(blobs: BlobStore) ->
     assert _stored(blobs) == []
 
 
-def test_a_named_blob_is_not_hashed_again_and_other_bytes_are() -> None:
-    data = b"a model read from the store" * 100
-    name = sha256_hex(data)
-    equal = bytes(bytearray(data))  # equal bytes, another object
-    with names_known([(data, "f" * 64)]):  # a name that is not its hash shows it
-        assert digest(data) == "f" * 64
-        assert digest(equal) == name
-    assert digest(data) == name  # outside the block: hashed
+def test_stored_inputs_are_read_when_asked_for_and_named_without_hashing(
+    blobs: BlobStore,
+) -> None:
+    model, data = b"model bytes", b"data bytes"
+    names = {"model": blobs.put(model), "data": blobs.put(data)}
+    inputs = StoredInputs(blobs, names)
+    blobs.path(names["model"]).unlink()  # never read: asking for its hash must not
+    assert input_hash(inputs, "model") == names["model"]
+    assert inputs["data"] == data
+    assert sorted(inputs) == ["data", "model"] and len(inputs) == 2
+    with pytest.raises(BlobError):
+        inputs["model"]
+    assert input_hash({"data": data}, "data") == sha256_hex(data)  # a plain mapping: hashed

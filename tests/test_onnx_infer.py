@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -20,6 +21,7 @@ from idlegrid.kinds.onnx_examples import IMAGENET_PREPROCESS, conv_net, images, 
 from idlegrid.kinds.onnx_infer import OnnxInferKind, OnnxInferParams, parse_output
 from idlegrid.kinds.onnx_model import inspect_model
 from idlegrid.kinds.onnx_runtime import choose_providers
+from idlegrid.kinds.onnx_shard import payload_header
 from idlegrid.training.flat import pack, unpack
 
 KIND = OnnxInferKind()
@@ -355,3 +357,28 @@ def test_a_checked_model_is_not_parsed_again(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(InputError, match="not an ONNX file"):
             inspect_model(b"\x00\x01 no protobuf \xff")
     assert len(parsed) == 4
+
+
+def test_a_submission_of_a_checked_model_neither_reads_nor_hashes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The coordinator's second job with one model: its facts are found by the model's
+    name in the store; the shards name it without reading its bytes."""
+    from idlegrid.blobs import BlobStore, StoredInputs
+    from idlegrid.kinds import onnx_model
+
+    monkeypatch.setattr(onnx_model, "_checked", onnx_model._FactsCache())
+    kind = OnnxInferKind()
+    model = mlp(features=8, hidden=16, outputs=4, layers=2, seed=13)
+    rows = np.random.default_rng(0).standard_normal((10, 8), np.float32)
+    store = BlobStore(tmp_path, max_bytes=2**30)
+    names = {"model": store.put(model), "data": store.put(save({"x": rows}))}
+    params = kind.parse_params({"shard_size": 4})
+    first = kind.derive_params(StoredInputs(store, names), params)
+    store.path(names["model"]).unlink()  # the second job must not need the bytes
+    inputs = StoredInputs(store, names)
+    second = kind.derive_params(inputs, params)
+    assert second == first
+    specs = kind.split(inputs, second)
+    assert [s.items for s in specs] == [4, 4, 2]
+    assert {payload_header(s.payload)["model"] for s in specs} == {names["model"]}

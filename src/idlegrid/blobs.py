@@ -7,21 +7,14 @@ place only after the hash matched, so a crash never leaves a half blob under a r
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import hashlib
 import os
 import re
 import tempfile
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from pathlib import Path
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
-
-# Blobs read from the store whose names (hashes) are known: (the very bytes object, hash).
-_named: contextvars.ContextVar[tuple[tuple[bytes, str], ...]] = contextvars.ContextVar(
-    "named_blobs", default=()
-)
 
 
 class BlobError(ValueError):
@@ -37,24 +30,41 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-@contextlib.contextmanager
-def names_known(blobs: Iterable[tuple[bytes, str]]) -> Iterator[None]:
-    """Within this block, `digest` of one of these bytes objects (the same object, not
-    equal bytes) is its given hash, not hashed again: blobs read from the store by name,
-    handed to code that wants their hash (a 133 MB model: 130 ms a hash)."""
-    token = _named.set(tuple(blobs))
-    try:
-        yield
-    finally:
-        _named.reset(token)
+class StoredInputs(Mapping[str, bytes]):
+    """A job's inputs by name, each read from the store the first time it is asked for:
+    code that needs only an input's hash (`input_hash`) neither reads nor hashes it (a
+    133 MB model: 40 ms to read, 130 ms to hash, and its size in memory)."""
+
+    def __init__(self, store: BlobStore, hashes: Mapping[str, str]) -> None:
+        self._store = store
+        self._hashes = dict(hashes)
+        self._read: dict[str, bytes] = {}
+
+    def __getitem__(self, name: str) -> bytes:
+        data = self._read.get(name)
+        if data is None:
+            data = self._read[name] = self._store.read(self._hashes[name])
+        return data
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._hashes  # Mapping's own would read the blob
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._hashes)
+
+    def __len__(self) -> int:
+        return len(self._hashes)
+
+    def hash_of(self, name: str) -> str:
+        return self._hashes[name]
 
 
-def digest(data: bytes) -> str:
-    """The SHA-256 of `data`: its name where `names_known` gave it, else computed."""
-    for known, blob_hash in _named.get():
-        if known is data:
-            return blob_hash
-    return sha256_hex(data)
+def input_hash(inputs: Mapping[str, bytes], name: str) -> str:
+    """The SHA-256 of input `name`: its name in the store where it came from there (the
+    store checked it on arrival), else computed."""
+    if isinstance(inputs, StoredInputs):
+        return inputs.hash_of(name)
+    return sha256_hex(inputs[name])
 
 
 def is_blob_hash(value: str) -> bool:

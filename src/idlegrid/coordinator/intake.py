@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from idlegrid.blobs import is_blob_hash, names_known
+from idlegrid.blobs import StoredInputs, is_blob_hash
 from idlegrid.coordinator import quotas
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.fleet import Fleet
@@ -116,11 +116,9 @@ class Intake:
         """The job's params with what the kind derives from its inputs, and its shards
         with their payloads stored (none stored when they are over the quota)."""
         blobs = self._ctx.blobs
-        data = {name: blobs.read(blob_hash) for name, blob_hash in inputs.items()}
-        # Read by name from a store that checked each hash on arrival: no need to hash again.
-        with names_known((data[name], blob_hash) for name, blob_hash in inputs.items()):
-            params = kind.derive_params(data, params)
-            specs = kind.split(data, params)
+        data = StoredInputs(blobs, inputs)
+        params = kind.derive_params(data, params)
+        specs = kind.split(data, params)
         if limited:
             quotas.check_shards(self._ctx.settings, len(specs))
         return params, [(spec, blobs.put(spec.payload)) for spec in specs]

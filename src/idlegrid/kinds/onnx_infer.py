@@ -29,7 +29,7 @@ from idlegrid.kinds.base import (
     Verdict,
 )
 from idlegrid.kinds.onnx_compare import compare_outputs
-from idlegrid.kinds.onnx_model import ModelFacts, TensorFacts, inspect_model
+from idlegrid.kinds.onnx_model import ModelFacts, TensorFacts, checked_facts, inspect_model
 from idlegrid.kinds.onnx_runtime import PREFERENCE, Sessions
 from idlegrid.kinds.onnx_shard import (
     OnnxInferParams,
@@ -52,18 +52,19 @@ class OnnxInferKind(TaskKind):
 
     def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
         assert isinstance(params, OnnxInferParams)
-        facts = inspect_model(_input(inputs, "model"))
+        digest = _input_hash(inputs, "model")
+        # A model checked lately is not read again (the store's copy is the same bytes).
+        facts = checked_facts(digest) or inspect_model(_input(inputs, "model"), digest=digest)
         return params.model_copy(update={"model_facts": facts})
 
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
         assert isinstance(params, OnnxInferParams)
-        model = _input(inputs, "model")
         # The grid calls derive_params just before, which checked the model and replaced
         # whatever model_facts a researcher sent; checking it twice would double the cost.
-        facts = params.model_facts or inspect_model(model)
+        facts = params.model_facts or inspect_model(_input(inputs, "model"))
         _check_params(facts, params)
         data = _input(inputs, "data")
-        header = {"model": blobs.digest(model)}
+        header = {"model": _input_hash(inputs, "model")}
         if onnx_data.kind_of(data) in ("zip", "tar"):
             return _image_shards(data, facts, params, header)
         return _array_shards(data, facts, params, header)
@@ -140,6 +141,12 @@ def _input(inputs: Mapping[str, bytes], name: str) -> bytes:
     if name not in inputs:
         raise InputError(f"missing input {name!r}")
     return inputs[name]
+
+
+def _input_hash(inputs: Mapping[str, bytes], name: str) -> str:
+    if name not in inputs:
+        raise InputError(f"missing input {name!r}")
+    return blobs.input_hash(inputs, name)
 
 
 def _check_params(facts: ModelFacts, params: OnnxInferParams) -> None:

@@ -116,11 +116,17 @@ class _FactsCache:
 _checked = _FactsCache()
 
 
-def inspect_model(data: bytes) -> ModelFacts:
-    """Check a model blob for volunteers and describe it; InputError naming the problem."""
+def checked_facts(digest: str) -> ModelFacts | None:
+    """The facts of the model with this SHA-256 if it was checked and passed lately."""
+    return _checked.get(digest)
+
+
+def inspect_model(data: bytes, *, digest: str | None = None) -> ModelFacts:
+    """Check a model blob for volunteers and describe it; InputError naming the problem.
+    `digest`: the bytes' SHA-256 where the caller knows it."""
     if len(data) > MAX_MODEL_BYTES:
         raise InputError(f"model is {len(data)} bytes, over the {MAX_MODEL_BYTES} byte limit")
-    digest = blobs.digest(data)
+    digest = digest or blobs.sha256_hex(data)
     facts = _checked.get(digest)
     if facts is None:
         facts = _inspect(data)
