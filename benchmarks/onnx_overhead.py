@@ -21,7 +21,10 @@ On an idle machine the priority makes no difference.
 
 Each grid round also prints the CPU seconds each of the grid's processes spent on it
 (coordinator, worker daemon, task process, and this process's SDK calls): on a machine
-whose cores the task already fills, that CPU is what the grid costs.
+whose cores the task already fills, that CPU is what the grid costs. The `cpu:` line
+divides the raw side's CPU seconds by the grid's, on the worker's side (task process and
+daemon) and in all; CPU seconds move less than wall time when other tenants of a shared
+machine come and go.
 
 `--split-cores` (Linux) measures the deployment's shape instead of everything on one
 machine's shared cores: the coordinator and the SDK (the researcher's side) get the
@@ -176,9 +179,11 @@ def _rounds(
         rows = rng.standard_normal((args.rows, FEATURES), np.float32)
         if raw_cores:
             os.sched_setaffinity(0, raw_cores)  # this thread, where the raw side computes
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), _cpu(psutil.Process())
         reference = raw_run(session, rows, args.batch_size)
         raw_s.append(time.perf_counter() - started)
+        # This process does nothing else meanwhile: its CPU is the raw side's.
+        spent["raw"] = spent.get("raw", 0.0) + _cpu(psutil.Process()) - cpu_before
         if grid_cores:
             os.sched_setaffinity(0, grid_cores)
         before = meter.read()
@@ -251,7 +256,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 client, session, model, rng, args, CpuMeter(grid), raw_cores, grid_cores
             )
     raw, on_grid = statistics.median(raw_s), statistics.median(grid_s)
-    print("CPU s per grid round (means): " + ", ".join(f"{r} {s:.2f}" for r, s in spent.items()))
+    raw_cpu = spent.pop("raw")
+    print(
+        f"CPU s a round (means): raw {raw_cpu:.2f}; grid "
+        + ", ".join(f"{role} {seconds:.2f}" for role, seconds in spent.items())
+    )
+    # Less noisy than wall time on a shared machine: the grid's CPU against raw's. On
+    # the worker's side (task and daemon) it is what a volunteer's machine pays.
+    worker_side = spent["task"] + spent["daemon"]
+    print(
+        f"cpu: raw over the grid's worker side {raw_cpu / worker_side:.2f}, "
+        f"over all of the grid {raw_cpu / sum(spent.values()):.2f}"
+    )
     print(f"raw: {args.rows / raw:.0f} rows/s, grid: {args.rows / on_grid:.0f} rows/s (medians)")
     print(f"ratio: {raw / on_grid:.2f}")
     return 0
