@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import wait_until
-from invariants import all_judged, assert_exactly_once, errors, query_of, shards_done
+from invariants import Query, all_judged, assert_exactly_once, errors, query_of, shards_done
 
 from idlegrid.kinds.sleep import _digest
 from idlegrid.localgrid import LocalGrid
@@ -45,7 +45,14 @@ def test_half_the_workers_killed_mid_job(tmp_path: Path) -> None:
         query = query_of(grid)
         with grid.client() as client:
             job = client.submit("sleep", params={"tasks": SHARDS, "seconds": 0.01})
-            wait_until(lambda: shards_done(query) >= SHARDS // 4, "progress", timeout_s=300)
+            victims = [f"w{i}" for i in range(WORKERS // 2)]
+            # Killed while they hold tasks (on a loaded machine a worker may still be
+            # between its tasks, or not have asked for any yet, when a quarter is done).
+            wait_until(
+                lambda: shards_done(query) >= SHARDS // 4 and _all_hold_tasks(query, victims),
+                "progress, with tasks held by the workers to kill",
+                timeout_s=300,
+            )
             for proc in workers[: WORKERS // 2]:
                 os.kill(proc.pid, signal.SIGKILL)
             assert shards_done(query) < SHARDS, "the job finished before the kill"
@@ -57,3 +64,13 @@ def test_half_the_workers_killed_mid_job(tmp_path: Path) -> None:
         # The killed workers held tasks: those expired, each one error of its node.
         expired = query("SELECT COUNT(*) AS n FROM tasks WHERE state = 'expired'")[0]["n"]
         assert expired > 0 and errors(query) == expired
+
+
+def _all_hold_tasks(query: Query, names: list[str]) -> bool:
+    rows = query(
+        "SELECT nodes.name AS name, COUNT(*) AS held FROM tasks"
+        " JOIN nodes ON nodes.id = tasks.node_id"
+        " WHERE tasks.state = 'assigned' GROUP BY nodes.name"
+    )
+    held = {row["name"]: row["held"] for row in rows}
+    return all(held.get(name, 0) > 0 for name in names)
