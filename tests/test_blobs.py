@@ -160,3 +160,19 @@ def test_stored_inputs_are_read_when_asked_for_and_named_without_hashing(
     with pytest.raises(BlobError):
         inputs["model"]
     assert input_hash({"data": data}, "data") == sha256_hex(data)  # a plain mapping: hashed
+
+
+def test_put_many_stores_each_in_order_a_few_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("idlegrid.blobs.PARALLEL_PUT_BYTES", 100)  # LIMIT-sized blobs
+    store = BlobStore(tmp_path / "many", max_bytes=LIMIT)
+    payloads = [bytes([i]) * 900 for i in range(8)] + [bytes([3]) * 900]  # one twice
+    hashes = store.put_many(payloads)
+    assert hashes == [sha256_hex(p) for p in payloads]
+    assert [store.read(h) for h in hashes] == payloads
+    assert store.put_many([]) == [] and store.put_many([b"x"]) == [sha256_hex(b"x")]
+    with pytest.raises(BlobError) as over:  # a pool thread's error reaches the caller
+        store.put_many([b"small" * 10, b"y" * (LIMIT + 1), b"z" * 500])
+    assert over.value.status == 413
+    assert not list((tmp_path / "many" / "tmp").iterdir())  # nothing half-written left

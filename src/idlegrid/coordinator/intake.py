@@ -121,7 +121,8 @@ class Intake:
         specs = kind.split(data, params)
         if limited:
             quotas.check_shards(self._ctx.settings, len(specs))
-        return params, [(spec, blobs.put(spec.payload)) for spec in specs]
+        hashes = blobs.put_many([spec.payload for spec in specs])
+        return params, list(zip(specs, hashes, strict=True))
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing:
