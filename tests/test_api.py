@@ -177,6 +177,21 @@ def test_blob_upload_and_download(api: Api) -> None:
     assert api.client.get(f"/v1/blobs/{blob_hash}", headers=node).content == data
 
 
+def test_a_blob_of_several_chunks_downloads_whole_and_by_range(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("idlegrid.coordinator.api.StreamedFile.chunk_size", 1000)
+    data = bytes(range(256)) * 14  # 3,584 bytes: three full chunks and a partial one
+    blob_hash = api.upload(data)
+    got = api.client.get(f"/v1/blobs/{blob_hash}", headers=api.admin)
+    assert got.status_code == 200 and got.content == data
+    start, end = 900, 2100  # across two chunk boundaries
+    part = api.client.get(
+        f"/v1/blobs/{blob_hash}", headers={**api.admin, "Range": f"bytes={start}-{end}"}
+    )
+    assert part.status_code == 206 and part.content == data[start : end + 1]
+
+
 def test_blob_hash_mismatch_is_422_and_stores_nothing(api: Api) -> None:
     claimed = sha(b"what I said")
     message = assert_error(
