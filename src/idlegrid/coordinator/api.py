@@ -352,8 +352,9 @@ async def list_jobs(
 
 class StreamedFile(FileResponse):
     """A file sent in 256 KiB chunks: each chunk is a read in a worker thread and a send,
-    so starlette's 64 KiB made a 2 MB shard input cost 32 thread hops (4.6 ms of the
-    coordinator's CPU; 3.4 ms in 256 KiB chunks), at 192 KiB more memory a download."""
+    so starlette's 64 KiB made a 2 MB shard input 32 thread hops, and 256 KiB makes it 8
+    (a quarter less of the coordinator's CPU a download, `benchmarks/blob_transfer.py`),
+    at 192 KiB more memory a download in flight."""
 
     chunk_size = 256 * 1024
 
