@@ -280,7 +280,7 @@ async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dic
                 .order_by(jobs.c.id)
                 .with_for_update(key_share=True)
             )
-            far = {j: n for j, n in counted.items() if j not in near_end}
+            far = {j: n for j, n in counted.items() if n > LOCK_JOB_BELOW}
             counted = far | await _open_shards(conn, near_end)
     return counted
 
