@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
@@ -172,7 +173,16 @@ def test_put_many_stores_each_in_order_a_few_at_a_time(
     assert hashes == [sha256_hex(p) for p in payloads]
     assert [store.read(h) for h in hashes] == payloads
     assert store.put_many([]) == [] and store.put_many([b"x"]) == [sha256_hex(b"x")]
+    put = store.put
+
+    def slow_put(blob: bytes) -> str:  # the last write is still going when one fails
+        if blob.startswith(b"z"):
+            time.sleep(0.3)
+        return put(blob)
+
+    monkeypatch.setattr(store, "put", slow_put)
     with pytest.raises(BlobError) as over:  # a pool thread's error reaches the caller
         store.put_many([b"small" * 10, b"y" * (LIMIT + 1), b"z" * 500])
     assert over.value.status == 413
     assert not list((tmp_path / "many" / "tmp").iterdir())  # nothing half-written left
+    assert store.exists(sha256_hex(b"z" * 500))  # the others ended before the error came back

@@ -13,7 +13,7 @@ import re
 import tempfile
 import threading
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 _HASH = re.compile(r"^[0-9a-f]{64}$")
@@ -135,10 +135,13 @@ class BlobStore:
     def put_many(self, blobs: Sequence[bytes]) -> list[str]:
         """`put` each; their hashes in order. Several large ones are hashed, written and
         synced a few at a time (hashing, writing and fsync let other threads run): a
-        job's ten 2 MB shard payloads take 20 ms instead of 45."""
+        job's ten 2 MB shard payloads take 20 ms instead of 45. On an error every write
+        has ended (stored or cleaned up) before it is raised."""
         if len(blobs) < 2 or sum(len(b) for b in blobs) < PARALLEL_PUT_BYTES:
             return [self.put(blob) for blob in blobs]
-        return list(_writers().map(self.put, blobs))
+        futures = [_writers().submit(self.put, blob) for blob in blobs]
+        wait(futures)
+        return [future.result() for future in futures]
 
     async def put_stream(
         self, expected_hash: str, chunks: AsyncIterator[bytes], *, max_bytes: int | None = None
