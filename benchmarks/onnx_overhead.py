@@ -1,10 +1,9 @@
 """onnx-infer throughput through the grid versus raw ONNX Runtime in one process.
 
-    PYTHONPATH=src python benchmarks/onnx_overhead.py [--rows 20000] [--rounds 2]
+    PYTHONPATH=src python benchmarks/onnx_overhead.py [--model minilm|mlp] [--rounds 2]
 
-The same model (a dense network built in code, `onnx_examples.mlp`, wide enough that the
-arithmetic dominates) and the same rows go through (a) one `InferenceSession.run` per
-batch in this process, with as many threads as the worker uses, and (b) a `LocalGrid`: a
+The same model and the same rows go through (a) one `InferenceSession.run` per batch in
+this process, with as many threads as the worker uses, and (b) a `LocalGrid`: a
 coordinator on SQLite in a temporary directory and one worker process on every core,
 reached through the SDK (`submit_onnx`, `wait`, `result`). A grid round is timed from
 submit (upload included) to the result downloaded and parsed; the worker's start-up
@@ -12,6 +11,18 @@ happens before the first round, and a warm-up job loads the model into its sessi
 cache. Rounds alternate (raw, grid, raw, grid, ...) so that noise from other tenants of
 the machine hits both sides alike; figures are medians. The last line is `ratio: X.XX`,
 grid throughput over raw throughput (1.00: the grid costs nothing).
+
+Two models (`--model`):
+- `minilm` (the default): what a researcher brings, a sentence encoder. The packaged
+  all-MiniLM-L6-v2 weights exported to ONNX (the worker's own export, made once and
+  cached: about ten seconds the first time) with mean pooling added to the graph:
+  `input_ids`, `attention_mask`, `token_type_ids` (int64, 128 tokens a row) to
+  `embedding` (384 floats a row). Rows are stdlib docstring paragraphs, tokenized with the
+  model's own tokenizer; about 3 kB of input for some 3 GFLOP a row.
+- `mlp`: a dense network built in code (`onnx_examples.mlp`) over random float32 rows, 256
+  features (1 kB) a row for about 5 MFLOP at the default width: data-heavy, the grid's
+  worst case, since its costs grow with the bytes it moves and the shards it handles.
+  `--hidden` and `--layers` set its arithmetic per byte.
 
 The worker runs its tasks at low priority (nice 10: a volunteer's own programs come
 first), so the raw side runs at the same priority by default (`--raw-nice`): on a
@@ -41,7 +52,8 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,21 +63,82 @@ import psutil
 
 from idlegrid.client import Client
 from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
-from idlegrid.kinds.onnx_examples import mlp
+from idlegrid.kinds.onnx_examples import mean_pooled, mlp
 from idlegrid.localgrid import LocalGrid
 from idlegrid.worker.runner import NICE
 
 FEATURES = 256
+TOKENS = 128
+# Per model: rows a round, rows a shard, rows a model run.
+DEFAULTS = {"minilm": (512, 64, 32), "mlp": (20_000, 2000, 256)}
+
+
+@dataclass
+class Workload:
+    """A model, how to make a round's rows for it, and the output compared."""
+
+    description: str
+    model: bytes
+    make_rows: Callable[[np.random.Generator, int], dict[str, np.ndarray]]
+    output: str
+
+
+def mlp_workload(args: argparse.Namespace) -> Workload:
+    hidden, layers = args.hidden, args.layers
+    flops = 2 * args.rows * (FEATURES * hidden + (layers - 2) * hidden**2 + hidden * 64)
+    model = mlp(features=FEATURES, hidden=hidden, outputs=64, layers=layers, seed=1)
+    return Workload(
+        f"mlp {FEATURES}-{hidden}x{layers - 1}-64, {len(model) / 2**20:.1f} MiB; "
+        f"{args.rows} rows ({flops / 1e9:.0f} GFLOP)",
+        model,
+        lambda rng, rows: {"x": rng.standard_normal((rows, FEATURES), np.float32)},
+        "y",
+    )
+
+
+def minilm_workload(args: argparse.Namespace) -> Workload:
+    from tokenizers import Tokenizer
+
+    from idlegrid.corpus import stdlib_paragraphs
+    from idlegrid.kinds import embed_onnx
+
+    model = mean_pooled(embed_onnx.exported_model().read_bytes())
+    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=TOKENS)
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=TOKENS)
+    encoded = tokenizer.encode_batch(stdlib_paragraphs())
+    ids = np.array([row.ids for row in encoded], np.int64)
+    mask = np.array([row.attention_mask for row in encoded], np.int64)
+
+    def make_rows(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
+        # Paragraphs drawn afresh (with repeats past the ~3,500 there are): a new blob.
+        pick = rng.choice(len(ids), rows, replace=rows > len(ids))
+        return {
+            "input_ids": ids[pick],
+            "attention_mask": mask[pick],
+            "token_type_ids": np.zeros((rows, TOKENS), np.int64),
+        }
+
+    return Workload(
+        f"all-MiniLM-L6-v2 with mean pooling, {len(model) / 2**20:.0f} MiB; {args.rows} "
+        f"rows of {TOKENS} tokens ({int(mask.sum(axis=1).mean())} real on average)",
+        model,
+        make_rows,
+        "embedding",
+    )
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=20_000, help="rows (default 20000)")
+    parser.add_argument(
+        "--model", choices=sorted(DEFAULTS), default="minilm", help="the model (default minilm)"
+    )
+    parser.add_argument("--rows", type=int, help="rows a round (minilm 512, mlp 20000)")
     parser.add_argument("--rounds", type=int, default=2, help="raw/grid pairs (default 2)")
-    parser.add_argument("--shard-size", type=int, default=2000, help="rows per shard")
-    parser.add_argument("--batch-size", type=int, default=256, help="rows per model run")
-    parser.add_argument("--hidden", type=int, default=1024, help="width of the hidden layers")
-    parser.add_argument("--layers", type=int, default=4, help="dense layers")
+    parser.add_argument("--shard-size", type=int, help="rows per shard (minilm 64, mlp 2000)")
+    parser.add_argument("--batch-size", type=int, help="rows per model run (minilm 32, mlp 256)")
+    parser.add_argument("--hidden", type=int, default=1024, help="mlp: hidden layers' width")
+    parser.add_argument("--layers", type=int, default=4, help="mlp: dense layers")
     parser.add_argument(
         "--raw-nice",
         type=int,
@@ -78,6 +151,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="coordinator and SDK on the first core; worker, task and raw side on the rest",
     )
     args = parser.parse_args(argv)
+    rows, shard_size, batch_size = DEFAULTS[args.model]
+    args.rows = rows if args.rows is None else args.rows
+    args.shard_size = shard_size if args.shard_size is None else args.shard_size
+    args.batch_size = batch_size if args.batch_size is None else args.batch_size
     if args.split_cores and len(_usable_cores()) < 2:
         parser.error("--split-cores needs CPU affinity (Linux) and at least 2 cores")
     if min(args.rows, args.rounds, args.shard_size, args.batch_size, args.hidden) < 1:
@@ -135,29 +212,39 @@ def _pin(grid: LocalGrid, worker_cores: set[int], grid_cores: set[int]) -> None:
             os.sched_setaffinity(thread.id, cores)
 
 
-def raw_run(session: ort.InferenceSession, rows: np.ndarray, batch_size: int) -> np.ndarray:
+def raw_run(
+    session: ort.InferenceSession, rows: dict[str, np.ndarray], output: str, batch_size: int
+) -> np.ndarray:
     """What a researcher without the grid would do: batches through one session."""
+    count = len(next(iter(rows.values())))
     return np.concatenate(
         [
-            session.run(["y"], {"x": rows[start : start + batch_size]})[0]
-            for start in range(0, len(rows), batch_size)
+            session.run(
+                [output], {name: array[start : start + batch_size] for name, array in rows.items()}
+            )[0]
+            for start in range(0, count, batch_size)
         ]
     )
 
 
 def grid_run(
-    client: Client, model: bytes, rows: np.ndarray, args: argparse.Namespace
+    client: Client, work: Workload, rows: dict[str, np.ndarray], args: argparse.Namespace
 ) -> tuple[Any, list[float]]:
     """The grid's result, and the seconds of its three legs: submit (upload and split),
     run (until the job is done), fetch (download and parse the result)."""
     marks = [time.perf_counter()]
     job = client.submit_onnx(
-        model, {"x": rows}, batch_size=args.batch_size, shard_size=args.shard_size, replication=1
+        work.model,
+        rows,
+        outputs=[work.output],
+        batch_size=args.batch_size,
+        shard_size=args.shard_size,
+        replication=1,
     )
     marks.append(time.perf_counter())
     job.wait()
     marks.append(time.perf_counter())
-    result = job.result()["y"]
+    result = job.result()[work.output]
     marks.append(time.perf_counter())
     return result, [later - earlier for earlier, later in zip(marks, marks[1:], strict=False)]
 
@@ -165,7 +252,7 @@ def grid_run(
 def _rounds(
     client: Client,
     session: ort.InferenceSession,
-    model: bytes,
+    work: Workload,
     rng: np.random.Generator,
     args: argparse.Namespace,
     meter: CpuMeter,
@@ -176,11 +263,11 @@ def _rounds(
     spent: dict[str, float] = {}
     for index in range(args.rounds):
         # New rows every round: blobs are stored by hash and would be found again.
-        rows = rng.standard_normal((args.rows, FEATURES), np.float32)
+        rows = work.make_rows(rng, args.rows)
         if raw_cores:
             os.sched_setaffinity(0, raw_cores)  # this thread, where the raw side computes
         started, cpu_before = time.perf_counter(), _cpu(psutil.Process())
-        reference = raw_run(session, rows, args.batch_size)
+        reference = raw_run(session, rows, work.output, args.batch_size)
         raw_s.append(time.perf_counter() - started)
         # This process does nothing else meanwhile: its CPU is the raw side's.
         spent["raw"] = spent.get("raw", 0.0) + _cpu(psutil.Process()) - cpu_before
@@ -188,7 +275,7 @@ def _rounds(
             os.sched_setaffinity(0, grid_cores)
         before = meter.read()
         started = time.perf_counter()
-        result, legs = grid_run(client, model, rows, args)
+        result, legs = grid_run(client, work, rows, args)
         grid_s.append(time.perf_counter() - started)
         after = meter.read()
         for role, seconds in after.items():
@@ -213,13 +300,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.split_cores:
         grid_cores, raw_cores = set(usable[:1]), set(usable[1:])
         cores = len(raw_cores)
-    hidden, layers = args.hidden, args.layers
-    model = mlp(features=FEATURES, hidden=hidden, outputs=64, layers=layers, seed=1)
+    work = minilm_workload(args) if args.model == "minilm" else mlp_workload(args)
     rng = np.random.default_rng(0)
-    flops = 2 * args.rows * (FEATURES * hidden + (layers - 2) * hidden**2 + hidden * 64)
     print(
-        f"model: mlp {FEATURES}-{hidden}x{layers - 1}-64, {len(model) / 2**20:.1f} MiB; "
-        f"{args.rows} rows ({flops / 1e9:.0f} GFLOP), shards of {args.shard_size}, "
+        f"model: {work.description}, shards of {args.shard_size}, "
         f"batches of {args.batch_size}, raw side at nice {args.raw_nice}, "
         + (
             f"coordinator and SDK on core {sorted(grid_cores)}, worker and raw side on "
@@ -243,17 +327,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         options.intra_op_num_threads = cores  # the worker's default: every core for one slot
         options.inter_op_num_threads = 1
         session = ort.InferenceSession(
-            model, sess_options=options, providers=["CPUExecutionProvider"]
+            work.model, sess_options=options, providers=["CPUExecutionProvider"]
         )
         if grid_cores:
             os.sched_setaffinity(0, grid_cores)
         grid.wait_for_nodes(1, timeout=600)
         with grid.client() as client:
-            grid_run(client, model, rng.standard_normal((64, FEATURES), np.float32), args)
+            grid_run(client, work, work.make_rows(rng, args.batch_size), args)
             if grid_cores and raw_cores:  # after the warm-up: its task process exists now
                 _pin(grid, raw_cores, grid_cores)
             raw_s, grid_s, spent = _rounds(
-                client, session, model, rng, args, CpuMeter(grid), raw_cores, grid_cores
+                client, session, work, rng, args, CpuMeter(grid), raw_cores, grid_cores
             )
     raw, on_grid = statistics.median(raw_s), statistics.median(grid_s)
     raw_cpu = spent.pop("raw")

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import onnxruntime as ort
 import pytest
+from tokenizers import Tokenizer
 
 from idlegrid.corpus import stdlib_paragraphs
 from idlegrid.kinds import embed_onnx
@@ -13,10 +16,12 @@ from idlegrid.kinds.base import RunContext, Verdict
 from idlegrid.kinds.embed_text import (
     EmbedTextKind,
     EmbedTextParams,
+    embed_reference,
     parse_embeddings,
     row_cosines,
     texts_to_jsonl,
 )
+from idlegrid.kinds.onnx_examples import mean_pooled
 from idlegrid.kinds.onnx_infer import OnnxInferKind
 
 KIND = EmbedTextKind()
@@ -51,3 +56,23 @@ def test_onnx_export_agrees_with_torch_and_is_cached_by_hash(
         {"model": exported[0].read_bytes()}, OnnxInferKind().parse_params({})
     )
     assert facts.model_facts is not None  # type: ignore[attr-defined]
+    # With mean pooling in its graph it is a sentence encoder, sentence-transformers' rows
+    # (before normalising) from one ONNX Runtime run, and still a model onnx-infer accepts.
+    pooled = mean_pooled(exported[0].read_bytes())
+    assert OnnxInferKind().derive_params({"model": pooled}, OnnxInferKind().parse_params({}))
+    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
+    tokenizer.enable_truncation(max_length=256)
+    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+    encoded = tokenizer.encode_batch(texts)
+    ids = np.array([row.ids for row in encoded], np.int64)
+    session = ort.InferenceSession(pooled, providers=["CPUExecutionProvider"])
+    (rows,) = session.run(
+        ["embedding"],
+        {
+            "input_ids": ids,
+            "attention_mask": np.array([row.attention_mask for row in encoded], np.int64),
+            "token_type_ids": np.zeros_like(ids),
+        },
+    )
+    reference = embed_reference(texts, normalize=False)
+    assert np.allclose(rows, reference, rtol=0, atol=1e-4)  # they differ by about 1e-6

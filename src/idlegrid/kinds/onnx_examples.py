@@ -3,7 +3,9 @@
 Nothing can be downloaded at run time, so the project builds its own models with
 `onnx.helper` (seeded weights) and draws its own images with Pillow. `mlp` is a dense
 network over feature rows, `conv_net` an image classifier with an embedding head;
-`layers` lets a test build the "cheaper" model a cheat would run instead.
+`layers` lets a test build the "cheaper" model a cheat would run instead. `mean_pooled`
+turns an exported text encoder (all-MiniLM-L6-v2's, `embed_onnx.exported_model`) into a
+sentence encoder, as a researcher would bring one.
 """
 
 from __future__ import annotations
@@ -102,6 +104,45 @@ def conv_net(
         initializer=initializers,
     )
     return _model(graph)
+
+
+def mean_pooled(encoder: bytes, *, width: int = 384) -> bytes:
+    """A transformer encoder (inputs including "attention_mask", first output the hidden
+    states, (rows, tokens, width)) with sentence-transformers' mean pooling added to its
+    graph: one output, "embedding" (rows, width), the mean of the real tokens' states."""
+    from onnx import TensorProto, checker, helper, load_from_string
+
+    model = load_from_string(encoder)
+    graph = model.graph
+    hidden = graph.output[0].name
+    graph.initializer.extend(
+        [
+            _tensor("pool_tokens_axis", np.array([1], np.int64)),
+            _tensor("pool_width_axis", np.array([2], np.int64)),
+            _tensor("pool_least", np.array(1e-9, np.float32)),  # an all-padding row: zeros
+        ]
+    )
+    graph.node.extend(
+        [
+            helper.make_node("Cast", ["attention_mask"], ["pool_mask"], to=TensorProto.FLOAT),
+            helper.make_node("Unsqueeze", ["pool_mask", "pool_width_axis"], ["pool_mask3"]),
+            helper.make_node("Mul", [hidden, "pool_mask3"], ["pool_masked"]),
+            helper.make_node(
+                "ReduceSum", ["pool_masked", "pool_tokens_axis"], ["pool_sum"], keepdims=0
+            ),
+            helper.make_node(
+                "ReduceSum", ["pool_mask3", "pool_tokens_axis"], ["pool_count"], keepdims=0
+            ),
+            helper.make_node("Max", ["pool_count", "pool_least"], ["pool_divisor"]),
+            helper.make_node("Div", ["pool_sum", "pool_divisor"], ["embedding"]),
+        ]
+    )
+    del graph.output[:]
+    graph.output.append(
+        helper.make_tensor_value_info("embedding", TensorProto.FLOAT, ["rows", width])
+    )
+    checker.check_model(model)
+    return bytes(model.SerializeToString())
 
 
 def _tensor(name: str, array: np.ndarray) -> TensorProto:
