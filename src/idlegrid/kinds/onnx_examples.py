@@ -107,9 +107,10 @@ def conv_net(
 
 
 def mean_pooled(encoder: bytes, *, width: int = 384) -> bytes:
-    """A transformer encoder (inputs including "attention_mask", first output the hidden
-    states, (rows, tokens, width)) with sentence-transformers' mean pooling added to its
-    graph: one output, "embedding" (rows, width), the mean of the real tokens' states."""
+    """A transformer encoder (opset 13 or newer, inputs including "attention_mask", first
+    output the hidden states, (rows, tokens, width)) with sentence-transformers' mean
+    pooling added to its graph: one output, "embedding" (rows, width), the mean of the
+    real tokens' states."""
     from onnx import TensorProto, checker, helper, load_from_string
 
     model = load_from_string(encoder)
