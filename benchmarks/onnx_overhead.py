@@ -97,21 +97,16 @@ def mlp_workload(args: argparse.Namespace) -> Workload:
 
 
 def minilm_workload(args: argparse.Namespace) -> Workload:
-    from tokenizers import Tokenizer
-
     from idlegrid.corpus import stdlib_paragraphs
     from idlegrid.kinds import embed_onnx
 
     model = mean_pooled(embed_onnx.exported_model().read_bytes())
-    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=TOKENS)
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]", length=TOKENS)
-    encoded = tokenizer.encode_batch(stdlib_paragraphs())
+    encoded = embed_onnx.tokenizer(TOKENS, length=TOKENS).encode_batch(stdlib_paragraphs())
     ids = np.array([row.ids for row in encoded], np.int64)
     mask = np.array([row.attention_mask for row in encoded], np.int64)
 
     def make_rows(rng: np.random.Generator, rows: int) -> dict[str, np.ndarray]:
-        # Paragraphs drawn afresh (with repeats past the ~3,500 there are): a new blob.
+        # Paragraphs drawn afresh (with repeats past the 2,000 tokenized): a new blob.
         pick = rng.choice(len(ids), rows, replace=rows > len(ids))
         return {
             "input_ids": ids[pick],

@@ -8,7 +8,6 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from tokenizers import Tokenizer
 
 from idlegrid.corpus import stdlib_paragraphs
 from idlegrid.kinds import embed_onnx
@@ -60,10 +59,7 @@ def test_onnx_export_agrees_with_torch_and_is_cached_by_hash(
     # (before normalising) from one ONNX Runtime run, and still a model onnx-infer accepts.
     pooled = mean_pooled(exported[0].read_bytes())
     assert OnnxInferKind().derive_params({"model": pooled}, OnnxInferKind().parse_params({}))
-    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=256)
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
-    encoded = tokenizer.encode_batch(texts)
+    encoded = embed_onnx.tokenizer().encode_batch(texts)  # as the kind's: 256 tokens at most
     ids = np.array([row.ids for row in encoded], np.int64)
     session = ort.InferenceSession(pooled, providers=["CPUExecutionProvider"])
     (rows,) = session.run(

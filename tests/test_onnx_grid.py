@@ -266,8 +266,6 @@ async def test_a_real_transformer_runs_as_onnx_infer(
     """all-MiniLM-L6-v2, exported from the packaged weights, as a researcher's model:
     token arrays in, hidden states out, mean-pooled here and checked against
     sentence-transformers."""
-    from tokenizers import Tokenizer
-
     from idlegrid.corpus import stdlib_paragraphs
     from idlegrid.kinds import embed_onnx
     from idlegrid.kinds.embed_text import embed_reference, row_cosines
@@ -275,10 +273,7 @@ async def test_a_real_transformer_runs_as_onnx_infer(
     monkeypatch.setenv("IDLEGRID_ONNX_CACHE", str(tmp_path / "cache"))
     model = embed_onnx.exported_model().read_bytes()
     texts = stdlib_paragraphs(24)
-    tokenizer = Tokenizer.from_file(str(embed_onnx.model_dir() / "tokenizer.json"))
-    tokenizer.enable_truncation(max_length=256)
-    tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")  # one length for the whole set
-    encoded = tokenizer.encode_batch(texts)
+    encoded = embed_onnx.tokenizer().encode_batch(texts)  # one length for the whole set
     fields = (
         ("input_ids", "ids"),
         ("attention_mask", "attention_mask"),

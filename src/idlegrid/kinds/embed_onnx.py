@@ -58,6 +58,17 @@ def exported_model(directory: Path | None = None) -> Path:
     return target
 
 
+def tokenizer(max_tokens: int = _MAX_TOKENS, *, length: int | None = None) -> Any:
+    """The package's fast tokenizer: truncating at `max_tokens`, padding each batch to its
+    longest row, or every row to `length` (a `tokenizers.Tokenizer`)."""
+    from tokenizers import Tokenizer
+
+    loaded = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
+    loaded.enable_truncation(max_length=max_tokens)
+    loaded.enable_padding(pad_id=0, pad_token="[PAD]", length=length)
+    return loaded
+
+
 def _export(path: Path) -> None:
     # As embed_text._build_model: the weights are on disk, nothing may reach the network,
     # and no tqdm bars go to the daemon's stderr.
@@ -107,11 +118,8 @@ class OnnxEncoder:
 
     def __init__(self, model_path: Path, threads: int) -> None:
         import onnxruntime as ort
-        from tokenizers import Tokenizer
 
-        self.tokenizer = Tokenizer.from_file(str(model_dir() / "tokenizer.json"))
-        self.tokenizer.enable_truncation(max_length=_MAX_TOKENS)
-        self.tokenizer.enable_padding(pad_id=0, pad_token="[PAD]")
+        self.tokenizer = tokenizer()
         options = ort.SessionOptions()
         options.intra_op_num_threads = max(1, threads)
         options.inter_op_num_threads = 1
