@@ -60,10 +60,10 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.blobs import BlobStore
+from idlegrid.blobs.files import BlobStore
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.kinds import Verdict, get_kind
 from idlegrid.kinds import vectors as vectors_kind
-from idlegrid.localgrid import LocalGrid
 
 SHARD_SIZE = 4
 PROCESSES = 4

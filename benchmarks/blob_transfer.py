@@ -28,7 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:

@@ -27,9 +27,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from idlegrid.corpus import stdlib_paragraphs
 from idlegrid.kinds.base import RunContext, Verdict
-from idlegrid.kinds.embed_text import (
+from idlegrid.kinds.embed_text.kind import (
     COSINE_AGREE,
     EmbedTextKind,
     EmbedTextParams,
@@ -37,6 +36,7 @@ from idlegrid.kinds.embed_text import (
     load_model,
     row_cosines,
 )
+from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
 
 def encode(model, texts: list[str], *, batch_size: int, threads: int, sort: bool) -> np.ndarray:  # type: ignore[no-untyped-def]
@@ -155,7 +155,7 @@ def _kind_run(texts: list[str]) -> np.ndarray:
     torch.set_num_threads(2)
     payload = json.dumps({"offset": 0, "texts": texts}).encode()
     out = EmbedTextKind().run(payload, EmbedTextParams(), RunContext())
-    from idlegrid.kinds.embed_text import parse_embeddings
+    from idlegrid.kinds.embed_text.kind import parse_embeddings
 
     return parse_embeddings(out)
 

@@ -22,10 +22,10 @@ import numpy as np
 from safetensors.numpy import save
 
 from idlegrid.kinds.base import RunContext
-from idlegrid.kinds.onnx_compare import distances
-from idlegrid.kinds.onnx_examples import IMAGENET_PREPROCESS, conv_net, images, mlp, zip_images
-from idlegrid.kinds.onnx_infer import OnnxInferKind, OnnxInferParams, parse_output
-from idlegrid.kinds.onnx_runtime import available_providers, compute_providers
+from idlegrid.kinds.onnx.compare import distances
+from idlegrid.kinds.onnx.examples import IMAGENET_PREPROCESS, conv_net, images, mlp, zip_images
+from idlegrid.kinds.onnx.kind import OnnxInferKind, OnnxInferParams, parse_output
+from idlegrid.kinds.onnx.runtime import available_providers, compute_providers
 from idlegrid.training.flat import pack
 
 KIND = OnnxInferKind()

@@ -32,7 +32,7 @@ import httpx
 import psutil
 import websockets
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 
 MIB = 1024 * 1024
 

@@ -29,7 +29,7 @@ from typing import Any
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, text
 
-from idlegrid.coordinator.app import create_app
+from idlegrid.app import create_app
 from idlegrid.dashboard import exports
 from idlegrid.dashboard.accounts import set_login
 from idlegrid.policy.credit import CreditTotals, rank_key

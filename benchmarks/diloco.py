@@ -36,8 +36,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from idlegrid.kinds import diloco
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
+from idlegrid.kinds.diloco import kind as diloco
 from idlegrid.training import simulate
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"

@@ -39,8 +39,8 @@ from typing import Any, Self
 
 import psutil
 
-from idlegrid.kinds import diloco
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
+from idlegrid.kinds.diloco import kind as diloco
 
 PERIOD_S = 0.3
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import psutil
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 
 WARMUP_TASKS = 200
 STARTED_SUFFIX = ":bench-started"

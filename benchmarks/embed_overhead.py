@@ -36,9 +36,9 @@ import numpy as np
 import psutil
 
 from idlegrid.client import Client
-from idlegrid.corpus import stdlib_paragraphs
-from idlegrid.kinds.embed_text import COSINE_AGREE, EmbedTextParams, load_model, row_cosines
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
+from idlegrid.kinds.embed_text.kind import COSINE_AGREE, EmbedTextParams, load_model, row_cosines
+from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
 # The SDK's default shard size: what a researcher gets without tuning. Since split sorts
 # the whole job's texts by length, shards pad no more than one global encode does and

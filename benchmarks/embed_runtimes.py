@@ -16,16 +16,16 @@ import argparse
 import statistics
 import time
 
-from idlegrid.corpus import stdlib_paragraphs
-from idlegrid.kinds import embed_onnx
 from idlegrid.kinds.base import RunContext
-from idlegrid.kinds.embed_text import (
+from idlegrid.kinds.embed_text import onnx as embed_onnx
+from idlegrid.kinds.embed_text.kind import (
     EmbedTextKind,
     EmbedTextParams,
     parse_embeddings,
     row_cosines,
     texts_to_jsonl,
 )
+from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
 KIND = EmbedTextKind()
 

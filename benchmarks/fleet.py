@@ -54,7 +54,7 @@ from production import cpu_seconds, cpu_spent, drop_run, service_pids
 from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.worker.daemon import WS_OPTIONS, ws_url
 
 JITTER = 0.05  # each heartbeat period is interval x (1 +- JITTER)

@@ -62,9 +62,9 @@ import onnxruntime as ort
 import psutil
 
 from idlegrid.client import Client
-from idlegrid.kinds.onnx_compare import Tolerance, arrays_agree
-from idlegrid.kinds.onnx_examples import mean_pooled, mlp
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
+from idlegrid.kinds.onnx.compare import Tolerance, arrays_agree
+from idlegrid.kinds.onnx.examples import mean_pooled, mlp
 from idlegrid.worker.runner import NICE
 
 FEATURES = 256
@@ -97,8 +97,8 @@ def mlp_workload(args: argparse.Namespace) -> Workload:
 
 
 def minilm_workload(args: argparse.Namespace) -> Workload:
-    from idlegrid.corpus import stdlib_paragraphs
-    from idlegrid.kinds import embed_onnx
+    from idlegrid.kinds.embed_text import onnx as embed_onnx
+    from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
     model = mean_pooled(embed_onnx.exported_model().read_bytes())
     encoded = embed_onnx.tokenizer(TOKENS, length=TOKENS).encode_batch(stdlib_paragraphs())

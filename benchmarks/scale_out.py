@@ -33,7 +33,7 @@ from typing import Any
 
 from production import cpu_seconds, cpu_spent, drop_run, service_pids
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 
 WARMUP_TASKS = 100
 

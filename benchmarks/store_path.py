@@ -32,7 +32,7 @@ from typing import Any
 from sqlalchemy import event
 
 from idlegrid import protocol
-from idlegrid.blobs import BlobStore
+from idlegrid.blobs.files import BlobStore
 from idlegrid.broker.base import Broker
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.broker.redis import RedisBroker

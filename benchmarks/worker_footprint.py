@@ -26,7 +26,7 @@ from pathlib import Path
 
 import psutil
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.worker.idle.desktop import write_helper_reading
 
 

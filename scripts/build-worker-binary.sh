@@ -4,7 +4,7 @@
 # The binary is `idlegrid worker` (same flags and subcommands). It holds the daemon and
 # the kinds that need no ML stack (sleep, noop); pass --with-ml to bundle torch and
 # sentence-transformers as well (hundreds of MB). CI builds it and runs it against a
-# coordinator (tests/test_worker_binary.py).
+# coordinator (tests/worker/test_worker_binary.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}

@@ -28,7 +28,7 @@ if [ ${#missing[@]} -gt 0 ]; then
         echo "not installed: ${missing[*]} (their tests will skip)"
     fi
 fi
-# The one-file worker that tests/test_worker_binary.py runs against a coordinator: built
+# The one-file worker that tests/worker/test_worker_binary.py runs against a coordinator: built
 # when missing or older than the sources (about 45 s of CPU).
 if [ ! -x dist/idlegrid-worker ] ||
     [ -n "$(find src packaging scripts/build-worker-binary.sh -type f -newer dist/idlegrid-worker \

@@ -23,8 +23,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from idlegrid.app import create_app
 from idlegrid.broker import Broker, MemoryBroker
-from idlegrid.coordinator.app import create_app
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import sql_url
 from idlegrid.store.sql import SqlStore
@@ -208,7 +208,7 @@ def settings(tmp_path: Path) -> CoordinatorSettings:
         # The monitor's periodic passes stay out of the way; its startup pass still runs.
         monitor_interval_s=3600.0,
         # One mechanism at a time: these tests' nodes share an account and an address,
-        # and a job has one replica unless it asks for more. tests/test_verification.py
+        # and a job has one replica unless it asks for more. tests/verification/test_verification.py
         # runs the shipped defaults (3 replicas on distinct accounts).
         default_replication=1,
         distinct_accounts=False,

@@ -15,8 +15,8 @@ import pytest
 import uvicorn
 from click.testing import CliRunner, Result
 
-from idlegrid.cli import main
-from idlegrid.coordinator.app import create_app
+from idlegrid.app import create_app
+from idlegrid.cli.main import main
 from idlegrid.settings import CoordinatorSettings
 
 
@@ -222,7 +222,7 @@ def test_the_rounds_table_fits_80_columns_uncut() -> None:
 
     from rich.console import Console
 
-    from idlegrid import summary
+    from idlegrid.cli import summary
 
     row = {"round": 12, "final": False, "state": "closed", "train_loss": 2.345678,
            "eval_loss": 2.456789, "updates": 16, "nodes": 16, "bytes_up": 123_456_789,

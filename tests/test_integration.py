@@ -21,8 +21,8 @@ import pytest
 import websockets
 from helpers import wait_until
 
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.kinds.sleep import _digest
-from idlegrid.localgrid import LocalGrid
 
 pytestmark = pytest.mark.slow
 
@@ -62,8 +62,8 @@ def _valid_or_pending_results(grid: LocalGrid) -> dict[int, int]:
 
 
 def test_embed_job_end_to_end_matches_reference(grid: LocalGrid) -> None:
-    from idlegrid.corpus import stdlib_paragraphs
-    from idlegrid.kinds.embed_text import embed_reference
+    from idlegrid.kinds.embed_text.kind import embed_reference
+    from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
     texts = stdlib_paragraphs(150)
     grid.start_worker("w1", kinds="embed-text", benchmark=False)

@@ -230,7 +230,7 @@ def test_kinds_import_ml_libraries_only_inside_functions() -> None:
 
 def test_coordinator_runs_without_torch() -> None:
     code = (
-        "import sys; import idlegrid.coordinator.app, idlegrid.client, idlegrid.cli; "
+        "import sys; import idlegrid.app, idlegrid.client, idlegrid.cli.main; "
         "assert 'torch' not in sys.modules and 'sentence_transformers' not in sys.modules; "
         "assert 'onnxruntime' not in sys.modules"
     )

@@ -1,3 +1,3 @@
-from idlegrid.cli import main
+from idlegrid.cli.main import main
 
 main()

@@ -221,7 +221,7 @@ class Client:
         """Run an ONNX model over JPEG/PNG files, decoded on the workers as `preprocess`
         says (crop, resize, mean, std, layout, color). `job.result()` is {output: array}
         with one row per image, in the order of `image_paths`."""
-        from idlegrid.kinds.onnx_data import zip_files
+        from idlegrid.kinds.onnx.data import zip_files
 
         params = _onnx_params(outputs, batch_size, shard_size, providers, tolerances)
         params["preprocess"] = dict(preprocess)
@@ -307,7 +307,7 @@ class Job:
         `progress`: show a bar (one line per change when stderr is not a terminal), with
         the reason beside it whenever the job waits for something the fleet lacks.
         """
-        from idlegrid.progress import JobProgress
+        from idlegrid.cli.progress import JobProgress
 
         deadline = None if timeout is None else time.monotonic() + timeout
         bar: JobProgress | None = None

@@ -17,7 +17,7 @@ import pytest
 from conftest import Database
 from helpers import FakeNode, eventually, fake_node
 
-from idlegrid.blobs import BlobStore
+from idlegrid.blobs.files import BlobStore
 from idlegrid.broker import Broker, MemoryBroker
 from idlegrid.coordinator import monitor, peers
 from idlegrid.coordinator.grid import Grid

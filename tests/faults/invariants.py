@@ -16,7 +16,7 @@ from typing import Any
 
 from conftest import off_loop
 
-from idlegrid.localgrid import LocalGrid
+from idlegrid.devtools.localgrid import LocalGrid
 
 Query = Callable[[str], list[dict[str, Any]]]
 

@@ -17,8 +17,8 @@ import pytest
 from helpers import wait_until
 from invariants import Query, all_judged, assert_exactly_once, errors, query_of, shards_done
 
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.kinds.sleep import _digest
-from idlegrid.localgrid import LocalGrid
 
 pytestmark = pytest.mark.slow
 

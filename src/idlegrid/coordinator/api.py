@@ -13,14 +13,15 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from idlegrid.blobs import BlobError
-from idlegrid.coordinator import blob_access, quotas
+from idlegrid.blobs import access as blob_access
+from idlegrid.blobs.files import BlobError
+from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.intake import JobInputError
 from idlegrid.coordinator.jobwatch import RECHECK_S
-from idlegrid.coordinator.quotas import QuotaExceeded
+from idlegrid.coordinator.quota_checks import QuotaExceeded
 from idlegrid.kinds import InputError, UnknownKind, get_kind
 from idlegrid.policy import trust as trust_policy
 from idlegrid.policy.credit import CreditTotals, recent_average

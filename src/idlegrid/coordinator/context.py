@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from idlegrid.blobs import BlobStore
+from idlegrid.blobs.files import BlobStore
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub
 from idlegrid.coordinator.jobwatch import JobWatch

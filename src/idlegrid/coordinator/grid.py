@@ -28,7 +28,7 @@ from random import Random
 from typing import Any
 
 from idlegrid import protocol
-from idlegrid.blobs import BlobStore
+from idlegrid.blobs.files import BlobStore
 from idlegrid.broker.base import Broker
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.context import CHANNEL, Context, Counters, PresencePause

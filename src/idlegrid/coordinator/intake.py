@@ -10,8 +10,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-from idlegrid.blobs import StoredInputs, is_blob_hash
-from idlegrid.coordinator import quotas
+from idlegrid.blobs.files import StoredInputs, is_blob_hash
+from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.matching import Matcher

@@ -13,12 +13,12 @@ import asyncio
 import contextlib
 import logging
 
-from idlegrid import faults
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.context import CHANNEL
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.heap import HeapKeeper
 from idlegrid.coordinator.leader import Leadership
+from idlegrid.devtools import faults
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from idlegrid import protocol
-from idlegrid.blobs import BlobError
+from idlegrid.blobs.files import BlobError
 from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.leases import Leases

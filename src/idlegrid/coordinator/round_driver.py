@@ -42,7 +42,7 @@ from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.plans import Plans
 from idlegrid.kinds import ShardSpec, TaskKind
-from idlegrid.kinds.diloco import (
+from idlegrid.kinds.diloco.kind import (
     DilocoKind,
     DilocoParams,
     checkpoint,

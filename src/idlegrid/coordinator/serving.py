@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 from websockets.http11 import Request as HandshakeRequest
 
-from idlegrid.coordinator.nodes import FRAME_LIMIT_EXTENSION
+from idlegrid.coordinator.node_socket import FRAME_LIMIT_EXTENSION
 from idlegrid.settings import CoordinatorSettings
 
 

@@ -8,7 +8,7 @@ from typing import Annotated, Literal, cast
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from idlegrid.coordinator import quotas
+from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.dashboard import security
 from idlegrid.dashboard.pages import (

@@ -10,10 +10,10 @@ from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from idlegrid.blobs import BlobError
+from idlegrid.blobs.files import BlobError
 from idlegrid.coordinator.api import job_out
 from idlegrid.coordinator.grid import JobInputError
-from idlegrid.coordinator.quotas import QuotaExceeded
+from idlegrid.coordinator.quota_checks import QuotaExceeded
 from idlegrid.dashboard.pages import (
     Csrf,
     Id,
@@ -27,7 +27,7 @@ from idlegrid.dashboard.pages import (
     store_of,
 )
 from idlegrid.kinds import InputError, get_kind
-from idlegrid.kinds.diloco import corpus_dataset_blob
+from idlegrid.kinds.diloco.kind import corpus_dataset_blob
 from idlegrid.store import uploads, web
 from idlegrid.store.base import JobRecord
 from idlegrid.store.web import WebSession

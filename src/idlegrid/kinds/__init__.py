@@ -13,10 +13,10 @@ from idlegrid.kinds.base import (
     Verdict,
     WrongOutput,
 )
-from idlegrid.kinds.diloco import DilocoKind
-from idlegrid.kinds.embed_text import EmbedTextKind
+from idlegrid.kinds.diloco.kind import DilocoKind
+from idlegrid.kinds.embed_text.kind import EmbedTextKind
 from idlegrid.kinds.noop import NoopKind
-from idlegrid.kinds.onnx_infer import OnnxInferKind
+from idlegrid.kinds.onnx.kind import OnnxInferKind
 from idlegrid.kinds.sleep import SleepKind
 from idlegrid.kinds.vectors import VectorsKind
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 from idlegrid.policy.credit import CreditTotals
 from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
-from idlegrid.store.blob_access import BlobAccessStore
+from idlegrid.store.blob_owners import BlobAccessStore
 from idlegrid.store.usage import UsageStore
 
 T = TypeVar("T")

@@ -14,7 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState, sources_of
 from idlegrid.store import rows
 from idlegrid.store.base import HeldTask, JobRecord, NewJob, NodeTask, ShardRecord
-from idlegrid.store.blob_access import add_job_blobs
+from idlegrid.store.blob_owners import add_job_blobs
 from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)

@@ -27,7 +27,7 @@ from idlegrid.store.base import (
     RoundTraffic,
     TrainingFinish,
 )
-from idlegrid.store.blob_access import add_job_blobs
+from idlegrid.store.blob_owners import add_job_blobs
 from idlegrid.store.jobs import cancel_live
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds

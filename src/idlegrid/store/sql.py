@@ -74,7 +74,7 @@ from idlegrid.store.base import (
     TokenInfo,
     TokenRecord,
 )
-from idlegrid.store.blob_access import BlobAccessSql
+from idlegrid.store.blob_owners import BlobAccessSql
 from idlegrid.store.rounds import TrainingRoundsSql
 from idlegrid.store.schema import tasks
 from idlegrid.store.usage import UsageSql

@@ -22,7 +22,7 @@ SKETCH_SIZE = 256
 _SKETCH_SEED = 0x1D1E
 # Relative L2 distance under which two pseudo-gradients of one shard and seed agree.
 # Measured on CPU, same seed, 1 vs 2 torch threads, the 117k-parameter character LM:
-# 2e-6 after H=20 steps, 3e-5 after H=100 (tests/test_training_verify.py re-measures it).
+# 2e-6 after H=20 steps, 3e-5 after H=100 (tests/training/test_training_verify.py re-measures it).
 # Another seed on the same shard gives 0.55-0.6. 0.05 leaves room for H in the hundreds
 # and other hardware (provisional until measured on GPUs) while staying 10x below that.
 DELTA_TOLERANCE = 0.05

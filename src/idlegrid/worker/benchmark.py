@@ -102,9 +102,9 @@ def embed_text_rate(device: str = "cpu") -> float | None:
     One warm-up run loads the model first, so the figure is steady-state throughput.
     None when the worker's ML stack is not installed.
     """
-    from idlegrid.corpus import stdlib_paragraphs
     from idlegrid.kinds.base import RunContext
-    from idlegrid.kinds.embed_text import EmbedTextKind, EmbedTextParams, texts_to_jsonl
+    from idlegrid.kinds.embed_text.kind import EmbedTextKind, EmbedTextParams, texts_to_jsonl
+    from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
     kind = EmbedTextKind()
     params = EmbedTextParams(shard_size=EMBED_BENCHMARK_TEXTS)

@@ -29,8 +29,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from idlegrid.policy.idle import Action, SettingError
 from idlegrid.worker.control_page import PAGE
+from idlegrid.worker.idle.policy import Action, SettingError
 
 if TYPE_CHECKING:
     import asyncio

@@ -31,13 +31,13 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
 from idlegrid.kinds import KINDS, Cancelled
-from idlegrid.policy.idle import Action
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
 from idlegrid.worker.governor import Governor, idle_settings
 from idlegrid.worker.hardware import cpu_cores
 from idlegrid.worker.held import RunningTask
 from idlegrid.worker.idle import IdleSource, default_probes
+from idlegrid.worker.idle.policy import Action
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
 from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec, ignore_interrupts

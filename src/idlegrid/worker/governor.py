@@ -24,7 +24,7 @@ from typing import Any
 
 import psutil
 
-from idlegrid.policy.idle import (
+from idlegrid.worker.idle.policy import (
     Action,
     Controls,
     Decision,

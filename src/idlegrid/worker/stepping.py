@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from idlegrid import protocol
-from idlegrid.policy.idle import Action, Decision
+from idlegrid.worker.idle.policy import Action, Decision
 
 if TYPE_CHECKING:
     from idlegrid.worker.governor import Governor

@@ -11,8 +11,8 @@ from datetime import datetime
 
 import psutil
 
-from idlegrid.policy.idle import Readings
 from idlegrid.worker.idle.base import IdleSource, ProbeReading
+from idlegrid.worker.idle.policy import Readings
 
 # Other programs' CPU use is averaged over this long: a compiler's burst pauses the
 # worker, a one-second spike of a browser tab does not (BOINC's suspend_cpu_usage).

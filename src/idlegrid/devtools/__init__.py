@@ -1,0 +1,1 @@
+"""Development aids: a whole grid in local processes, the demo, and fault points for tests."""

@@ -1,0 +1,310 @@
+"""Exactly once in the store: each task is an error, a check or a credit of its node once,
+however many processes act on it, and a shard's work is credited once.
+
+Trust counters follow the tasks' final states: a node's errors are its tasks that failed
+or expired for good, its valid and invalid results those judged so. These tests run on
+SQLite and PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from helpers import fake_node
+from sqlalchemy import select
+
+from idlegrid.blobs.files import BlobStore
+from idlegrid.broker.memory import MemoryBroker
+from idlegrid.coordinator import peers
+from idlegrid.coordinator.grid import Grid
+from idlegrid.coordinator.monitor import Monitor
+from idlegrid.settings import CoordinatorSettings
+from idlegrid.states import TaskState
+from idlegrid.store.base import (
+    AccountRecord,
+    Assignment,
+    Claimer,
+    NewJob,
+    NewShard,
+    NodeRecord,
+    ShardDecision,
+)
+from idlegrid.store.schema import shards, tasks
+from idlegrid.store.sql import SqlStore
+
+T0 = 1_000_000.0
+LEASE = 100.0
+OUT = hashlib.sha256(b"out").hexdigest()
+
+
+async def _node(store: SqlStore, account: AccountRecord, key: str) -> NodeRecord:
+    return await store.register_node(
+        account.id,
+        key,
+        name=key,
+        worker_version="0.1.0",
+        hardware={"cpu_cores": 4},
+        benchmark={"matmul_gflops": 10.0},
+        kinds=["sleep"],
+        slots=2,
+        address="127.0.0.1",
+        now=T0,
+    )
+
+
+def _job(account: AccountRecord, *, replication: int = 1) -> NewJob:
+    return NewJob(
+        account_id=account.id,
+        kind="sleep",
+        params={"tasks": 1},
+        inputs={},
+        replication=replication,
+        min_quorum=min(2, replication),
+        max_attempts=10,
+        priority=0,
+        shards=[NewShard(index=0, input_hash=OUT, input_size=3, items=1, cost_flops=1e9)],
+    )
+
+
+async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float) -> Assignment:
+    claim = await store.claim_task(
+        task_id,
+        Claimer(node_id=node.id, account_id=node.account_id, network="", backend="cpu"),
+        kind="sleep",
+        lease_deadline=now + LEASE,
+        now=now,
+        distinct=None,
+    )
+    assert isinstance(claim, Assignment), claim
+    return claim
+
+
+async def _trust(store: SqlStore, node: NodeRecord) -> tuple[int, int, int]:
+    [row] = await store.node_trust(node.id)
+    return row.trust.valid_total, row.trust.invalid_total, row.trust.error_total
+
+
+async def _credit(store: SqlStore, node: NodeRecord) -> float:
+    [found] = [n for n in await store.list_nodes() if n.id == node.id]
+    return found.credit.total
+
+
+async def _task(store: SqlStore, task_id: int):  # type: ignore[no-untyped-def]
+    async with store.engine.connect() as conn:
+        return (await conn.execute(select(tasks).where(tasks.c.id == task_id))).one()
+
+
+async def test_two_expiries_of_one_task_charge_its_node_once(store: SqlStore) -> None:
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await _node(store, alice, "n1")
+    _, [ready] = await store.create_job(_job(alice), now=T0)
+    await _claim(store, ready.task_id, node, now=T0)
+    # Two processes' passes both select the overdue task; the second changes nothing.
+    first = await store.expire_overdue(now=T0 + LEASE + 1)
+    second = await store.expire_node_tasks(node.id, now=T0 + LEASE + 2)
+    assert [t.task_id for t in first] == [ready.task_id] and second == []
+    assert await _trust(store, node) == (0, 0, 1)
+    # A failure it reports after that is the same error, not a second one.
+    assert await store.record_failure(ready.task_id, node.id, reason="gave up", now=T0 + 200)
+    assert (await _task(store, ready.task_id)).state == TaskState.FAILED.value
+    assert await _trust(store, node) == (0, 0, 1)
+
+
+async def test_an_expired_task_that_delivers_is_no_error_and_a_late_copy_earns_no_credit(
+    store: SqlStore,
+) -> None:
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    slow, fast = await _node(store, alice, "slow"), await _node(store, alice, "fast")
+    _, [ready] = await store.create_job(_job(alice), now=T0)
+    await _claim(store, ready.task_id, slow, now=T0)
+    await store.expire_overdue(now=T0 + LEASE + 1)
+    [replacement], _, _ = await store.replenish(now=T0 + LEASE + 1)
+    await _claim(store, replacement.task_id, fast, now=T0 + LEASE + 2)
+    await store.accept_result(
+        replacement.task_id, fast.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 150
+    )
+    [outcome] = await store.decide_shards(
+        [ShardDecision(ready.shard_id, replacement.task_id, [replacement.task_id], [], None)],
+        now=T0 + 151,
+    )
+    assert outcome.decided
+    # The expired task stays expired (its node is told to stop), an error for now.
+    assert [t.task_id for t in outcome.to_cancel] == [ready.task_id]
+    assert (await _task(store, ready.task_id)).state == TaskState.EXPIRED.value
+    assert await _trust(store, slow) == (0, 0, 1)
+    # It delivers after all: the error is withdrawn; the result is checked, and agrees.
+    receipt = await store.accept_result(
+        ready.task_id, slow.id, output_hash=OUT, output_size=3, elapsed_s=9, now=T0 + 300
+    )
+    assert receipt.status == "late"
+    assert await _trust(store, slow) == (0, 0, 0)
+    await store.judge_late(ready.task_id, agrees=True, now=T0 + 301)
+    assert await _trust(store, slow) == (1, 0, 0)
+    # The shard's work was credited once, to the result that decided it.
+    late, canonical = await _task(store, ready.task_id), await _task(store, replacement.task_id)
+    assert (late.outcome, late.credit) == ("valid", None)
+    assert canonical.outcome == "valid" and canonical.credit > 0
+    assert await _credit(store, slow) == 0 and await _credit(store, fast) == canonical.credit
+
+
+async def test_run_alone_gives_back_the_attempts_of_the_replicas_it_cancelled(
+    store: SqlStore,
+) -> None:
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await _node(store, alice, "n1")
+    _, ready = await store.create_job(_job(alice, replication=3), now=T0)
+    first = ready[0]
+    await _claim(store, first.task_id, node, now=T0)
+    cancelled = await store.run_alone(first.shard_id, first.task_id, spot_check=False)
+    assert cancelled == sorted(r.task_id for r in ready[1:])
+    async with store.engine.connect() as conn:
+        shard = (await conn.execute(select(shards).where(shards.c.id == first.shard_id))).one()
+    assert (shard.mode, shard.target, shard.attempts) == ("alone", 1, 1)
+    # Asked again (another process, say), it changes and cancels nothing.
+    assert await store.run_alone(first.shard_id, first.task_id, spot_check=False) == []
+
+
+# -- a restarted coordinator waits for its workers -----------------------------------------
+
+
+async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be_back(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    now = [T0]
+    settings = CoordinatorSettings(
+        data_dir=tmp_path,
+        monitor_interval_s=3600.0,  # the test runs the passes
+        heartbeat_interval_s=2.0,
+        node_timeout_s=6.0,
+        worker_backoff_max_s=10.0,
+        min_lease_s=5.0,
+        default_replication=1,
+    )
+    assert settings.restart_grace_s == 16.0  # the longest backoff, then a node timeout
+    grid = Grid(
+        settings=settings,
+        store=store,
+        broker=MemoryBroker(),
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 20),
+        clock=lambda: now[0],
+    )
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    away = await fake_node(store, alice.id, "away", now=T0)
+    back = await fake_node(store, alice.id, "back", now=T0)
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 2, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    for node in (away, back):
+        await peers.attach(grid.context, node.session)
+        node.session.requested = 1
+        assert await grid.fill(node.session) == 1
+    [away_task], [back_task] = away.session.live, back.session.live
+    for node in (away, back):
+        await peers.detach(grid.context, node.session)
+    # The coordinator restarts after an outage longer than the leases and the timeout.
+    now[0] += 60.0
+    monitor = Monitor(grid)
+    await monitor.start()
+    try:
+        await monitor._pass(grid)
+        # One worker reconnects within the grace, holding its task; the other does not.
+        now[0] += settings.restart_grace_s - 1
+        await peers.heard_from(grid.context, back.session)
+        await monitor._pass(grid)
+        assert {(await _task(store, t)).state for t in (away_task, back_task)} == {"assigned"}
+        # After the grace: the one that stayed away goes offline, and its task expires.
+        now[0] += 2
+        await monitor._pass(grid)
+        assert (await _task(store, away_task)).state == TaskState.EXPIRED.value
+        [away_row] = [n for n in await store.list_nodes() if n.id == away.session.node_id]
+        assert away_row.state == "offline"
+    finally:
+        await monitor.stop()
+        await grid.aclose()
+
+
+# -- claims for a connection that is gone --------------------------------------------------
+
+
+async def _grid(store: SqlStore, tmp_path: Path) -> Grid:
+    settings = CoordinatorSettings(
+        data_dir=tmp_path, monitor_interval_s=3600.0, default_replication=1
+    )
+    blobs = BlobStore(tmp_path / "blobs", max_bytes=1 << 20)
+    return Grid(settings=settings, store=store, broker=MemoryBroker(), blobs=blobs)
+
+
+async def _shard_tasks(store: SqlStore) -> list[tuple[str, int | None]]:
+    async with store.engine.connect() as conn:
+        found = await conn.execute(select(tasks.c.state, tasks.c.node_id).order_by(tasks.c.id))
+        return [(row.state, row.node_id) for row in found]
+
+
+async def test_claims_made_while_the_connection_closed_are_released_at_once(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    grid = await _grid(store, tmp_path)
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await fake_node(store, alice.id, "leaving", now=T0)
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 1, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    await peers.attach(grid.context, node.session)
+    node.session.requested = 1
+    claim = grid.dispatcher._claim
+
+    async def claim_then_leave(session):  # type: ignore[no-untyped-def]
+        claimed = await claim(session)
+        grid.hub.remove(session)  # e.g. it moved to another coordinator meanwhile
+        return claimed
+
+    grid.dispatcher._claim = claim_then_leave  # type: ignore[method-assign]
+    try:
+        assert await grid.fill(node.session) == 0
+    finally:
+        await grid.aclose()
+    # The claim was cancelled and its shard got a new task at once, not after a lease;
+    # the node was told nothing and is charged nothing.
+    node_id = node.session.node_id
+    assert await _shard_tasks(store) == [("cancelled", node_id), ("ready", None)]
+    assert node.assigned() == [] and node.session.live == set()
+    assert await _trust(store, await _record(store, node_id)) == (0, 0, 0)
+    [row] = await store.node_trust(node_id)
+    assert row.quota_used_today == 0
+    async with store.engine.connect() as conn:
+        [attempts] = (await conn.execute(select(shards.c.attempts))).scalars().all()
+    assert attempts == 1
+
+
+async def test_claims_that_cannot_be_sent_are_released_at_once(
+    store: SqlStore, tmp_path: Path
+) -> None:
+    grid = await _grid(store, tmp_path)
+    alice = await store.create_account("alice", is_admin=False, now=T0)
+    node = await fake_node(store, alice.id, "broken", now=T0, slots=2)
+
+    async def broken(text: str) -> None:
+        raise ConnectionResetError("gone")
+
+    node.session.send_text = broken
+    await grid.submit_job(
+        account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 2, "seconds": 0},
+        replication=1, priority=0,
+    )  # fmt: skip
+    await peers.attach(grid.context, node.session)
+    node.session.requested = 2
+    try:
+        assert await grid.fill(node.session) == 0
+    finally:
+        await grid.aclose()
+    states = await _shard_tasks(store)
+    assert sorted(state for state, _ in states) == ["cancelled"] * 2 + ["ready"] * 2
+    assert node.session.live == set()
+
+
+async def _record(store: SqlStore, node_id: int) -> NodeRecord:
+    [found] = [n for n in await store.list_nodes() if n.id == node_id]
+    return found
