@@ -190,8 +190,17 @@ FORBIDDEN = [
     ("worker", ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker")),
     (
         "coordinator",
-        ("idlegrid.worker", "torch", "sentence_transformers", "sqlalchemy", "asyncpg"),
+        (
+            "idlegrid.worker",
+            "idlegrid.dashboard",
+            "idlegrid.app",
+            "torch",
+            "sentence_transformers",
+            "sqlalchemy",
+            "asyncpg",
+        ),
     ),
+    ("dashboard", ("idlegrid.app", "sqlalchemy", "asyncpg")),
     ("store", ("fastapi", "starlette", "idlegrid.coordinator")),
     ("broker", ("fastapi", "starlette", "idlegrid.coordinator")),
 ]
@@ -235,6 +244,44 @@ def test_coordinator_runs_without_torch() -> None:
         "assert 'onnxruntime' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+# The coordinator's modules that the dashboard may use: the grid's facade and what the API
+# shows. Everything else of the coordinator is its own business.
+COORDINATOR_SURFACE = (
+    "idlegrid.coordinator.grid",
+    "idlegrid.coordinator.api.views",
+    "idlegrid.coordinator.auth",
+    "idlegrid.coordinator.quota_checks",
+    "idlegrid.coordinator.metrics",
+)
+# Entry points above the application: they may import anything.
+ENTRY_POINTS = ("idlegrid.app", "idlegrid.cli", "idlegrid.devtools")
+
+
+def test_the_dashboard_uses_only_the_coordinators_public_surface() -> None:
+    offenders = [
+        f"{module} imports {imported.name} (line {imported.line})"
+        for module, path in _files("dashboard")
+        for imported in imports_of(module, path, KNOWN)
+        if _banned(imported.name, ("idlegrid.coordinator",))
+        and imported.name not in COORDINATOR_SURFACE
+    ]
+    assert offenders == []
+
+
+def test_only_the_composition_root_imports_both_coordinator_and_dashboard() -> None:
+    both = []
+    for module, path in KNOWN.items():
+        if _banned(module, (*ENTRY_POINTS, "idlegrid.coordinator", "idlegrid.dashboard")):
+            continue  # the two packages themselves are held by the rules above
+        names = [imported.name for imported in imports_of(module, path, KNOWN)]
+        if any(_banned(n, ("idlegrid.coordinator",)) for n in names) and any(
+            _banned(n, ("idlegrid.dashboard",)) for n in names
+        ):
+            both.append(module)
+    assert both == []
+    assert "idlegrid.app" in KNOWN  # the root itself: create_app, above both
 
 
 # -- the checker itself, on a package written for the purpose --------------------------

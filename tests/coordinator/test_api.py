@@ -180,7 +180,7 @@ def test_blob_upload_and_download(api: Api) -> None:
 def test_a_blob_of_several_chunks_downloads_whole_and_by_range(
     api: Api, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("idlegrid.coordinator.api.StreamedFile.chunk_size", 1000)
+    monkeypatch.setattr("idlegrid.coordinator.api.common.StreamedFile.chunk_size", 1000)
     data = bytes(range(256)) * 14  # 3,584 bytes: three full chunks and a partial one
     blob_hash = api.upload(data)
     got = api.client.get(f"/v1/blobs/{blob_hash}", headers=api.admin)
@@ -385,7 +385,7 @@ def test_long_poll_of_an_ended_job_answers_at_once(api: Api) -> None:
 
 def test_long_poll_wakes_when_the_job_ends(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
     # No re-reads on a timer during this test: only the job's end can answer the poll.
-    monkeypatch.setattr("idlegrid.coordinator.api.RECHECK_S", 60.0)
+    monkeypatch.setattr("idlegrid.coordinator.api.jobs.RECHECK_S", 60.0)
     job = api.submit(api.admin_token, kind="sleep", params={"tasks": 2})
     cancel = threading.Timer(
         0.3, lambda: api.client.post(f"/v1/jobs/{job['id']}/cancel", headers=api.admin)

@@ -518,7 +518,7 @@ def test_long_poll_holds_progress_back_but_not_the_end(
     """Shards that finish many times a second do not each cost the waiting client a
     round trip (progress is answered PROGRESS_EVERY_S after the request at the soonest);
     the job's end is not held back."""
-    monkeypatch.setattr("idlegrid.coordinator.api.PROGRESS_EVERY_S", 2.0)  # clear of jitter
+    monkeypatch.setattr("idlegrid.coordinator.api.jobs.PROGRESS_EVERY_S", 2.0)  # clear of jitter
     job = api.submit(researcher, kind="sleep", params={"tasks": 3})
     node = connect()
     node.join(slots=3)

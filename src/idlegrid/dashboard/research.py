@@ -11,7 +11,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from idlegrid.blobs.files import BlobError
-from idlegrid.coordinator.api import job_out
+from idlegrid.coordinator.api.views import job_out
 from idlegrid.coordinator.grid import JobInputError
 from idlegrid.coordinator.quota_checks import QuotaExceeded
 from idlegrid.dashboard.pages import (

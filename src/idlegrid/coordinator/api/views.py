@@ -1,0 +1,162 @@
+"""Jobs, shards and nodes as the API shows them; the dashboard shows the same figures."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from idlegrid.coordinator.api.common import BlobHash
+from idlegrid.coordinator.grid import Grid
+from idlegrid.policy.credit import CreditTotals, recent_average
+from idlegrid.store.base import (
+    JobRecord,
+    NodeRecord,
+    ShardRecord,
+)
+
+
+class ShardOut(BaseModel):
+    index: int
+    state: str
+    items: int
+    attempts: int
+    live_tasks: int
+    progress: float
+
+
+class JobOut(BaseModel):
+    id: int
+    kind: str
+    state: str
+    params: dict[str, Any]
+    inputs: dict[str, BlobHash]
+    replication: int
+    priority: int
+    shards_total: int
+    shards_done: int
+    items_total: int
+    progress: float
+    shard_counts: dict[str, int]
+    tasks_completed: int
+    max_total_results: int
+    effective_replication: float | None = Field(
+        description="tasks run per shard done (adaptive replication lowers it)"
+    )
+    waiting_for: list[str] = Field(
+        default_factory=list,
+        description="why the job cannot progress: no node can run it, or too few to "
+        "hold its replicas (single-job view and submission only)",
+    )
+    warnings: list[str] = Field(
+        default_factory=list,
+        description="at submission: what will keep the job waiting, with the fix",
+    )
+    result: BlobHash | None
+    result_size: int | None
+    error: str | None
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    shards: list[ShardOut] | None = None
+
+
+class NodeOut(BaseModel):
+    id: int
+    name: str
+    state: str
+    online: bool
+    slots: int
+    kinds: list[str]
+    hardware: dict[str, Any]
+    benchmark: dict[str, Any]
+    worker_version: str
+    uptime_s: float
+    last_seen_at: float
+    credit_total: float
+    recent_average_credit: float
+    suspended: bool
+    # What the node's idle policy said last ("paused: user active 12 s ago"); "" when it
+    # is not connected to this coordinator process.
+    activity: str = ""
+
+
+async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
+    shard_list = None
+    waiting_for: list[str] = []
+    if with_shards:
+        progress = task_progress(grid)
+        shard_list = [shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
+        waiting_for = await grid.waiting_for(job)
+    done = job.shard_counts.get("done", 0)
+    return JobOut(
+        id=job.id,
+        kind=job.kind,
+        state=job.state.value,
+        params=job.params,
+        inputs=job.inputs,
+        replication=job.replication,
+        priority=job.priority,
+        shards_total=job.shards_total,
+        shards_done=done,
+        items_total=job.items_total,
+        progress=done / job.shards_total if job.shards_total else 1.0,
+        shard_counts=job.shard_counts,
+        tasks_completed=job.tasks_run,
+        max_total_results=job.max_attempts,
+        effective_replication=round(job.tasks_run / done, 3) if done else None,
+        result=job.result_hash,
+        result_size=job.result_size,
+        error=job.error,
+        created_at=job.created_at,
+        started_at=job.started_at,
+        finished_at=job.finished_at,
+        shards=shard_list,
+        waiting_for=waiting_for,
+    )
+
+
+def task_progress(grid: Grid) -> dict[int, float]:
+    progress: dict[int, float] = {}
+    for session in grid.hub.sessions():
+        progress.update(session.progress)
+    return progress
+
+
+def shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
+    fraction = 1.0 if shard.state.value == "done" else 0.0
+    return ShardOut(
+        index=shard.index,
+        state=shard.state.value,
+        items=shard.items,
+        attempts=shard.attempts,
+        live_tasks=shard.live_tasks,
+        progress=fraction if fraction else progress.get(shard.id, 0.0),
+    )
+
+
+def credit_out(totals: CreditTotals, now: float) -> dict[str, float]:
+    """Credit for validated work: all time, and the recent average per day (RAC)."""
+    return {
+        "credit_total": totals.total,
+        "recent_average_credit": recent_average(totals, now=now),
+    }
+
+
+def node_out(node: NodeRecord, *, online: bool, now: float, activity: str = "") -> NodeOut:
+    return NodeOut(
+        id=node.id,
+        name=node.name,
+        state=node.state.value,
+        online=online,
+        slots=node.slots,
+        kinds=node.kinds,
+        hardware=node.hardware,
+        benchmark=node.benchmark,
+        worker_version=node.worker_version,
+        uptime_s=node.connected_seconds,
+        last_seen_at=node.last_seen_at,
+        suspended=node.suspended_at is not None,
+        activity=activity,
+        **credit_out(node.credit, now),
+    )
