@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
@@ -72,135 +73,160 @@ def _plain_response(status: int, phrase: str, message: str) -> bytes:
     ).encode() + body
 
 
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """What the guarded protocols enforce, from the coordinator's settings."""
+
+    table: ConnectionTable
+    head_timeout_s: float
+    max_head_bytes: int
+    hello_max_bytes: int
+
+
+class GuardedHttp(HttpToolsProtocol):
+    """uvicorn's HTTP protocol with a deadline and a size cap on each request head, and a
+    cap on connections per address; `protocols` binds the limits."""
+
+    limits: ConnectionLimits
+    _head_timer: asyncio.TimerHandle | None = None
+    _awaiting_head = True
+    _head_bytes = 0  # bytes received since the head began (a head still arriving)
+    _head_size = 0  # its request line and headers as parsed (a head that ended)
+    _refused = False
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        address = self.client[0] if self.client else ""
+        if not self.limits.table.admit(address, transport):
+            message = (
+                f"{self.limits.table.count(address)} connections from this address are open "
+                f"(max_connections_per_address {self.limits.table.per_address})"
+            )
+            self._refuse(429, "Too Many Requests", message)
+            return
+        self._arm_head_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        self.limits.table.release(self.transport)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        # Counted before parsing, judged after: the parser clears `_awaiting_head`
+        # when the head ends, so body bytes in the same chunk never count.
+        if self._awaiting_head:
+            self._head_bytes += len(data)
+        super().data_received(data)
+        if self._awaiting_head and self._head_bytes > self.limits.max_head_bytes:
+            self._refuse_large_head()
+
+    def on_message_begin(self) -> None:
+        self._head_size = 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._head_size += len(url)
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_size += len(name) + len(value) + 4
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._awaiting_head = False
+        self._cancel_head_timer()
+        if self._head_size > self.limits.max_head_bytes:  # it came whole, in one read
+            self._refuse_large_head()
+            return
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self._refused:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if self._refused:
+            return
+        super().on_message_complete()
+        self._awaiting_head, self._head_bytes = True, 0
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._awaiting_head and not self.transport.is_closing():
+            self._arm_head_timer()  # the next request's head, on a kept-alive connection
+
+    def _arm_head_timer(self) -> None:
+        self._cancel_head_timer()
+        self._head_timer = self.loop.call_later(self.limits.head_timeout_s, self._head_overdue)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_overdue(self) -> None:
+        self._head_timer = None
+        if not self._awaiting_head or self.transport.is_closing():
+            return
+        if self._head_bytes:
+            message = f"request head not complete within {self.limits.head_timeout_s:g} s"
+            self._refuse(408, "Request Timeout", message)
+        else:
+            self.transport.close()
+
+    def _refuse_large_head(self) -> None:
+        message = f"request head over {self.limits.max_head_bytes} bytes (max_request_head_bytes)"
+        self._refuse(431, "Request Header Fields Too Large", message)
+
+    def _refuse(self, status: int, phrase: str, message: str) -> None:
+        self._refused = True
+        self._cancel_head_timer()
+        if not self.transport.is_closing():
+            self.transport.write(_plain_response(status, phrase, message))
+            self.transport.close()
+
+
+class GuardedWebSocket(WebSocketsSansIOProtocol):
+    """uvicorn's WebSocket protocol with a frame limit the app raises after the hello, and
+    the per-address count of its HTTP upgrade released when it ends."""
+
+    limits: ConnectionLimits
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._set_frame_limit(self.limits.hello_max_bytes)
+
+    def handle_connect(self, event: HandshakeRequest) -> None:
+        super().handle_connect(event)
+        if self.response.status_code == 101:  # the app runs: let it raise the limit
+            self.scope["extensions"][FRAME_LIMIT_EXTENSION] = {  # type: ignore[index]
+                "set": self._set_frame_limit
+            }
+
+    def _set_frame_limit(self, limit: int) -> None:
+        # Read on each frame's header: a frame over it is refused before its payload.
+        self.conn.max_message_size = limit
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.limits.table.release(self.transport)
+        super().connection_lost(exc)
+
+
 def protocols(
     settings: CoordinatorSettings, table: ConnectionTable
 ) -> tuple[type[asyncio.Protocol], type[asyncio.Protocol]]:
     """The HTTP and WebSocket protocol classes for uvicorn, bound to these limits."""
-    head_timeout_s = settings.request_head_timeout_s
-    max_head_bytes = settings.max_request_head_bytes
-    hello_max_bytes = settings.hello_max_bytes
-
-    class GuardedHttp(HttpToolsProtocol):
-        _head_timer: asyncio.TimerHandle | None = None
-        _awaiting_head = True
-        _head_bytes = 0  # bytes received since the head began (a head still arriving)
-        _head_size = 0  # its request line and headers as parsed (a head that ended)
-        _refused = False
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            address = self.client[0] if self.client else ""
-            if not table.admit(address, transport):
-                message = (
-                    f"{table.count(address)} connections from this address are open "
-                    f"(max_connections_per_address {table.per_address})"
-                )
-                self._refuse(429, "Too Many Requests", message)
-                return
-            self._arm_head_timer()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._cancel_head_timer()
-            table.release(self.transport)
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            if self._refused:
-                return
-            # Counted before parsing, judged after: the parser clears `_awaiting_head`
-            # when the head ends, so body bytes in the same chunk never count.
-            if self._awaiting_head:
-                self._head_bytes += len(data)
-            super().data_received(data)
-            if self._awaiting_head and self._head_bytes > max_head_bytes:
-                self._refuse_large_head()
-
-        def on_message_begin(self) -> None:
-            self._head_size = 0
-            super().on_message_begin()
-
-        def on_url(self, url: bytes) -> None:
-            self._head_size += len(url)
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._head_size += len(name) + len(value) + 4
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._awaiting_head = False
-            self._cancel_head_timer()
-            if self._head_size > max_head_bytes:  # it came whole, in one read
-                self._refuse_large_head()
-                return
-            super().on_headers_complete()
-
-        def on_body(self, body: bytes) -> None:
-            if not self._refused:
-                super().on_body(body)
-
-        def on_message_complete(self) -> None:
-            if self._refused:
-                return
-            super().on_message_complete()
-            self._awaiting_head, self._head_bytes = True, 0
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if self._awaiting_head and not self.transport.is_closing():
-                self._arm_head_timer()  # the next request's head, on a kept-alive connection
-
-        def _arm_head_timer(self) -> None:
-            self._cancel_head_timer()
-            self._head_timer = self.loop.call_later(head_timeout_s, self._head_overdue)
-
-        def _cancel_head_timer(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_overdue(self) -> None:
-            self._head_timer = None
-            if not self._awaiting_head or self.transport.is_closing():
-                return
-            if self._head_bytes:
-                message = f"request head not complete within {head_timeout_s:g} s"
-                self._refuse(408, "Request Timeout", message)
-            else:
-                self.transport.close()
-
-        def _refuse_large_head(self) -> None:
-            message = f"request head over {max_head_bytes} bytes (max_request_head_bytes)"
-            self._refuse(431, "Request Header Fields Too Large", message)
-
-        def _refuse(self, status: int, phrase: str, message: str) -> None:
-            self._refused = True
-            self._cancel_head_timer()
-            if not self.transport.is_closing():
-                self.transport.write(_plain_response(status, phrase, message))
-                self.transport.close()
-
-    class GuardedWebSocket(WebSocketsSansIOProtocol):
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self._set_frame_limit(hello_max_bytes)
-
-        def handle_connect(self, event: HandshakeRequest) -> None:
-            super().handle_connect(event)
-            if self.response.status_code == 101:  # the app runs: let it raise the limit
-                self.scope["extensions"][FRAME_LIMIT_EXTENSION] = {  # type: ignore[index]
-                    "set": self._set_frame_limit
-                }
-
-        def _set_frame_limit(self, limit: int) -> None:
-            # Read on each frame's header: a frame over it is refused before its payload.
-            self.conn.max_message_size = limit
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            table.release(self.transport)
-            super().connection_lost(exc)
-
-    return GuardedHttp, GuardedWebSocket
+    limits = ConnectionLimits(
+        table=table,
+        head_timeout_s=settings.request_head_timeout_s,
+        max_head_bytes=settings.max_request_head_bytes,
+        hello_max_bytes=settings.hello_max_bytes,
+    )
+    http = type("BoundGuardedHttp", (GuardedHttp,), {"limits": limits})
+    ws = type("BoundGuardedWebSocket", (GuardedWebSocket,), {"limits": limits})
+    return http, ws
 
 
 def uvicorn_config(app: Any, settings: CoordinatorSettings, *, log_level: str) -> uvicorn.Config:
