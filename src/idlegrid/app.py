@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, WebSocket
@@ -36,6 +36,33 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     `owns_process`: the app is the process's only tenant (`idlegrid serve`), so it may
     tune process-wide state: the garbage collector (`settings.gc_freeze_s`).
     """
+    app = FastAPI(
+        title="idlegrid coordinator",
+        version=__version__,
+        lifespan=_lifespan(settings, owns_process=owns_process),
+        description="Jobs, blobs and results for researchers; a WebSocket for worker nodes.",
+        # Both default pages load their scripts from a CDN: /docs is served offline below.
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.guard = Guard.from_settings(settings)
+    app.include_router(api.router)
+    _install_api_docs(app)
+    _tidy_openapi(app)
+    dashboard.mount(app, settings)
+    _install_error_handlers(app)
+    app.add_middleware(
+        BodyLimit, default_limit=settings.max_request_bytes, blob_limit=settings.max_blob_bytes
+    )
+    _install_meta_routes(app)
+    return app
+
+
+def _lifespan(
+    settings: CoordinatorSettings, *, owns_process: bool
+) -> Callable[[FastAPI], contextlib.AbstractAsyncContextManager[None]]:
+    """Opens the store, broker and blobs, starts the monitor and the dashboard's exporter;
+    on shutdown stops them, closes every node session and commits what is queued."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -68,24 +95,11 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
             await grid.broker.close()
             await store.close()
 
-    app = FastAPI(
-        title="idlegrid coordinator",
-        version=__version__,
-        lifespan=lifespan,
-        description="Jobs, blobs and results for researchers; a WebSocket for worker nodes.",
-        # Both default pages load their scripts from a CDN: /docs is served offline below.
-        docs_url=None,
-        redoc_url=None,
-    )
-    app.state.guard = Guard.from_settings(settings)
-    app.include_router(api.router)
-    _install_api_docs(app)
-    _tidy_openapi(app)
-    dashboard.mount(app, settings)
-    _install_error_handlers(app)
-    app.add_middleware(
-        BodyLimit, default_limit=settings.max_request_bytes, blob_limit=settings.max_blob_bytes
-    )
+    return lifespan
+
+
+def _install_meta_routes(app: FastAPI) -> None:
+    """/healthz, /metrics and the nodes' WebSocket."""
 
     @app.get("/healthz", tags=["meta"])
     async def healthz() -> dict[str, Any]:
@@ -108,8 +122,6 @@ def create_app(settings: CoordinatorSettings, *, owns_process: bool = False) -> 
     @app.websocket("/v1/nodes/ws")
     async def nodes_ws(websocket: WebSocket) -> None:
         await node_socket(websocket, websocket.app.state.grid, websocket.app.state.guard)
-
-    return app
 
 
 DOCS_ASSETS = "/docs/assets"
