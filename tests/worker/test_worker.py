@@ -177,9 +177,9 @@ async def test_a_result_the_coordinator_could_not_store_goes_again_and_a_refused
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from idlegrid import protocol
-    from idlegrid.worker import daemon
+    from idlegrid.worker import execution
 
-    monkeypatch.setattr(daemon, "REDELIVER_S", 0.05)
+    monkeypatch.setattr(execution, "REDELIVER_S", 0.05)
     worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
     socket = _CapturingSocket()
     worker._ws = socket  # type: ignore[assignment]

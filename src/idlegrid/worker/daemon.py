@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import importlib.util
 import json
 import logging
@@ -30,9 +29,10 @@ import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
 from idlegrid import __version__, protocol
-from idlegrid.kinds import KINDS, Cancelled
+from idlegrid.kinds import KINDS
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
+from idlegrid.worker.execution import Execution
 from idlegrid.worker.governor import Governor, idle_settings
 from idlegrid.worker.hardware import cpu_cores
 from idlegrid.worker.held import RunningTask
@@ -40,7 +40,7 @@ from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.policy import Action
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
-from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec, ignore_interrupts
+from idlegrid.worker.runner import TaskHost, ignore_interrupts
 from idlegrid.worker.scratch import ScratchDirs
 from idlegrid.worker.stepping import Stepping
 from idlegrid.worker.transfers import Transfers, backoff_delay
@@ -55,10 +55,6 @@ WS_OPTIONS: dict[str, Any] = {
     "ping_interval": 20,
     "compression": None,
 }
-# How long a finished task waits for others finishing with it, to report them together.
-REPORT_LINGER_S = 0.002
-# A result the coordinator could not store for now goes again after this.
-REDELIVER_S = 2.0
 
 
 def available_kinds() -> list[str]:
@@ -98,7 +94,7 @@ def node_key(state_dir: Path) -> str:
     return key
 
 
-class Worker(Stepping, Transfers):
+class Worker(Execution, Stepping, Transfers):
     def __init__(self, settings: WorkerSettings) -> None:
         if not settings.token:
             raise ValueError("a node token is needed (IDLEGRID_NODE_TOKEN or --token-file)")
@@ -126,30 +122,7 @@ class Worker(Stepping, Transfers):
             raise ValueError(f"checkpoint_every_s: {settings.checkpoint_every_s} is not positive")
         self.scratch = ScratchDirs(settings.state_dir / "checkpoints")
         self.scratch.prune()
-        probes = [] if settings.dedicated else default_probes(settings.state_dir)
-        if settings.idle_probes:
-            known = {probe.name for probe in probes}
-            unknown = sorted(set(settings.idle_probes) - known)
-            if unknown and not settings.dedicated:
-                raise ValueError(
-                    f"idle_probes: unknown {unknown}; this machine has {sorted(known)}"
-                )
-            probes = [probe for probe in probes if probe.name in settings.idle_probes]
-        policy = idle_settings(settings)  # raises SettingError (a ValueError) by name
-        self.sensors = Sensors(
-            IdleSource(probes),
-            self.own_pids,
-            exclusive_apps=policy.exclusive_apps,
-            want_temperature=bool(policy.max_cpu_temp_c),
-        )
-        self.governor = Governor(
-            policy,
-            self.sensors,
-            self.hosts,
-            gpu=(settings.device or "cpu") != "cpu",
-            state_dir=settings.state_dir,
-            on_change=self._on_policy_change,
-        )
+        self.sensors, self.governor = self._idle_watch(settings)
         self.credit: float | None = None
         self._threads = threads
         self._task_runs: set[asyncio.Task[None]] = set()
@@ -173,6 +146,34 @@ class Worker(Stepping, Transfers):
         self._reporting = False
         # Round trip of the latest acknowledged heartbeat, in seconds (None: none yet).
         self.heartbeat_rtt_s: float | None = None
+
+    def _idle_watch(self, settings: WorkerSettings) -> tuple[Sensors, Governor]:
+        """The readings the idle policy judges, and the governor that acts on its answers."""
+        probes = [] if settings.dedicated else default_probes(settings.state_dir)
+        if settings.idle_probes:
+            known = {probe.name for probe in probes}
+            unknown = sorted(set(settings.idle_probes) - known)
+            if unknown and not settings.dedicated:
+                raise ValueError(
+                    f"idle_probes: unknown {unknown}; this machine has {sorted(known)}"
+                )
+            probes = [probe for probe in probes if probe.name in settings.idle_probes]
+        policy = idle_settings(settings)  # raises SettingError (a ValueError) by name
+        sensors = Sensors(
+            IdleSource(probes),
+            self.own_pids,
+            exclusive_apps=policy.exclusive_apps,
+            want_temperature=bool(policy.max_cpu_temp_c),
+        )
+        governor = Governor(
+            policy,
+            sensors,
+            self.hosts,
+            gpu=(settings.device or "cpu") != "cpu",
+            state_dir=settings.state_dir,
+            on_change=self._on_policy_change,
+        )
+        return sensors, governor
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -426,173 +427,6 @@ class Worker(Stepping, Transfers):
             case protocol.Error(message=message):
                 log.warning("coordinator error: %s", message)
 
-    # -- tasks -------------------------------------------------------------------------------
-
-    async def _start(self, assign: protocol.Assign) -> None:
-        if assign.task_id in self.running or assign.task_id in self.outbox:
-            return
-        if assign.kind not in self.kinds:
-            self.outbox[assign.task_id] = protocol.Failure(
-                task_id=assign.task_id, reason=f"this node does not run {assign.kind}"
-            )
-            await self._deliver(assign.task_id)
-            return
-        self.running[assign.task_id] = RunningTask(assign)
-        run = asyncio.create_task(self._execute(assign.task_id), name=f"task-{assign.task_id}")
-        # Owned: kept in _task_runs until done, cancelled and awaited in _shutdown.
-        self._task_runs.add(run)
-        run.add_done_callback(self._task_runs.discard)
-
-    def _redeliver_later(self, task_id: int) -> None:
-        async def again() -> None:
-            await asyncio.sleep(REDELIVER_S)
-            await self._deliver(task_id)
-
-        retry = asyncio.create_task(again(), name=f"redeliver-{task_id}")
-        self._task_runs.add(retry)  # owned like a task run: cancelled and awaited on shutdown
-        retry.add_done_callback(self._task_runs.discard)
-
-    def _drop(self, task_id: int, reason: str) -> None:
-        task = self.running.pop(task_id, None)
-        if task is not None:
-            log.info("task %s cancelled: %s", task_id, reason)
-            task.cancel.set()
-            if task.host is not None:
-                task.host.cancel()
-        self.outbox.pop(task_id, None)
-
-    async def _execute(self, task_id: int) -> None:
-        task = self.running[task_id]
-        assign = task.assign
-        try:
-            # The input comes before a slot: a task held in the prefetch buffer downloads
-            # while the slot's task computes, and starts the moment the slot frees. A
-            # paused machine downloads nothing.
-            await self.governor.may_run.wait()
-            if task.cancel.is_set():
-                return
-            data = await self._fetch(assign.input.hash)
-            host = await self._free_hosts.get()
-            try:
-                if task.cancel.is_set():
-                    return  # cancelled while it waited in the buffer
-                await self.governor.may_run.wait()  # a paused machine starts nothing
-                task.host, task.started = host, time.monotonic()
-                task.started_at = task.started
-                output = await self._compute(task, data)
-            finally:
-                task.host = None
-                self._free_hosts.put_nowait(host)
-            if task.cancel.is_set():
-                return
-            digest = hashlib.sha256(output).hexdigest()
-            await self._upload(digest, output)
-            self.outbox[task_id] = protocol.Result(
-                task_id=task_id,
-                output=digest,
-                output_size=len(output),
-                elapsed_s=time.monotonic() - task.started,
-            )
-            self.completed += 1
-            log.info("%s done in %.1f s", _task_name(assign), time.monotonic() - task.started)
-        except Cancelled:
-            return
-        except asyncio.CancelledError:
-            raise
-        except TaskFailed as exc:
-            log.warning("task %s (%s) failed: %s", task_id, assign.kind, exc)
-            self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=str(exc)[:2000])
-        except Exception as exc:
-            log.info("%s failed after %.1f s: %s", _task_name(assign),
-                     time.monotonic() - task.started, _reason(exc))  # fmt: skip
-            log.debug("task %s failed", task_id, exc_info=True)
-            self.outbox[task_id] = protocol.Failure(task_id=task_id, reason=_reason(exc))
-        finally:
-            self.running.pop(task_id, None)
-            if not self.running:
-                self.governor.finished()
-        await self._report(task_id)
-
-    async def _report(self, task_id: int) -> None:
-        """Deliver a finished task, with any that finish at nearly the same moment.
-
-        One reporter at a time: tasks that finish while it lingers or sends join its next
-        message, and it asks for more work only when all of them are on their way (the
-        coordinator reads a `ready` after the results before it, so it sees what is free).
-        """
-        self._unreported.append(task_id)
-        if self._reporting:
-            return  # the reporter delivers this one too
-        self._reporting = True
-        try:
-            if self.running:
-                await asyncio.sleep(REPORT_LINGER_S)
-            while self._unreported:
-                finished, self._unreported = self._unreported, []
-                await self._deliver_many(finished)
-        finally:
-            self._reporting = False  # even if cancelled: the next one delivers them all
-        await self._send_ready()
-
-    async def _compute(self, task: RunningTask, data: bytes) -> bytes:
-        assign = task.assign
-        assert task.host is not None
-        scratch = self.scratch.for_task(assign.kind, dict(assign.params), assign.input.hash)
-        spec = TaskSpec(
-            task_id=assign.task_id,
-            kind=assign.kind,
-            params=dict(assign.params),
-            payload=data,
-            device=self.device,
-            threads=self.settings.threads or self._threads,
-            slowdown=self.settings.slowdown,
-            scratch=str(scratch),
-            checkpoint_every_s=self.settings.checkpoint_every_s,
-        )
-        progress = lambda fraction: setattr(task, "progress", fraction)  # noqa: E731
-        try:
-            output = await task.host.run(spec, fetch=self._fetch, progress=progress)
-        except TaskFailed:
-            self.scratch.remove(scratch)
-            raise
-        # Kept when cancelled or given back: the same work may come back to this node.
-        self.scratch.remove(scratch)
-        return output
-
-    async def _deliver_many(self, task_ids: list[int]) -> None:
-        """Results in `results` frames (one commit each at the coordinator), failures alone."""
-        results = []
-        for task_id in task_ids:
-            message = self.outbox.get(task_id)
-            if isinstance(message, protocol.Result):
-                results.append(message)
-            else:
-                await self._deliver(task_id)
-        for start in range(0, len(results), protocol.MAX_BATCH):
-            chunk = results[start : start + protocol.MAX_BATCH]
-            if len(chunk) == 1:
-                await self._send(chunk[0])
-            else:
-                await self._send(protocol.Results(results=chunk))
-
-    async def _deliver(self, task_id: int) -> None:
-        message = self.outbox.get(task_id)
-        if message is None:
-            return
-        if isinstance(message, protocol.Failure):
-            if await self._send(message):
-                self.outbox.pop(task_id, None)  # failures need no acknowledgement
-            return
-        await self._send(message)  # kept in the outbox until result_ack
-
 
 class NodeRefused(Exception):
     """The coordinator refused the node's hello (a wrong or revoked token)."""
-
-
-def _task_name(assign: protocol.Assign) -> str:
-    return f"task {assign.task_id} ({assign.kind}, job {assign.job_id} shard {assign.shard_index})"
-
-
-def _reason(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:2000]
