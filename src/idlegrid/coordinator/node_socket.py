@@ -29,7 +29,7 @@ from idlegrid.coordinator.hub import NodeSession, node_view
 from idlegrid.kinds import KINDS
 from idlegrid.policy.sybil import network_of
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.base import RegistrationRefused, ResultReceipt
+from idlegrid.store.base import NodeRecord, RegistrationRefused, ResultReceipt
 
 log = logging.getLogger(__name__)
 
@@ -168,8 +168,7 @@ async def _register(
     if token is None:
         guard.auth.failed(address)
     if token is None or token.kind != "node":
-        await _error(websocket, "unauthorized", "a valid node token is required")
-        await websocket.close(code=CLOSE_UNAUTHORIZED)
+        await _refuse(websocket, "a valid node token is required")
         return None
     now = grid.clock()
     kinds = sorted(set(hello.kinds) & set(KINDS))
@@ -194,26 +193,10 @@ async def _register(
             now=now,
         )
     except RegistrationRefused as exc:
-        await _error(websocket, "unauthorized", str(exc))
-        await websocket.close(code=CLOSE_UNAUTHORIZED)
+        await _refuse(websocket, str(exc))
         return None
     grid.fleet.saw(node)
-    session = NodeSession(
-        node_id=node.id,
-        account_id=node.account_id,
-        name=node.name,
-        slots=hello.slots,
-        prefetch=hello.prefetch,
-        view=node_view(node.id, kinds, hello.hardware, hello.benchmark),
-        kind_rates=dict(hello.benchmark.kind_rates),
-        send_text=websocket.send_text,
-        close=websocket.close,
-        network=network,
-        # Trust is per backend: a node names its own only among those it has.
-        backend=(
-            hello.benchmark.backend if hello.benchmark.backend in hello.hardware.backends else "cpu"
-        ),
-    )
+    session = _session_of(websocket, node, hello, kinds, network)
     drop = await _reconcile(grid, session, set(hello.running))
     # Before the welcome: the node may send its first big frame as soon as it has it.
     _raise_frame_limit(websocket, grid.settings.max_frame_bytes)
@@ -229,6 +212,34 @@ async def _register(
     )
     log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots, kinds)
     return session
+
+
+async def _refuse(websocket: WebSocket, message: str) -> None:
+    """Tell the node why, and close its socket as unauthorized."""
+    await _error(websocket, "unauthorized", message)
+    await websocket.close(code=CLOSE_UNAUTHORIZED)
+
+
+def _session_of(
+    websocket: WebSocket, node: NodeRecord, hello: protocol.Hello, kinds: list[str], network: str
+) -> NodeSession:
+    """The connected node as this process serves it."""
+    return NodeSession(
+        node_id=node.id,
+        account_id=node.account_id,
+        name=node.name,
+        slots=hello.slots,
+        prefetch=hello.prefetch,
+        view=node_view(node.id, kinds, hello.hardware, hello.benchmark),
+        kind_rates=dict(hello.benchmark.kind_rates),
+        send_text=websocket.send_text,
+        close=websocket.close,
+        network=network,
+        # Trust is per backend: a node names its own only among those it has.
+        backend=(
+            hello.benchmark.backend if hello.benchmark.backend in hello.hardware.backends else "cpu"
+        ),
+    )
 
 
 async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set[int]:
