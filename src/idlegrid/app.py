@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request, Response, WebSocket
@@ -125,16 +126,17 @@ def _install_meta_routes(app: FastAPI) -> None:
 
 
 DOCS_ASSETS = "/docs/assets"
+# scripts/vendor-swagger-ui.sh refreshes it from npm's swagger-ui-dist.
+SWAGGER_UI = Path(__file__).parent / "coordinator" / "api" / "swagger_ui"
 
 
 def _install_api_docs(app: FastAPI) -> None:
-    """Swagger UI at /docs from the assets vendored by `swagger-ui-bundle`: no CDN, so
-    the reference works on a coordinator with no internet access."""
+    """Swagger UI at /docs from assets vendored in the package (npm's swagger-ui-dist, which
+    reads OpenAPI 3.1): no CDN, so the reference works on a coordinator with no internet."""
     from fastapi.openapi.docs import get_swagger_ui_html
     from fastapi.staticfiles import StaticFiles
-    from swagger_ui_bundle import swagger_ui_path
 
-    app.mount(DOCS_ASSETS, StaticFiles(directory=str(swagger_ui_path)), name="docs-assets")
+    app.mount(DOCS_ASSETS, StaticFiles(directory=str(SWAGGER_UI)), name="docs-assets")
 
     @app.get("/docs", include_in_schema=False)
     async def api_docs() -> Response:
