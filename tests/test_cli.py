@@ -234,3 +234,26 @@ def test_the_rounds_table_fits_80_columns_uncut() -> None:
     text = out.getvalue()
     assert all(len(line) <= 80 for line in text.splitlines())
     assert "…" not in text and "2.3457" in text and "123.5 MB" in text and "13 end" in text
+
+
+def test_web_account_refuses_a_data_dir_without_a_database_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    wrong = tmp_path / "typo-data"
+    args = ["web-account", "ada", "--role", "admin", "--password-file", "-"]
+    env = {"IDLEGRID_DATABASE_URL": ""}
+    result = CliRunner().invoke(
+        main, [*args, "--data-dir", str(wrong)], input="a long passphrase\n", env=env
+    )
+    assert result.exit_code != 0
+    assert str(wrong / "idlegrid.db") in result.output and "--create" in result.output
+    assert not wrong.exists()  # nothing made: no empty database to sign in to
+    made = CliRunner().invoke(
+        main, [*args, "--data-dir", str(wrong), "--create"], input="a long passphrase\n", env=env
+    )
+    assert made.exit_code == 0, made.output
+    assert str(wrong / "idlegrid.db") in made.output
+    again = CliRunner().invoke(
+        main, [*args, "--data-dir", str(wrong)], input="a long passphrase\n", env=env
+    )
+    assert again.exit_code == 0, again.output  # the database exists now: no --create needed

@@ -250,6 +250,11 @@ def migrate(data_dir: Path, database: str, database_schema: str | None) -> None:
     show_default=True,
 )
 @click.option("--database", envvar="IDLEGRID_DATABASE_URL", default="", help="Database URL.")
+@click.option(
+    "--create",
+    is_flag=True,
+    help="Make a new SQLite database in --data-dir if it has none (else that is an error).",
+)
 def web_account(
     name: str,
     role: str,
@@ -257,23 +262,31 @@ def web_account(
     password_file: Any,
     data_dir: Path,
     database: str,
+    create: bool,
 ) -> None:
     """Give an account (made if missing) a dashboard password and a role.
 
     The operator's way in: e.g. `idlegrid web-account admin --role admin` lets the
-    bootstrap admin sign in to the dashboard.
+    bootstrap admin sign in to the dashboard. It changes the coordinator's own
+    database: --data-dir (or --database) must be the one `idlegrid serve` uses.
     """
     from idlegrid.dashboard.accounts import set_login
     from idlegrid.settings import CoordinatorSettings
     from idlegrid.store import open_store
 
+    settings = CoordinatorSettings.from_env(data_dir=data_dir, database_url=database or None)
+    where = settings.database_url or str(settings.data_dir / "idlegrid.db")
+    if not settings.database_url:
+        if not (settings.data_dir / "idlegrid.db").exists() and not create:
+            raise click.ClickException(
+                f"no coordinator database at {where}: give the --data-dir that "
+                "`idlegrid serve` uses (or IDLEGRID_DATA_DIR), or --create to make a new one"
+            )
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
     if password_file is not None:
         password = password_file.readline().rstrip("\n")
     else:
         password = click.prompt("Password", hide_input=True, confirmation_prompt=True)
-    settings = CoordinatorSettings.from_env(data_dir=data_dir, database_url=database or None)
-    if not settings.database_url:
-        data_dir.mkdir(parents=True, exist_ok=True)
 
     async def run() -> None:
         store = open_store(settings.database)
@@ -287,7 +300,7 @@ def web_account(
         asyncio.run(run())
     except ValueError as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"{name} may sign in to the dashboard as a {role}")
+    click.echo(f"{name} may sign in to the dashboard as a {role} (database: {where})")
 
 
 # -- worker ---------------------------------------------------------------------------------
