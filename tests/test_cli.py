@@ -145,7 +145,7 @@ def test_submit_warns_when_the_fleet_cannot_hold_the_replicas(live: Live) -> Non
     assert result.exit_code == 0, result.output
     assert result.output.startswith("job ")
     warnings = [line for line in result.output.splitlines() if line.startswith("warning: ")]
-    assert any("--replication 1" in w for w in warnings), result.output
+    assert any("connect 3 more node(s)" in w for w in warnings), result.output
 
 
 def test_job_prints_a_summary_and_json_on_request(live: Live) -> None:

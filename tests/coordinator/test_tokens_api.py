@@ -86,8 +86,9 @@ def test_a_job_the_fleet_cannot_hold_warns_at_submission_with_the_fix(api: Api) 
     no_node, too_few = job["warnings"]
     assert no_node.startswith(job["waiting_for"][0]) and "until such a node connects" in no_node
     assert too_few.startswith("replication 3 needs 3 connected nodes")
-    assert "submit with replication=1 (CLI: --replication 1)" in too_few
-    assert "a node token on an account of their own" in too_few
+    assert "can hold 0 replica(s) of a shard" in too_few
+    assert "connect 3 more node(s)" in too_few
+    assert "account of their own" not in too_few  # no node at all: accounts are not the fix
     listed = api.client.get(f"/v1/jobs/{job['id']}", headers=api.admin).json()
     assert listed["waiting_for"] == job["waiting_for"] and listed["warnings"] == []
 

@@ -50,3 +50,21 @@ def test_replication_shortfall(
     assert (reason is not None) is short
     if reason:
         assert f"replication {replication} needs {replication}" in reason
+
+
+def test_the_shortfall_names_the_axis_that_binds_and_its_fix() -> None:
+    one_lab = [(1, "10.0.0.0/24"), (2, "10.0.0.0/24"), (3, "10.0.0.0/24")]
+    reason = replication_shortfall(3, one_lab, distinct_accounts=True, distinct_networks=True)
+    assert reason is not None
+    assert "3 such node(s) on 3 account(s) and 1 network(s)" in reason
+    assert "can hold 1 replica(s)" in reason
+    assert "submit with replication=1" in reason
+    assert "IDLEGRID_DISTINCT_NETWORKS=false" in reason
+    assert "account of their own" not in reason and "more node" not in reason
+    shared = [(1, "a"), (1, "b"), (1, "c")]
+    reason = replication_shortfall(3, shared, distinct_accounts=True, distinct_networks=True)
+    assert reason is not None and "account of their own" in reason
+    assert "DISTINCT_NETWORKS" not in reason
+    assert (
+        replication_shortfall(3, one_lab, distinct_accounts=True, distinct_networks=False) is None
+    )

@@ -32,30 +32,47 @@ def replication_shortfall(
     distinct_networks: bool,
 ) -> str | None:
     """Why the connected nodes able to run a job cannot hold `replication` replicas of a
-    shard at once, or None when they can. `nodes`: (account id, network) of each."""
-    if (
-        replication <= 1
-        or len(nodes) >= replication
-        and not (distinct_accounts or distinct_networks)
-    ):
+    shard at once, with the fix that works, or None when they can.
+
+    `nodes`: (account id, network) of each. Replicas of a shard go to distinct nodes, and
+    to distinct accounts and networks where the grid enforces them; the fewest of those
+    is how many replicas the fleet can hold, and what binds it names the fix."""
+    if replication <= 1:
         return None
     accounts = len({account for account, _ in nodes})
     networks = len({network for _, network in nodes})
-    # Nodes that can hold one replica each: distinct on every axis the grid enforces.
-    usable = min(
-        len(nodes),
-        accounts if distinct_accounts else len(nodes),
-        networks if distinct_networks else len(nodes),
-    )
+    limits = {"nodes": len(nodes)}
+    if distinct_accounts:
+        limits["accounts"] = accounts
+    if distinct_networks:
+        limits["networks"] = networks
+    usable = min(limits.values())
     if usable >= replication:
         return None
-    rules = ["nodes"]
-    if distinct_accounts:
-        rules.append("accounts")
-    if distinct_networks:
-        rules.append("networks")
-    return (
-        f"replication {replication} needs {replication} connected nodes on distinct "
-        f"{' and '.join(rules[1:]) or 'nodes'} that run this kind; the fleet has "
-        f"{len(nodes)} such node(s) on {accounts} account(s) and {networks} network(s)"
+    axes = " and ".join(axis for axis in ("accounts", "networks") if axis in limits)
+    needs = f"{replication} connected nodes that run this kind" + (
+        f", on {replication} different {axes}" if axes else ""
     )
+    has = f"{len(nodes)} such node(s) on {accounts} account(s) and {networks} network(s)"
+    return (
+        f"replication {replication} needs {needs}; the fleet has {has}, so it can hold "
+        f"{usable} replica(s) of a shard. To run now: {_fixes(replication, usable, limits)}"
+    )
+
+
+def _fixes(replication: int, usable: int, limits: dict[str, int]) -> str:
+    """What lets the job run, for the axes that bind (fewer than `replication`)."""
+    fixes = []
+    if usable >= 1:
+        fixes.append(f"submit with replication={usable} (CLI: --replication {usable})")
+    if limits["nodes"] < replication:
+        fixes.append(f"connect {replication - limits['nodes']} more node(s)")
+    if limits.get("accounts", replication) < replication:
+        fixes.append("give each volunteer's nodes an account of their own")
+    if limits.get("networks", replication) < replication:
+        fixes.append(
+            "if these nodes share one network you trust (a lab, an office, one machine), "
+            "the coordinator's operator sets IDLEGRID_DISTINCT_NETWORKS=false "
+            '(docs/verification.md, "Credit and Sybil limits")'
+        )
+    return "; or ".join(fixes)

@@ -120,13 +120,7 @@ def _submission_warnings(job: JobRecord, waiting_for: list[str]) -> list[str]:
     """What the fleet lacks for a job just submitted, each with what to do about it."""
     warnings = []
     for reason in waiting_for:
-        if job.replication > 1 and reason.startswith(f"replication {job.replication} "):
-            reason += (
-                "; the job waits until enough such nodes connect. To run it on fewer, "
-                "submit with replication=1 (CLI: --replication 1), or give each "
-                "volunteer a node token on an account of their own"
-            )
-        else:
+        if not reason.startswith(f"replication {job.replication} "):  # it names its fixes
             reason += "; the job waits until such a node connects"
         warnings.append(reason)
     return warnings
