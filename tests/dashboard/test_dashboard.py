@@ -255,6 +255,22 @@ def test_another_accounts_job_is_404(api: Api) -> None:
     assert cancel.status_code == 404
 
 
+def test_a_job_that_ends_reloads_its_page_without_cancel(api: Api) -> None:
+    alice = _researcher(api, "alice-end")
+    job = api.submit(api.token(account="alice-end"), kind="sleep", params={"tasks": 1})
+    page = alice.get(f"/research/jobs/{job['id']}")
+    assert "Cancel job" in page.text
+    poll = alice.get(f"/research/jobs/{job['id']}/progress", headers={"HX-Request": "true"})
+    assert "HX-Refresh" not in poll.headers  # still live: the page stays
+    cancelled = alice.post(f"/research/jobs/{job['id']}/cancel", {}, form="/research/jobs")
+    assert cancelled.status_code == 303
+    poll = alice.get(f"/research/jobs/{job['id']}/progress", headers={"HX-Request": "true"})
+    assert poll.headers.get("HX-Refresh") == "true"  # ended: the whole page reloads
+    alice.get(f"/research/jobs/{job['id']}")  # the banner's one showing
+    page = alice.get(f"/research/jobs/{job['id']}")
+    assert "Cancel job" not in page.text and "is cancelled." not in page.text
+
+
 def test_user_supplied_names_are_escaped(api: Api, browser: Browser) -> None:
     assert browser.sign_up(XSS, "xss@example.org").status_code == 303
     made = browser.post("/teams/new", {"name": XSS, "description": XSS})

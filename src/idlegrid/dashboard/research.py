@@ -213,7 +213,14 @@ async def _new_job(
 ) -> HTMLResponse:
     files = await store_of(request).web_read(uploads.list_uploads, session.account.id)
     return await render(
-        request, "job_new.html", status=status, kind=kind, files=files, error=error, values=values
+        request,
+        "job_new.html",
+        status=status,
+        kind=kind,
+        files=files,
+        error=error,
+        values=values,
+        default_replication=grid_of(request).settings.default_replication,
     )
 
 
@@ -445,9 +452,16 @@ async def job_page(request: Request, job_id: Id, session: Researcher) -> Respons
 
 @router.get("/jobs/{job_id}/progress", response_class=HTMLResponse)
 async def job_progress(request: Request, job_id: Id, session: Researcher) -> Response:
-    """The live part of the job page, polled every two seconds while the job runs."""
+    """The live part of the job page, polled every two seconds while the job runs.
+
+    The poll that finds the job ended reloads the whole page (htmx's HX-Refresh): its
+    header loses the cancel button and the submission's banner with it."""
     job = await own_job(request, session, job_id)
-    return await render(request, "_job_progress.html", **await _job_context(request, job))
+    context = await _job_context(request, job)
+    response = await render(request, "_job_progress.html", **context)
+    if not context["live"] and request.headers.get("hx-request") == "true":
+        response.headers["HX-Refresh"] = "true"
+    return response
 
 
 @router.post("/jobs/{job_id}/cancel", dependencies=[Csrf])
