@@ -570,6 +570,7 @@ def test_admin_grants_researcher_and_disables(api: Api, browser: Browser) -> Non
     assert account_id is not None
     path = f"/admin/accounts/{account_id.group(1)}"
     assert admin.post(f"{path}/role", {"role": "researcher"}, form="/admin").status_code == 303
+    assert "pat is now a researcher." in admin.get("/admin").text  # named, not numbered
     assert browser.get("/research/jobs").status_code == 200
     assert admin.post(f"{path}/disable", {"disabled": "true"}, form="/admin").status_code == 303
     assert browser.get("/research/jobs", follow_redirects=False).status_code == 303
@@ -599,3 +600,26 @@ def test_the_static_scripts_are_vendored() -> None:
     for name in ("htmx.min.js", "uPlot.iife.min.js", "dashboard.js"):
         assert (static / name).stat().st_size > 1000
     assert (static / "licenses" / "uPlot-1.6.32-LICENSE.txt").is_file()
+
+
+def test_an_account_made_for_a_node_token_is_a_volunteer(api: Api) -> None:
+    for kind, name in (("node", "quinn"), ("api", "rosa")):
+        made = api.client.post(
+            "/v1/tokens", json={"kind": kind, "account": name}, headers=api.admin
+        )
+        assert made.status_code == 201, made.text
+    assert off_loop(_role_of(api, "quinn")) == "volunteer"  # it runs a node, submits nothing
+    assert off_loop(_role_of(api, "rosa")) == "researcher"
+
+
+async def _role_of(api: Api, name: str) -> str:
+    from idlegrid.store import open_store, web
+
+    store = open_store(api.settings.database)
+    try:
+        await store.open()
+        account = await store.web_read(web.account_by_name, name)
+        assert account is not None
+        return account.role
+    finally:
+        await store.close()

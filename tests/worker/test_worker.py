@@ -212,3 +212,14 @@ def test_task_threads_follow_the_cores_the_daemon_may_use(tmp_path: Path) -> Non
         os.sched_setaffinity(0, allowed)
     two = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",), slots=2))
     assert [host.threads for host in two.hosts] == [max(1, len(allowed) // 2)] * 2
+
+
+def test_two_workers_on_one_host_get_different_default_names(tmp_path: Path) -> None:
+    import socket
+
+    from idlegrid.worker.commands import DEFAULT_STATE_DIR, default_name
+
+    host = socket.gethostname()
+    assert default_name(None) == default_name(DEFAULT_STATE_DIR) == host
+    first, second = default_name(tmp_path / "w1"), default_name(tmp_path / "w2")
+    assert first == f"{host}-w1" and second == f"{host}-w2"

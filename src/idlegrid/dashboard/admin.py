@@ -65,7 +65,9 @@ async def set_role(
         raise PageError(409, "You cannot take the admin role from yourself.")
     if not await store_of(request).web_write(web.set_role, account_id, role):
         raise PageError(404, f"There is no account {account_id}.")
-    return redirect(request, "/admin", flash=f"Account {account_id} is now a {role}.")
+    account = await store_of(request).web_read(web.account_by_id, account_id)
+    name = account.name if account is not None else f"Account {account_id}"
+    return redirect(request, "/admin", flash=f"{name} is now a {role}.")
 
 
 @router.post("/accounts/{account_id}/disable", dependencies=[Csrf])

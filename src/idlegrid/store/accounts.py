@@ -20,11 +20,11 @@ from idlegrid.store.schema import accounts, tokens
 
 
 async def create_account(
-    conn: AsyncConnection, name: str, *, is_admin: bool, now: float
+    conn: AsyncConnection, name: str, *, is_admin: bool, now: float, role: str = "researcher"
 ) -> AccountRecord:
     try:
         result = await conn.execute(
-            insert(accounts).values(name=name, is_admin=is_admin, created_at=now)
+            insert(accounts).values(name=name, is_admin=is_admin, created_at=now, role=role)
         )
     except IntegrityError as exc:
         raise AccountExists(f"an account named {name!r} exists") from exc

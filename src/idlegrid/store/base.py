@@ -436,8 +436,11 @@ class RunningTask:
 class AccountStore(Protocol):
     """Accounts and their API and node tokens."""
 
-    async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord:
-        """A new account; `AccountExists` when the name is taken."""
+    async def create_account(
+        self, name: str, *, is_admin: bool, now: float, role: str = "researcher"
+    ) -> AccountRecord:
+        """A new account; `AccountExists` when the name is taken. `role`: its dashboard
+        role (a volunteer's account, made for a node token, uploads and submits nothing)."""
         ...
 
     async def get_account(self, name: str) -> AccountRecord | None: ...

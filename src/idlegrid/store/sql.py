@@ -278,9 +278,11 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
 
     # -- accounts and tokens (store/accounts.py) -----------------------------------------
 
-    async def create_account(self, name: str, *, is_admin: bool, now: float) -> AccountRecord:
+    async def create_account(
+        self, name: str, *, is_admin: bool, now: float, role: str = "researcher"
+    ) -> AccountRecord:
         async with self._tx() as conn:
-            return await accounts.create_account(conn, name, is_admin=is_admin, now=now)
+            return await accounts.create_account(conn, name, is_admin=is_admin, now=now, role=role)
 
     async def get_account(self, name: str) -> AccountRecord | None:
         async with self._read() as conn:

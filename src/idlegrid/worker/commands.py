@@ -143,6 +143,15 @@ def worker(ctx: click.Context, **options: Any) -> None:
     _run_daemon(options)
 
 
+def default_name(state_dir: Path | None) -> str:
+    """The machine's name; with a state directory of its own (a second worker on one
+    host), the machine's name and that directory's, so the dashboard tells them apart."""
+    host = socket.gethostname()
+    if state_dir is None or state_dir.resolve() == DEFAULT_STATE_DIR.resolve():
+        return host
+    return f"{host}-{state_dir.resolve().name}"
+
+
 def _settings(options: dict[str, Any]) -> Any:
     from idlegrid.settings import WorkerSettings
 
@@ -152,7 +161,7 @@ def _settings(options: dict[str, Any]) -> Any:
         servers=servers,
         token=options["token"],
         state_dir=options["state_dir"],
-        name=options["name"] or socket.gethostname(),
+        name=options["name"] or default_name(options["state_dir"]),
         slots=options["slots"],
         prefetch=options["prefetch"],
         kinds=tuple(k for k in options["kinds"].split(",") if k) or None,

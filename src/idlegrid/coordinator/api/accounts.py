@@ -68,7 +68,10 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
         if account is None:
             try:
                 account = await grid.store.create_account(
-                    body.account, is_admin=False, now=grid.clock()
+                    body.account,
+                    is_admin=False,
+                    now=grid.clock(),
+                    role="volunteer" if body.kind == "node" else "researcher",
                 )
             except AccountExists:  # made a moment ago by a concurrent request
                 account = await grid.store.get_account(body.account)
