@@ -27,6 +27,7 @@ from idlegrid.coordinator.node_socket import node_socket
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store, open_store
 from idlegrid.store.base import AccountExists
+from idlegrid.units import size_text
 
 log = logging.getLogger(__name__)
 
@@ -304,15 +305,22 @@ class BodyLimit:
                 await _send_413(send, limit)
 
 
+def _body_too_large(limit: int) -> str:
+    return (
+        f"request body is over the {size_text(limit)} limit (max_request_bytes; blobs: "
+        "max_blob_bytes): send data as blobs, a few at a time"
+    )
+
+
 class _TooLarge(StarletteHTTPException):
     # An HTTPException, because FastAPI turns any other error raised while it reads a
     # JSON body into "400 There was an error parsing the body".
     def __init__(self, limit: int) -> None:
-        super().__init__(413, f"request body is over the {limit}-byte limit")
+        super().__init__(413, _body_too_large(limit))
 
 
 async def _send_413(send: Send, limit: int) -> None:
-    response = api.error_response(413, "too_large", f"request body is over the {limit}-byte limit")
+    response = api.error_response(413, "too_large", _body_too_large(limit))
     await send(
         {
             "type": "http.response.start",

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
+from idlegrid.units import size_text
+
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 
 PARALLEL_PUT_BYTES = 1 << 20  # below this in all, `put_many` writes one blob at a time
@@ -123,7 +125,7 @@ class BlobStore:
     def put(self, data: bytes) -> str:
         """Store bytes; return their hash."""
         if len(data) > self.max_bytes:
-            raise BlobError(413, f"blob of {len(data)} bytes is over the {self.max_bytes} limit")
+            raise BlobError(413, _too_large(len(data), self.max_bytes))
         blob_hash = sha256_hex(data)
         if not self.exists(blob_hash):
             fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
@@ -158,7 +160,7 @@ class BlobStore:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > limit:
-                        raise BlobError(413, f"blob is over the {limit}-byte limit")
+                        raise BlobError(413, _too_large(None, limit))
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != expected_hash:
@@ -186,7 +188,7 @@ class BlobStore:
         """
         try:
             if size > self.max_bytes:
-                raise BlobError(413, f"blob of {size} bytes is over the {self.max_bytes} limit")
+                raise BlobError(413, _too_large(size, self.max_bytes))
             digest = hashlib.sha256()
             with open(path, "r+b") as handle:
                 handle.truncate(size)
@@ -207,3 +209,12 @@ class BlobStore:
         with open(tmp, "rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, target)
+
+
+def _too_large(size: int | None, limit: int) -> str:
+    """Why a blob is refused for its size, and what to do."""
+    what = f"blob of {size_text(size)}" if size is not None else "blob"
+    return (
+        f"{what} is over the {size_text(limit)} limit of one blob: split the data into "
+        "several blobs, or ask the operator to raise max_blob_bytes"
+    )

@@ -31,6 +31,7 @@ from idlegrid.kinds.diloco.kind import corpus_dataset_blob
 from idlegrid.store import uploads, web
 from idlegrid.store.base import JobRecord
 from idlegrid.store.web import WebSession
+from idlegrid.units import size_text
 
 router = APIRouter(prefix="/research")
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -85,7 +86,11 @@ async def start_upload(request: Request, session: Researcher) -> Response:
         return _json_error(422, f"bad upload request: {exc}")
     limit = grid_of(request).blobs.max_bytes
     if body.size > limit:
-        return _json_error(413, f"this file is over the {limit:,}-byte limit of one file")
+        return _json_error(
+            413,
+            f"this file is over the {size_text(limit)} limit of one file: split it into "
+            "several files, or ask the operator to raise max_blob_bytes",
+        )
     now = grid_of(request).clock()
     try:
         upload_id, stale = await store_of(request).web_write(

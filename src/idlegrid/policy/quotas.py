@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from idlegrid.units import size_text
+
 
 class QuotaExceeded(Exception):
     """A request over a quota: `status` 413 (this request is too big) or 429 (the
@@ -40,12 +42,13 @@ def blob_refusal(
             429, "quota_blobs", f"the account holds {blobs_held} blobs (quota_blobs {quotas.blobs})"
         )
     if bytes_held + (new_bytes or 0) > quotas.blob_bytes:
-        asked = f" and this one is {new_bytes}" if new_bytes else ""
+        asked = f" and this one is {size_text(new_bytes)}" if new_bytes else ""
         return QuotaExceeded(
             413,
             "quota_blob_bytes",
-            f"the account's blobs take {bytes_held} bytes{asked} "
-            f"(quota_blob_bytes {quotas.blob_bytes})",
+            f"the account's blobs take {size_text(bytes_held)}{asked} "
+            f"(quota_blob_bytes {quotas.blob_bytes}, {size_text(quotas.blob_bytes)}): "
+            "ask the operator to raise it",
         )
     return None
 

@@ -26,6 +26,7 @@ from idlegrid.protocol import MAX_ID
 from idlegrid.store.base import (
     TokenInfo,
 )
+from idlegrid.units import size_text
 
 
 class BlobOut(BaseModel):
@@ -116,4 +117,10 @@ async def readable(grid: Grid, token: TokenInfo, blob_hash: str) -> None:
 def check_length(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, "too_large", f"body of {declared} bytes is over the {limit} limit")
+        raise ApiError(
+            413,
+            "too_large",
+            f"body of {size_text(int(declared))} is over the {size_text(limit)} limit of one "
+            "blob: split the data into several blobs, or ask the operator to raise "
+            "max_blob_bytes",
+        )
