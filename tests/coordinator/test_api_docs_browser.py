@@ -3,43 +3,23 @@ spec offline and lists every operation (Debian's Chromium driven by Playwright).
 
 from __future__ import annotations
 
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from browser import chromium_page
 
 from idlegrid.devtools.localgrid import LocalGrid
 
-CHROMIUM = os.environ.get("IDLEGRID_CHROMIUM", "/usr/bin/chromium")
-ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"]
 METHODS = {"get", "put", "post", "delete", "patch", "head", "options"}
-
-
-def _missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-        pytest.fail(f"{reason}; CI=true requires it (apt-get install chromium)")
-    pytest.skip(f"{reason}: apt-get install chromium, pip install playwright")
 
 
 @pytest.fixture(scope="module")
 def page() -> Iterator[Any]:
-    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        _missing(f"no Chromium at {CHROMIUM}")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _missing("the playwright package is not installed")
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        try:
-            context = browser.new_context(offline=False)
-            yield context.new_page()
-        finally:
-            browser.close()
+    with chromium_page() as opened:
+        yield opened
 
 
 @pytest.mark.slow

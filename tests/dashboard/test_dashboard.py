@@ -368,6 +368,9 @@ def test_validated_work_reaches_every_page(api: Api, browser: Browser) -> None:
     status = browser.get("/")
     assert re.search(r"Results validated, 24 h</span><span class=\"value\">3<", status.text)
     assert '"validated": [3]' in status.text  # the daily chart's data
+    # vera has a node; the admin and the researcher "lab" do not: one volunteer.
+    assert "1 volunteers (accounts with a node)" in status.text
+    assert re.search(r'<span class="label">[MGTP]FLOPS, last 24 h</span>', status.text)
 
 
 def test_team_join_and_leave(browser: Browser, api: Api) -> None:
@@ -623,3 +626,20 @@ async def _role_of(api: Api, name: str) -> str:
         return account.role
     finally:
         await store.close()
+
+
+@pytest.mark.parametrize(
+    ("largest", "unit"),
+    [
+        (0.0, "MFLOPS"),
+        (5e5, "MFLOPS"),
+        (2e6, "MFLOPS"),
+        (3.2e9, "GFLOPS"),
+        (1e12, "TFLOPS"),
+        (7e16, "PFLOPS"),
+    ],
+)
+def test_compute_is_shown_in_a_unit_that_shows_the_work(largest: float, unit: str) -> None:
+    from idlegrid.dashboard.public import flops_unit
+
+    assert flops_unit(largest)[0] == unit

@@ -51,18 +51,32 @@ async def status_page(request: Request) -> Response:
     top = await store_of(request).web_read(
         stats.leaderboard, "accounts", order="recent", limit=5, offset=0
     )
+    unit, scale = flops_unit(max([flops_24h / DAY_S, *(p.flops / 3600 for p in status.hourly)]))
     return await render(
         request,
         "status.html",
         fleet=status,
-        tflops_24h=flops_24h / DAY_S / 1e12,
+        compute_24h=flops_24h / DAY_S / scale,
+        unit=unit,
+        scale=scale,
         validated_24h=status.validated_since(now - DAY_S),
         top=top,
-        charts=status_charts(status, now=now),
+        charts=status_charts(status, now=now, scale=scale),
     )
 
 
-def status_charts(status: stats.GridStatus, *, now: float) -> dict[str, Any]:
+FLOPS_UNITS = (("PFLOPS", 1e15), ("TFLOPS", 1e12), ("GFLOPS", 1e9), ("MFLOPS", 1e6))
+
+
+def flops_unit(largest: float) -> tuple[str, float]:
+    """The unit in which `largest` (FLOP/s) reads as at least 1 (MFLOPS at the least)."""
+    for unit, scale in FLOPS_UNITS:
+        if largest >= scale:
+            return unit, scale
+    return FLOPS_UNITS[-1]
+
+
+def status_charts(status: stats.GridStatus, *, now: float, scale: float) -> dict[str, Any]:
     """The status page's series; each x axis spans its whole period, not only its data."""
     return {
         "daily": {
@@ -73,7 +87,7 @@ def status_charts(status: stats.GridStatus, *, now: float) -> dict[str, Any]:
         "hourly": {
             "range": [now - 2 * DAY_S, now + 3600],
             "x": [p.start for p in status.hourly],
-            "tflops": [round(p.flops / 3600 / 1e12, 6) for p in status.hourly],
+            "rate": [round(p.flops / 3600 / scale, 6) for p in status.hourly],
         },
     }
 

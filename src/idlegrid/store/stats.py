@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sqlalchemy import bindparam, func, select, update
+from sqlalchemy import bindparam, distinct, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -183,10 +183,12 @@ async def grid_status(
             )
         ).all()
     )
+    # Volunteers: accounts with a node (not every account: researchers, the admin).
+    volunteers = select(func.count(distinct(nodes.c.account_id)))
     return GridStatus(
         nodes_total=await count(select(func.count()).select_from(nodes)),
         nodes_online=await count(select(func.count()).select_from(nodes).where(online)),
-        accounts=census[0] if census else await count(select(func.count()).select_from(accounts)),
+        accounts=census[0] if census else await count(volunteers),
         teams=census[1] if census else await count(select(func.count()).select_from(teams)),
         jobs_running=int(job_states.get(JobState.RUNNING.value, 0)),
         jobs_queued=int(job_states.get(JobState.QUEUED.value, 0)),

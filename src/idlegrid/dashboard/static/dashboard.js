@@ -10,6 +10,16 @@
     return meta ? meta.content : "";
   }
 
+  // Ticks with as many decimals as their step needs, so no two read the same
+  // (uPlot's default rounds 0.0012 and 0.0014 both to "0.001").
+  function tickLabels(u, splits, axis, space, step) {
+    var decimals = 0;
+    while (decimals < 12 && Math.abs(Math.round(step * Math.pow(10, decimals)) - step * Math.pow(10, decimals)) > 1e-9 * Math.pow(10, decimals)) decimals++;
+    return splits.map(function (v) { return v == null ? "" : v.toLocaleString(undefined, { minimumFractionDigits: decimals, maximumFractionDigits: decimals }); });
+  }
+
+  window.idlegridCharts = { tickLabels: tickLabels };  // for the browser tests
+
   function drawCharts(root) {
     if (typeof uPlot === "undefined") return;
     (root || document).querySelectorAll(".chart-area[data-chart]").forEach(function (area) {
@@ -24,7 +34,7 @@
         height: 220,
         scales: { x: { time: kind !== "rounds" } },
         legend: { show: series.length > 1 },
-        axes: [{ stroke: "#5b6476" }, { stroke: "#5b6476", size: 60 }],
+        axes: [{ stroke: "#5b6476" }, { stroke: "#5b6476", size: 60, values: tickLabels }],
         series: [{ label: kind === "rounds" ? "round" : "time" }],
       };
       if (data.range) opts.scales.x.range = data.range;

@@ -1,0 +1,32 @@
+"""The dashboard's chart ticks in a real browser: as many decimals as their step needs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from browser import chromium_page
+
+from idlegrid import dashboard
+
+SCRIPT = Path(dashboard.__file__).parent / "static" / "dashboard.js"
+
+
+@pytest.mark.parametrize(
+    ("splits", "step", "labels"),
+    [
+        ([0.001, 0.0012, 0.0014, 0.0016], 0.0002, ["0.0010", "0.0012", "0.0014", "0.0016"]),
+        ([0, 0.5, 1, 1.5], 0.5, ["0.0", "0.5", "1.0", "1.5"]),
+        ([0, 2000, 4000], 2000, ["0", "2,000", "4,000"]),
+        ([0.0, 0.25, 0.5], 0.25, ["0.00", "0.25", "0.50"]),
+    ],
+)
+def test_tick_labels_never_repeat(splits: list[float], step: float, labels: list[str]) -> None:
+    with chromium_page(locale="en-US") as page:
+        page.set_content(f"<html><body><script>{SCRIPT.read_text()}</script></body></html>")
+        shown = page.evaluate(
+            "([splits, step]) => window.idlegridCharts.tickLabels(null, splits, 1, 50, step)",
+            [splits, step],
+        )
+    assert shown == labels
+    assert len(set(shown)) == len(shown)
