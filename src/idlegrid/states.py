@@ -1,8 +1,20 @@
-"""Lifecycles of jobs, shards, tasks and nodes: enums plus one transition check each.
+"""Lifecycles of jobs, shards, tasks, nodes, training rounds and uploads: enums plus one
+transition table.
 
-The store calls `check_transition` before every state change, so an illegal move (a
+The store makes every state change through `store/lifecycle.py`, which reads this table
+and calls `check_transition` on each move before it writes, so an illegal move (a
 cancelled job becoming completed, a completed task being reassigned) raises instead of
-quietly corrupting state.
+quietly corrupting state:
+
+- an update names its target and the states it expects to move from (`sources_of` the
+  target when it names none); each of those moves is checked when the statement is built,
+  so an illegal one is a programming error that raises before any SQL runs;
+- the update is conditional in SQL (`WHERE state IN (sources)`), so of two coordinator
+  processes racing on one row the loser changes nothing; for most callers no row moved
+  is a normal outcome, not an error;
+- where a caller needs one row moved (a row it read and judged movable), a row that did
+  not move and is found in a state from which the move is illegal raises
+  `IllegalTransition` with its table, id and both states, and is logged.
 """
 
 from __future__ import annotations
@@ -47,6 +59,11 @@ class TrainingRoundState(enum.StrEnum):
     CLOSED = "closed"  # aggregated (or, the last one, evaluated); late updates are dropped
 
 
+class UploadState(enum.StrEnum):
+    PARTIAL = "partial"  # chunks still arriving
+    DONE = "done"  # every byte arrived and is stored as a blob
+
+
 TERMINAL_JOB_STATES = frozenset({JobState.COMPLETED, JobState.FAILED, JobState.CANCELLED})
 LIVE_TASK_STATES = frozenset({TaskState.READY, TaskState.ASSIGNED})
 
@@ -87,6 +104,10 @@ _ALLOWED: Mapping[type[enum.Enum], Mapping[enum.Enum, frozenset[enum.Enum]]] = {
     TrainingRoundState: {
         TrainingRoundState.OPEN: frozenset({TrainingRoundState.CLOSED}),
         TrainingRoundState.CLOSED: frozenset(),
+    },
+    UploadState: {
+        UploadState.PARTIAL: frozenset({UploadState.DONE}),
+        UploadState.DONE: frozenset(),
     },
 }
 

@@ -19,12 +19,14 @@ from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
+from idlegrid.store.lifecycle import in_state, move
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 
 # Another task of the same shard. Made once: an alias copies the table's columns and
 # foreign keys into reference cycles, garbage the collector would walk after every query.
 OTHER = tasks.alias("other")
 _RAN = rows.states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
+_CLAIMABLE = (TaskState.READY,)
 
 
 async def ready_tasks(conn: AsyncConnection, *, limit: int) -> list[ReadyTask]:
@@ -80,18 +82,26 @@ async def claim_task(
             .where(shards.c.id == shard_of_task.scalar_subquery())
             .with_for_update(key_share=True)
         )
-    where = [tasks.c.id == task_id, tasks.c.state == TaskState.READY.value]
+    where = [tasks.c.id == task_id]
     if rows.row_locks(conn):
         # A task another transaction is claiming now is skipped, not waited for (its
         # claim may be a whole batch long, and it will most likely win): the caller
         # tries its next candidate at once, as `claim_tasks` does.
-        free = select(tasks.c.id).where(*where).with_for_update(skip_locked=True, key_share=True)
+        free = select(tasks.c.id).where(*where, in_state(tasks, *_CLAIMABLE))
+        free = free.with_for_update(skip_locked=True, key_share=True)
         where.append(tasks.c.id.in_(free.scalar_subquery()))
     where += distinct_from(claimer, distinct)
     if not trust_policy.is_trusted(found.trust, trust):
         where.append(tasks.c.trusted_only.is_(False))
     claimed = await conn.execute(
-        update(tasks).where(*where).values(**held_by(claimer, now), lease_deadline=lease_deadline)
+        move(
+            tasks,
+            TaskState.ASSIGNED,
+            *where,
+            sources=_CLAIMABLE,
+            **held_by(claimer, now),
+            lease_deadline=lease_deadline,
+        )
     )
     if claimed.rowcount != 1:
         state = (
@@ -130,22 +140,24 @@ async def claim_tasks(
         return found
     room = found.trust.daily_quota - found.quota_used_today
     wanted = sorted(lease_deadlines)[:room]
-    ready = [tasks.c.id.in_(wanted), tasks.c.state == TaskState.READY.value]
+    ready = [tasks.c.id.in_(wanted)]
     if rows.row_locks(conn):
         # Tasks another process is claiming right now are skipped, not waited for: its
         # transaction may be a whole batch long, and they will be its tasks anyway.
-        free = select(tasks.c.id).where(*ready).with_for_update(skip_locked=True, key_share=True)
+        free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
+        free = free.with_for_update(skip_locked=True, key_share=True)
         ready.append(tasks.c.id.in_(free.scalar_subquery()))
     claimed = (
         (
             await conn.execute(
-                update(tasks)
-                .where(*ready)
-                .values(
+                move(
+                    tasks,
+                    TaskState.ASSIGNED,
+                    *ready,
+                    sources=_CLAIMABLE,
                     **held_by(claimer, now),
                     lease_deadline=case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id),
-                )
-                .returning(tasks.c.id)
+                ).returning(tasks.c.id)
             )
         )
         .scalars()
@@ -167,9 +179,8 @@ async def claim_tasks(
 
 
 def held_by(claimer: Claimer, now: float) -> dict[str, Any]:
-    """The values of a task claimed by `claimer` (its lease deadline aside)."""
+    """The values of a task claimed by `claimer`, besides its state and lease deadline."""
     return dict(
-        state=TaskState.ASSIGNED.value,
         node_id=claimer.node_id,
         account_id=claimer.account_id,
         network=claimer.network,
@@ -190,12 +201,13 @@ async def assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float
         )
     ).all()
     await conn.execute(
-        update(jobs)
-        .where(
+        move(
+            jobs,
+            JobState.RUNNING,
             jobs.c.id.in_({row.job_id for row in found}),
-            jobs.c.state == JobState.QUEUED.value,
+            sources=[JobState.QUEUED],
+            started_at=now,
         )
-        .values(state=JobState.RUNNING.value, started_at=now)
     )
     return list(found)
 
@@ -232,14 +244,14 @@ async def release_claims(
     """
     released = (
         await conn.execute(
-            update(tasks)
-            .where(
+            move(
+                tasks,
+                TaskState.CANCELLED,
                 tasks.c.id.in_(sorted(set(task_ids))),
                 tasks.c.node_id == node_id,
-                tasks.c.state == TaskState.ASSIGNED.value,
-            )
-            .values(state=TaskState.CANCELLED.value, finished_at=now)
-            .returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
+                sources=[TaskState.ASSIGNED],
+                finished_at=now,
+            ).returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
         )
     ).all()
     if not released:
@@ -323,10 +335,9 @@ async def run_alone(
     cancelled = sorted(
         (
             await conn.execute(
-                update(tasks)
-                .where(tasks.c.id.in_(drop), tasks.c.state == TaskState.READY.value)
-                .values(state=TaskState.CANCELLED.value)
-                .returning(tasks.c.id)
+                move(
+                    tasks, TaskState.CANCELLED, tasks.c.id.in_(drop), sources=[TaskState.READY]
+                ).returning(tasks.c.id)
             )
         )
         .scalars()

@@ -8,18 +8,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import Update, func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState, sources_of
+from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
 from idlegrid.store import rows
 from idlegrid.store.base import HeldTask, JobRecord, NewJob, NodeTask, ShardRecord
 from idlegrid.store.blob_owners import add_job_blobs
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 OPEN_JOB = rows.states(JobState.QUEUED, JobState.RUNNING)
-_CANCELLABLE = rows.states(TaskState.READY, TaskState.ASSIGNED)
+_CANCELLABLE = (TaskState.READY, TaskState.ASSIGNED)
 # Expired tasks are told to stop too (their node may still run them), but stay expired:
 # an error of their node, which only a result that still comes takes back.
 _TO_STOP = rows.states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
@@ -100,19 +101,14 @@ async def end_job(
     conn: AsyncConnection, job_id: int, target: JobState, *, error: str | None, now: float
 ) -> list[NodeTask]:
     """Cancel or fail a job that has not ended, with its open shards and live tasks."""
+    # A job that ended meanwhile (completed, or ended by another process) stays as it is.
     changed = await conn.execute(
-        update(jobs)
-        .where(jobs.c.id == job_id, jobs.c.state.in_(rows.states(*sources_of(target))))
-        .values(state=target.value, error=error, finished_at=now)
+        move(jobs, target, jobs.c.id == job_id, error=error, finished_at=now)
     )
     if changed.rowcount != 1:
         return []
     shard_target = ShardState.CANCELLED if target == JobState.CANCELLED else ShardState.FAILED
-    await conn.execute(
-        update(shards)
-        .where(shards.c.job_id == job_id, shards.c.state == ShardState.OPEN.value)
-        .values(state=shard_target.value, finished_at=now)
-    )
+    await conn.execute(end_open_shards(shards.c.job_id == job_id, shard_target, now=now))
     return await cancel_live(conn, tasks.c.job_id == job_id, now=now)
 
 
@@ -128,19 +124,21 @@ async def complete_job(
     conn: AsyncConnection, job_id: int, *, result_hash: str, result_size: int, now: float
 ) -> bool:
     changed = await conn.execute(
-        update(jobs)
-        .where(
+        move(
+            jobs,
+            JobState.COMPLETED,
             jobs.c.id == job_id,
-            jobs.c.state.in_(rows.states(*sources_of(JobState.COMPLETED))),
-        )
-        .values(
-            state=JobState.COMPLETED.value,
             result_hash=result_hash,
             result_size=result_size,
             finished_at=now,
         )
     )
     return changed.rowcount == 1
+
+
+def end_open_shards(where: Any, to: ShardState, *, now: float) -> Update:
+    """The update that ends the open shards matching `where` (those decided stay)."""
+    return move(shards, to, where, sources=[ShardState.OPEN], finished_at=now)
 
 
 async def jobs_to_assemble(conn: AsyncConnection) -> list[int]:
@@ -172,9 +170,13 @@ async def cancel_live_by_shard(conn: AsyncConnection, where: Any, *, now: float)
         return []
     # Still conditional: a result committed meanwhile by another process stays.
     await conn.execute(
-        update(tasks)
-        .where(tasks.c.id.in_([r.id for r in found]), tasks.c.state.in_(_CANCELLABLE))
-        .values(state=TaskState.CANCELLED.value, finished_at=now)
+        move(
+            tasks,
+            TaskState.CANCELLED,
+            tasks.c.id.in_([r.id for r in found]),
+            sources=_CANCELLABLE,
+            finished_at=now,
+        )
     )
     return [
         HeldTask(r.shard_id, NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state)))

@@ -22,6 +22,7 @@ from idlegrid.store.base import (
     RegistrationRefused,
     StateCounts,
 )
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 
 HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
@@ -37,7 +38,8 @@ async def register_node(
     now: float,
     limits: RegistrationLimits | None,
 ) -> NodeRecord:
-    """Insert the node, or update it when its key is known; `values` are its columns."""
+    """Insert the node, or update it when its key is known; `values` are its columns
+    (its state aside: it is online now, from either state)."""
     upsert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
     known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
     if known is None and limits is not None:
@@ -50,15 +52,23 @@ async def register_node(
             node_key=node_key,
             created_at=now,
             connected_seconds=0.0,
+            state=NodeState.ONLINE.value,
             **values,
         )
         .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
     )
     if inserted.rowcount != 1:
+        # Known and online already (a reconnect before its old connection was missed):
+        # still refreshed, so `or_already`.
         updated = await conn.execute(
-            update(nodes)
-            .where(nodes.c.node_key == node_key, nodes.c.account_id == account_id)
-            .values(**values)
+            move(
+                nodes,
+                NodeState.ONLINE,
+                nodes.c.node_key == node_key,
+                nodes.c.account_id == account_id,
+                or_already=True,
+                **values,
+            )
         )
         if updated.rowcount != 1:
             raise RegistrationRefused("this node key belongs to another account")
@@ -113,11 +123,7 @@ async def check_new_node(
 
 
 async def set_node_offline(conn: AsyncConnection, node_id: int, *, now: float) -> None:
-    await conn.execute(
-        update(nodes)
-        .where(nodes.c.id == node_id, nodes.c.state == NodeState.ONLINE.value)
-        .values(state=NodeState.OFFLINE.value, last_seen_at=now)
-    )
+    await conn.execute(move(nodes, NodeState.OFFLINE, nodes.c.id == node_id, last_seen_at=now))
 
 
 def _touch_statement() -> Any:

@@ -17,6 +17,7 @@ from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import rows
 from idlegrid.store.base import NodeTask, ReadyTask, Replenished
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
 
 
@@ -185,22 +186,23 @@ async def _fail_exhausted(
             f"(max_attempts={row.max_attempts})"
         )
         await conn.execute(
-            update(shards)
-            .where(shards.c.id == row.id, shards.c.state == ShardState.OPEN.value)
-            .values(state=ShardState.FAILED.value, error=reason, finished_at=now)
+            move(
+                shards,
+                ShardState.FAILED,
+                shards.c.id == row.id,
+                sources=[ShardState.OPEN],
+                error=reason,
+                finished_at=now,
+            )
         )
         changed = await conn.execute(
-            update(jobs)
-            .where(jobs.c.id == row.job_id, jobs.c.state.in_(job_sql.OPEN_JOB))
-            .values(state=JobState.FAILED.value, error=reason, finished_at=now)
+            move(jobs, JobState.FAILED, jobs.c.id == row.job_id, error=reason, finished_at=now)
         )
         if changed.rowcount == 1:
             failed_jobs.append(row.job_id)
             # Its other shards end with it, as in `jobs.end_job`.
             await conn.execute(
-                update(shards)
-                .where(shards.c.job_id == row.job_id, shards.c.state == ShardState.OPEN.value)
-                .values(state=ShardState.FAILED.value, finished_at=now)
+                job_sql.end_open_shards(shards.c.job_id == row.job_id, ShardState.FAILED, now=now)
             )
             to_cancel += await job_sql.cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
     return failed_jobs, to_cancel

@@ -10,26 +10,27 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, select, update
+from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.policy.trust import TrustSettings
-from idlegrid.states import ShardState, TaskState, check_transition
+from idlegrid.states import ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
+from idlegrid.store.lifecycle import check_moved, check_row, move
 from idlegrid.store.schema import shards, tasks
 
-_TAKE = (
-    update(tasks)
-    .where(tasks.c.id == bindparam("b_task"))
-    .values(
-        state=TaskState.COMPLETED.value,
-        output_hash=bindparam("b_output_hash"),
-        output_size=bindparam("b_output_size"),
-        elapsed_s=bindparam("b_elapsed_s"),
-        finished_at=bindparam("b_now"),
-        outcome=bindparam("b_outcome"),
-    )
+# Every state a result may complete (`sources_of(COMPLETED)`); `judge_result` takes no
+# other, and the rows are locked from that judgement to this update.
+_TAKE = move(
+    tasks,
+    TaskState.COMPLETED,
+    tasks.c.id == bindparam("b_task"),
+    output_hash=bindparam("b_output_hash"),
+    output_size=bindparam("b_output_size"),
+    elapsed_s=bindparam("b_elapsed_s"),
+    finished_at=bindparam("b_now"),
+    outcome=bindparam("b_outcome"),
 )
 
 
@@ -83,7 +84,7 @@ async def accept_results(
             continue
         assert row is not None
         shard_open = row.shard_state == ShardState.OPEN.value
-        check_transition(TaskState(row.state), TaskState.COMPLETED)
+        check_row(tasks, row.id, TaskState(row.state), TaskState.COMPLETED)
         taken[result.task_id] = result.output_hash
         if row.state == TaskState.EXPIRED.value:
             delivered_late.append(result.task_id)
@@ -103,7 +104,8 @@ async def accept_results(
             )
         )
     if changes:
-        await conn.execute(_TAKE, changes)
+        done = await conn.execute(_TAKE, changes)
+        await check_moved(conn, done, tasks, list(taken), TaskState.COMPLETED)
     await ledger.withdraw_errors(conn, delivered_late, settings=trust, now=now)
     return receipts
 
@@ -162,17 +164,14 @@ async def record_failure(
 
     An error of the node, unless the task had expired: that was charged already.
     """
-    values = dict(state=TaskState.FAILED.value, failure_reason=reason[:2000], finished_at=now)
+    values: dict[str, Any] = dict(failure_reason=reason[:2000], finished_at=now)
     mine = (tasks.c.id == task_id, tasks.c.node_id == node_id)
-    changed = await conn.execute(
-        update(tasks).where(*mine, tasks.c.state == TaskState.ASSIGNED.value).values(**values)
-    )
+    failed = TaskState.FAILED
+    changed = await conn.execute(move(tasks, failed, *mine, sources=[TaskState.ASSIGNED], **values))
     if changed.rowcount == 1:
         await ledger.apply_verdicts(conn, [(task_id, "error")], settings=trust, now=now)
         return True
-    changed = await conn.execute(
-        update(tasks).where(*mine, tasks.c.state == TaskState.EXPIRED.value).values(**values)
-    )
+    changed = await conn.execute(move(tasks, failed, *mine, sources=[TaskState.EXPIRED], **values))
     return changed.rowcount == 1
 
 
@@ -187,10 +186,9 @@ async def expire(
     """
     changed = (
         await conn.execute(
-            update(tasks)
-            .where(where, tasks.c.state == TaskState.ASSIGNED.value)
-            .values(state=TaskState.EXPIRED.value)
-            .returning(tasks.c.id, tasks.c.node_id)
+            move(tasks, TaskState.EXPIRED, where, sources=[TaskState.ASSIGNED]).returning(
+                tasks.c.id, tasks.c.node_id
+            )
         )
     ).all()
     if not changed:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import JobState, ShardState, TaskState, TrainingRoundState, sources_of
+from idlegrid.states import JobState, ShardState, TaskState, TrainingRoundState
 from idlegrid.store.base import (
     DueRound,
     NewRound,
@@ -28,7 +28,8 @@ from idlegrid.store.base import (
     TrainingFinish,
 )
 from idlegrid.store.blob_owners import add_job_blobs
-from idlegrid.store.jobs import cancel_live
+from idlegrid.store.jobs import cancel_live, end_open_shards
+from idlegrid.store.lifecycle import move
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds
 
@@ -106,19 +107,14 @@ class TrainingRoundsSql:
             if not await _close(conn, job_id, final, metrics, now):
                 return TrainingFinish(won=False, to_cancel=[])
             await conn.execute(
-                update(shards)
-                .where(shards.c.job_id == job_id, shards.c.state == ShardState.OPEN.value)
-                .values(state=ShardState.CANCELLED.value, finished_at=now)
+                end_open_shards(shards.c.job_id == job_id, ShardState.CANCELLED, now=now)
             )
             to_cancel = await cancel_live(conn, tasks.c.job_id == job_id, now=now)
             completed = await conn.execute(
-                update(jobs)
-                .where(
+                move(
+                    jobs,
+                    JobState.COMPLETED,
                     jobs.c.id == job_id,
-                    jobs.c.state.in_([s.value for s in sources_of(JobState.COMPLETED)]),
-                )
-                .values(
-                    state=JobState.COMPLETED.value,
                     result_hash=result_hash,
                     result_size=result_size,
                     finished_at=now,
@@ -182,11 +178,7 @@ class TrainingRoundsSql:
             return []
         of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(indexes)))
         ids = (await conn.execute(select(shards.c.id).where(of_round))).scalars().all()
-        await conn.execute(
-            update(shards)
-            .where(of_round, shards.c.state == ShardState.OPEN.value)
-            .values(state=ShardState.CANCELLED.value, finished_at=now)
-        )
+        await conn.execute(end_open_shards(of_round, ShardState.CANCELLED, now=now))
         return await cancel_live(conn, tasks.c.shard_id.in_(list(ids)), now=now)
 
 
@@ -202,10 +194,14 @@ async def _name_round_blobs(conn: AsyncConnection, job_id: int, new: NewRound) -
 async def _close(
     conn: AsyncConnection, job_id: int, round_number: int, metrics: dict[str, Any], now: float
 ) -> bool:
+    # The loser of two passes closing one round changes nothing here.
     changed = await conn.execute(
-        update(training_rounds)
-        .where(_round_is(job_id, round_number), training_rounds.c.state == _OPEN)
-        .values(state=TrainingRoundState.CLOSED.value, closed_at=now)
+        move(
+            training_rounds,
+            TrainingRoundState.CLOSED,
+            _round_is(job_id, round_number),
+            closed_at=now,
+        )
     )
     if changed.rowcount != 1:
         return False

@@ -294,7 +294,7 @@ uploads = Table(
     Column("purpose", String(16), nullable=False),  # uploads.Purpose
     Column("size", Integer, nullable=False),
     Column("received", Integer, nullable=False, default=0),
-    Column("state", String(16), nullable=False),  # "partial" or "done"
+    Column("state", String(16), nullable=False),  # UploadState: "partial" or "done"
     Column("blob_hash", String(64), nullable=True),
     Column("created_at", Double, nullable=False),
     Column("finished_at", Double, nullable=True),

@@ -22,13 +22,13 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from sqlalchemy import and_, event, text
+from sqlalchemy import event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
 from idlegrid.policy.trust import TrustSettings
-from idlegrid.states import JobState, NodeState, TaskState
+from idlegrid.states import JobState
 from idlegrid.store import (
     accounts,
     audit,
@@ -349,7 +349,6 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
             address=address,
             network=network,
             last_seen_at=now,
-            state=NodeState.ONLINE.value,
         )
         async with self._tx() as conn:
             return await node_sql.register_node(
@@ -567,19 +566,17 @@ class SqlStore(TrainingRoundsSql, DashboardSql, BlobAccessSql, UsageSql):
             )
 
     async def expire_overdue(self, *, now: float) -> list[NodeTask]:
-        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.lease_deadline < now)
-        return await self._expire(where, now=now)
+        return await self._expire(tasks.c.lease_deadline < now, now=now)
 
     async def expire_node_tasks(self, node_id: int, *, now: float) -> list[NodeTask]:
-        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.node_id == node_id)
-        return await self._expire(where, now=now)
+        return await self._expire(tasks.c.node_id == node_id, now=now)
 
     async def expire_task(self, task_id: int, *, now: float) -> list[NodeTask]:
-        where = and_(tasks.c.state == TaskState.ASSIGNED.value, tasks.c.id == task_id)
-        return await self._expire(where, now=now)
+        return await self._expire(tasks.c.id == task_id, now=now)
 
     @_retry_conflicts
     async def _expire(self, where: Any, *, now: float) -> list[NodeTask]:
+        """Expire the assigned tasks matching `where` (`result_sql.expire`)."""
         async with self._tx() as conn:
             return await result_sql.expire(conn, where, trust=self.trust, now=now)
 

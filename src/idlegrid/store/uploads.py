@@ -13,6 +13,8 @@ from typing import Any, Literal
 from sqlalchemy import delete, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from idlegrid.states import UploadState
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import uploads
 
 Purpose = Literal["texts", "dataset", "weights", "onnx-model", "model-inputs"]
@@ -80,7 +82,7 @@ async def start_upload(
             await conn.execute(
                 select(uploads.c.id).where(
                     uploads.c.account_id == account_id,
-                    uploads.c.state == "partial",
+                    uploads.c.state == UploadState.PARTIAL.value,
                     uploads.c.created_at < stale_before,
                 )
             )
@@ -101,7 +103,7 @@ async def start_upload(
             purpose=purpose,
             size=size,
             received=0,
-            state="partial",
+            state=UploadState.PARTIAL.value,
             created_at=now,
         )
     )
@@ -126,7 +128,7 @@ async def advance(
         .where(
             uploads.c.id == upload_id,
             uploads.c.account_id == account_id,
-            uploads.c.state == "partial",
+            uploads.c.state == UploadState.PARTIAL.value,
             uploads.c.received == offset,
             uploads.c.size >= offset + length,
         )
@@ -139,14 +141,15 @@ async def finish_upload(
     conn: AsyncConnection, upload_id: int, account_id: int, *, blob_hash: str, now: float
 ) -> bool:
     result = await conn.execute(
-        update(uploads)
-        .where(
+        move(
+            uploads,
+            UploadState.DONE,
             uploads.c.id == upload_id,
             uploads.c.account_id == account_id,
-            uploads.c.state == "partial",
             uploads.c.received == uploads.c.size,
+            blob_hash=blob_hash,
+            finished_at=now,
         )
-        .values(state="done", blob_hash=blob_hash, finished_at=now)
     )
     return bool(result.rowcount)
 
@@ -164,7 +167,7 @@ async def list_uploads(
 ) -> list[Upload]:
     query = (
         select(uploads)
-        .where(uploads.c.account_id == account_id, uploads.c.state == "done")
+        .where(uploads.c.account_id == account_id, uploads.c.state == UploadState.DONE.value)
         .order_by(uploads.c.id.desc())
         .limit(limit)
     )
