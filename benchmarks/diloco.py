@@ -38,7 +38,7 @@ from typing import Any
 
 from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.kinds.diloco import kind as diloco
-from idlegrid.training import simulate
+from idlegrid.kinds.diloco import simulate
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"
 
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per grid job")
     own, rest = parser.parse_known_args(argv)
     args = simulate.parse_args(rest)
-    from idlegrid.training.inner import use_threads
+    from idlegrid.kinds.diloco.inner import use_threads
 
     use_threads(args.threads)  # the sync run here as in simulate (one thread: the same bits)
     pairs = []

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from idlegrid.training import corpus, models
-from idlegrid.training.data import TokenData
-from idlegrid.training.task_checkpoint import FILE, Checkpointer
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco.data import TokenData
+from idlegrid.kinds.diloco.task_checkpoint import FILE, Checkpointer
+from idlegrid.training import models
 
 torch = pytest.importorskip("torch")
-from idlegrid.training import inner  # noqa: E402
+from idlegrid.kinds.diloco import inner  # noqa: E402
 
 LM = models.LMConfig(vocab=103, context=32, width=16, layers=1, heads=2)
 SETTINGS = inner.InnerSettings(steps=8, batch_size=4, seq_len=32, lr=3e-3)

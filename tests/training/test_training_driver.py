@@ -25,14 +25,15 @@ from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds import RunContext, get_kind
 from idlegrid.kinds.diloco import kind as diloco
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.data import ExampleData
+from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import JobRecord, ResultReceipt
 from idlegrid.store.sql import SqlStore
-from idlegrid.training import models, tasks
-from idlegrid.training.data import ExampleData
+from idlegrid.training import models
 from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
 from idlegrid.training.schedule import Close, close_decision, finish_decision
-from idlegrid.training.worker_state import WorkerState
 
 KIND = get_kind("diloco-train")
 T0 = 1_000_000.0

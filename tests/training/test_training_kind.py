@@ -13,9 +13,11 @@ from helpers import run_python
 from pydantic import ValidationError
 
 from idlegrid.kinds import Cancelled, InputError, RunContext, Verdict, get_kind
+from idlegrid.kinds.diloco import char_corpus as corpus
 from idlegrid.kinds.diloco import kind as diloco
-from idlegrid.training import closing, compression, corpus, models, tasks
-from idlegrid.training.data import ExampleData
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.data import ExampleData
+from idlegrid.training import closing, compression, models
 from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
 
 pytest.importorskip("torch")
@@ -52,7 +54,7 @@ def _run(payload: bytes, params: diloco.DilocoParams, **ctx: Any) -> bytes:
 def test_the_kind_is_registered_and_importing_it_needs_no_torch() -> None:
     assert isinstance(KIND, diloco.DilocoKind)
     code = (
-        "import sys, idlegrid.kinds, idlegrid.training.simulate, idlegrid.training.runner; "
+        "import sys, idlegrid.kinds, idlegrid.kinds.diloco.simulate, idlegrid.kinds.diloco.run; "
         "assert 'torch' not in sys.modules"
     )
     run_python(code, timeout_s=60)
@@ -231,8 +233,8 @@ def test_a_malformed_payload_is_an_input_error_and_cancel_stops_a_task() -> None
 
 
 def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
-    from idlegrid.training import runner
-    from idlegrid.training.worker_state import WorkerState
+    from idlegrid.kinds.diloco import run as runner
+    from idlegrid.kinds.diloco.worker_state import WorkerState
 
     params = _params()
     state = closing.initial_state(diloco.initial_weights(params))

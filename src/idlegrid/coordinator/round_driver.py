@@ -42,6 +42,7 @@ from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.plans import Plans
 from idlegrid.kinds import ShardSpec, TaskKind
+from idlegrid.kinds.diloco import tasks
 from idlegrid.kinds.diloco.kind import (
     DilocoKind,
     DilocoParams,
@@ -56,7 +57,7 @@ from idlegrid.kinds.diloco.kind import (
 )
 from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
 from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
-from idlegrid.training import closing, tasks
+from idlegrid.training import closing
 from idlegrid.training.compression import decode, encode_message
 from idlegrid.training.schedule import Close, close_decision, finish_decision
 

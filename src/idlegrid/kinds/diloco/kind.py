@@ -63,8 +63,14 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
-from idlegrid.training import closing, corpus, fragments, models, runner, tasks, verify
-from idlegrid.training import data as datasets
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco import data as datasets
+from idlegrid.kinds.diloco import run as runner
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.inner import InnerSettings, use_threads
+from idlegrid.kinds.diloco.task_checkpoint import Checkpointer
+from idlegrid.kinds.diloco.worker_state import WorkerState
+from idlegrid.training import closing, fragments, models, verify
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, method_of
 from idlegrid.training.flat import (
@@ -75,10 +81,7 @@ from idlegrid.training.flat import (
     weights_to_safetensors,
 )
 from idlegrid.training.fragments import Span, Streaming, StreamingSettings
-from idlegrid.training.inner import InnerSettings, use_threads
 from idlegrid.training.outer import OuterSettings
-from idlegrid.training.task_checkpoint import Checkpointer
-from idlegrid.training.worker_state import WorkerState
 
 CORPUS_NAME = "pydoc-topics"
 # The worker process's weights cache and error-feedback residuals, shared by its tasks.
