@@ -92,7 +92,7 @@ def test_checkpoints_wait_for_their_interval(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_diloco_task_killed_mid_round_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     from idlegrid.devtools.localgrid import LocalGrid
-    from idlegrid.kinds.diloco.kind import corpus_dataset_blob
+    from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
     params = {
         "architecture": "transformer-lm",
