@@ -6,7 +6,7 @@ with `eval.tokens` or `eval.x`/`eval.y` as the held-out split (else the last ten
 out), or naming a character corpus built into idlegrid (`dataset`).
 
 A shard is one worker's part of the training data; a task trains on it for H AdamW steps
-from the round's global weights (see `training.tasks` for the payload and result bytes).
+from the round's global weights (see `tasks` for the payload and result bytes).
 `split` makes round 0's training shards from the seed; the coordinator's round driver
 (`coordinator/round_driver.py`) runs the rounds through the kind's `rounds` hooks
 (`rounds.py`), which close each round with `training.closing.close_round` and open the

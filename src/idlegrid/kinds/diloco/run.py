@@ -47,7 +47,7 @@ def run_task(
     """Train (or evaluate) one task; remember its weights, residual and moments in `state`.
 
     With a `checkpoint`, a training task goes on from the progress saved there and saves
-    its own as it goes (training/task_checkpoint.py).
+    its own as it goes (kinds/diloco/task_checkpoint.py).
 
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.

@@ -17,7 +17,7 @@ rounds: its task in flight is lost, and it comes back `churn_down` later with no
 cached (its weights and AdamW moments gone).
 
 Run: ``python -m idlegrid.kinds.diloco.timeline --rounds 30 --slowdown 3`` (flags as
-`training.simulate`, plus these). It prints each mode's wall time to the target loss and
+`simulate`, plus these). It prints each mode's wall time to the target loss and
 its final test loss.
 """
 
