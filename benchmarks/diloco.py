@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from idlegrid.devtools.localgrid import LocalGrid
-from idlegrid.kinds.diloco import kind as diloco
-from idlegrid.training import simulate
+from idlegrid.kinds.diloco import simulate
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"
 
@@ -66,7 +66,7 @@ def run_grid(local: LocalGrid, setup: simulate.Setup, *, timeout: float) -> simu
     """One training job through the grid; its curve and bytes from the job's metrics."""
     started = time.perf_counter()
     with local.client() as client:
-        dataset = diloco.corpus_dataset_blob(setup.corpus)
+        dataset = corpus_dataset_blob(setup.corpus)
         job = client.submit("diloco-train", inputs={"dataset": dataset},
                             params=grid_params(setup))  # fmt: skip
         metrics = _follow(job, timeout)
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="per grid job")
     own, rest = parser.parse_known_args(argv)
     args = simulate.parse_args(rest)
-    from idlegrid.training.inner import use_threads
+    from idlegrid.kinds.diloco.inner import use_threads
 
     use_threads(args.threads)  # the sync run here as in simulate (one thread: the same bits)
     pairs = []

@@ -40,7 +40,7 @@ from typing import Any, Self
 import psutil
 
 from idlegrid.devtools.localgrid import LocalGrid
-from idlegrid.kinds.diloco import kind as diloco
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
 PERIOD_S = 0.3
 
@@ -145,7 +145,7 @@ def run_mode(
     """One job; its rounds' (start time, eval loss), wall time and stale counts."""
     started = time.monotonic()
     with local.client() as client:
-        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob(
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob(
             "cpython-stdlib")}, params=job_params(rounds, asynchronous, steps))  # fmt: skip
         job.wait(timeout=timeout)
         metrics = job.metrics()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from idlegrid.training.simulate import Report, compare
+from idlegrid.kinds.diloco.simulate import Report, compare
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"
 

@@ -284,6 +284,73 @@ def test_only_the_composition_root_imports_both_coordinator_and_dashboard() -> N
     assert "idlegrid.app" in KNOWN  # the root itself: create_app, above both
 
 
+# Kinds are plug-ins: outside kinds/, code reaches a kind through the registry
+# (`idlegrid.kinds.get_kind`) and the interface (`idlegrid.kinds.base`), never a concrete
+# kind's module, so that no part outside kinds/ depends on one kind (an isinstance of a
+# concrete kind needs its import). The exceptions: helpers of one kind's input format or
+# examples, used where that kind is the point, never a kind class.
+KIND_INTERFACE = ("idlegrid.kinds", "idlegrid.kinds.base")
+KIND_EXCEPTIONS = {
+    # The researcher's side zips a folder of images as onnx-infer's `data` input: the
+    # input format is that kind's, and `Client.submit_images` and `idlegrid submit` name it.
+    ("idlegrid.client", "idlegrid.kinds.onnx.data"),
+    ("idlegrid.cli.researcher", "idlegrid.kinds.onnx.data"),
+    # The demo runs each kind on sample data and checks its result against a reference
+    # computed on the spot: kind by kind, as a development aid (not shipped to workers).
+    ("idlegrid.devtools.demo", "idlegrid.kinds.embed_text.samples"),
+    ("idlegrid.devtools.demo", "idlegrid.kinds.embed_text.kind"),
+    ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.examples"),
+    ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.data"),
+    ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.compare"),
+}
+
+
+def _outside_kinds() -> list[tuple[str, Path]]:
+    return [(m, p) for m, p in KNOWN.items() if not _banned(m, ("idlegrid.kinds",))]
+
+
+def test_no_concrete_kind_is_imported_outside_kinds() -> None:
+    offenders = sorted(
+        f"{module} imports {imported.name} (line {imported.line})"
+        for module, path in _outside_kinds()
+        for imported in imports_of(module, path, KNOWN)
+        if _banned(imported.name, ("idlegrid.kinds",))
+        and imported.name not in KIND_INTERFACE
+        and (module, imported.name) not in KIND_EXCEPTIONS
+    )
+    assert offenders == []
+
+
+def test_the_kind_exceptions_import_no_kind_class() -> None:
+    """Where a kind's module is imported outside kinds/, only helpers are: no TaskKind."""
+    import importlib
+
+    from idlegrid.kinds.base import TaskKind
+
+    classes = []
+    for module, path in _outside_kinds():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                if not _banned(node.module, ("idlegrid.kinds",)):
+                    continue
+                source = importlib.import_module(node.module)
+                for alias in node.names:
+                    found = getattr(source, alias.name, None)
+                    concrete = isinstance(found, type) and issubclass(found, TaskKind)
+                    if concrete and found is not TaskKind:
+                        classes.append(f"{module} imports {node.module}.{alias.name}")
+    assert classes == []
+
+
+def test_every_kind_exception_is_still_needed() -> None:
+    used = {
+        (module, imported.name)
+        for module, path in _outside_kinds()
+        for imported in imports_of(module, path, KNOWN)
+    }
+    assert KIND_EXCEPTIONS - used == set()
+
+
 # -- the checker itself, on a package written for the purpose --------------------------
 
 

@@ -144,7 +144,7 @@ def test_the_training_section_finishes_with_two_workers(tmp_path: Path) -> None:
     (sdk,) = _blocks(section, "python")
     (shell,) = _blocks(section, "bash")
     submit, metrics = _lines(shell)
-    from idlegrid.kinds.diloco.kind import corpus_dataset_blob
+    from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
     (tmp_path / "dataset.safetensors").write_bytes(corpus_dataset_blob())
     with LocalGrid(tmp_path / "grid") as grid:

@@ -17,9 +17,9 @@ import dataclasses
 from pathlib import Path
 
 from idlegrid.kinds import get_kind
-from idlegrid.kinds.diloco.kind import DilocoParams
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.params import DilocoParams
 from idlegrid.settings import WorkerSettings
-from idlegrid.training import tasks
 from idlegrid.training.compression import compress, decode
 from idlegrid.worker.daemon import RunningTask, Worker
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from idlegrid.training import corpus, models
-from idlegrid.training.data import TokenData
-from idlegrid.training.task_checkpoint import FILE, Checkpointer
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco.data import TokenData
+from idlegrid.kinds.diloco.task_checkpoint import FILE, Checkpointer
+from idlegrid.training import models
 
 torch = pytest.importorskip("torch")
-from idlegrid.training import inner  # noqa: E402
+from idlegrid.kinds.diloco import inner  # noqa: E402
 
 LM = models.LMConfig(vocab=103, context=32, width=16, layers=1, heads=2)
 SETTINGS = inner.InnerSettings(steps=8, batch_size=4, seq_len=32, lr=3e-3)
@@ -91,7 +92,7 @@ def test_checkpoints_wait_for_their_interval(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_diloco_task_killed_mid_round_resumes_from_its_checkpoint(tmp_path: Path) -> None:
     from idlegrid.devtools.localgrid import LocalGrid
-    from idlegrid.kinds.diloco.kind import corpus_dataset_blob
+    from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
     params = {
         "architecture": "transformer-lm",

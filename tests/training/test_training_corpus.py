@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from idlegrid.training import corpus
+from idlegrid.kinds.diloco import char_corpus as corpus
 
 
 def test_the_snapshot_is_the_pinned_text() -> None:

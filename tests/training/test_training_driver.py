@@ -25,14 +25,17 @@ from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds import RunContext, get_kind
 from idlegrid.kinds.diloco import kind as diloco
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.data import ExampleData
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob, dataset_blob, stream_id
+from idlegrid.kinds.diloco.params import DilocoParams
+from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import JobRecord, ResultReceipt
 from idlegrid.store.sql import SqlStore
-from idlegrid.training import models, tasks
-from idlegrid.training.data import ExampleData
+from idlegrid.training import models
 from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
 from idlegrid.training.schedule import Close, close_decision, finish_decision
-from idlegrid.training.worker_state import WorkerState
 
 KIND = get_kind("diloco-train")
 T0 = 1_000_000.0
@@ -86,7 +89,7 @@ def _dataset() -> bytes:
     rng = np.random.default_rng(7)
     x = rng.standard_normal((800, 8)).astype(np.float32)
     y = np.argmax(x @ rng.standard_normal((8, 3)), axis=1).astype(np.int64)
-    return diloco.dataset_blob(ExampleData(x[:640], y[:640]), ExampleData(x[640:], y[640:]))
+    return dataset_blob(ExampleData(x[:640], y[:640]), ExampleData(x[640:], y[640:]))
 
 
 @dataclass
@@ -193,7 +196,7 @@ async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
     # The result is the final round's checkpoint: safetensors of the digested weights.
     result = harness.grid.blobs.read(done.result_hash or "")
     params = KIND.parse_params(MLP)
-    assert isinstance(params, diloco.DilocoParams)
+    assert isinstance(params, DilocoParams)
     spec = models.flat_spec("mlp", params.model_settings())
     assert digest(weights_from_safetensors(result, spec)) == rows[-1]["weights_digest"]
     assert '"round":3' in read_metadata(result)["idlegrid"]
@@ -394,7 +397,7 @@ def settings(tmp_path: Path) -> CoordinatorSettings:
 
 def test_the_metrics_endpoint(api: Api) -> None:
     alice, bob = api.token(account="alice"), api.token(account="bob")
-    dataset = api.upload(diloco.corpus_dataset_blob(), alice)
+    dataset = api.upload(corpus_dataset_blob(), alice)
     tiny_lm = {"model": {"width": 16, "layers": 1, "heads": 2, "context": 32}, "rounds": 3,
                "workers": 2, "inner": {"steps": 4, "batch_size": 4, "seq_len": 32}}  # fmt: skip
     job = api.submit(alice, kind="diloco-train", inputs={"dataset": dataset}, params=tiny_lm)
@@ -430,7 +433,7 @@ async def test_a_node_keeps_its_shards_moments_and_gets_that_shard_again(
         assign = await _train_task(harness, node, monkeypatch)
         first[node.session.node_id] = assign["shard_index"]
         await harness.deliver(node, assign, harness.compute(node, assign, monkeypatch))
-    stream = diloco.stream_id(
+    stream = stream_id(
         KIND.parse_params({**MLP, "inner": {**MLP["inner"], "keep_state": True}}), _dataset()
     )  # type: ignore[arg-type]
     assert b.cache.optimizer_shards(stream) == [first[b.session.node_id]]
@@ -512,7 +515,7 @@ async def test_a_streaming_job_syncs_one_fragment_a_round_through_the_grid(
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.1
     # Each round's weights differ from the last in that round's fragment alone.
     params = KIND.parse_params({**MLP, "streaming": {"fragments": 2, "mix": 0.5}})
-    assert isinstance(params, diloco.DilocoParams)
+    assert isinstance(params, DilocoParams)
     spec = models.flat_spec("mlp", params.model_settings())
     spans = params.fragments()
     assert spans is not None

@@ -7,7 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from idlegrid.training import closing, fragments, models, tasks
+from idlegrid.kinds.diloco import tasks
+from idlegrid.training import closing, fragments, models
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, length
 from idlegrid.training.flat import digest
@@ -174,7 +175,7 @@ def test_a_streaming_payload_survives_its_bytes_and_rebuilds_weights_by_fragment
 
 
 def test_a_node_keeps_local_weights_per_shard_for_the_next_round_only() -> None:
-    from idlegrid.training.worker_state import WorkerState
+    from idlegrid.kinds.diloco.worker_state import WorkerState
 
     node = WorkerState()
     node.set_local_weights("run", 1, 5, np.ones(3, np.float32))
@@ -187,9 +188,9 @@ def test_a_node_keeps_local_weights_per_shard_for_the_next_round_only() -> None:
 
 torch = pytest.importorskip("torch")
 
-from idlegrid.training import simulate  # noqa: E402
+from idlegrid.kinds.diloco import simulate  # noqa: E402
+from idlegrid.kinds.diloco.inner import InnerSettings  # noqa: E402
 from idlegrid.training.fragments import StreamingSettings  # noqa: E402
-from idlegrid.training.inner import InnerSettings  # noqa: E402
 
 TINY = simulate.Setup(
     workers=2,

@@ -19,7 +19,7 @@ from helpers import wait_until
 
 from idlegrid.cli.main import main
 from idlegrid.devtools.localgrid import LocalGrid
-from idlegrid.kinds.diloco import kind as diloco
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 from idlegrid.training import models
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def _holds_a_task_after_round_0(grid: LocalGrid, worker: str, job_id: int) -> bo
 
 def test_training_through_workers_lowers_the_eval_loss(grid: LocalGrid) -> None:
     with grid.client() as client:
-        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
                             params=TINY_LM)  # fmt: skip
         job.wait(timeout=120)
         metrics = job.metrics()
@@ -90,7 +90,7 @@ def test_training_through_workers_lowers_the_eval_loss(grid: LocalGrid) -> None:
 def test_a_worker_killed_mid_round_does_not_stop_training(grid: LocalGrid) -> None:
     params = {**TINY_LM, "inner": {**TINY_LM["inner"], "steps": 60}, "round_timeout_s": 8.0}
     with grid.client() as client:
-        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
                             params=params)  # fmt: skip
         # Kill the second worker while it holds a training task of round 1 or later.
         wait_until(
@@ -124,7 +124,7 @@ def test_asynchronous_training_applies_late_updates_through_workers(grid: LocalG
     params = {**TINY_LM, "workers": 3, "min_updates": 2, "asynchronous": True,
               "max_staleness": 2, "rounds": 5}  # fmt: skip
     with grid.client() as client:
-        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
                             params=params)  # fmt: skip
         job.wait(timeout=180)
         metrics = job.metrics()

@@ -5,12 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from idlegrid.training import corpus, models
-from idlegrid.training.data import ExampleData, TokenData
-from idlegrid.training.worker_state import OptimizerState as WorkerOptimizerState
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco.data import ExampleData, TokenData
+from idlegrid.kinds.diloco.worker_state import OptimizerState as WorkerOptimizerState
+from idlegrid.training import models
 
 torch = pytest.importorskip("torch")
-from idlegrid.training import inner  # noqa: E402
+from idlegrid.kinds.diloco import inner  # noqa: E402
 
 LM = models.LMConfig(vocab=103, context=32, width=16, layers=1, heads=2)
 SETTINGS = inner.InnerSettings(steps=8, batch_size=4, seq_len=32, lr=3e-3)

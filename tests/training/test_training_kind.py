@@ -13,10 +13,13 @@ from helpers import run_python
 from pydantic import ValidationError
 
 from idlegrid.kinds import Cancelled, InputError, RunContext, Verdict, get_kind
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco import dataset, rounds, tasks
 from idlegrid.kinds.diloco import kind as diloco
-from idlegrid.training import closing, compression, corpus, models, tasks
-from idlegrid.training.data import ExampleData
-from idlegrid.training.flat import digest, read_metadata, weights_from_safetensors
+from idlegrid.kinds.diloco.data import ExampleData
+from idlegrid.kinds.diloco.params import DilocoParams
+from idlegrid.training import closing, compression, models
+from idlegrid.training.flat import digest, pack, read_metadata, weights_from_safetensors
 
 pytest.importorskip("torch")
 
@@ -28,9 +31,9 @@ SMALL: dict[str, Any] = {
 }
 
 
-def _params(**changes: Any) -> diloco.DilocoParams:
+def _params(**changes: Any) -> DilocoParams:
     params = KIND.parse_params({**SMALL, **changes})
-    assert isinstance(params, diloco.DilocoParams)
+    assert isinstance(params, DilocoParams)
     return params
 
 
@@ -41,18 +44,18 @@ def fresh_worker() -> Iterator[None]:
     diloco.WORKER_STATE.clear()
 
 
-def _round0(params: diloco.DilocoParams) -> list[bytes]:
-    return [s.payload for s in KIND.split({"dataset": diloco.corpus_dataset_blob()}, params)]
+def _round0(params: DilocoParams) -> list[bytes]:
+    return [s.payload for s in KIND.split({"dataset": dataset.corpus_dataset_blob()}, params)]
 
 
-def _run(payload: bytes, params: diloco.DilocoParams, **ctx: Any) -> bytes:
+def _run(payload: bytes, params: DilocoParams, **ctx: Any) -> bytes:
     return KIND.run(payload, params, RunContext(threads=1, **ctx))
 
 
 def test_the_kind_is_registered_and_importing_it_needs_no_torch() -> None:
     assert isinstance(KIND, diloco.DilocoKind)
     code = (
-        "import sys, idlegrid.kinds, idlegrid.training.simulate, idlegrid.training.runner; "
+        "import sys, idlegrid.kinds, idlegrid.kinds.diloco.simulate, idlegrid.kinds.diloco.run; "
         "assert 'torch' not in sys.modules"
     )
     run_python(code, timeout_s=60)
@@ -82,16 +85,16 @@ def test_bad_params_are_refused(raw: dict[str, Any]) -> None:
 def test_split_makes_round_zero_from_the_seed() -> None:
     params = _params()
     decoded = [tasks.decode_task(p) for p in _round0(params)]
-    weights = diloco.initial_weights(params)
+    weights = rounds.initial_weights(params)
     assert [t.shard for t in decoded] == [0, 1]
     assert {t.round for t in decoded} == {0} and len({t.seed for t in decoded}) == 2
     assert all(t.target.digest == digest(weights) for t in decoded)
     # No weights travel: nodes draw them from the seed, or fetch the checkpoint.
-    keyframe = sha256(diloco.checkpoint(params, closing.initial_state(weights))).hexdigest()
+    keyframe = sha256(rounds.checkpoint(params, closing.initial_state(weights))).hexdigest()
     assert all(t.weights is None and t.init_seed == params.seed for t in decoded)
     assert all(t.keyframe_blob == keyframe for t in decoded)
     resolved = tasks.resolve_weights(decoded[0], lambda _: None, initialize=lambda seed: (
-        diloco.initial_weights(params.model_copy(update={"seed": seed}))))  # fmt: skip
+        rounds.initial_weights(params.model_copy(update={"seed": seed}))))  # fmt: skip
     assert np.array_equal(resolved, weights)
     slices = [t.data for t in decoded]
     assert all(isinstance(s, tasks.CorpusSlice) for s in slices)
@@ -133,7 +136,7 @@ def test_assemble_closes_round_zero_into_safetensors_weights() -> None:
     blob = KIND.assemble(outputs, params)
     spec = models.flat_spec(params.architecture, params.model_settings())
     weights = weights_from_safetensors(blob, spec)
-    state = closing.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(rounds.initial_weights(params))
     updates = [
         closing.Update(compression.decode(r.update), 0, r.loss_mean)  # type: ignore[arg-type]
         for r in map(tasks.decode_result, outputs)
@@ -149,7 +152,7 @@ def test_round_one_needs_only_the_update_on_a_node_that_ran_round_zero() -> None
     params = _params()
     payloads = _round0(params)
     outputs = [_run(p, params) for p in payloads]
-    state = closing.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(rounds.initial_weights(params))
     updates = [
         closing.Update(compression.decode(r.update), 0)  # type: ignore[arg-type]
         for r in map(tasks.decode_result, outputs)
@@ -158,8 +161,8 @@ def test_round_one_needs_only_the_update_on_a_node_that_ran_round_zero() -> None
         state, updates, rule=params.aggregation, outer=params.outer, download=params.download
     )
     link = tasks.Link(tasks.WeightsRef(0, state.digest), closed.message)
-    train, _ = diloco.read_dataset(diloco.corpus_dataset_blob())
-    task = diloco.round_task(params, closed.state, train, 0, stream="job-1", chain=(link,))
+    train, _ = dataset.read_dataset(dataset.corpus_dataset_blob())
+    task = rounds.round_task(params, closed.state, train, 0, stream="job-1", chain=(link,))
     payload = tasks.encode_task(task)
     assert len(payload) < 4 * state.weights.size / 3  # an int8 update, not fp32 weights
     result = tasks.decode_result(_run(payload, params))
@@ -185,7 +188,7 @@ def test_a_classifier_trains_on_an_uploaded_dataset() -> None:
     data = ExampleData(rng.standard_normal((80, 12)).astype(np.float32), rng.integers(0, 3, 80))
     params = _params(architecture="mlp", model={"inputs": 12, "hidden": [8], "classes": 3},
                      inner={"steps": 3, "batch_size": 4})  # fmt: skip
-    payloads = [s.payload for s in KIND.split({"dataset": diloco.dataset_blob(data)}, params)]
+    payloads = [s.payload for s in KIND.split({"dataset": dataset.dataset_blob(data)}, params)]
     output = _run(payloads[1], params)
     KIND.check_output(payloads[1], output, params)
     train = tasks.decode_task(payloads[1]).data
@@ -194,7 +197,7 @@ def test_a_classifier_trains_on_an_uploaded_dataset() -> None:
 
 def test_an_eval_task_returns_the_held_out_loss() -> None:
     params = _params()
-    weights = diloco.initial_weights(params)
+    weights = rounds.initial_weights(params)
     task = tasks.TaskPayload(
         mode="eval", stream="job-1", round=0, shard=0, seed=0,
         target=tasks.WeightsRef(0, digest(weights)), weights=weights,
@@ -212,9 +215,9 @@ def test_an_eval_task_returns_the_held_out_loss() -> None:
     ("dataset", "match"),
     [
         (b"garbage", "dataset"),
-        (diloco.pack({}, {"corpus": "wikipedia"}), "unknown corpus"),
-        (diloco.pack({"tokens": np.zeros(5, np.float32)}, {}), "tokens"),
-        (diloco.pack({"tokens": np.zeros(1, np.uint8)}, {}), "too small"),
+        (pack({}, {"corpus": "wikipedia"}), "unknown corpus"),
+        (pack({"tokens": np.zeros(5, np.float32)}, {}), "tokens"),
+        (pack({"tokens": np.zeros(1, np.uint8)}, {}), "too small"),
     ],
 )
 def test_unusable_datasets_are_input_errors(dataset: bytes, match: str) -> None:
@@ -231,20 +234,20 @@ def test_a_malformed_payload_is_an_input_error_and_cancel_stops_a_task() -> None
 
 
 def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
-    from idlegrid.training import runner
-    from idlegrid.training.worker_state import WorkerState
+    from idlegrid.kinds.diloco import run as runner
+    from idlegrid.kinds.diloco.worker_state import WorkerState
 
     params = _params()
-    state = closing.initial_state(diloco.initial_weights(params))
+    state = closing.initial_state(rounds.initial_weights(params))
     update = np.full(state.weights.size, 1e-3, np.float32)
     closed = closing.close_round(
         state, [closing.Update(update, 0)], rule=params.aggregation, outer=params.outer,
         download=params.download,
     )  # fmt: skip
-    blobs = {"ab" * 32: diloco.checkpoint(params, closed.state)}
-    train, _ = diloco.read_dataset(diloco.corpus_dataset_blob())
+    blobs = {"ab" * 32: rounds.checkpoint(params, closed.state)}
+    train, _ = dataset.read_dataset(dataset.corpus_dataset_blob())
     link = tasks.Link(tasks.WeightsRef(0, state.digest), closed.message)
-    task = diloco.round_task(params, closed.state, train, 1, stream="job-1", chain=(link,),
+    task = rounds.round_task(params, closed.state, train, 1, stream="job-1", chain=(link,),
                              keyframe_blob="ab" * 32)  # fmt: skip
     newcomer = WorkerState()
     result = runner.run_task(task, params.train_spec(), newcomer, fetch=blobs.__getitem__)
@@ -254,27 +257,27 @@ def test_a_node_joining_mid_training_fetches_the_keyframe_checkpoint() -> None:
 
 def test_a_ramped_job_gives_each_round_its_own_h() -> None:
     params = _params(rounds=3, inner={**SMALL["inner"], "ramp": [2]})
-    assert [s.items for s in KIND.split({"dataset": diloco.corpus_dataset_blob()}, params)] == [
+    assert [s.items for s in KIND.split({"dataset": dataset.corpus_dataset_blob()}, params)] == [
         2,
         2,
     ]
-    assert diloco.train_flops(params, 1) == 2 * diloco.train_flops(params, 0)
+    assert rounds.train_flops(params, 1) == 2 * rounds.train_flops(params, 0)
     done: list[float] = []
     _run(_round0(params)[0], params, report_progress=done.append)
     assert done[-1] == 1.0 and len(done) == 2
 
 
 def test_the_stdlib_corpus_travels_by_name_and_pin() -> None:
-    train, held_out = diloco.read_dataset(diloco.corpus_dataset_blob("cpython-stdlib"))
+    train, held_out = dataset.read_dataset(dataset.corpus_dataset_blob("cpython-stdlib"))
     assert isinstance(train, tasks.CorpusSlice) and isinstance(held_out, tasks.CorpusSlice)
     assert (train.corpus, held_out.corpus) == ("cpython-stdlib", "cpython-stdlib")
     assert train.stop == len(corpus.train_tokens("cpython-stdlib"))
     params = _params()
     shard = tasks.shard_ref(train, 1, params.workers)
-    task = diloco.round_task(params, closing.initial_state(diloco.initial_weights(params)),
+    task = rounds.round_task(params, closing.initial_state(rounds.initial_weights(params)),
                              train, 1, stream="job-1")  # fmt: skip
     decoded = tasks.decode_task(tasks.encode_task(task))
     assert decoded.data == shard and decoded.data.load().tokens.size == shard.stop - shard.start
-    wrong_pin = diloco.pack({}, {"corpus": "cpython-stdlib", "sha256": corpus.PYDOC.sha256})
+    wrong_pin = pack({}, {"corpus": "cpython-stdlib", "sha256": corpus.PYDOC.sha256})
     with pytest.raises(InputError, match="unknown corpus"):
-        diloco.read_dataset(wrong_pin)
+        dataset.read_dataset(wrong_pin)

@@ -29,7 +29,7 @@ def test_parameter_list_matches_the_torch_module(architecture: str) -> None:
 @pytest.mark.parametrize("architecture", sorted(models.ARCHITECTURES))
 def test_forward_shapes(architecture: str) -> None:
     torch = pytest.importorskip("torch")
-    from idlegrid.training.inner import load_module
+    from idlegrid.kinds.diloco.inner import load_module
 
     config = models.parse_config(architecture, CONFIGS[architecture])
     weights = models.init_weights(architecture, config, seed=1)

@@ -7,8 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from idlegrid.kinds.diloco import tasks
 from idlegrid.training import compression as c
-from idlegrid.training import tasks
 from idlegrid.training.flat import digest
 from idlegrid.training.outer import (
     OuterSettings,

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from idlegrid.devtools.localgrid import LocalGrid
-from idlegrid.kinds.diloco import kind as diloco
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def _grid(root: Path, env: dict[str, str]) -> Iterator[LocalGrid]:
 def _train(grid: LocalGrid, aggregation: dict[str, Any]) -> dict[str, Any]:
     """One training job with this aggregation rule; its metrics when it ends."""
     with grid.client() as client:
-        job = client.submit("diloco-train", inputs={"dataset": diloco.corpus_dataset_blob()},
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
                             params={**TINY_LM, "aggregation": aggregation})  # fmt: skip
         job.wait(timeout=180)
         return dict(job.metrics())

@@ -8,9 +8,10 @@ import math
 import numpy as np
 import pytest
 
-from idlegrid.training import models, simulate, verify
+from idlegrid.kinds.diloco import simulate
+from idlegrid.kinds.diloco.inner import InnerSettings, for_round
+from idlegrid.training import models, verify
 from idlegrid.training.compression import Compression
-from idlegrid.training.inner import InnerSettings, for_round
 from idlegrid.training.outer import OuterSettings
 
 pytest.importorskip("torch")
@@ -187,7 +188,7 @@ def test_reports_survive_json() -> None:
 
 
 def test_a_node_keeps_moments_per_shard_for_later_rounds_only() -> None:
-    from idlegrid.training.worker_state import OptimizerState, WorkerState
+    from idlegrid.kinds.diloco.worker_state import OptimizerState, WorkerState
 
     node = WorkerState(optimizer_capacity=2)
     moments = OptimizerState(3, np.zeros(4, np.float32), np.ones(4, np.float32))

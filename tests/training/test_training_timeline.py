@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from idlegrid.training import models, simulate, timeline
+from idlegrid.kinds.diloco import simulate, timeline
+from idlegrid.kinds.diloco.inner import InnerSettings
+from idlegrid.training import models
 from idlegrid.training.compression import Compression
-from idlegrid.training.inner import InnerSettings
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

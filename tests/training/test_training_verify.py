@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from idlegrid.training import corpus, models, verify
-from idlegrid.training.data import TokenData
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco.data import TokenData
+from idlegrid.training import models, verify
 
 
 def test_a_sketch_estimates_relative_distance() -> None:
@@ -44,7 +45,7 @@ def test_zero_vectors_agree_and_nan_does_not() -> None:
 def test_tolerance_holds_across_thread_counts_and_catches_another_seed() -> None:
     """Calibration: the same task with 1 and 2 CPU threads, and with another seed."""
     torch = pytest.importorskip("torch")
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     config = models.LMConfig(vocab=103, context=32, width=32, layers=2, heads=4)
     weights = models.init_weights("transformer-lm", config, 0)

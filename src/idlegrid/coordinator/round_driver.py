@@ -1,22 +1,27 @@
-"""The round driver: a `diloco-train` job as a sequence of rounds through the grid.
+"""The round driver: a job of a kind that runs in rounds (`TaskKind.rounds`, e.g.
+`diloco-train`) as a sequence of rounds through the grid.
 
-Round t is a row in the store (weights digest, checkpoint and momentum blobs, the update
+The driver knows rounds, not training: the kind's `RoundHooks` say what a round's
+weights, shards, close and evaluation are; the driver stores rounds, schedules their
+shards and decides when each closes.
+
+Round t is a row in the store (weights digest, checkpoint and optimizer blobs, the update
 that produced it) plus its shards: one training task per worker-shard and, every
 `eval_every` rounds, one evaluation task of round t's weights on the held-out split. When
 `min_updates` training shards have a canonical update (verified like any shard, with the
 job's replication), or the round's timer ran out with at least one, the driver closes the
-round with `training.closing.close_round` (numpy; the coordinator never imports torch),
-checkpoints the new weights and momentum as safetensors blobs, cancels the round's
-unfinished tasks (their late updates would be dropped), and opens round t+1, whose
-payloads carry the compressed update by reference and the checkpoint as a keyframe.
+round through the kind (`RoundJob.close`: numpy; the coordinator never imports torch),
+stores the new weights and optimizer state as blobs, cancels the round's unfinished
+tasks (their late updates would be dropped), and opens round t+1, whose payloads name
+the published update and the checkpoint as a keyframe.
 
 In asynchronous mode (`asynchronous`) a closing round leaves its running tasks
 running: an update of round r that is decided while round t is open counts in round t's
-close, weighted by its staleness t - r (`closing.close_round`), if t - r <=
+close, weighted by its staleness t - r (the kind's close), if t - r <=
 `max_staleness`; older ones are dropped, and tasks that can only arrive too late are
 cancelled. The quorum counts round t's own updates only (a round never closes on stale
 updates alone), and a closing round's tasks no node started yet are cancelled: a node
-always starts from the newest weights, as on `training.timeline`'s virtual clock.
+always starts from the newest weights.
 Each round's metrics list the shards it aggregated (`applied`) and count the stale
 updates it applied and dropped; the job's metrics sum them.
 
@@ -31,56 +36,37 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.plans import Plans
-from idlegrid.kinds import ShardSpec, TaskKind
-from idlegrid.kinds.diloco.kind import (
-    DilocoKind,
-    DilocoParams,
-    checkpoint,
-    eval_shard,
-    initial_weights,
-    momentum_blob,
-    read_dataset,
-    read_state,
-    round_shards,
-    stream_id,
+from idlegrid.kinds.base import (
+    Published,
+    RoundClose,
+    RoundJob,
+    RoundWeights,
+    ShardSpec,
+    TaskKind,
 )
 from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
 from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
-from idlegrid.training import closing, tasks
-from idlegrid.training.compression import decode, encode_message
 from idlegrid.training.schedule import Close, close_decision, finish_decision
 
 log = logging.getLogger(__name__)
 
-# Published updates a payload names: a node that missed this many rounds gets the keyframe.
-CHAIN_LENGTH = 2
-
 
 @dataclass(frozen=True)
-class Training:
-    """What the driver needs of one training job, read once per process."""
+class Stored:
+    """A round's weights once stored: the blobs that hold its checkpoint and optimizer."""
 
-    params: DilocoParams
-    data: tuple[tasks.DataRef, tasks.DataRef]
-    stream: str
-
-    @property
-    def stride(self) -> int:
-        return self.params.workers + 1
-
-    @property
-    def min_updates(self) -> int:
-        return self.params.min_updates or self.params.workers
+    weights: RoundWeights
+    checkpoint_hash: str
+    optimizer_hash: str
 
 
 class RoundDriver:
@@ -89,27 +75,22 @@ class RoundDriver:
         self._fanout = fanout
         self._plans = plans
         self._matcher = matcher
-        self._jobs: dict[int, Training] = {}
+        self._jobs: dict[int, RoundJob] = {}
         self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     @staticmethod
     def drives(kind: TaskKind) -> bool:
-        return isinstance(kind, DilocoKind)
+        """Whether `kind`'s jobs run in rounds (this driver's), not as one set of shards."""
+        return kind.rounds is not None
 
     # -- entry points ------------------------------------------------------------------------
 
     async def start(self, job: JobRecord) -> None:
         """Open round 0 of a job just created (its training shards came from `split`)."""
         training = await self._training(job.id)
-        state = closing.initial_state(initial_weights(training.params))
-        checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, state)
-        specs = []
-        if training.params.eval_every and training.params.rounds:
-            # Round 0's evaluation draws the weights from the seed too (no keyframe fetch).
-            specs = [eval_shard(training.params, state, training.data[1], stream=training.stream,
-                                keyframe_blob=checkpoint_hash,
-                                init_seed=training.params.seed)]  # fmt: skip
-        first = self._new_round(training, state, checkpoint_hash, momentum_hash, None)
+        start = await asyncio.to_thread(self._save, training.initial())
+        specs = training.first_shards(start.weights, keyframe=start.checkpoint_hash)
+        first = self._new_round(training, start, None)
         now = self._ctx.clock()
         ready = await self._ctx.store.start_training(job.id, first, await self._put(specs), now=now)
         await self._fanout.enqueue(ready)
@@ -136,12 +117,12 @@ class RoundDriver:
         return {
             "job_id": job.id,
             "state": job.state.value,
-            "rounds_total": training.params.rounds,
+            "rounds_total": training.plan.rounds,
             "rounds_done": sum(1 for r in records if r.state == "closed" and not r.final),
-            "workers": training.params.workers,
+            "workers": training.plan.workers,
             "bytes_up": sum(r.get("bytes_up") or 0 for r in rows),
             "bytes_down": sum(r.get("bytes_down") or 0 for r in rows),
-            "asynchronous": training.params.asynchronous,
+            "asynchronous": training.plan.asynchronous,
             "stale_applied": sum(r.get("stale_applied") or 0 for r in rows),
             "stale_dropped": sum(r.get("stale_dropped") or 0 for r in rows),
             "eval_loss": next(
@@ -180,15 +161,15 @@ class RoundDriver:
         done = [s for i in _train_indexes(current) if (s := _done(shards, i)) is not None]
         late: list[ShardRecord] = []
         too_stale: list[ShardRecord] = []
-        if training.params.asynchronous:
-            late, too_stale = late_updates(records, shards, training.params.max_staleness)
+        if training.plan.asynchronous:
+            late, too_stale = late_updates(records, shards, training.plan.max_staleness)
         decision = close_decision(
-            updates=len(done), late=len(late), min_updates=training.min_updates,
+            updates=len(done), late=len(late), min_updates=training.plan.min_updates,
             timer_expired=expired,
         )  # fmt: skip
         if decision == Close.EXTEND:
             log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
-            deadline = self._ctx.clock() + training.params.round_timeout_s
+            deadline = self._ctx.clock() + training.plan.round_timeout_s
             await self._ctx.store.extend_round(job_id, current.round, deadline=deadline)
         elif decision != Close.WAIT:
             await self._close(job_id, training, records, shards, [*done, *late], decision,
@@ -197,7 +178,7 @@ class RoundDriver:
     async def _close(
         self,
         job_id: int,
-        training: Training,
+        training: RoundJob,
         records: Sequence[RoundRecord],
         shards: dict[int, ShardRecord],
         done: Sequence[ShardRecord],
@@ -206,19 +187,20 @@ class RoundDriver:
         too_stale: Sequence[ShardRecord] = (),
     ) -> None:
         current = records[-1]
-        closed, fetched = await asyncio.to_thread(self._aggregate, training, current, done)
-        next_state = closed.state
-        final = next_state.round >= training.params.rounds
-        checkpoint_hash, momentum_hash = await asyncio.to_thread(self._save, training, next_state)
-        update_hash = await asyncio.to_thread(self._ctx.blobs.put, encode_message(closed.message))
-        chain = _chain(records, update_hash)
+        closed = await asyncio.to_thread(self._aggregate, training, current, done)
+        fetched = closed.fetched_bytes
+        final = closed.weights.round >= training.plan.rounds
+        stored = await asyncio.to_thread(self._save, closed.weights)
+        update_hash = await asyncio.to_thread(self._ctx.blobs.put, closed.update)
         specs = await asyncio.to_thread(
-            round_shards, training.params, next_state, training.data, stream=training.stream,
-            chain=chain, keyframe_blob=checkpoint_hash, final=final,
+            training.shards, closed.weights, published=_published(records, update_hash),
+            keyframe=stored.checkpoint_hash, final=final,
         )  # fmt: skip
         now = self._ctx.clock()
         traffic = await self._ctx.store.round_traffic(job_id, _indexes(current))
-        evaluation = await asyncio.to_thread(self._evaluation, _done(shards, current.eval_shard))
+        evaluation = await asyncio.to_thread(
+            self._evaluation, training, _done(shards, current.eval_shard)
+        )
         if evaluation is not None:  # finished already: its fetches count here
             fetched += evaluation[1]
         metrics = {
@@ -229,26 +211,25 @@ class RoundDriver:
             "bytes_down": traffic.payload_bytes + fetched,
             "nodes": list(traffic.nodes),
             "round_time_s": now - current.opened_at,
-            "max_suspicion": max(closed.suspicion, default=0.0),
+            "max_suspicion": closed.max_suspicion,
             "applied": [shard.index for shard in done],
             "stale_applied": closed.stale_applied,
         }
         open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
-        if training.params.asynchronous:
+        if training.plan.asynchronous:
             # The closed round's tasks no node started are cancelled: started now, they would
             # train from weights already a round old. Those running go on (their updates
             # count later, weighted), unless they could only arrive past max_staleness:
             # those are dropped now, counted.
             unstarted = await self._unstarted(job_id, open_left)
-            doomed = hopeless(records, shards, next_state.round, training.params.max_staleness)
+            doomed = hopeless(records, shards, closed.weights.round, training.plan.max_staleness)
             running = await self._started(job_id, doomed)
             open_left = sorted({*unstarted, *doomed})
             dropped = [shard.index for shard in too_stale] + running
             metrics.update({"stale_dropped": len(dropped), "dropped": dropped})
         advance = await self._ctx.store.advance_round(
             job_id, current.round, metrics=metrics, cancel_shards=open_left,
-            next_round=self._new_round(training, next_state, checkpoint_hash, momentum_hash,
-                                       update_hash, final=final),
+            next_round=self._new_round(training, stored, update_hash, final=final),
             shards=await self._put(specs), now=now,
         )  # fmt: skip
         if not advance.won:
@@ -256,24 +237,23 @@ class RoundDriver:
         log.info("job %s round %s closed (%s, %d updates, train loss %.4f)",
                  job_id, current.round, why.value, len(done), closed.train_loss)  # fmt: skip
         await self._fanout.send_cancels(advance.to_cancel, reason=f"round {current.round} closed")
-        keeps = training.params.inner.keep_state or training.params.streaming is not None
-        if keeps and not final:
+        if training.plan.affinity and not final:
             await self._prefer_holders(job_id, training, done)
         await self._fanout.enqueue(advance.ready)
 
     async def _prefer_holders(
-        self, job_id: int, training: Training, done: Sequence[ShardRecord]
+        self, job_id: int, training: RoundJob, done: Sequence[ShardRecord]
     ) -> None:
         """Affinity: shard s of the next round prefers the node whose update for shard s
-        was just taken, which holds s's AdamW moments (`inner.keep_state`) and its local
-        weights (streaming fragments)."""
+        was just taken, which holds what the kind keeps of s between rounds (DiLoCo: its
+        AdamW moments with `inner.keep_state`, its local weights when streaming)."""
         holders = {}
         for shard in done:
             found = await self._ctx.store.shard_for_verify(shard.id)
             results = found.results if found is not None else []
             taken = [r.node_id for r in results if r.output_hash == shard.output_hash]
             if taken:
-                holders[shard.index + training.stride] = taken[0]
+                holders[shard.index + training.plan.stride] = taken[0]
         shards = await self._ctx.store.list_shards(job_id)
         self._matcher.prefer(job_id, {s.id: holders[s.index] for s in shards if s.index in holders})
 
@@ -282,7 +262,10 @@ class RoundDriver:
     ) -> None:
         now = self._ctx.clock()
         traffic = await self._ctx.store.round_traffic(job_id, _indexes(final))
-        evaluation = await asyncio.to_thread(self._evaluation, _done(shards, final.eval_shard))
+        training = await self._training(job_id)
+        evaluation = await asyncio.to_thread(
+            self._evaluation, training, _done(shards, final.eval_shard)
+        )
         records = await self._ctx.store.training_rounds(job_id)
         metrics = {
             # Asynchronous: updates decided after the last training round, or still running.
@@ -309,11 +292,12 @@ class RoundDriver:
         self, job_id: int, records: Sequence[RoundRecord], shards: dict[int, ShardRecord]
     ) -> None:
         """Store the held-out loss of every round whose evaluation came in (even late)."""
+        training = await self._training(job_id)
         for record in records:
             shard = _done(shards, record.eval_shard)
             if record.final or shard is None or "eval_loss" in record.metrics:
                 continue
-            evaluation = await asyncio.to_thread(self._evaluation, shard)
+            evaluation = await asyncio.to_thread(self._evaluation, training, shard)
             if evaluation is not None:
                 values: dict[str, Any] = {"eval_loss": evaluation[0]}
                 if record.state == TrainingRoundState.CLOSED:
@@ -326,40 +310,33 @@ class RoundDriver:
     # -- blocking helpers (run in a thread) --------------------------------------------------
 
     def _aggregate(
-        self, training: Training, current: RoundRecord, done: Sequence[ShardRecord]
-    ) -> tuple[closing.ClosedRound, int]:
-        params = training.params
-        state = read_state(
-            params,
-            self._ctx.blobs.read(current.checkpoint_hash),
-            self._ctx.blobs.read(current.momentum_hash),
-        )
-        updates, fetched = [], 0
+        self, training: RoundJob, current: RoundRecord, done: Sequence[ShardRecord]
+    ) -> RoundClose:
+        outputs = []
         for shard in done:
             assert shard.output_hash is not None
-            result = tasks.decode_result(self._ctx.blobs.read(shard.output_hash))
-            assert result.update is not None  # check_output accepted it
-            updates.append(closing.Update(decode(result.update), result.round, result.loss_mean))
-            fetched += result.fetched_bytes
-        closed = closing.close_round(
-            state, updates, rule=params.aggregation, outer=params.outer, download=params.download,
-            asynchronous=params.asynchronous, max_staleness=params.max_staleness,
-            fragment=params.synced(state.round),
-        )  # fmt: skip
-        return closed, fetched
+            outputs.append(self._ctx.blobs.read(shard.output_hash))
+        return training.close(
+            self._ctx.blobs.read(current.checkpoint_hash),
+            self._ctx.blobs.read(current.momentum_hash),
+            outputs,
+        )
 
-    def _save(self, training: Training, state: closing.RoundState) -> tuple[str, str]:
-        weights = checkpoint(training.params, state)
-        return self._ctx.blobs.put(weights), self._ctx.blobs.put(momentum_blob(state))
+    def _save(self, weights: RoundWeights) -> Stored:
+        return Stored(
+            weights, self._ctx.blobs.put(weights.checkpoint), self._ctx.blobs.put(weights.optimizer)
+        )
 
-    def _evaluation(self, shard: ShardRecord | None) -> tuple[float, int, int, int] | None:
+    def _evaluation(
+        self, training: RoundJob, shard: ShardRecord | None
+    ) -> tuple[float, int, int, int] | None:
         """(held-out loss, bytes fetched, payload bytes, result bytes) of an eval shard."""
         if shard is None or shard.output_hash is None:
             return None
         output = self._ctx.blobs.read(shard.output_hash)
-        result = tasks.decode_result(output)
+        evaluation = training.evaluation(output)
         payload = self._ctx.blobs.size(shard.input_hash)
-        return result.loss_mean, result.fetched_bytes, payload, len(output)
+        return evaluation.loss, evaluation.fetched_bytes, payload, len(output)
 
     async def _put(self, specs: Sequence[ShardSpec]) -> list[NewShard]:
         def put() -> list[NewShard]:
@@ -392,40 +369,41 @@ class RoundDriver:
 
     def _new_round(
         self,
-        training: Training,
-        state: closing.RoundState,
-        checkpoint_hash: str,
-        momentum_hash: str,
+        training: RoundJob,
+        stored: Stored,
         update_hash: str | None,
         *,
         final: bool = False,
     ) -> NewRound:
-        params = training.params
-        with_eval = final or state.round % params.eval_every == 0
+        plan, number = training.plan, stored.weights.round
+        with_eval = final or number % plan.eval_every == 0
         return NewRound(
-            round=state.round,
+            round=number,
             final=final,
-            weights_digest=state.digest,
-            checkpoint_hash=checkpoint_hash,
-            momentum_hash=momentum_hash,
+            weights_digest=stored.weights.digest,
+            checkpoint_hash=stored.checkpoint_hash,
+            momentum_hash=stored.optimizer_hash,
             update_hash=update_hash,
-            first_shard=state.round * training.stride,
-            train_shards=0 if final else params.workers,
-            eval_shard=state.round * training.stride + params.workers if with_eval else None,
-            deadline=self._ctx.clock() + params.round_timeout_s,
+            first_shard=number * plan.stride,
+            train_shards=0 if final else plan.workers,
+            eval_shard=number * plan.stride + plan.workers if with_eval else None,
+            deadline=self._ctx.clock() + plan.round_timeout_s,
         )
 
-    async def _training(self, job_id: int) -> Training:
+    async def _training(self, job_id: int) -> RoundJob:
+        """The kind's view of the job's rounds, set up once per process."""
         found = self._jobs.get(job_id)
         if found is None:
             plan = await self._plans.get(job_id)
             job = await self._ctx.store.get_job(job_id)
-            assert plan is not None and job is not None
-            assert isinstance(plan.params, DilocoParams)
-            dataset = await asyncio.to_thread(self._ctx.blobs.read, job.inputs["dataset"])
-            found = Training(plan.params, read_dataset(dataset), stream_id(plan.params, dataset))
+            assert plan is not None and job is not None and plan.kind.rounds is not None
+            inputs = await asyncio.to_thread(self._read_inputs, job.inputs)
+            found = plan.kind.rounds.job(plan.params, inputs)
             self._jobs[job_id] = found
         return found
+
+    def _read_inputs(self, blobs: dict[str, str]) -> dict[str, bytes]:
+        return {name: self._ctx.blobs.read(blob_hash) for name, blob_hash in blobs.items()}
 
 
 # -- pure helpers ----------------------------------------------------------------------------
@@ -450,17 +428,15 @@ def _is_open(shards: dict[int, ShardRecord], index: int) -> bool:
     return shard is not None and shard.state == ShardState.OPEN
 
 
-def _chain(records: Sequence[RoundRecord], update_hash: str) -> tuple[tasks.Link, ...]:
-    """The last CHAIN_LENGTH published updates, oldest first, ending at the new weights."""
-    links = [
-        tasks.Link(tasks.WeightsRef(before.round, before.weights_digest), blob=after.update_hash)
+def _published(records: Sequence[RoundRecord], update_hash: str) -> list[Published]:
+    """Every update published, oldest first, ending at the one to the new weights."""
+    published = [
+        Published(before.round, before.weights_digest, after.update_hash)
         for before, after in zip(records, records[1:], strict=False)
         if after.update_hash is not None
     ]
     current = records[-1]
-    links.append(tasks.Link(tasks.WeightsRef(current.round, current.weights_digest),
-                            blob=update_hash))  # fmt: skip
-    return tuple(links[-CHAIN_LENGTH:])
+    return [*published, Published(current.round, current.weights_digest, update_hash)]
 
 
 def _taken(records: Sequence[RoundRecord]) -> set[int]:
@@ -520,11 +496,11 @@ def hopeless(
 
 
 def _finite(value: float) -> float | None:
-    return float(value) if np.isfinite(value) else None
+    return float(value) if math.isfinite(value) else None
 
 
 def _round_out(
-    record: RoundRecord, shards: dict[int, ShardRecord], training: Training
+    record: RoundRecord, shards: dict[int, ShardRecord], training: RoundJob
 ) -> dict[str, Any]:
     metrics = record.metrics
     row: dict[str, Any] = {
@@ -548,5 +524,5 @@ def _round_out(
     }
     if record.state == TrainingRoundState.OPEN:
         row["updates"] = sum(1 for i in _train_indexes(record) if _done(shards, i) is not None)
-        row["updates_needed"] = 0 if record.final else training.min_updates
+        row["updates_needed"] = 0 if record.final else training.plan.min_updates
     return row

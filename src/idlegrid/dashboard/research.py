@@ -27,7 +27,6 @@ from idlegrid.dashboard.pages import (
     store_of,
 )
 from idlegrid.kinds import InputError, get_kind
-from idlegrid.kinds.diloco.kind import corpus_dataset_blob
 from idlegrid.store import uploads, web
 from idlegrid.store.base import JobRecord
 from idlegrid.store.web import WebSession
@@ -274,7 +273,9 @@ async def submit_diloco(
 ) -> Response:
     values = {"dataset": dataset, "architecture": architecture, "rounds": rounds}
     if dataset == "corpus":
-        blob = grid_of(request).blobs.put(corpus_dataset_blob())
+        builtin = get_kind("diloco-train").builtin_inputs()
+        assert builtin is not None  # diloco-train ships its character corpus
+        blob = grid_of(request).blobs.put(builtin["dataset"])
     else:
         found = (
             await _own_file(request, session, int(dataset))

@@ -4,6 +4,10 @@ A kind does no I/O of its own. The coordinator hands it the bytes of a job's inp
 and stores what it returns; the worker hands `run` the bytes of one shard's input blob.
 Heavy ML imports happen inside `run` (and helpers it calls), so importing a kind module
 never imports torch.
+
+A kind whose jobs run in rounds (training) also gives the coordinator's round driver
+`RoundHooks` (its `rounds` attribute): the driver stores rounds and schedules their
+shards; the kind says what a round's weights, shards and close are.
 """
 
 from __future__ import annotations
@@ -92,6 +96,122 @@ class RunContext:
     checkpoint_every_s: float = 60.0
 
 
+@dataclass(frozen=True)
+class RoundPlan:
+    """How a job's rounds are laid out and when they close, as the round driver needs it.
+
+    Round t's shards have indexes t*(workers+1) + s: s < workers are its training
+    shards, s = workers its evaluation (every `eval_every` rounds, and after the last).
+    """
+
+    rounds: int
+    workers: int
+    # A round closes on this many updates of its own, or when its timer runs out.
+    min_updates: int
+    round_timeout_s: float
+    eval_every: int
+    # Tasks still running when their round closes go on; their updates count later.
+    asynchronous: bool = False
+    max_staleness: int = 0
+    # Shard s of the next round prefers the node whose update for shard s was taken
+    # (it holds state of that shard between rounds).
+    affinity: bool = False
+
+    @property
+    def stride(self) -> int:
+        """Shard indexes per round: its training shards and its evaluation."""
+        return self.workers + 1
+
+
+@dataclass(frozen=True)
+class RoundWeights:
+    """One round's global state, as the driver stores it (blobs) and names it (digest)."""
+
+    round: int
+    digest: str
+    # The weights as a result blob: the job's result once the last round closed.
+    checkpoint: bytes
+    # What the next close needs beside the weights (an optimizer's momentum).
+    optimizer: bytes
+
+
+@dataclass(frozen=True)
+class Published:
+    """An update the driver published: it takes round `round`'s weights (`digest`) to the
+    next round's; `blob` names its bytes, which later rounds' payloads may reference."""
+
+    round: int
+    digest: str
+    blob: str
+
+
+@dataclass(frozen=True)
+class RoundClose:
+    """What closing a round produced: the next round's weights and the update to publish."""
+
+    weights: RoundWeights
+    update: bytes
+    train_loss: float
+    # The largest distance of an update to the round's aggregate (poisoning shows here).
+    max_suspicion: float
+    # Updates of earlier rounds counted in this close (asynchronous mode).
+    stale_applied: int
+    # Bytes the round's tasks fetched beyond their payloads (weights, updates).
+    fetched_bytes: int
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """An evaluation shard's output, read: the held-out loss and what the task fetched."""
+
+    loss: float
+    fetched_bytes: int
+
+
+class RoundJob(ABC):
+    """One job of a round kind, set up once from its settings and inputs."""
+
+    plan: RoundPlan
+
+    @abstractmethod
+    def initial(self) -> RoundWeights:
+        """Round 0's weights (its training shards came from the kind's `split`)."""
+
+    @abstractmethod
+    def first_shards(self, start: RoundWeights, *, keyframe: str) -> list[ShardSpec]:
+        """Round 0's shards beyond those `split` made (its evaluation, if any);
+        `keyframe` names the stored checkpoint of `start`."""
+
+    @abstractmethod
+    def close(self, checkpoint: bytes, optimizer: bytes, outputs: Sequence[bytes]) -> RoundClose:
+        """Close the round stored as (`checkpoint`, `optimizer`) on its accepted training
+        outputs (fresh and, asynchronous, late ones): aggregate and step the weights."""
+
+    @abstractmethod
+    def shards(
+        self,
+        weights: RoundWeights,
+        *,
+        published: Sequence[Published],
+        keyframe: str,
+        final: bool,
+    ) -> list[ShardSpec]:
+        """The shards of the round `weights` opens: training (unless `final`) and its
+        evaluation. `published`: every update published so far, oldest first."""
+
+    @abstractmethod
+    def evaluation(self, output: bytes) -> Evaluation:
+        """Read an evaluation shard's output."""
+
+
+class RoundHooks(ABC):
+    """What a kind whose jobs run in rounds gives the coordinator's round driver."""
+
+    @abstractmethod
+    def job(self, params: KindParams, inputs: Mapping[str, bytes]) -> RoundJob:
+        """One job's rounds, from its settings and the bytes of its input blobs."""
+
+
 class Cancelled(Exception):
     """Raised by `run` when the worker cancelled the task while it ran."""
 
@@ -118,6 +238,9 @@ class TaskKind(ABC):
     # False where the job has its own answer to stragglers (a training round's timer and
     # quorum) and a copy would let one node's result count twice in one aggregate.
     backups: ClassVar[bool] = True
+    # Kinds whose jobs run in rounds (the coordinator's round driver runs them): their
+    # hooks. None: a job is its shards from `split`, assembled once all are done.
+    rounds: ClassVar[RoundHooks | None] = None
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""
@@ -127,6 +250,11 @@ class TaskKind(ABC):
         """Settings that follow from the inputs, fixed once at submission and stored with
         the job, so that `requirements(params)` needs no blob (e.g. a model's size)."""
         return params
+
+    def builtin_inputs(self, items: int | None = None) -> dict[str, bytes] | None:
+        """Inputs made of data shipped with idlegrid (about `items` items where the kind
+        counts them), for a benchmark or the dashboard's built-in choice; None: none."""
+        return None
 
     @abstractmethod
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:

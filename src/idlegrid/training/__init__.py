@@ -1,12 +1,15 @@
-"""DiLoCo training: rounds of H local steps per worker, one compressed update per round.
+"""The DiLoCo math library, used by `kinds/diloco` and, through that kind, the coordinator.
 
-Coordinator side, numpy only (no torch): `flat` (named tensors <-> one float32 vector,
-safetensors I/O), `compression`, `outer` (Nesterov outer optimizer, the update both sides
-apply), `aggregate` (mean and robust rules), `rounds` (closing one round), `tasks` (task
-payload and result bytes), `verify` (comparing replicas), `corpus` and `data` (what is
-trained on), `models` (architectures' parameter lists and seeded init).
+Numpy only (the coordinator closes rounds without torch): `flat` (named tensors <-> one
+float32 vector, safetensors I/O), `compression`, `outer` (Nesterov outer optimizer, the
+update both sides apply), `aggregate` (mean and robust rules), `closing` (closing one
+round), `fragments` (streaming DiLoCo's blocks of layers), `verify` (comparing
+replicas), `schedule` (when a round closes), `models` (architectures' parameter lists
+and seeded init). `torch_modules` holds the architectures' torch modules, imported by
+`models.build_module` alone.
 
-Worker side, torch imported inside functions: `inner` (H AdamW steps), `torch_modules`,
-`worker` (one task end to end), `worker_state` (caches between tasks). `simulate` runs
-DiLoCo against synchronous data-parallel training in one process.
+The kind's own code lives in `idlegrid.kinds.diloco`: task payload and result bytes
+(`tasks`), what is trained on (`data`, `char_corpus`), the worker side (`inner`: H
+AdamW steps, `run`: one task end to end, `worker_state`, `task_checkpoint`), and DiLoCo
+played in one process (`simulate`, `timeline`).
 """

@@ -102,14 +102,14 @@ def embed_text_rate(device: str = "cpu") -> float | None:
     One warm-up run loads the model first, so the figure is steady-state throughput.
     None when the worker's ML stack is not installed.
     """
+    from idlegrid.kinds import get_kind
     from idlegrid.kinds.base import RunContext
-    from idlegrid.kinds.embed_text.kind import EmbedTextKind, EmbedTextParams, texts_to_jsonl
-    from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
 
-    kind = EmbedTextKind()
-    params = EmbedTextParams(shard_size=EMBED_BENCHMARK_TEXTS)
-    texts = texts_to_jsonl(stdlib_paragraphs(EMBED_BENCHMARK_TEXTS))
-    shard = kind.split({"texts": texts}, params)[0]
+    kind = get_kind("embed-text")
+    params = kind.parse_params({"shard_size": EMBED_BENCHMARK_TEXTS})
+    inputs = kind.builtin_inputs(EMBED_BENCHMARK_TEXTS)
+    assert inputs is not None  # embed-text ships its sample texts
+    shard = kind.split(inputs, params)[0]
     context = RunContext(device=device)
     try:
         kind.run(shard.payload, params, context)

@@ -82,6 +82,13 @@ class EmbedTextKind(TaskKind):
     input_names = ("texts",)
     result_media_type = "application/x-npy"
 
+    def builtin_inputs(self, items: int | None = None) -> dict[str, bytes]:
+        """`texts`: the first `items` docstring paragraphs of stdlib modules."""
+        from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
+
+        texts = stdlib_paragraphs() if items is None else stdlib_paragraphs(items)
+        return {"texts": texts_to_jsonl(texts)}
+
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
         assert isinstance(params, EmbedTextParams)
         if "texts" not in inputs:

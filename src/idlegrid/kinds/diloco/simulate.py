@@ -27,7 +27,7 @@ Every round end both runs are evaluated on the validation split and on the test 
 loss; its test loss is reported, and the bytes counted are those moved up to it. The
 final weights are reported too, with all the run's bytes.
 
-Run: ``python -m idlegrid.training.simulate --total-steps 1000 --inner-steps 50 100``
+Run: ``python -m idlegrid.kinds.diloco.simulate --total-steps 1000 --inner-steps 50 100``
 (several H share one synchronous run a seed; ``--seeds 0 1 2`` averages seeds and prints
 their spread, ``--jobs 3`` runs three trainings at once, ``--device cuda`` trains on a
 GPU). docs/benchmarks.md has the figures and their commands. Data is on every machine
@@ -46,16 +46,18 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.training import closing, corpus, fragments, models, tasks
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.data import TokenData
+from idlegrid.kinds.diloco.inner import InnerSettings, run_lr
+from idlegrid.kinds.diloco.run import TrainSpec, run_task
+from idlegrid.kinds.diloco.worker_state import WorkerState
+from idlegrid.training import closing, fragments, models
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, Message, compress, decode
-from idlegrid.training.data import TokenData
 from idlegrid.training.flat import digest
 from idlegrid.training.fragments import Streaming, StreamingSettings
-from idlegrid.training.inner import InnerSettings, run_lr
 from idlegrid.training.outer import OuterSettings
-from idlegrid.training.runner import TrainSpec, run_task
-from idlegrid.training.worker_state import WorkerState
 
 ARCHITECTURE = "transformer-lm"
 DEFAULT_CORPUS = corpus.STDLIB.name
@@ -191,7 +193,7 @@ Progress = Callable[[str], None]
 
 def evaluate(setup: Setup, weights: np.ndarray, split: corpus.Split) -> float:
     """Loss of weights on the fixed evaluation batches of one held-out split."""
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     return inner.evaluate(
         ARCHITECTURE, setup.model, weights, TokenData(corpus.tokens(split, setup.corpus)),
@@ -283,7 +285,7 @@ def _update(output: bytes) -> closing.Update:
 
 def run_sync(setup: Setup, progress: Progress = print) -> Report:
     """Synchronous data-parallel AdamW: every step averages all workers' gradients."""
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     started = time.perf_counter()
     weights = models.init_weights(ARCHITECTURE, setup.model, setup.seed)
@@ -354,7 +356,7 @@ Batches = list[tuple[np.ndarray, np.ndarray]]
 
 
 def _plain_backward(setup: Setup, module: Any) -> Callable[[Batches], None]:
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     def backward(parts: Batches) -> None:
         inputs, targets = (np.concatenate(arrays) for arrays in zip(*parts, strict=True))
@@ -367,7 +369,7 @@ def _quantized_backward(setup: Setup, module: Any, wire: Compression) -> Callabl
     """Each worker's gradient quantized (error feedback per worker), then averaged."""
     import torch
 
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     params = list(module.parameters())
     residuals: list[np.ndarray | None] = [None] * setup.workers
@@ -614,7 +616,7 @@ Work = tuple[str, int, int]  # (run: "sync-none", "sync-int8", ... or "diloco", 
 
 
 def _run_one(args: argparse.Namespace, item: Work) -> Report:
-    from idlegrid.training.inner import use_threads
+    from idlegrid.kinds.diloco.inner import use_threads
 
     use_threads(args.threads)
     name, seed, h = item
@@ -644,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     A synchronous run does not depend on H (the same steps, batches and schedule), so it
     runs once per seed and baseline; with several H it is evaluated every min(H) steps.
     """
-    from idlegrid.training.inner import use_threads
+    from idlegrid.kinds.diloco.inner import use_threads
 
     args = parse_args(argv)
     use_threads(args.threads)

@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from idlegrid.kinds.diloco.data import Dataset, TokenData, batches, eval_batches
+from idlegrid.kinds.diloco.task_checkpoint import Checkpointer, InnerProgress
+from idlegrid.kinds.diloco.worker_state import OptimizerState
 from idlegrid.training import models
-from idlegrid.training.data import Dataset, TokenData, batches, eval_batches
-from idlegrid.training.task_checkpoint import Checkpointer, InnerProgress
-from idlegrid.training.worker_state import OptimizerState
 
 if TYPE_CHECKING:
     import torch

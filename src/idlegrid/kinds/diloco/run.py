@@ -13,13 +13,14 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.training import fragments, models, tasks, verify
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.data import Dataset
+from idlegrid.kinds.diloco.inner import InnerSettings
+from idlegrid.kinds.diloco.task_checkpoint import Checkpointer
+from idlegrid.kinds.diloco.worker_state import WorkerState
+from idlegrid.training import fragments, models, verify
 from idlegrid.training.compression import Compression, compress
-from idlegrid.training.data import Dataset
 from idlegrid.training.flat import weights_from_safetensors
-from idlegrid.training.inner import InnerSettings
-from idlegrid.training.task_checkpoint import Checkpointer
-from idlegrid.training.worker_state import WorkerState
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def run_task(
     """Train (or evaluate) one task; remember its weights, residual and moments in `state`.
 
     With a `checkpoint`, a training task goes on from the progress saved there and saves
-    its own as it goes (training/task_checkpoint.py).
+    its own as it goes (kinds/diloco/task_checkpoint.py).
 
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.
@@ -59,7 +60,7 @@ def run_task(
     data = tasks.load_data(task.data)
     if task.mode == "eval":
         return _evaluate(task, spec, weights, data, device)
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     # The task's place in the run's lr schedule (warmup and decay over all rounds).
     settings = inner.for_round(spec.inner, task.round)
@@ -102,7 +103,7 @@ def run_task(
 def _evaluate(
     task: tasks.TaskPayload, spec: TrainSpec, weights: np.ndarray, data: Dataset, device: str
 ) -> tasks.TaskResult:
-    from idlegrid.training import inner
+    from idlegrid.kinds.diloco import inner
 
     loss = inner.evaluate(
         spec.architecture, spec.config, weights, data, batches=spec.eval_batches,

@@ -16,8 +16,8 @@ take `slowdown` times as long; `churn_every` kills one worker (in turn) every so
 rounds: its task in flight is lost, and it comes back `churn_down` later with nothing
 cached (its weights and AdamW moments gone).
 
-Run: ``python -m idlegrid.training.timeline --rounds 30 --slowdown 3`` (flags as
-`training.simulate`, plus these). It prints each mode's wall time to the target loss and
+Run: ``python -m idlegrid.kinds.diloco.timeline --rounds 30 --slowdown 3`` (flags as
+`simulate`, plus these). It prints each mode's wall time to the target loss and
 its final test loss.
 """
 
@@ -29,10 +29,12 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from idlegrid.training import closing, corpus, models, simulate, tasks
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco import simulate, tasks
+from idlegrid.kinds.diloco.run import run_task
+from idlegrid.kinds.diloco.worker_state import WorkerState
+from idlegrid.training import closing, models
 from idlegrid.training.compression import decode
-from idlegrid.training.runner import run_task
-from idlegrid.training.worker_state import WorkerState
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--modes", nargs="+", default=["synchronous", "asynchronous"])
     own, rest = parser.parse_known_args(argv)
     args = simulate.parse_args(rest)
-    from idlegrid.training.inner import use_threads
+    from idlegrid.kinds.diloco.inner import use_threads
 
     use_threads(args.threads)
     rows = []

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from idlegrid.training.worker_state import OptimizerState
+from idlegrid.kinds.diloco.worker_state import OptimizerState
 
 log = logging.getLogger(__name__)
 

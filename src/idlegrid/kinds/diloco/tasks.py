@@ -29,8 +29,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from idlegrid.training import compression, corpus
-from idlegrid.training import data as datasets
+from idlegrid.kinds.diloco import char_corpus as corpus
+from idlegrid.kinds.diloco import data as datasets
+from idlegrid.training import compression
 from idlegrid.training.flat import ContainerError, digest, pack, unpack
 from idlegrid.training.fragments import Streaming
 from idlegrid.training.outer import apply_update
