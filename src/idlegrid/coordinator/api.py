@@ -23,8 +23,6 @@ from idlegrid.coordinator.intake import JobInputError
 from idlegrid.coordinator.jobwatch import RECHECK_S
 from idlegrid.coordinator.quota_checks import QuotaExceeded
 from idlegrid.kinds import InputError, UnknownKind, get_kind
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.credit import CreditTotals, recent_average
 from idlegrid.protocol import MAX_ID, SHA256_PATTERN
 from idlegrid.states import TERMINAL_JOB_STATES
 from idlegrid.store.base import (
@@ -34,6 +32,8 @@ from idlegrid.store.base import (
     ShardRecord,
     TokenInfo,
 )
+from idlegrid.verification import trust as trust_policy
+from idlegrid.verification.credit import CreditTotals, recent_average
 
 
 class ApiError(Exception):

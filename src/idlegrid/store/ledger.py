@@ -1,6 +1,6 @@
 """Trust and credit rows: the store's side of the verifier's verdicts.
 
-The policy (policy.trust, policy.credit) is pure; these functions read the rows it needs
+The policy (verification.trust, verification.credit) is pure; these functions read the rows it needs
 inside the caller's transaction, apply it, and write the result back. They run in the
 same transaction as the decision they follow, so a verdict, the trust it changes and the
 credit it grants commit together or not at all.
@@ -16,13 +16,13 @@ from sqlalchemy import bindparam, case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import credit as credit_policy
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.replication import ResultVerdict
-from idlegrid.policy.trust import Trust, TrustSettings
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
+from idlegrid.verification import credit as credit_policy
+from idlegrid.verification import trust as trust_policy
+from idlegrid.verification.replication import ResultVerdict
+from idlegrid.verification.trust import Trust, TrustSettings
 
 log = logging.getLogger(__name__)
 DAY_S = 86_400.0
@@ -298,7 +298,7 @@ async def withdraw_errors(
     conn: AsyncConnection, task_ids: Sequence[int], *, settings: TrustSettings, now: float
 ) -> None:
     """Take back the error charged to each task's node when the task expired (it
-    delivered after all: policy.trust.after_error_withdrawn)."""
+    delivered after all: verification.trust.after_error_withdrawn)."""
     if not task_ids:
         return
     found = (
@@ -364,7 +364,7 @@ async def _judge_node(
             case "error":
                 after = trust_policy.after_error(after)
     await _save_trust(conn, node_id, kind, backend, after, now=now)
-    if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
+    if after.suspended and not before.suspended:  # suspension is for good (verification.trust)
         await suspend(conn, node_id, account_id, kind, now=now)
     if "invalid" in verdicts:
         # Caught once: whatever it ran or decided alone is replicated again, now.

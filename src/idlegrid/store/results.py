@@ -13,11 +13,11 @@ from typing import Any
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import ShardState, TaskState, check_transition
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
 from idlegrid.store.schema import shards, tasks
+from idlegrid.verification.trust import TrustSettings
 
 _TAKE = (
     update(tasks)

@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import credit as credit_policy
 from idlegrid.store import stats
 from idlegrid.store.schema import accounts, nodes, teams
+from idlegrid.verification import credit as credit_policy
 
 # Tables whose credit a grant changes, in the order their rows are locked.
 _TABLES = {"nodes": nodes, "accounts": accounts, "teams": teams}
@@ -119,7 +119,7 @@ async def write(conn: AsyncConnection, totals: Totals) -> None:
 async def grant_now(
     conn: AsyncConnection, table: Any, row_id: int, amount: float, *, now: float
 ) -> None:
-    """Add credit to a node's or an account's totals (decayed sum: policy.credit)."""
+    """Add credit to a node's or an account's totals (decayed sum: verification.credit)."""
     row = (
         await conn.execute(
             select(table.c.credit_total, table.c.credit_decayed, table.c.credit_updated_at)

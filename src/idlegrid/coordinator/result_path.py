@@ -21,7 +21,7 @@ from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import Plans
-from idlegrid.coordinator.verification import Verification, compute
+from idlegrid.coordinator.verifier import Verification, compute
 from idlegrid.kinds import WrongOutput
 from idlegrid.store.base import NewResult, ResultReceipt, TaskInput
 

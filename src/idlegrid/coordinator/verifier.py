@@ -21,10 +21,10 @@ from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import Verdict
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy import verifier
 from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
+from idlegrid.verification import quorum as verifier
+from idlegrid.verification import trust as trust_policy
 
 log = logging.getLogger(__name__)
 
