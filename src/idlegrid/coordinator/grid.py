@@ -42,7 +42,7 @@ from idlegrid.coordinator.matching import Matcher, Shares, node_reliability
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
-from idlegrid.coordinator.verifier import Verification
+from idlegrid.coordinator.verifier import Verifier
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
     JobRecord,
@@ -97,7 +97,7 @@ class Grid:
         self.dispatcher = Dispatcher(
             ctx, plans=self.plans, matcher=self.matcher, leases=self.leases
         )
-        self.verification = Verification(
+        self.verification = Verifier(
             ctx, fanout=self.fanout, plans=self.plans, rounds=self.rounds, leases=self.leases
         )
         self.results = ResultPath(

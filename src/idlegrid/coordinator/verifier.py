@@ -41,7 +41,9 @@ async def compute(function: Callable[..., T], *args: Any, size: int) -> T:
     return await asyncio.to_thread(function, *args)
 
 
-class Verification:
+class Verifier:
+    """Shards verified, late results judged, finished jobs assembled (see the module)."""
+
     def __init__(
         self,
         ctx: Context,

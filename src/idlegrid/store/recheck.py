@@ -8,6 +8,8 @@ verdict's: see `store.ledger`). Their new replicas go to the front of the ready 
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
@@ -22,34 +24,7 @@ async def recheck_node(
     conn: AsyncConnection, node_id: int, kind: str, backend: str, *, window_s: float, now: float
 ) -> Rechecked:
     """Send back to full replication what this node ran or decided without replicas."""
-    found = (
-        await conn.execute(
-            select(
-                shards.c.id,
-                shards.c.state,
-                shards.c.canonical_task_id,
-                tasks.c.id.label("task_id"),
-                shards.c.finished_at,
-                jobs.c.state.label("job_state"),
-                jobs.c.replication,
-                jobs.c.min_quorum,
-            )
-            .join(tasks, tasks.c.shard_id == shards.c.id)
-            .join(jobs, jobs.c.id == shards.c.job_id)
-            .where(
-                tasks.c.node_id == node_id,
-                jobs.c.kind == kind,
-                func.coalesce(tasks.c.backend, "cpu") == backend,
-                shards.c.mode.in_(UNREPLICATED),
-                (shards.c.state == ShardState.OPEN.value)
-                | (
-                    (shards.c.state == ShardState.DONE.value)
-                    & (shards.c.finished_at >= now - window_s)
-                ),
-            )
-            .order_by(shards.c.id)
-        )
-    ).all()
+    found = await _lone_shards(conn, node_id, kind, backend, since=now - window_s)
     out = recheck(
         (
             LoneShard(
@@ -73,6 +48,37 @@ async def recheck_node(
     # vote reads valid results too); the decision judges only what it changes, so no
     # node's trust counts a result twice.
     return out
+
+
+async def _lone_shards(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, since: float
+) -> list[Any]:
+    """The node's shards of this kind and backend run without full replication: open,
+    or decided since `since`, in shard order."""
+    query = (
+        select(
+            shards.c.id,
+            shards.c.state,
+            shards.c.canonical_task_id,
+            tasks.c.id.label("task_id"),
+            shards.c.finished_at,
+            jobs.c.state.label("job_state"),
+            jobs.c.replication,
+            jobs.c.min_quorum,
+        )
+        .join(tasks, tasks.c.shard_id == shards.c.id)
+        .join(jobs, jobs.c.id == shards.c.job_id)
+        .where(
+            tasks.c.node_id == node_id,
+            jobs.c.kind == kind,
+            func.coalesce(tasks.c.backend, "cpu") == backend,
+            shards.c.mode.in_(UNREPLICATED),
+            (shards.c.state == ShardState.OPEN.value)
+            | ((shards.c.state == ShardState.DONE.value) & (shards.c.finished_at >= since)),
+        )
+        .order_by(shards.c.id)
+    )
+    return list((await conn.execute(query)).all())
 
 
 async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> None:
