@@ -20,7 +20,7 @@ from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 from idlegrid.verification import ledger as rules
-from idlegrid.verification import trust as trust_policy
+from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.replication import ResultVerdict
 from idlegrid.verification.trust import Trust, TrustSettings
 
@@ -63,7 +63,7 @@ async def load_trust(
                 node_id=node_id,
                 kind=kind,
                 backend=backend,
-                **_trust_values(trust_policy.new_trust(settings)),
+                **_trust_values(trust_rules.new_trust(settings)),
                 updated_at=now,
             )
             .on_conflict_do_nothing()
