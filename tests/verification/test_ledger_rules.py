@@ -144,6 +144,22 @@ def test_vouch_horizons_are_per_node_in_node_order() -> None:
     assert list(ledger.vouch_horizons(found, {1: "valid", 2: "valid"})) == [3, 5]
 
 
+@pytest.mark.parametrize(
+    ("candidate", "paid_too", "why"),
+    [
+        (result(7, mode="alone", finished_at=100.0), True, "decided alone by the check's end"),
+        (result(7, mode="alone", finished_at=101.0), False, "decided after the check"),
+        (result(7, mode="alone", node=2, finished_at=50.0), False, "another node's"),
+        (result(7, mode="spot", finished_at=50.0), False, "not decided alone"),
+    ],
+)
+def test_a_check_vouches_only_for_its_nodes_lone_results_before_it(
+    candidate: JudgedResult, paid_too: bool, why: str
+) -> None:
+    delta = ledger.credit_delta([result(1, finished_at=100.0)], {1: "valid"}, [candidate])
+    assert (7 in paid(delta)) == paid_too, why
+
+
 def test_run_alone_then_vouched_for_is_paid_once() -> None:
     lone = result(7, mode="alone", finished_at=50.0)
     check = result(1, finished_at=100.0)

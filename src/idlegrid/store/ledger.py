@@ -241,7 +241,7 @@ async def _judged(
 
 async def _vouched(conn: AsyncConnection, horizons: dict[int, float]) -> list[rules.JudgedResult]:
     """Results these nodes decided alone up to their horizons (`rules.vouch_horizons`),
-    and that earned no credit yet."""
+    accepted and unpaid: the candidates `rules.credit_delta` pays (`rules.vouched_for`)."""
     found: list[rules.JudgedResult] = []
     for node_id, until in horizons.items():
         found += await _judged(

@@ -181,6 +181,17 @@ def vouch_horizons(
     return dict(sorted(last_check.items()))
 
 
+def vouched_for(result: JudgedResult, horizons: Mapping[int, float]) -> bool:
+    """A result decided alone that its node's later check vouches for."""
+    until = horizons.get(result.node_id)
+    return (
+        result.mode == "alone"
+        and until is not None
+        and result.finished_at is not None
+        and result.finished_at <= until
+    )
+
+
 def credit_delta(
     results: Sequence[JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
@@ -194,7 +205,8 @@ def credit_delta(
     anything the node said), once per task: a result paid before (`credit` not None) is
     never paid again. A valid result is paid; so is one accepted unchecked in a shard not
     run alone (replication 1). A result decided alone is pending until its node passes
-    a check after it (`vouched`, read with `vouch_horizons`). `credit` False: a result
+    a check after it (`vouched`: the node's accepted, unpaid lone results, read up to
+    `vouch_horizons`; those `vouched_for` are paid). `credit` False: a result
     that came after its shard was decided and credited is paid for nothing (the work is
     paid once), though it still vouches for its node's earlier lone results. A result
     found invalid that was paid (accepted alone, then rechecked) has its credit taken back.
@@ -209,8 +221,9 @@ def credit_delta(
         verdict = verdict_of[result.task_id]
         if verdict == "valid" or (verdict == "unchecked" and result.mode != "alone"):
             paying[result.task_id] = (result, verdict)
+    horizons = vouch_horizons(results, verdict_of)
     for result in vouched:
-        if credit or result.task_id not in verdict_of:
+        if vouched_for(result, horizons) and (credit or result.task_id not in verdict_of):
             paying.setdefault(result.task_id, (result, "vouched"))
     grants = tuple(
         _grant(result, credit_rules.credit_for(result.cost_flops), reason)
