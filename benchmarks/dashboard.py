@@ -32,7 +32,6 @@ from sqlalchemy import insert, text
 from idlegrid.app import create_app
 from idlegrid.dashboard import exports
 from idlegrid.dashboard.accounts import set_login
-from idlegrid.policy.credit import CreditTotals, rank_key
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import sql_url
 from idlegrid.store.schema import (
@@ -46,6 +45,7 @@ from idlegrid.store.schema import (
     teams,
 )
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.credit import CreditTotals, rank_key
 
 CHUNK = 5000
 SEEDED = ("accounts", "teams", "nodes", "jobs", "shards", "tasks", "grid_hourly", "node_daily")

@@ -167,26 +167,26 @@ def _files(part: str) -> list[tuple[str, Path]]:
 
 
 HTTP_CLIENTS = ("httpx", "requests", "aiohttp", "urllib3", "urllib.request", "http.client")
+# Pure rules: plain values in, decisions out; no database, transport, network or model.
+IMPURE = (
+    "idlegrid.store",
+    "idlegrid.broker",
+    "idlegrid.coordinator",
+    "fastapi",
+    "starlette",
+    "sqlalchemy",
+    "asyncpg",
+    "websockets",
+    "socket",
+    "redis",
+    *HTTP_CLIENTS,
+    "torch",
+)
 FORBIDDEN = [
     ("protocol.py", ("idlegrid",)),
     ("kinds", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store")),
-    (
-        "policy",
-        (
-            "idlegrid.store",
-            "idlegrid.broker",
-            "idlegrid.coordinator",
-            "fastapi",
-            "starlette",
-            "sqlalchemy",
-            "asyncpg",
-            "websockets",
-            "socket",
-            "redis",
-            *HTTP_CLIENTS,
-            "torch",
-        ),
-    ),
+    ("policy", IMPURE),
+    ("verification", IMPURE),
     ("worker", ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker")),
     (
         "coordinator",
@@ -224,6 +224,43 @@ def test_part_does_not_import(part: str, banned: tuple[str, ...]) -> None:
 def test_no_import_cycle_between_modules() -> None:
     found = [describe(component, GRAPH) for component in cycles(GRAPH)]
     assert found == [], "import cycles:\n" + "\n".join(found)
+
+
+# Who is trusted and who is paid: the trust steps and the price of work. The store
+# writes what verification's ledger decides; no other part applies these rules itself.
+VERIFICATION_RULES = (
+    "after_valid",
+    "after_unchecked",
+    "after_invalid",
+    "after_error",
+    "after_error_withdrawn",
+    "after_suspected",
+    "credit_for",
+)
+
+
+def _names_used(path: Path) -> list[tuple[str, int]]:
+    """Every name a module refers to, bare or as an attribute, with its line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Name):
+            found.append((node.id, node.lineno))
+        elif isinstance(node, ast.Attribute):
+            found.append((node.attr, node.lineno))
+        elif isinstance(node, ast.alias):
+            found.append((node.name.rpartition(".")[2], node.lineno))
+    return found
+
+
+def test_only_verification_decides_trust_and_credit() -> None:
+    offenders = [
+        f"{module} uses {name} (line {line})"
+        for module, path in KNOWN.items()
+        if not (module == "idlegrid.verification" or module.startswith("idlegrid.verification."))
+        for name, line in _names_used(path)
+        if name in VERIFICATION_RULES
+    ]
+    assert offenders == []
 
 
 def test_kinds_import_ml_libraries_only_inside_functions() -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from idlegrid.policy.quotas import Quotas
-from idlegrid.policy.trust import TrustSettings
+from idlegrid.verification.trust import TrustSettings
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ class CoordinatorSettings:
     distinct_networks: bool = True
     network_prefix_v4: int = 24
     network_prefix_v6: int = 48
-    # Trust (policy.trust.TrustSettings): see docs/verification.md for the figures.
+    # Trust (verification.trust.TrustSettings): see docs/verification.md for the figures.
     prior_bad_fraction: float = 0.2
     adaptive_after: int = 80
     spot_check_rate: float = 0.08

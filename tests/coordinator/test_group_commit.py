@@ -20,7 +20,7 @@ from idlegrid import protocol
 from idlegrid.blobs.files import BlobStore
 from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.results import ResultsClosed
+from idlegrid.coordinator.result_path import ResultsClosed
 from idlegrid.kinds.noop import OUTPUT
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.sql import SqlStore

@@ -24,9 +24,9 @@ import pytest
 from conftest import Database
 from sqlalchemy import text
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.store.base import Assignment, Claimer, Distinct, NewJob, NewShard
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.trust import TrustSettings
 
 REQUESTERS = 200
 NODES = 40

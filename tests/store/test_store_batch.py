@@ -8,12 +8,12 @@ import pytest
 from sqlalchemy import select
 from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import NodeState, TaskState
 from idlegrid.store import totals
 from idlegrid.store.base import Assignment, ClaimMiss, StoreConflict
 from idlegrid.store.schema import accounts
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.trust import TrustSettings
 
 
 class Boom(Exception):

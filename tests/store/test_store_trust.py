@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 from test_store import LEASE, T0, _account, _hash, _job
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.store.base import (
     AccountRecord,
     Assignment,
@@ -18,6 +17,7 @@ from idlegrid.store.base import (
     RegistrationRefused,
 )
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.trust import TrustSettings
 
 LIMITS = RegistrationLimits(max_nodes_per_account=3, per_account_per_hour=2, per_address_per_hour=3)
 

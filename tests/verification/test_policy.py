@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from idlegrid.kinds.base import Requirements, Verdict
-from idlegrid.policy import scheduler, verifier
+from idlegrid.policy import scheduler
 from idlegrid.policy.scheduler import Candidate, NodeView, Weights
+from idlegrid.verification import quorum as verifier
 
 # -- verifier -------------------------------------------------------------------------------
 

@@ -1,10 +1,10 @@
-"""policy.replication: how many replicas a shard still needs, what decided results earn."""
+"""verification.replication: how many replicas a shard still needs, what decided results earn."""
 
 from __future__ import annotations
 
 import pytest
 
-from idlegrid.policy.replication import ShardCounts, Shortfall, decision_verdicts, shortfall
+from idlegrid.verification.replication import ShardCounts, Shortfall, decision_verdicts, shortfall
 
 
 def _shard(

@@ -7,7 +7,8 @@ import math
 import pytest
 
 from idlegrid.kinds.base import Verdict
-from idlegrid.policy import credit, trust, verifier
+from idlegrid.verification import credit, trust
+from idlegrid.verification import quorum as verifier
 
 S = trust.TrustSettings()
 

@@ -23,8 +23,8 @@ from idlegrid.app import create_app
 from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds import vectors
 from idlegrid.kinds.sleep import _digest
-from idlegrid.policy import credit
 from idlegrid.settings import CoordinatorSettings
+from idlegrid.verification import credit
 
 FORGED = json.dumps({"index": 0, "digest": "forged"}).encode()
 

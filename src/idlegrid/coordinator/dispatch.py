@@ -23,8 +23,8 @@ from idlegrid.coordinator.matching import Matcher, node_reliability
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.policy import scheduler
-from idlegrid.policy import trust as trust_policy
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, ReadyTask
+from idlegrid.verification import trust as trust_policy
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +266,7 @@ class Dispatcher:
     async def _maybe_alone(self, plan: JobPlan, claim: Assignment) -> None:
         """Adaptive replication: a trusted node's first replica may run unreplicated.
 
-        BOINC's rule (policy.trust.may_run_alone), decided when the first replica of a
+        BOINC's rule (verification.trust.may_run_alone), decided when the first replica of a
         shard is handed out; a share of such shards keeps one replica for a spot check by
         a second trusted node. The node is not told: it cannot cheat only when alone.
         """

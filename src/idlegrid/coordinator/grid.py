@@ -40,10 +40,9 @@ from idlegrid.coordinator.intake import Intake, JobInputError
 from idlegrid.coordinator.leases import Leases, lease_for, lease_seconds
 from idlegrid.coordinator.matching import Matcher, Shares, node_reliability
 from idlegrid.coordinator.plans import JobPlan, Plans
-from idlegrid.coordinator.results import ResultPath
+from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
-from idlegrid.coordinator.verification import Verification
-from idlegrid.policy.trust import TrustSettings
+from idlegrid.coordinator.verifier import Verifier
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import (
     JobRecord,
@@ -53,6 +52,7 @@ from idlegrid.store.base import (
     ResultReceipt,
     Store,
 )
+from idlegrid.verification.trust import TrustSettings
 
 __all__ = ["CHANNEL", "Grid", "JobInputError", "JobPlan"]
 
@@ -97,7 +97,7 @@ class Grid:
         self.dispatcher = Dispatcher(
             ctx, plans=self.plans, matcher=self.matcher, leases=self.leases
         )
-        self.verification = Verification(
+        self.verification = Verifier(
             ctx, fanout=self.fanout, plans=self.plans, rounds=self.rounds, leases=self.leases
         )
         self.results = ResultPath(

@@ -64,7 +64,7 @@ class NodeSession:
     # No claims before this time (time.monotonic): its quota is used up or it is
     # suspended, so asking the store again at every new task would be wasted work.
     idle_until: float = 0.0
-    # Its credibility (policy.trust) as of its last claim: the scheduler's reliability.
+    # Its credibility (verification.trust) as of its last claim: the scheduler's reliability.
     reliability: float | None = None
     requested: int = 0
     # The owner's machine is in use (the worker's `status`): its tasks are suspended.

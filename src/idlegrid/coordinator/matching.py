@@ -66,7 +66,7 @@ def holder_view(benchmark: dict[str, object]) -> scheduler.NodeView:
 def node_reliability(session: NodeSession) -> float:
     """How far the scheduler trusts this node's results, 0..1 (0.5: nothing known).
 
-    Its credibility (policy.trust) on the kind of its last claim, as of that claim;
+    Its credibility (verification.trust) on the kind of its last claim, as of that claim;
     unknown until its first claim.
     """
     return session.reliability if session.reliability is not None else 0.5

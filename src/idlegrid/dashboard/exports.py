@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from idlegrid.policy.credit import recent_average
 from idlegrid.store import stats
 from idlegrid.store.web import DashboardStore
+from idlegrid.verification.credit import recent_average
 
 log = logging.getLogger(__name__)
 PAGE = 5000

@@ -18,10 +18,10 @@ from markupsafe import Markup
 from idlegrid import __version__
 from idlegrid.coordinator.grid import Grid
 from idlegrid.dashboard import security
-from idlegrid.policy.credit import CreditTotals, recent_average
 from idlegrid.protocol import MAX_ID
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.web import DashboardStore, WebSession, find_session
+from idlegrid.verification.credit import CreditTotals, recent_average
 
 HERE = FilePath(__file__).parent
 # An id in a page's path: past what the store holds it is a 422 page, not a 500.

@@ -20,9 +20,9 @@ from idlegrid.dashboard.pages import (
     render,
     store_of,
 )
-from idlegrid.policy import trust as trust_policy
 from idlegrid.store import stats, web
 from idlegrid.store.base import NodeRecord, NodeTrust
+from idlegrid.verification import trust as trust_policy
 
 router = APIRouter()
 HISTORY_DAYS = 60

@@ -51,7 +51,7 @@ def replication_shortfall(
         return None
     axes = " and ".join(axis for axis in ("accounts", "networks") if axis in limits)
     needs = f"{replication} connected nodes that run this kind" + (
-        f", on {replication} different {axes}" if axes else ""
+        f", on {replication} distinct {axes}" if axes else ""
     )
     has = f"{len(nodes)} such node(s) on {accounts} account(s) and {networks} network(s)"
     return (

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.store.base import Store
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.trust import TrustSettings
 
 
 def sql_url(url: str) -> str:

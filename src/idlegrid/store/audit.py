@@ -114,6 +114,11 @@ async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) 
     )
     # Their results stay valid and vote again (the vote reads valid results too); the
     # decision judges only what it changes, so no node's trust counts a result twice.
+    return await _spot_checks(conn, ids, now=now)
+
+
+async def _spot_checks(conn: AsyncConnection, ids: Sequence[int], *, now: float) -> list[ReadyTask]:
+    """One new replica per shard, for trusted nodes only, first in the queue."""
     values = [
         dict(shard_id=shard_id, job_id=job_id, state=TaskState.READY.value, created_at=now)
         for shard_id, job_id in (

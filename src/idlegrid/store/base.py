@@ -14,11 +14,11 @@ from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol, TypeVar
 
-from idlegrid.policy.credit import CreditTotals
-from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 from idlegrid.store.blob_owners import BlobAccessStore
 from idlegrid.store.usage import UsageStore
+from idlegrid.verification.credit import CreditTotals
+from idlegrid.verification.trust import Trust
 
 T = TypeVar("T")
 

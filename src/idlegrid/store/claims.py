@@ -14,13 +14,13 @@ from typing import Any
 from sqlalchemy import case, exists, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
 from idlegrid.store.lifecycle import in_state, move
 from idlegrid.store.schema import jobs, nodes, shards, tasks
+from idlegrid.verification import trust as trust_policy
+from idlegrid.verification.trust import TrustSettings
 
 # Another task of the same shard. Made once: an alias copies the table's columns and
 # foreign keys into reference cycles, garbage the collector would walk after every query.

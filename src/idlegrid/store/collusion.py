@@ -1,22 +1,20 @@
-"""SQL of collusion: accounts whose nodes are wrong together, the same way, are flagged.
+"""SQL of collusion: the accounts of agreeing wrong results counted, and flagged.
 
-Independent cheaters return different wrong answers; the same wrong answer from nodes
-of several accounts was arranged. The verifier names such groups in a decided shard
-(`Decision.colluding`); here each pair of their accounts is counted over every shard
-where both were found wrong, and a pair at `TrustSettings.collusion_flag_after` or more
-is flagged (a flagged account registers no new nodes; an admin sees the reason).
-Functions over an open connection, in the caller's transaction.
+Whether two accounts are colluders is `verification.collusion`'s rule; here each pair
+of accounts it names is counted over every shard where both were found wrong, and the
+flags it decides are written. Functions over an open connection, in the caller's
+transaction.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.store.schema import accounts, tasks
+from idlegrid.verification import collusion
 
 # Made once (see claims.OTHER): the other account's task of the same shard.
 _PARTNER = tasks.alias("partner")
@@ -37,17 +35,10 @@ async def flag_colluders(
             )
         ).all()
     )
-    pairs = {
-        tuple(sorted((first, second)))
-        for group in groups
-        for first, second in itertools.combinations(
-            {account_of[t] for t in group if account_of.get(t) is not None}, 2
-        )
-    }
     flagged: list[int] = []
-    for first, second in sorted(pairs):
+    for first, second in collusion.account_pairs(groups, account_of):
         together = await _wrong_together(conn, first, second)
-        if together < flag_after:
+        if not collusion.colluding(together, flag_after=flag_after):
             continue
         for account, partner in ((first, second), (second, first)):
             changed = await conn.execute(
@@ -55,10 +46,7 @@ async def flag_colluders(
                 .where(accounts.c.id == account, accounts.c.flagged_at.is_(None))
                 .values(
                     flagged_at=now,
-                    flag_reason=(
-                        f"its nodes and those of account {partner} returned the same wrong "
-                        f"results in {together} shards (collusion)"
-                    ),
+                    flag_reason=collusion.flag_reason(partner, together),
                 )
             )
             if changed.rowcount:

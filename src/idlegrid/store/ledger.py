@@ -1,9 +1,9 @@
-"""Trust and credit rows: the store's side of the verifier's verdicts.
+"""Trust, credit and quota rows: the store's side of the verdicts.
 
-The policy (policy.trust, policy.credit) is pure; these functions read the rows it needs
-inside the caller's transaction, apply it, and write the result back. They run in the
-same transaction as the decision they follow, so a verdict, the trust it changes and the
-credit it grants commit together or not at all.
+The rules are `verification.ledger`'s (pure); these functions read the rows they need
+inside the caller's transaction, call them, and write the delta they return. They run in
+the same transaction as the decision they follow, so a verdict, the trust it changes and
+the credit it grants commit together or not at all.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from sqlalchemy import bindparam, case, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import credit as credit_policy
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.replication import ResultVerdict
-from idlegrid.policy.trust import Trust, TrustSettings
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
+from idlegrid.verification import ledger as rules
+from idlegrid.verification import trust as trust_rules
+from idlegrid.verification.replication import ResultVerdict
+from idlegrid.verification.trust import Trust, TrustSettings
 
 log = logging.getLogger(__name__)
 DAY_S = 86_400.0
@@ -63,7 +63,7 @@ async def load_trust(
                 node_id=node_id,
                 kind=kind,
                 backend=backend,
-                **_trust_values(trust_policy.new_trust(settings)),
+                **_trust_values(trust_rules.new_trust(settings)),
                 updated_at=now,
             )
             .on_conflict_do_nothing()
@@ -140,67 +140,35 @@ async def apply_verdicts(
     credit: bool = True,
     trust_counted: Collection[int] = (),
 ) -> None:
-    """Update the trust of each task's node and grant credit for valid work.
+    """Write what these verdicts change: each node's trust, then the credit they grant.
 
-    Credit comes from the shard's cost estimate (made by the coordinator when it split
-    the job), never from anything the node said. A node whose trust becomes suspended
-    is suspended, and its account flagged. `credit` False: trust only (a result that
-    came after its shard was decided and credited: the work is paid for once).
-    `trust_counted`: results whose valid verdict the node's trust has counted already (a
-    shard reopened for a check voted again): credit only.
+    `verification.ledger` decides; this reads the rows it needs and writes its deltas.
+    `credit` False: trust only (a result that came after its shard was decided and
+    credited: the work is paid for once). `trust_counted`: results whose valid verdict
+    the node's trust has counted already (a shard reopened for a check voted again).
     """
     verdict_of = dict(verdicts)
     if not verdict_of:
         return
-    rows = (
-        await conn.execute(
-            _VERDICT_ROWS.where(tasks.c.id.in_(list(verdict_of)))
-            # One lock order for every transaction: by node (deadlocks are retried anyway).
-            .order_by(tasks.c.node_id, tasks.c.id)
-        )
-    ).all()
-    # One trust read and write per node, kind and backend, however many verdicts it
-    # got (a batch of results from one node is the common case); the policy still steps
-    # through them one by one, in task order.
-    groups: dict[tuple[int, str, str], list[Any]] = {}
-    for row in rows:
-        if row.id in trust_counted and verdict_of[row.id] != "invalid":
-            continue
-        groups.setdefault((row.node_id, row.kind, row.backend or "cpu"), []).append(row)
-    for (node_id, kind, backend), group in groups.items():
-        await _judge_node(
-            conn,
-            node_id,
-            kind,
-            backend,
-            group[0].account_id,
-            [verdict_of[row.id] for row in group],
-            settings=settings,
-            now=now,
-        )
-    await _take_back(conn, [row for row in rows if verdict_of[row.id] == "invalid"], now=now)
-    # A result a trusted node decided alone earns its credit once the node has passed a
-    # check after it (it is vouched for); until then it is pending, as in BOINC. Results
-    # judged without credit still vouch for the node's earlier ones.
-    paying = {
-        row.id: row
-        for row in rows
-        if credit
-        and (
-            verdict_of[row.id] == "valid"
-            or (verdict_of[row.id] == "unchecked" and row.mode != "alone")
-        )
-    }
-    for row in await _vouched(conn, [row for row in rows if verdict_of[row.id] == "valid"]):
-        if credit or row.id not in verdict_of:
-            paying[row.id] = row
-    # Credit: one task update for all, one grant per node and per account.
-    earned = [
-        (row, credit_policy.credit_for(row.cost_flops))
-        for row in paying.values()
-        if row.credit is None
-    ]
-    if not earned:
+    found = await _judged(
+        conn,
+        # One lock order for every transaction: by node (deadlocks are retried anyway).
+        tasks.c.id.in_(list(verdict_of)),
+        order_by=(tasks.c.node_id, tasks.c.id),
+    )
+    for group in rules.trust_groups(found, verdict_of, trust_counted):
+        await _change_trust(conn, group, settings=settings, now=now)
+    # After the trust changes: a node caught here had its lone shards replicated again
+    # (store.recheck), and no check vouches for those any more.
+    vouched = await _vouched(conn, rules.vouch_horizons(found, verdict_of))
+    await write_credit(conn, rules.credit_delta(found, verdict_of, vouched, credit=credit), now=now)
+
+
+async def write_credit(conn: AsyncConnection, delta: rules.CreditDelta, *, now: float) -> None:
+    """Take back, then grant, the credit of `delta`: one task update for all, one grant
+    per node and per account, the dashboard's aggregates in the same transaction."""
+    await _take_back(conn, delta.taken_back, now=now)
+    if not delta.grants:
         return
     # Only the rows this transaction pays: another process vouching for the same lone
     # results at once waits on these row locks, then finds them paid.
@@ -208,7 +176,7 @@ async def apply_verdicts(
         (
             await conn.execute(
                 update(tasks)
-                .where(tasks.c.id.in_([row.id for row, _ in earned]), tasks.c.credit.is_(None))
+                .where(tasks.c.id.in_([g.task_id for g in delta.grants]), tasks.c.credit.is_(None))
                 .values(credit=0.0)
                 .returning(tasks.c.id)
             )
@@ -216,30 +184,23 @@ async def apply_verdicts(
         .scalars()
         .all()
     )
-    earned = [(row, amount) for row, amount in earned if row.id in unpaid]
-    if not earned:
+    granted = [g for g in delta.grants if g.task_id in unpaid]
+    if not granted:
         return
     await conn.execute(
         update(tasks).where(tasks.c.id == bindparam("task")).values(credit=bindparam("amount")),
-        [{"task": row.id, "amount": amount} for row, amount in earned],
+        [{"task": g.task_id, "amount": g.amount} for g in granted],
     )
-    per_node: dict[int, float] = {}
-    per_account: dict[int, float] = {}
-    for row, amount in earned:
-        per_node[row.node_id] = per_node.get(row.node_id, 0.0) + amount
-        per_account[row.account_id] = per_account.get(row.account_id, 0.0) + amount
-    for node_id, amount in per_node.items():
+    for node_id, amount in rules.per_node(granted).items():
         await totals.grant(conn, "nodes", node_id, amount, now=now)
-    for account_id, amount in per_account.items():
+    for account_id, amount in rules.per_account(granted).items():
         await totals.grant(conn, "accounts", account_id, amount, now=now)
     # The dashboard's aggregates, in the same transaction: no page reads the task table.
-    work = [
-        stats.Earned(row.node_id, row.account_id, row.cost_flops, amount) for row, amount in earned
-    ]
+    work = [stats.Earned(g.node_id, g.account_id, g.cost_flops, g.amount) for g in granted]
     await totals.validated(conn, work, now=now)
 
 
-_VERDICT_ROWS = (
+_JUDGED = (
     select(
         tasks.c.id,
         tasks.c.node_id,
@@ -257,48 +218,63 @@ _VERDICT_ROWS = (
 )
 
 
-async def _vouched(conn: AsyncConnection, checked: list[Any]) -> list[Any]:
-    """Results these nodes decided alone before the checks they just passed, and that
-    earned no credit yet: the checks vouch for them."""
-    last_check: dict[int, float] = {}
-    for row in checked:
-        last_check[row.node_id] = max(last_check.get(row.node_id, 0.0), row.finished_at or 0.0)
-    found: list[Any] = []
-    for node_id, until in sorted(last_check.items()):
-        found += (
-            await conn.execute(
-                _VERDICT_ROWS.where(
-                    tasks.c.node_id == node_id,
-                    tasks.c.outcome == "valid",
-                    tasks.c.credit.is_(None),
-                    shards.c.mode == "alone",
-                    tasks.c.finished_at <= until,
-                )
-            )
-        ).all()
+async def _judged(
+    conn: AsyncConnection, *where: Any, order_by: Sequence[Any] = ()
+) -> list[rules.JudgedResult]:
+    """The results matching `where`, as the ledger's rules read them."""
+    found = (await conn.execute(_JUDGED.where(*where).order_by(*order_by))).all()
+    return [
+        rules.JudgedResult(
+            task_id=row.id,
+            node_id=row.node_id,
+            account_id=row.account_id,
+            kind=row.kind,
+            backend=row.backend or "cpu",
+            cost_flops=row.cost_flops,
+            mode=row.mode,
+            credit=row.credit,
+            finished_at=row.finished_at,
+        )
+        for row in found
+    ]
+
+
+async def _vouched(conn: AsyncConnection, horizons: dict[int, float]) -> list[rules.JudgedResult]:
+    """Results these nodes decided alone up to their horizons (`rules.vouch_horizons`),
+    accepted and unpaid: the candidates `rules.credit_delta` pays (`rules.vouched_for`)."""
+    found: list[rules.JudgedResult] = []
+    for node_id, until in horizons.items():
+        found += await _judged(
+            conn,
+            tasks.c.node_id == node_id,
+            tasks.c.outcome == "valid",
+            tasks.c.credit.is_(None),
+            shards.c.mode == "alone",
+            tasks.c.finished_at <= until,
+        )
     return found
 
 
-async def _take_back(conn: AsyncConnection, rows: list[Any], *, now: float) -> None:
-    """Credit granted to results found wrong since (accepted alone, then rechecked) is
-    taken back from their nodes and accounts; the task keeps credit 0 (granted once,
-    never again)."""
-    paid = [row for row in rows if row.credit]
-    if not paid:
+async def _take_back(
+    conn: AsyncConnection, taken_back: Sequence[rules.Grant], *, now: float
+) -> None:
+    """Credit granted to results found wrong since is taken back from their nodes and
+    accounts; the task keeps credit 0 (granted once, never again)."""
+    if not taken_back:
         return
     await conn.execute(
-        update(tasks).where(tasks.c.id.in_([row.id for row in paid])).values(credit=0.0)
+        update(tasks).where(tasks.c.id.in_([g.task_id for g in taken_back])).values(credit=0.0)
     )
-    for row in paid:
-        await totals.grant(conn, "nodes", row.node_id, -row.credit, now=now)
-        await totals.grant(conn, "accounts", row.account_id, -row.credit, now=now)
+    for g in taken_back:
+        await totals.grant(conn, "nodes", g.node_id, g.amount, now=now)
+        await totals.grant(conn, "accounts", g.account_id, g.amount, now=now)
 
 
 async def withdraw_errors(
     conn: AsyncConnection, task_ids: Sequence[int], *, settings: TrustSettings, now: float
 ) -> None:
     """Take back the error charged to each task's node when the task expired (it
-    delivered after all: policy.trust.after_error_withdrawn)."""
+    delivered after all)."""
     if not task_ids:
         return
     found = (
@@ -313,14 +289,12 @@ async def withdraw_errors(
     for row in found:
         key = (row.node_id, row.kind, row.backend or "cpu")
         counts[key] = counts.get(key, 0) + 1
+    withdrawn: rules.TrustEvent = "error withdrawn"
     for (node_id, kind, backend), count in counts.items():
-        current = await load_trust(
-            conn, node_id, kind, backend, settings=settings, now=now, for_update=True
+        group = rules.TrustGroup(
+            node_id=node_id, kind=kind, backend=backend, events=(withdrawn,) * count
         )
-        after = current.trust
-        for _ in range(count):
-            after = trust_policy.after_error_withdrawn(after)
-        await _save_trust(conn, node_id, kind, backend, after, now=now)
+        await _change_trust(conn, group, settings=settings, now=now)
 
 
 async def _save_trust(
@@ -338,47 +312,37 @@ async def _save_trust(
     )
 
 
-async def _judge_node(
-    conn: AsyncConnection,
-    node_id: int,
-    kind: str,
-    backend: str,
-    account_id: int,
-    verdicts: list[ResultVerdict],
-    *,
-    settings: TrustSettings,
-    now: float,
-) -> None:
+async def _change_trust(
+    conn: AsyncConnection, group: rules.TrustGroup, *, settings: TrustSettings, now: float
+) -> recheck.Rechecked:
+    """Read a node's trust (locked), and write what the group's events make of it:
+    the trust, a suspension, the recheck of a node caught lying."""
     current = await load_trust(
-        conn, node_id, kind, backend, settings=settings, now=now, for_update=True
+        conn, group.node_id, group.kind, group.backend, settings=settings, now=now, for_update=True
     )
-    before = after = current.trust
-    for verdict in verdicts:
-        match verdict:
-            case "valid":
-                after = trust_policy.after_valid(after, settings)
-            case "unchecked":
-                after = trust_policy.after_unchecked(after, settings)
-            case "invalid":
-                after = trust_policy.after_invalid(after, settings)
-            case "error":
-                after = trust_policy.after_error(after)
-    await _save_trust(conn, node_id, kind, backend, after, now=now)
-    if after.suspended and not before.suspended:  # suspension is for good (policy.trust)
-        await suspend(conn, node_id, account_id, kind, now=now)
-    if "invalid" in verdicts:
-        # Caught once: whatever it ran or decided alone is replicated again, now.
-        found = await recheck.recheck_node(
-            conn, node_id, kind, backend, window_s=settings.recheck_window_s, now=now
+    change = rules.trust_change(group, current.trust, settings)
+    await _save_trust(conn, change.node_id, change.kind, change.backend, change.after, now=now)
+    if change.suspended_now and change.account_id is not None:
+        await suspend(conn, change.node_id, change.account_id, change.kind, now=now)
+    if not change.caught:
+        return recheck.Rechecked()
+    found = await recheck.recheck_node(
+        conn,
+        change.node_id,
+        change.kind,
+        change.backend,
+        window_s=settings.recheck_window_s,
+        now=now,
+    )
+    if found.released:
+        log.warning(
+            "node %s was caught lying; %d shard(s) it decided alone belong to jobs "
+            "that already ended: %s",
+            change.node_id,
+            len(found.released),
+            found.released,
         )
-        if found.released:
-            log.warning(
-                "node %s was caught lying; %d shard(s) it decided alone belong to jobs "
-                "that already ended: %s",
-                node_id,
-                len(found.released),
-                found.released,
-            )
+    return found
 
 
 async def suspect(
@@ -396,11 +360,10 @@ async def suspect(
     if row is None:
         return recheck.Rechecked()
     backend = row.backend or "cpu"
-    current = await load_trust(
-        conn, row.node_id, row.kind, backend, settings=settings, now=now, for_update=True
+    group = rules.TrustGroup(
+        node_id=row.node_id, kind=row.kind, backend=backend, events=("suspected",)
     )
-    suspected = trust_policy.after_suspected(current.trust)
-    await _save_trust(conn, row.node_id, row.kind, backend, suspected, now=now)
+    await _change_trust(conn, group, settings=settings, now=now)
     return await recheck.recheck_node(
         conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
     )

@@ -1,7 +1,7 @@
 """SQL of top-up: tasks for open shards short of replicas, failure when out of attempts.
 
 Functions over an open connection, run in the caller's transaction (a new job's, a new
-training round's, or the monitor's pass). `policy.replication.shortfall` decides per
+training round's, or the monitor's pass). `verification.replication.shortfall` decides per
 shard; this module reads the counts it needs and writes its answer.
 """
 
@@ -12,13 +12,13 @@ from typing import Any
 from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import replication
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import rows
 from idlegrid.store.base import NodeTask, ReadyTask, Replenished
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
+from idlegrid.verification import replication
 
 
 def _candidates_query() -> Any:

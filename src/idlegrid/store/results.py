@@ -13,12 +13,12 @@ from typing import Any
 from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
 from idlegrid.store.lifecycle import check_moved, check_row, move
 from idlegrid.store.schema import shards, tasks
+from idlegrid.verification.trust import TrustSettings
 
 # Every state a result may complete (`sources_of(COMPLETED)`); `judge_result` takes no
 # other, and the rows are locked from that judgement to this update.

@@ -12,7 +12,6 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy.trust import Trust
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
 from idlegrid.store import totals
 from idlegrid.store.base import (
@@ -25,6 +24,7 @@ from idlegrid.store.base import (
     TokenRecord,
 )
 from idlegrid.store.schema import accounts, jobs, shards, tasks, tokens
+from idlegrid.verification.trust import Trust
 
 # What a ready-queue entry needs: the task joined to its job and its shard.
 READY_COLUMNS = (

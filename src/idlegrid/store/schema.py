@@ -24,16 +24,16 @@ from sqlalchemy import (
 )
 
 metadata = MetaData()
-NO_RANK = -1e18  # policy.credit.rank_key of no credit at all
+NO_RANK = -1e18  # verification.credit.rank_key of no credit at all
 
 
 def _credit_columns() -> list[Column]:  # type: ignore[type-arg]
-    """Credit totals (see policy.credit): all time, and decayed with a one-week half-life."""
+    """Credit totals (see verification.credit): all time, and decayed with a one-week half-life."""
     return [
         Column("credit_total", Double, nullable=False, default=0.0, server_default="0"),
         Column("credit_decayed", Double, nullable=False, default=0.0, server_default="0"),
         Column("credit_updated_at", Double, nullable=False, default=0.0, server_default="0"),
-        # Orders rows by recent average credit at any moment (policy.credit.rank_key).
+        # Orders rows by recent average credit at any moment (verification.credit.rank_key).
         Column("credit_rank", Double, nullable=False, default=NO_RANK, server_default=str(NO_RANK)),
         # Results that earned credit (validated, or accepted alone from a trusted node).
         Column("validated_total", Integer, nullable=False, default=0, server_default="0"),
@@ -198,7 +198,7 @@ tasks = Table(
     Index("ix_tasks_account_state", "account_id", "state"),
 )
 
-# Trust per node, kind and backend (policy.trust.Trust as a row) and its daily quota.
+# Trust per node, kind and backend (verification.trust.Trust as a row) and its daily quota.
 node_trust = Table(
     "node_trust",
     metadata,

@@ -27,7 +27,6 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import JobState
 from idlegrid.store import (
     accounts,
@@ -80,6 +79,7 @@ from idlegrid.store.schema import tasks
 from idlegrid.store.usage import UsageSql
 from idlegrid.store.web import DashboardSql
 from idlegrid.store.writelock import WriteLock, urgent
+from idlegrid.verification.trust import TrustSettings
 
 # PostgreSQL aborts one side of a deadlock (40P01) or a serialization conflict (40001);
 # the transaction it rolled back is safe to run again.

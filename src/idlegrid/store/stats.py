@@ -16,9 +16,9 @@ from sqlalchemy import bindparam, distinct, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy.credit import NO_RANK, CreditTotals
 from idlegrid.states import JobState, NodeState
 from idlegrid.store.schema import accounts, grid_hourly, jobs, node_daily, nodes, teams
+from idlegrid.verification.credit import NO_RANK, CreditTotals
 
 HOUR_S = 3600
 DAY_S = 86_400

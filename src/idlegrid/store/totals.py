@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy import select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import credit as credit_policy
 from idlegrid.store import stats
 from idlegrid.store.schema import accounts, nodes, teams
+from idlegrid.verification import credit as credit_rules
 
 # Tables whose credit a grant changes, in the order their rows are locked.
 _TABLES = {"nodes": nodes, "accounts": accounts, "teams": teams}
@@ -119,7 +119,7 @@ async def write(conn: AsyncConnection, totals: Totals) -> None:
 async def grant_now(
     conn: AsyncConnection, table: Any, row_id: int, amount: float, *, now: float
 ) -> None:
-    """Add credit to a node's or an account's totals (decayed sum: policy.credit)."""
+    """Add credit to a node's or an account's totals (decayed sum: verification.credit)."""
     row = (
         await conn.execute(
             select(table.c.credit_total, table.c.credit_decayed, table.c.credit_updated_at)
@@ -127,7 +127,7 @@ async def grant_now(
             .with_for_update(key_share=True)
         )
     ).one()
-    totals = credit_policy.grant(credit_of(row), amount, now=now)
+    totals = credit_rules.grant(credit_of(row), amount, now=now)
     await conn.execute(
         update(table)
         .where(table.c.id == row_id)
@@ -135,10 +135,10 @@ async def grant_now(
             credit_total=totals.total,
             credit_decayed=totals.decayed,
             credit_updated_at=totals.updated_at,
-            credit_rank=credit_policy.rank_key(totals),
+            credit_rank=credit_rules.rank_key(totals),
         )
     )
 
 
-def credit_of(row: Any) -> credit_policy.CreditTotals:
-    return credit_policy.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at)
+def credit_of(row: Any) -> credit_rules.CreditTotals:
+    return credit_rules.CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at)

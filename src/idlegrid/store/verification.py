@@ -1,9 +1,10 @@
 """SQL of verification: shards with results to judge, their decisions, late results.
 
-Functions over an open connection; `SqlStore` wraps them in transactions. The verifier
-(policy) decides from what `shards_for_verify` returns; `decide` records its decisions
-with a conditional update, so a decision that lost a race to another process changes
-nothing, and `policy.replication.decision_verdicts` says what each result earns.
+Functions over an open connection; `SqlStore` wraps them in transactions. The rules
+(`verification.judging`) decide from what `shards_for_verify` returns; `decide` records
+their decisions with a conditional update, so a decision that lost a race to another
+process changes nothing, `verification.replication.decision_verdicts` says what each
+result earns, and `store.ledger` writes what that changes in trust and credit.
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ from typing import Any
 from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy import replication
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy.replication import ResultVerdict
-from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import LIVE_TASK_STATES, ShardState, TaskState
 from idlegrid.store import jobs as job_sql
 from idlegrid.store import ledger, rows
@@ -32,6 +29,10 @@ from idlegrid.store.base import (
     ShardResult,
 )
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
+from idlegrid.verification import replication
+from idlegrid.verification import trust as trust_rules
+from idlegrid.verification.replication import ResultVerdict
+from idlegrid.verification.trust import TrustSettings
 
 _UNJUDGED_OR_LATE = tasks.c.outcome.is_(None) | (tasks.c.outcome == "late")
 
@@ -118,7 +119,7 @@ async def shards_for_verify(
                 trust=(
                     ledger.trust_of(r)
                     if r.valid_total is not None
-                    else trust_policy.new_trust(trust)
+                    else trust_rules.new_trust(trust)
                 ),
             )
         )

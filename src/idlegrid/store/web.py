@@ -17,7 +17,6 @@ from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.policy.credit import CreditTotals
 from idlegrid.states import LIVE_TASK_STATES, ShardState
 from idlegrid.store.base import AccountExists, NodeTrust
 from idlegrid.store.nodes import list_trust
@@ -32,6 +31,7 @@ from idlegrid.store.schema import (
     tokens,
     web_sessions,
 )
+from idlegrid.verification.credit import CreditTotals
 
 P = ParamSpec("P")
 R = TypeVar("R")

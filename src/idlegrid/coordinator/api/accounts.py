@@ -20,11 +20,11 @@ from idlegrid.coordinator.api.views import NodeOut, credit_out, node_out
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.quota_checks import QuotaExceeded
-from idlegrid.policy import trust as trust_policy
 from idlegrid.store.base import (
     AccountExists,
     TokenInfo,
 )
+from idlegrid.verification import trust as trust_policy
 
 
 class TokenCreate(BaseModel):

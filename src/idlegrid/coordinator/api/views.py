@@ -8,12 +8,12 @@ from pydantic import BaseModel, Field
 
 from idlegrid.coordinator.api.common import BlobHash
 from idlegrid.coordinator.grid import Grid
-from idlegrid.policy.credit import CreditTotals, recent_average
 from idlegrid.store.base import (
     JobRecord,
     NodeRecord,
     ShardRecord,
 )
+from idlegrid.verification.credit import CreditTotals, recent_average
 
 
 class ShardOut(BaseModel):

@@ -1,11 +1,13 @@
-"""Verification: a shard's results in, its decision out, and a finished job assembled.
+"""The verifier: the I/O around verification's rules, and a finished job assembled.
 
-The verifier (pure policy) compares the results of a shard with the kind's `compare`,
-weighted by each node's credibility; the store records the decision once (one decision
-wins any race). A shard its results did not decide gets more replicas; results that came
-after their shard was decided are judged against the canonical one (`judge_late`).
-When every shard of a job is decided, the kind's `assemble` builds the job's result;
-training jobs are the round driver's to finish.
+It reads a shard's results and its nodes' trust from the store and the outputs from the
+blobs; `verification.judging` decides (the kind's `compare`, weighted by each node's
+credibility); the store records the decision once (one decision wins any race) and
+writes what it changes in trust and credit (`store.ledger`). A shard its results did not
+decide gets what `judging.follow_up` says; results that came after their shard was
+decided are judged against the canonical one (`judge_late`). When every shard of a job
+is decided, the kind's `assemble` builds the job's result; training jobs are the round
+driver's to finish.
 """
 
 from __future__ import annotations
@@ -20,11 +22,10 @@ from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.round_driver import RoundDriver
-from idlegrid.kinds import Verdict
-from idlegrid.policy import trust as trust_policy
-from idlegrid.policy import verifier
 from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
+from idlegrid.verification import judging
+from idlegrid.verification.quorum import Decision
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,9 @@ async def compute(function: Callable[..., T], *args: Any, size: int) -> T:
     return await asyncio.to_thread(function, *args)
 
 
-class Verification:
+class Verifier:
+    """Shards verified, late results judged, finished jobs assembled (see the module)."""
+
     def __init__(
         self,
         ctx: Context,
@@ -60,7 +63,7 @@ class Verification:
         """Verify several shards: one read of their results, one write of the decisions."""
         store = self._ctx.store
         found = await store.shards_for_verify(shard_ids)
-        decided: list[tuple[ShardForVerify, JobPlan, verifier.Decision]] = []
+        decided: list[tuple[ShardForVerify, JobPlan, Decision]] = []
         for shard_id in dict.fromkeys(shard_ids):
             item = found.get(shard_id)
             if item is None or not item.results:
@@ -99,55 +102,33 @@ class Verification:
         if short:
             await self._leases.replenish()
 
-    async def _decide(self, found: ShardForVerify, plan: JobPlan) -> verifier.Decision:
-        blobs, trust = self._ctx.blobs, self._ctx.settings.trust
-        shard = found.shard
-        if shard.mode != "alone" and shard.live_tasks and len(found.results) < shard.target:
-            # A replicated or spot-checked shard waits for all the results it asked for
-            # (a backup copy of a straggler may stand in for one): two colluders that
-            # answer first must not decide it before the node they could not choose.
-            return verifier.Decision(canonical=None, valid=(), invalid=())
-        outputs = [(r.task_id, blobs.read(r.output_hash)) for r in found.results]
-        credibility = {r.task_id: trust_policy.credibility(r.trust, trust) for r in found.results}
+    async def _decide(self, found: ShardForVerify, plan: JobPlan) -> Decision:
+        terms = _terms(found, plan)
+        if judging.waits(terms, len(found.results)):
+            return Decision(canonical=None, valid=(), invalid=())
+        blobs = self._ctx.blobs
+        votes = [judging.Vote(r.task_id, blobs.read(r.output_hash), r.trust) for r in found.results]
         return await compute(
-            functools.partial(
-                verifier.decide,
-                min_quorum=found.shard.quorum,
-                credibility=credibility,
-                min_credibility=(
-                    trust_policy.required_credibility_alone(trust)
-                    if found.shard.mode == "alone"
-                    else trust_policy.required_credibility(trust, plan.replication)
-                ),
-                dispute_margin=trust.dispute_margin,
-                dispute_credibility=1.0 - trust.prior_bad_fraction,
-            ),
-            outputs,
+            judging.decide,
+            terms,
+            votes,
             lambda a, b: plan.kind.compare(a, b, plan.params),
-            size=sum(len(output) for _, output in outputs),
+            self._ctx.settings.trust,
+            size=sum(len(vote.output) for vote in votes),
         )
 
-    async def _undecided(
-        self, found: ShardForVerify, plan: JobPlan, decision: verifier.Decision
-    ) -> None:
+    async def _undecided(self, found: ShardForVerify, plan: JobPlan, decision: Decision) -> None:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
-        if decision.suspects:  # outnumbered in a dispute: alone no more, at once
-            await store.suspect(decision.suspects, now=self._ctx.clock())
-            self._ctx.counters.alone["suspected"] += len(decision.suspects)
-        # The spot check disagreed (or the lone node lost its credibility): back to full
-        # replication; the quorum then says who was wrong.
-        if (
-            shard.mode in ("alone", "spot")
-            and len(found.results) >= shard.target
-            and await store.escalate(
-                shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
-            )
+        then = judging.follow_up(_terms(found, plan), len(found.results), decision)
+        if then.suspects:
+            await store.suspect(then.suspects, now=self._ctx.clock())
+            self._ctx.counters.alone["suspected"] += len(then.suspects)
+        if then.escalate and await store.escalate(
+            shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
         ):
             self._ctx.counters.alone["escalated"] += 1
-        elif shard.quorum == 1 and len(found.results) >= shard.target:
-            # A lone result without the credibility to stand (its node was caught or
-            # suspended meanwhile): one more replica, as BOINC raises a target.
+        elif then.raise_target:
             await store.raise_target(shard.id, results_seen=len(found.results))
 
     async def reject(self, task_id: int, why: str) -> None:
@@ -173,7 +154,7 @@ class Verification:
                 canonical = blobs.read(result.canonical_hash)
                 output = blobs.read(result.output_hash)
                 verdict = await asyncio.to_thread(plan.kind.compare, canonical, output, plan.params)
-                agrees = verdict == Verdict.AGREE
+                agrees = judging.agrees(verdict)
             await store.judge_late(result.task_id, agrees=agrees, now=self._ctx.clock())
             self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
             caught = caught or not agrees
@@ -182,7 +163,7 @@ class Verification:
         return len(late)
 
     async def _shard_decided(
-        self, shard_id: int, outcome: DecisionOutcome, decision: verifier.Decision
+        self, shard_id: int, outcome: DecisionOutcome, decision: Decision
     ) -> None:
         """After a decision committed: cancel the shard's other replicas, count verdicts,
         flag accounts whose nodes were wrong together."""
@@ -196,7 +177,7 @@ class Verification:
                 log.warning("accounts %s flagged: wrong together, the same way", flagged)
                 self._ctx.counters.verified["colluders_flagged"] += len(flagged)
 
-    def _count_verdicts(self, decided: bool, decision: verifier.Decision) -> None:
+    def _count_verdicts(self, decided: bool, decision: Decision) -> None:
         # The store marks results only for the decision that won (or an undecided one).
         verified = self._ctx.counters.verified
         if decided:
@@ -248,3 +229,15 @@ class Verification:
             [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
         )
         return blobs.put(result), len(result)
+
+
+def _terms(found: ShardForVerify, plan: JobPlan) -> judging.ShardTerms:
+    shard = found.shard
+    return judging.ShardTerms(
+        mode=shard.mode,
+        target=shard.target,
+        quorum=shard.quorum,
+        live_tasks=shard.live_tasks,
+        replication=plan.replication,
+        min_quorum=plan.min_quorum,
+    )

@@ -37,7 +37,7 @@ class TrustSettings:
     suspend_after_invalids: int = 3
     invalid_window: int = 50
     # When results of a shard disagree, the winner must outnumber the rest by this
-    # many nodes, each counted as a new node whatever its trust (policy.verifier).
+    # many nodes, each counted as a new node whatever its trust (verification.quorum).
     dispute_margin: int = 2
     # A node caught lying: the shards it decided alone this long before are replicated
     # again (and open ones at once), unless their job's result was already released.

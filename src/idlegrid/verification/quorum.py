@@ -79,13 +79,30 @@ def decide(
         or (rival and len(best) - rival < dispute_margin)
         or (credibility is not None and posterior[ranked[0]] < min_credibility)
     ):
-        leader = voters[best[0]][1]
-        suspects = tuple(
-            task_id
-            for task_id, output in voters
-            if disputed and len(best) > rival and compare(leader, output) == Verdict.DISAGREE
-        )
+        suspects = _suspects(voters, best, compare) if disputed and len(best) > rival else ()
         return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
+    return _decided(results, voters, best, compare)
+
+
+def _suspects(
+    voters: Sequence[tuple[int, bytes]],
+    best: Sequence[int],
+    compare: Callable[[bytes, bytes], Verdict],
+) -> tuple[int, ...]:
+    """The voters that disagree with the leading group of an undecided dispute."""
+    leader = voters[best[0]][1]
+    return tuple(
+        task_id for task_id, output in voters if compare(leader, output) == Verdict.DISAGREE
+    )
+
+
+def _decided(
+    results: Sequence[tuple[int, bytes]],
+    voters: Sequence[tuple[int, bytes]],
+    best: Sequence[int],
+    compare: Callable[[bytes, bytes], Verdict],
+) -> Decision:
+    """The decision where the group `best` (indices into `voters`) won."""
     canonical_task, canonical_output = voters[best[0]]
     winners = {voters[j][0] for j in best}
     # A non-voter that agrees is neither: it checked nobody (judged later as late).

@@ -12,8 +12,8 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from idlegrid import protocol
 from idlegrid.blobs.files import BlobError
@@ -21,7 +21,7 @@ from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import Plans
-from idlegrid.coordinator.verification import Verification, compute
+from idlegrid.coordinator.verifier import Verifier, compute
 from idlegrid.kinds import WrongOutput
 from idlegrid.store.base import NewResult, ResultReceipt, TaskInput
 
@@ -34,7 +34,7 @@ class ResultsClosed(RuntimeError):
 
 class ResultPath:
     def __init__(
-        self, ctx: Context, *, plans: Plans, verification: Verification, leases: Leases
+        self, ctx: Context, *, plans: Plans, verification: Verifier, leases: Leases
     ) -> None:
         self._ctx = ctx
         self._plans = plans
@@ -144,29 +144,8 @@ class ResultPath:
         the shards they complete."""
         store = self._ctx.store
         inputs = await store.task_inputs([m.task_id for m in msgs], session.node_id)
-        receipts: dict[int, ResultReceipt] = {}  # index in msgs -> receipt
-        good: list[int] = []
-        lies: dict[int, str] = {}  # task id -> why its output cannot be right
-        finished: list[int] = []  # tasks the node no longer holds once this commits
-        failed = False
-        for index, msg in enumerate(msgs):
-            try:
-                problem = await self._check_output(msg, inputs.get(msg.task_id))
-            except WrongOutput as exc:
-                lies[msg.task_id] = str(exc)
-                problem = None  # stored like any result, then judged a lie
-            if problem is None:
-                good.append(index)
-                continue
-            if await store.record_failure(
-                msg.task_id,
-                session.node_id,
-                reason=f"invalid output: {problem}",
-                now=self._ctx.clock(),
-            ):
-                finished.append(msg.task_id)
-                failed = True
-            receipts[index] = ResultReceipt("rejected", problem)
+        taking = await self._check_all(session, msgs, inputs)
+        good = taking.good
         stored = await store.accept_results(
             session.node_id,
             [
@@ -178,29 +157,62 @@ class ResultPath:
         to_verify: list[int] = []
         late: list[int] = []
         for index, receipt in zip(good, stored, strict=True):
-            receipts[index] = receipt
+            taking.receipts[index] = receipt
+            task_id = msgs[index].task_id
             if receipt.status != "rejected":
-                finished.append(msgs[index].task_id)
-            if receipt.status != "rejected" and msgs[index].task_id in lies:
+                taking.finished.append(task_id)
+            if receipt.status != "rejected" and task_id in taking.lies:
                 # Before the verifier sees its shard: the lie never votes.
-                await self._verification.reject(msgs[index].task_id, lies[msgs[index].task_id])
-                failed = True  # its shard needs another replica
+                await self._verification.reject(task_id, taking.lies[task_id])
+                taking.failed = True  # its shard needs another replica
             if receipt.status == "accepted" and receipt.shard_id is not None:
                 to_verify.append(receipt.shard_id)
             elif receipt.status == "late" and not receipt.reason:
-                late.append(msgs[index].task_id)  # stored, after its shard was decided
+                late.append(task_id)  # stored, after its shard was decided
+        await self._verify(to_verify, late, replenish=taking.failed)
+        ordered = [taking.receipts[index] for index in range(len(msgs))]
+        jobs = {inputs[t].job_id for t in taking.finished if t in inputs}
+        await store.after_commit(self._settle(session, taking.finished, ordered, jobs))
+        return ordered
+
+    async def _check_all(
+        self,
+        session: NodeSession,
+        msgs: Sequence[protocol.Result],
+        inputs: Mapping[int, TaskInput],
+    ) -> _Taking:
+        """Check each result's output; a malformed one fails its task at once."""
+        taking = _Taking()
+        for index, msg in enumerate(msgs):
+            try:
+                problem = await self._check_output(msg, inputs.get(msg.task_id))
+            except WrongOutput as exc:
+                taking.lies[msg.task_id] = str(exc)
+                problem = None  # stored like any result, then judged a lie
+            if problem is None:
+                taking.good.append(index)
+                continue
+            if await self._ctx.store.record_failure(
+                msg.task_id,
+                session.node_id,
+                reason=f"invalid output: {problem}",
+                now=self._ctx.clock(),
+            ):
+                taking.finished.append(msg.task_id)
+                taking.failed = True
+            taking.receipts[index] = ResultReceipt("rejected", problem)
+        return taking
+
+    async def _verify(self, to_verify: list[int], late: list[int], *, replenish: bool) -> None:
+        """Verify the shards these results complete, judge the late ones."""
         if to_verify:
             await self._verification.verify_shards(to_verify)
         if late:
             # These results only: a node's batch touches no other node's trust rows, in
             # an order other batches could take the other way round (a deadlock).
             await self._verification.judge_late(task_ids=late)
-        if failed:
+        if replenish:
             await self._leases.replenish()
-        ordered = [receipts[index] for index in range(len(msgs))]
-        jobs = {inputs[t].job_id for t in finished if t in inputs}
-        await store.after_commit(self._settle(session, finished, ordered, jobs))
-        return ordered
 
     def _settle(
         self,
@@ -257,6 +269,17 @@ class ResultPath:
             log.info("task %s failed on node %s: %s", msg.task_id, session.node_id, msg.reason)
             await self._leases.replenish()
         return changed
+
+
+@dataclass
+class _Taking:
+    """A batch of results being taken: what is known of each so far."""
+
+    receipts: dict[int, ResultReceipt] = field(default_factory=dict)  # index in msgs ->
+    good: list[int] = field(default_factory=list)  # indices of results to store
+    lies: dict[int, str] = field(default_factory=dict)  # task id -> why it cannot be right
+    finished: list[int] = field(default_factory=list)  # tasks the node no longer holds
+    failed: bool = False  # a task failed: its shard needs another replica
 
 
 @dataclass

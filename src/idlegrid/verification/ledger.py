@@ -1,0 +1,261 @@
+"""The ledger's rules: what a set of verdicts changes in trust and credit. Pure.
+
+The store reads the results that got a verdict (`JudgedResult`) and their nodes' trust;
+`trust_change` says what each node's trust becomes, and the store writes it (a node
+caught lying sends its lone shards back to replication: `verification.recheck`). Then
+it reads the lone results a passed check vouches for (`vouch_horizons`), and
+`credit_delta` says who is paid how much and why; the store writes exactly that. All
+in the transaction of the verdicts: a verdict, the trust it changes and the credit it
+grants commit together or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from idlegrid.verification import credit as credit_rules
+from idlegrid.verification import trust as trust_rules
+from idlegrid.verification.replication import ResultVerdict
+from idlegrid.verification.trust import Trust, TrustSettings
+
+# What changes a node's trust: a verdict on one of its results, an error charged at
+# expiry taken back (the task delivered after all), or a spot check of a result it ran
+# alone that disagreed (suspected until the quorum says who lied).
+TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected"]
+
+# Why a task is paid: it agreed with another node's result ("valid"); it was accepted
+# without a second opinion in a shard not run alone ("unchecked": replication 1); it was
+# decided alone and a later check of its node vouches for it ("vouched").
+GrantReason = Literal["valid", "unchecked", "vouched", "taken back"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class JudgedResult:
+    """A result that got a verdict (or may be vouched for), as the ledger reads it."""
+
+    task_id: int
+    node_id: int
+    account_id: int
+    kind: str
+    backend: str
+    cost_flops: float  # the shard's estimate, made by the coordinator: the price
+    mode: str | None  # its shard's: "alone" had no second opinion
+    credit: float | None  # granted so far (None: never paid; 0: paid once, or taken back)
+    finished_at: float | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrustGroup:
+    """What happened to one node on one kind and backend, in task order."""
+
+    node_id: int
+    kind: str
+    backend: str
+    events: tuple[TrustEvent, ...]
+    account_id: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrustChange:
+    """A node's trust before and after its events, and what follows from them."""
+
+    node_id: int
+    kind: str
+    backend: str
+    account_id: int | None
+    before: Trust
+    after: Trust
+    # Caught once (an invalid verdict): whatever it ran or decided alone is replicated
+    # again, now (`verification.recheck`).
+    caught: bool
+
+    @property
+    def suspended_now(self) -> bool:
+        """Suspended by these events: the node gets no tasks, its account is flagged
+        (suspension is for good: `trust.after_invalid`)."""
+        return self.after.suspended and not self.before.suspended
+
+
+@dataclass(frozen=True, kw_only=True)
+class Grant:
+    """Credit to (or, negative, from) a task's node and account."""
+
+    task_id: int
+    node_id: int
+    account_id: int
+    cost_flops: float
+    amount: float
+    reason: GrantReason
+
+
+@dataclass(frozen=True)
+class CreditDelta:
+    """Credit taken back from results found wrong since, and credit granted."""
+
+    taken_back: tuple[Grant, ...] = ()
+    grants: tuple[Grant, ...] = ()
+
+
+def trust_groups(
+    results: Sequence[JudgedResult],
+    verdict_of: Mapping[int, ResultVerdict],
+    trust_counted: Collection[int] = (),
+) -> list[TrustGroup]:
+    """The verdicts each node's trust counts, one group per node, kind and backend.
+
+    One trust read and write per group however many verdicts it got (a batch of results
+    from one node is the common case); the events keep the results' order. A result in
+    `trust_counted` (a shard reopened for a check voted again) counts only if it is now
+    found invalid: its node's trust counted its valid verdict already.
+    """
+    events: dict[tuple[int, str, str], list[TrustEvent]] = {}
+    account_of: dict[tuple[int, str, str], int] = {}
+    for result in results:
+        verdict = verdict_of[result.task_id]
+        if result.task_id in trust_counted and verdict != "invalid":
+            continue
+        key = (result.node_id, result.kind, result.backend)
+        events.setdefault(key, []).append(verdict)
+        account_of.setdefault(key, result.account_id)
+    return [
+        TrustGroup(
+            node_id=node_id,
+            kind=kind,
+            backend=backend,
+            events=tuple(found),
+            account_id=account_of[(node_id, kind, backend)],
+        )
+        for (node_id, kind, backend), found in events.items()
+    ]
+
+
+def step(trust: Trust, event: TrustEvent, settings: TrustSettings) -> Trust:
+    """A node's trust after one event (`verification.trust` says how each one counts)."""
+    match event:
+        case "valid":
+            return trust_rules.after_valid(trust, settings)
+        case "unchecked":
+            return trust_rules.after_unchecked(trust, settings)
+        case "invalid":
+            return trust_rules.after_invalid(trust, settings)
+        case "error":
+            return trust_rules.after_error(trust)
+        case "error withdrawn":
+            return trust_rules.after_error_withdrawn(trust)
+        case "suspected":
+            return trust_rules.after_suspected(trust)
+
+
+def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> TrustChange:
+    """The group's events stepped through one by one, from the node's trust `before`."""
+    after = before
+    for event in group.events:
+        after = step(after, event, settings)
+    return TrustChange(
+        node_id=group.node_id,
+        kind=group.kind,
+        backend=group.backend,
+        account_id=group.account_id,
+        before=before,
+        after=after,
+        caught="invalid" in group.events,
+    )
+
+
+def vouch_horizons(
+    results: Sequence[JudgedResult], verdict_of: Mapping[int, ResultVerdict]
+) -> dict[int, float]:
+    """Per node that passed a check here (a valid verdict), when its latest one finished:
+    the results it decided alone up to then are vouched for, in node order.
+
+    The node cannot tell which of its shards run alone, nor which result will be checked,
+    so a check it passes speaks for its lone results before it (as in BOINC).
+    """
+    last_check: dict[int, float] = {}
+    for result in results:
+        if verdict_of[result.task_id] == "valid":
+            finished = result.finished_at or 0.0
+            last_check[result.node_id] = max(last_check.get(result.node_id, 0.0), finished)
+    return dict(sorted(last_check.items()))
+
+
+def vouched_for(result: JudgedResult, horizons: Mapping[int, float]) -> bool:
+    """A result decided alone that its node's later check vouches for."""
+    until = horizons.get(result.node_id)
+    return (
+        result.mode == "alone"
+        and until is not None
+        and result.finished_at is not None
+        and result.finished_at <= until
+    )
+
+
+def credit_delta(
+    results: Sequence[JudgedResult],
+    verdict_of: Mapping[int, ResultVerdict],
+    vouched: Iterable[JudgedResult] = (),
+    *,
+    credit: bool = True,
+) -> CreditDelta:
+    """The payment rule: who is paid how much, and whose credit is taken back.
+
+    Credit is for validated work only, priced from the shard's cost estimate (never from
+    anything the node said), once per task: a result paid before (`credit` not None) is
+    never paid again. A valid result is paid; so is one accepted unchecked in a shard not
+    run alone (replication 1). A result decided alone is pending until its node passes
+    a check after it (`vouched`: the node's accepted, unpaid lone results, read up to
+    `vouch_horizons`; those `vouched_for` are paid). `credit` False: a result
+    that came after its shard was decided and credited is paid for nothing (the work is
+    paid once), though it still vouches for its node's earlier lone results. A result
+    found invalid that was paid (accepted alone, then rechecked) has its credit taken back.
+    """
+    taken_back = tuple(
+        _grant(result, -result.credit, "taken back")
+        for result in results
+        if verdict_of[result.task_id] == "invalid" and result.credit
+    )
+    paying: dict[int, tuple[JudgedResult, GrantReason]] = {}
+    for result in results if credit else ():
+        verdict = verdict_of[result.task_id]
+        if verdict == "valid" or (verdict == "unchecked" and result.mode != "alone"):
+            paying[result.task_id] = (result, verdict)
+    horizons = vouch_horizons(results, verdict_of)
+    for result in vouched:
+        if vouched_for(result, horizons) and (credit or result.task_id not in verdict_of):
+            paying.setdefault(result.task_id, (result, "vouched"))
+    grants = tuple(
+        _grant(result, credit_rules.credit_for(result.cost_flops), reason)
+        for result, reason in paying.values()
+        if result.credit is None
+    )
+    return CreditDelta(taken_back=taken_back, grants=grants)
+
+
+def per_node(grants: Iterable[Grant]) -> dict[int, float]:
+    """Credit per node, in the order the grants name them."""
+    return _sum((g.node_id, g.amount) for g in grants)
+
+
+def per_account(grants: Iterable[Grant]) -> dict[int, float]:
+    """Credit per account, in the order the grants name them."""
+    return _sum((g.account_id, g.amount) for g in grants)
+
+
+def _sum(amounts: Iterable[tuple[int, float]]) -> dict[int, float]:
+    total: dict[int, float] = {}
+    for owner, amount in amounts:
+        total[owner] = total.get(owner, 0.0) + amount
+    return total
+
+
+def _grant(result: JudgedResult, amount: float, reason: GrantReason) -> Grant:
+    return Grant(
+        task_id=result.task_id,
+        node_id=result.node_id,
+        account_id=result.account_id,
+        cost_flops=result.cost_flops,
+        amount=amount,
+        reason=reason,
+    )

@@ -1,0 +1,66 @@
+"""Rechecks: what a node caught lying ran or decided alone goes back to full replication.
+
+A node that runs shards alone was trusted on its record; one wrong result shows the
+record was no guarantee. Every shard of that kind and backend it runs alone now goes
+back to full replication (escalated), and every shard it decided alone within
+`TrustSettings.recheck_window_s` is opened again with its result back in the vote
+(reopened), unless its job already ended (released: too late, and logged; the audit
+before a job completes is what keeps them few). Pure: the store reads the shards
+(`LoneShard`), writes what `recheck` returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+# Modes of a shard whose result no full set of replicas checked.
+UNREPLICATED = ("alone", "spot")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoneShard:
+    """A shard run without full replication, where the caught node has a task."""
+
+    shard_id: int
+    open: bool  # still open; else decided
+    task_id: int  # the caught node's task in it
+    canonical_task_id: int | None
+    finished_at: float | None  # when it was decided
+    job_open: bool  # its job queued or running (its result not yet released)
+
+
+@dataclass
+class Rechecked:
+    """Shards sent back to full replication by a caught node."""
+
+    escalated: list[int] = field(default_factory=list)  # were still open
+    reopened: list[int] = field(default_factory=list)  # were decided, job still open
+    released: list[int] = field(default_factory=list)  # decided, job ended: too late
+
+    @property
+    def to_replicate(self) -> list[int]:
+        """The shards that go back to full replication now."""
+        return self.escalated + self.reopened
+
+
+def recheck(shards: Iterable[LoneShard], *, now: float, window_s: float) -> Rechecked:
+    """Which of a caught node's lone shards are replicated again (in the order given,
+    each shard once, as its last row says): open ones at once; decided ones its result
+    decided within the window, if their job is still open; the others of them are
+    reported as released."""
+    out = Rechecked()
+    for shard in {shard.shard_id: shard for shard in shards}.values():
+        if shard.open:
+            out.escalated.append(shard.shard_id)
+        elif shard.canonical_task_id != shard.task_id or _before(shard, now - window_s):
+            continue  # another node's result, or long ago
+        elif shard.job_open:
+            out.reopened.append(shard.shard_id)
+        else:
+            out.released.append(shard.shard_id)
+    return out
+
+
+def _before(shard: LoneShard, since: float) -> bool:
+    return shard.finished_at is None or shard.finished_at < since

@@ -1,0 +1,297 @@
+"""verification.ledger: verdicts in, trust changes and credit out. Tables, no store.
+
+The cases of the store's tests (tests/store, tests/verification/test_verification.py) as
+rows: quorum outcomes, late results, results run alone then vouched for or disputed,
+credit for validated work only and once, trust up and down, streaks, quota, suspension.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import pytest
+
+from idlegrid.verification import ledger
+from idlegrid.verification.credit import credit_for
+from idlegrid.verification.ledger import CreditDelta, Grant, JudgedResult, TrustChange
+from idlegrid.verification.replication import ResultVerdict
+from idlegrid.verification.trust import Trust, TrustSettings
+
+SETTINGS = TrustSettings()
+FLOPS = 1e12
+PRICE = credit_for(FLOPS)
+NEW = Trust(daily_quota=SETTINGS.initial_daily_quota)
+
+
+def result(
+    task_id: int,
+    *,
+    node: int = 1,
+    account: int = 10,
+    backend: str = "cpu",
+    mode: str | None = None,
+    credit: float | None = None,
+    finished_at: float = 100.0,
+) -> JudgedResult:
+    return JudgedResult(
+        task_id=task_id,
+        node_id=node,
+        account_id=account,
+        kind="sleep",
+        backend=backend,
+        cost_flops=FLOPS,
+        mode=mode,
+        credit=credit,
+        finished_at=finished_at,
+    )
+
+
+def settle(
+    results: Sequence[JudgedResult],
+    verdicts: Mapping[int, ResultVerdict],
+    *,
+    before: Mapping[int, Trust] | None = None,
+    vouched: Sequence[JudgedResult] = (),
+    credit: bool = True,
+    trust_counted: Sequence[int] = (),
+) -> tuple[list[TrustChange], CreditDelta]:
+    """The delta of these verdicts, as the store asks for it: trust, then credit."""
+    changes = [
+        ledger.trust_change(group, (before or {}).get(group.node_id, NEW), SETTINGS)
+        for group in ledger.trust_groups(results, verdicts, trust_counted)
+    ]
+    return changes, ledger.credit_delta(results, verdicts, vouched, credit=credit)
+
+
+def paid(delta: CreditDelta) -> dict[int, tuple[float, str]]:
+    return {g.task_id: (g.amount, g.reason) for g in delta.grants}
+
+
+# -- credit: who is paid, how much, why -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("verdict", "mode", "credit", "expected", "why"),
+    [
+        ("valid", None, None, {1: (PRICE, "valid")}, "agreed with another node: paid"),
+        ("valid", "spot", None, {1: (PRICE, "valid")}, "a spot check that agreed: paid"),
+        ("unchecked", None, None, {1: (PRICE, "unchecked")}, "replication 1: paid"),
+        ("unchecked", "alone", None, {}, "run alone: pending until vouched for"),
+        ("invalid", None, None, {}, "outvoted: nothing"),
+        ("error", None, None, {}, "failed or expired: nothing"),
+        ("valid", None, 0.0, {}, "paid once already (or taken back): never again"),
+        ("valid", None, PRICE, {}, "paid already: never twice"),
+    ],
+)
+def test_credit_for_validated_work_only_and_once(
+    verdict: ResultVerdict,
+    mode: str | None,
+    credit: float | None,
+    expected: dict[int, tuple[float, str]],
+    why: str,
+) -> None:
+    delta = ledger.credit_delta([result(1, mode=mode, credit=credit)], {1: verdict})
+    assert paid(delta) == expected, why
+    assert delta.taken_back == ()
+
+
+def test_a_quorum_pays_the_agreeing_and_not_the_outvoted() -> None:
+    found = [result(1, node=1, account=10), result(2, node=2, account=20), result(3, node=3)]
+    _, delta = settle(found, {1: "valid", 2: "valid", 3: "invalid"})
+    assert paid(delta) == {1: (PRICE, "valid"), 2: (PRICE, "valid")}
+    assert ledger.per_node(delta.grants) == {1: PRICE, 2: PRICE}
+    assert ledger.per_account(delta.grants) == {10: PRICE, 20: PRICE}
+
+
+def test_a_late_result_counts_for_trust_but_earns_nothing() -> None:
+    changes, delta = settle([result(1)], {1: "valid"}, credit=False)
+    assert delta == CreditDelta()
+    assert [c.after.consecutive_valid for c in changes] == [1]
+
+
+def test_a_late_valid_result_still_vouches_for_its_nodes_lone_results() -> None:
+    late = result(1, finished_at=200.0)
+    lone = result(7, mode="alone", finished_at=150.0)
+    assert ledger.vouch_horizons([late], {1: "valid"}) == {1: 200.0}
+    delta = ledger.credit_delta([late], {1: "valid"}, [lone], credit=False)
+    assert paid(delta) == {7: (PRICE, "vouched")}
+
+
+def test_a_result_vouched_for_in_its_own_late_verdict_is_not_paid() -> None:
+    late = result(1, mode="alone")
+    assert paid(ledger.credit_delta([late], {1: "valid"}, [late], credit=False)) == {}
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "horizons"),
+    [
+        ({1: "valid", 2: "valid"}, {1: 300.0}),  # the latest check of the node
+        ({1: "valid", 2: "invalid"}, {1: 100.0}),  # outvoted: no check passed
+        ({1: "unchecked", 2: "unchecked"}, {}),  # accepted alone: no check either
+        ({1: "error", 2: "valid"}, {1: 300.0}),
+    ],
+)
+def test_a_passed_check_vouches_for_the_lone_results_before_it(
+    verdicts: dict[int, ResultVerdict], horizons: dict[int, float]
+) -> None:
+    found = [result(1, finished_at=100.0), result(2, finished_at=300.0)]
+    assert ledger.vouch_horizons(found, verdicts) == horizons
+
+
+def test_vouch_horizons_are_per_node_in_node_order() -> None:
+    found = [result(1, node=5, finished_at=10.0), result(2, node=3, finished_at=20.0)]
+    assert list(ledger.vouch_horizons(found, {1: "valid", 2: "valid"})) == [3, 5]
+
+
+@pytest.mark.parametrize(
+    ("candidate", "paid_too", "why"),
+    [
+        (result(7, mode="alone", finished_at=100.0), True, "decided alone by the check's end"),
+        (result(7, mode="alone", finished_at=101.0), False, "decided after the check"),
+        (result(7, mode="alone", node=2, finished_at=50.0), False, "another node's"),
+        (result(7, mode="spot", finished_at=50.0), False, "not decided alone"),
+    ],
+)
+def test_a_check_vouches_only_for_its_nodes_lone_results_before_it(
+    candidate: JudgedResult, paid_too: bool, why: str
+) -> None:
+    delta = ledger.credit_delta([result(1, finished_at=100.0)], {1: "valid"}, [candidate])
+    assert (7 in paid(delta)) == paid_too, why
+
+
+def test_run_alone_then_vouched_for_is_paid_once() -> None:
+    lone = result(7, mode="alone", finished_at=50.0)
+    check = result(1, finished_at=100.0)
+    first = ledger.credit_delta([check], {1: "valid"}, [lone])
+    assert paid(first) == {1: (PRICE, "valid"), 7: (PRICE, "vouched")}
+    again = dataclasses.replace(lone, credit=PRICE)  # the store wrote its credit
+    assert paid(ledger.credit_delta([check], {1: "valid"}, [again])) == {1: (PRICE, "valid")}
+
+
+def test_run_alone_paid_then_disputed_has_its_credit_taken_back() -> None:
+    lone = result(7, node=4, account=40, mode="alone", credit=PRICE)
+    changes, delta = settle([lone], {7: "invalid"})
+    assert delta.grants == ()
+    assert delta.taken_back == (
+        Grant(
+            task_id=7,
+            node_id=4,
+            account_id=40,
+            cost_flops=FLOPS,
+            amount=-PRICE,
+            reason="taken back",
+        ),
+    )
+    assert [c.caught for c in changes] == [True]  # its lone shards are rechecked
+
+
+def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
+    for credit in (None, 0.0):
+        delta = ledger.credit_delta([result(7, mode="alone", credit=credit)], {7: "invalid"})
+        assert delta == CreditDelta()
+
+
+# -- trust: up, down, streaks, quota, suspension ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("before", "events", "after", "caught"),
+    [
+        (NEW, ("valid",), Trust(consecutive_valid=1, valid_total=1, daily_quota=51), False),
+        (NEW, ("unchecked",), Trust(valid_total=1, daily_quota=51), False),
+        (
+            Trust(consecutive_valid=5, valid_total=5, daily_quota=55),
+            ("invalid",),
+            Trust(valid_total=5, invalid_total=1, recent_invalid=1, daily_quota=27),
+            True,
+        ),
+        (
+            Trust(consecutive_valid=5, valid_total=5, daily_quota=55),
+            ("error",),
+            Trust(consecutive_valid=5, valid_total=5, error_total=1, daily_quota=55),
+            False,
+        ),
+        (
+            Trust(error_total=1),
+            ("error withdrawn", "error withdrawn"),
+            Trust(error_total=0),
+            False,
+        ),
+        (
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected",),
+            Trust(valid_total=90, daily_quota=140),
+            False,
+        ),
+        (
+            NEW,
+            ("valid", "valid", "invalid", "valid"),
+            Trust(
+                consecutive_valid=1,
+                valid_total=3,
+                invalid_total=1,
+                recent_invalid=1,
+                daily_quota=27,
+            ),
+            True,
+        ),
+    ],
+    ids=["valid", "unchecked", "invalid", "error", "withdrawn", "suspected", "in order"],
+)
+def test_trust_steps_through_a_nodes_events_in_order(
+    before: Trust, events: tuple[ledger.TrustEvent, ...], after: Trust, caught: bool
+) -> None:
+    group = ledger.TrustGroup(node_id=1, kind="sleep", backend="cpu", events=events)
+    change = ledger.trust_change(group, before, SETTINGS)
+    assert (change.after, change.caught, change.before) == (after, caught, before)
+
+
+@pytest.mark.parametrize(
+    ("recent_invalid", "suspended", "after", "suspended_now"),
+    [
+        (0, False, False, False),
+        (1, False, False, False),
+        (2, False, True, True),  # the third within the window
+        (5, True, True, False),  # suspended before: for good, once
+    ],
+)
+def test_repeated_invalids_suspend_once(
+    recent_invalid: int, suspended: bool, after: bool, suspended_now: bool
+) -> None:
+    before = Trust(recent_invalid=recent_invalid, suspended=suspended)
+    group = ledger.TrustGroup(node_id=1, kind="sleep", backend="cpu", events=("invalid",))
+    change = ledger.trust_change(group, before, SETTINGS)
+    assert (change.after.suspended, change.suspended_now) == (after, suspended_now)
+
+
+def test_one_trust_group_per_node_kind_and_backend_in_result_order() -> None:
+    found = [
+        result(1, node=2, account=20),
+        result(2, node=2, account=20),
+        result(3, node=2, account=20, backend="cuda"),
+        result(4, node=1, account=10),
+    ]
+    groups = ledger.trust_groups(found, {1: "valid", 2: "error", 3: "invalid", 4: "unchecked"})
+    assert [(g.node_id, g.backend, g.events, g.account_id) for g in groups] == [
+        (2, "cpu", ("valid", "error"), 20),
+        (2, "cuda", ("invalid",), 20),
+        (1, "cpu", ("unchecked",), 10),
+    ]
+
+
+def test_a_shard_reopened_for_a_check_counts_only_what_changed() -> None:
+    """Its earlier valid results vote again: counted already, unless found invalid now."""
+    found = [result(1, node=1), result(2, node=2), result(3, node=3)]
+    verdicts: dict[int, ResultVerdict] = {1: "valid", 2: "invalid", 3: "valid"}
+    changes, delta = settle(found, verdicts, trust_counted=[1, 2])
+    assert [(c.node_id, c.caught) for c in changes] == [(2, True), (3, False)]
+    assert set(paid(delta)) == {1, 3}  # credit is once per task anyway (credit None here)
+
+
+def test_quota_moves_with_the_verdicts_within_its_bounds() -> None:
+    top = Trust(daily_quota=SETTINGS.max_daily_quota, consecutive_valid=3, valid_total=3)
+    low = Trust(daily_quota=1)
+    found = [result(1, node=1), result(2, node=2)]
+    changes, _ = settle(found, {1: "valid", 2: "invalid"}, before={1: top, 2: low})
+    assert [c.after.daily_quota for c in changes] == [SETTINGS.max_daily_quota, 1]
