@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
 from idlegrid.store import rows
 from idlegrid.store.base import ReadyTask
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
 
 # Made once (see claims.OTHER): the results of a shard that agreed with each other.
@@ -98,10 +99,11 @@ async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) 
         return []
     ids = sorted(set(shard_ids))
     await conn.execute(
-        update(shards)
-        .where(shards.c.id.in_(ids), shards.c.state == ShardState.DONE.value)
-        .values(
-            state=ShardState.OPEN.value,
+        move(
+            shards,
+            ShardState.OPEN,
+            shards.c.id.in_(ids),
+            sources=[ShardState.DONE],
             target=2,
             quorum=2,
             mode="spot",

@@ -14,6 +14,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState
+from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
 from idlegrid.verification.recheck import UNREPLICATED, LoneShard, Rechecked, recheck
 
@@ -82,11 +83,14 @@ async def _lone_shards(
 
 
 async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> None:
+    # Open ones get the new target too; a done one reopens. Never a failed or cancelled one.
     await conn.execute(
-        update(shards)
-        .where(shards.c.id == shard_id)
-        .values(
-            state=ShardState.OPEN.value,
+        move(
+            shards,
+            ShardState.OPEN,
+            shards.c.id == shard_id,
+            sources=[ShardState.DONE],
+            or_already=True,
             target=target,
             quorum=quorum,
             mode="escalated",

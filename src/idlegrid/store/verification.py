@@ -28,6 +28,7 @@ from idlegrid.store.base import (
     ShardForVerify,
     ShardResult,
 )
+from idlegrid.store.lifecycle import check_moved, move
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification import replication
 from idlegrid.verification import trust as trust_rules
@@ -211,10 +212,18 @@ async def _take_final(
                 )
             ).all()
         }
-    await conn.execute(
-        _DECIDE_SHARD,
-        [_decided_shard(d, outputs.get(d.canonical_task_id or -1), now=now) for d in taking],
-    )
+    for state, statement in _DECIDE_SHARD.items():
+        ending = [d for d in taking if _decided_state(d) == state]
+        if ending:
+            # Open and locked since they were read: each must move (logged if one cannot).
+            moved = await conn.execute(
+                statement,
+                [
+                    _decided_shard(d, outputs.get(d.canonical_task_id or -1), now=now)
+                    for d in ending
+                ],
+            )
+            await check_moved(conn, moved, shards, [d.shard_id for d in ending], state)
     won = {d.shard_id for d in taking}
     to_cancel: dict[int, list[NodeTask]] = {}
     where = tasks.c.shard_id.in_(sorted(won))
@@ -223,18 +232,25 @@ async def _take_final(
     return Decided(won=won, job_of=job_of, to_cancel=to_cancel)
 
 
-_DECIDE_SHARD = (
-    update(shards)
-    .where(shards.c.id == bindparam("b_shard"))
-    .values(
-        state=bindparam("b_state"),
+# An open shard decided: done with its canonical result, or failed with its reason.
+_DECIDE_SHARD = {
+    state: move(
+        shards,
+        state,
+        shards.c.id == bindparam("b_shard"),
+        sources=[ShardState.OPEN],
         canonical_task_id=bindparam("b_canonical"),
         output_hash=bindparam("b_output_hash"),
         output_size=bindparam("b_output_size"),
         error=bindparam("b_error"),
         finished_at=bindparam("b_now"),
     )
-)
+    for state in (ShardState.DONE, ShardState.FAILED)
+}
+
+
+def _decided_state(decision: ShardDecision) -> ShardState:
+    return ShardState.DONE if decision.canonical_task_id is not None else ShardState.FAILED
 
 
 def _decided_shard(decision: ShardDecision, output: Any | None, *, now: float) -> dict[str, Any]:
@@ -242,7 +258,6 @@ def _decided_shard(decision: ShardDecision, output: Any | None, *, now: float) -
     done = decision.canonical_task_id is not None
     return {
         "b_shard": decision.shard_id,
-        "b_state": (ShardState.DONE if done else ShardState.FAILED).value,
         "b_canonical": decision.canonical_task_id,
         "b_output_hash": output.output_hash if done and output is not None else None,
         "b_output_size": output.output_size if done and output is not None else None,
