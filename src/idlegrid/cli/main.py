@@ -21,7 +21,7 @@ class _Cli(click.Group):
     """The `idlegrid` group: an expected failure ends in one line and exit code 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
-        from idlegrid.errors import explain
+        from idlegrid.cli.errors import explain
 
         try:
             return super().invoke(ctx)
