@@ -45,13 +45,13 @@ from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.coordinator.verification import Verification
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.settings import CoordinatorSettings
+from idlegrid.store import Store
 from idlegrid.store.base import (
     JobRecord,
     NodeTask,
     ReadyTask,
     RegistrationLimits,
     ResultReceipt,
-    Store,
 )
 
 __all__ = ["CHANNEL", "Grid", "JobInputError", "JobPlan"]

@@ -140,7 +140,7 @@ class Verification:
         if (
             shard.mode in ("alone", "spot")
             and len(found.results) >= shard.target
-            and await store.escalate(
+            and await store.claims.escalate(
                 shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
             )
         ):
@@ -148,7 +148,7 @@ class Verification:
         elif shard.quorum == 1 and len(found.results) >= shard.target:
             # A lone result without the credibility to stand (its node was caught or
             # suspended meanwhile): one more replica, as BOINC raises a target.
-            await store.raise_target(shard.id, results_seen=len(found.results))
+            await store.claims.raise_target(shard.id, results_seen=len(found.results))
 
     async def reject(self, task_id: int, why: str) -> None:
         """A stored result that cannot be right (NaN, zeros, a constant): invalid, as if
@@ -212,15 +212,15 @@ class Verification:
             await self._rounds.progress(job_id)
             return
         store = self._ctx.store
-        shards = await store.list_shards(job_id)
+        shards = await store.jobs.list_shards(job_id)
         if any(shard.state != ShardState.DONE for shard in shards):
             return  # a shard was opened again (its lone node was caught) meanwhile
         if await self._hold_for_audit(job_id):
             return
-        hashes = await store.canonical_outputs(job_id)
+        hashes = await store.jobs.canonical_outputs(job_id)
         inputs = [shard.input_hash for shard in shards]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
-        if await store.complete_job(
+        if await store.jobs.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
