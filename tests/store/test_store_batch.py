@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from sqlalchemy import select
-from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
+from store_helpers import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.states import NodeState, TaskState
@@ -235,7 +235,7 @@ async def test_a_claim_skips_a_task_another_batch_is_claiming(store: SqlStore) -
 
 
 async def _try(store: SqlStore, task_id: int, node: object) -> Assignment | ClaimMiss:
-    from test_store import _try_claim
+    from store_helpers import _try_claim
 
     return await _try_claim(store, task_id, node, lease_deadline=T0 + 100, now=T0)  # type: ignore[arg-type]
 

@@ -4,7 +4,7 @@ alone. Every test runs on SQLite and on PostgreSQL (the `store` fixture)."""
 from __future__ import annotations
 
 import pytest
-from test_store import LEASE, T0, _account, _hash, _job
+from store_helpers import LEASE, T0, _account, _hash, _job
 
 from idlegrid.policy.trust import TrustSettings
 from idlegrid.store.base import (

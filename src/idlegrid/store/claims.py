@@ -131,7 +131,7 @@ class Claims(Role):
         distinct: Distinct | None,
         now: float,
     ) -> Assignment | ClaimMiss:
-        """Claim one ready task, on the conditions `distinct` and the claimer's trust set."""
+        """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
         found = await standing(conn, claimer, kind, trust=self.trust, now=now)
         if isinstance(found, ClaimMiss):
             return found
@@ -195,7 +195,12 @@ class Claims(Role):
         kind: str,
         now: float,
     ) -> list[Assignment] | ClaimMiss:
-        """Claim as many of these ready tasks (of one kind) as the claimer's quota allows."""
+        """Claim those of these tasks (of one kind) still ready for one node, at once.
+
+        No distinct-replica rules: for tasks of replication-1 jobs only. The node's daily
+        quota of the kind caps how many (the lowest ids are tried first); a suspended node
+        gets none.
+        """
         if not lease_deadlines:
             return []
         # A node waits for this commit with free slots: ahead of background commits.
@@ -251,7 +256,9 @@ class Claims(Role):
     async def release_claims(
         self, task_ids: Sequence[int], node_id: int, *, now: float
     ) -> list[int]:
-        """Cancel tasks claimed for a node that never heard of them; see `Store.release_claims`.
+        """Give back tasks claimed for a node that never heard of them (its connection
+        closed first): cancelled, not attempts of their shards, not in its daily quota.
+        Returns those released (still assigned to it); the shards are then topped up.
 
         Cancelled rather than made ready again: a backup copy released so is simply gone,
         and a shard short of a task gets a new one from the top-up.
@@ -309,11 +316,15 @@ class Claims(Role):
         spot_check: bool,
         checkers: int = 1,
     ) -> list[int]:
-        """Let a trusted node's first replica decide the shard alone (or with a spot check by
-        `checkers` trusted nodes: two make a colluding checker meet an honest one).
+        """Let the first replica of a shard run unreplicated (adaptive replication).
 
-        Returns the ready tasks of the shard it cancelled; nothing when another replica is
-        already out or the shard's mode was already set.
+        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
+        ready tasks cancelled (to drop from the queue); none if another replica was
+        handed out meanwhile (then the shard stays fully replicated).
+
+        Only a trusted node's first replica: a spot check by two `checkers` makes a
+        colluding checker meet an honest one. Nothing is cancelled either when the
+        shard's mode was already set.
         """
         if rows.row_locks(conn):
             # A claim of another replica locks the shard (key share) until it commits; this
@@ -387,8 +398,9 @@ class Claims(Role):
         quorum: int,
         now: float,
     ) -> bool:
-        """A shard run alone (or spot-checked) goes back to full replication, and its lone
-        node stops running alone at once (`ledger.suspect`), in the same transaction."""
+        """Send a shard run alone back to full replication (a spot check disagreed); its
+        lone node runs nothing alone until it passes checks again.
+        """
         lone = (
             (
                 await conn.execute(

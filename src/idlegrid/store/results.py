@@ -107,7 +107,7 @@ class Results(Role):
         *,
         now: float,
     ) -> list[ResultReceipt]:
-        """Record a node's results; one receipt for each, in order.
+        """Record several results of one node in one transaction; a receipt for each.
 
         A task that expired and delivers after all was slow, not lost: the error its expiry
         charged is withdrawn, and its result is judged like any other. A node's error count
@@ -183,6 +183,7 @@ class Results(Role):
     async def task_inputs(
         self, conn: AsyncConnection, task_ids: Sequence[int], node_id: int
     ) -> dict[int, TaskInput]:
+        """The inputs of those of `task_ids` that `node_id` holds or held."""
         if not task_ids:
             return {}
         query = (

@@ -85,7 +85,7 @@ class Scheduling(Role):
 
     @read
     async def ready_heads(self, conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]:
-        """The oldest `per_job` ready tasks of each job, oldest first."""
+        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
         position = (
             func.row_number()
             .over(partition_by=tasks.c.job_id, order_by=tasks.c.id)
@@ -103,7 +103,7 @@ class Scheduling(Role):
 
     @read
     async def running_shards(self, conn: AsyncConnection, *, limit: int) -> list[RunningTask]:
-        """Held tasks of open shards whose job has no ready task and that have no backup."""
+        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
         query = _running_shards_query(limit)
         return [
             RunningTask(
@@ -130,7 +130,11 @@ class Scheduling(Role):
         lease_deadline: float,
         now: float,
     ) -> Assignment | None:
-        """Insert one extra task of the shard, assigned to the node, if the rules allow."""
+        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
+
+        None when the shard is decided, already has a backup or a ready task, is out of
+        attempts (`max_attempts`), or the node already holds or held a task of it.
+        """
         shard_query = select(shards).where(shards.c.id == shard_id)
         if not self.db.is_sqlite:
             shard_query = shard_query.with_for_update(key_share=True)
