@@ -28,11 +28,11 @@ async def measure(nodes: int) -> tuple[float, float]:
         store = SqlStore(f"sqlite+idlegrid:///{Path(tmp) / 'idlegrid.db'}")
         await store.open()
         try:
-            account = await store.create_account("fleet", is_admin=False, now=1.0)
+            account = await store.accounts.create_account("fleet", is_admin=False, now=1.0)
             ids = []
             async with store.batch():
                 for i in range(nodes):
-                    node = await store.register_node(
+                    node = await store.nodes.register_node(
                         account.id,
                         f"node-key-{i:06d}",
                         name="",
@@ -50,7 +50,7 @@ async def measure(nodes: int) -> tuple[float, float]:
             walls = []
             for round_no in range(3):
                 started = time.perf_counter()
-                await store.touch_nodes({node_id: 10.0 + round_no for node_id in ids})
+                await store.nodes.touch_nodes({node_id: 10.0 + round_no for node_id in ids})
                 walls.append(time.perf_counter() - started)
             ticker.cancel()
             return max(walls), max(lags) * 1000

@@ -61,7 +61,7 @@ class Measured:
 
 async def _node(grid: Grid, account_id: int, index: int, slots: int) -> Node:
     key = f"bench-node-{index}"
-    record = await grid.store.register_node(
+    record = await grid.store.nodes.register_node(
         account_id, key, name=key, worker_version="bench", hardware={}, benchmark={},
         kinds=["noop"], slots=slots, address=f"10.0.{index}.1", now=time.time(),
     )  # fmt: skip
@@ -121,7 +121,7 @@ async def measure(url: str, broker: Broker, root: Path, args: argparse.Namespace
         blobs=BlobStore(root / "blobs", max_bytes=1 << 30),
     )
     try:
-        account = await store.create_account("bench", is_admin=False, now=time.time())
+        account = await store.accounts.create_account("bench", is_admin=False, now=time.time())
         nodes = [await _node(grid, account.id, i, args.slots) for i in range(args.nodes)]
         output = grid.blobs.put(OUTPUT)
         for tasks, timed in ((200, False), (args.tasks, True)):
@@ -133,7 +133,7 @@ async def measure(url: str, broker: Broker, root: Path, args: argparse.Namespace
             before = counted()
             while True:
                 served = await asyncio.gather(*(_serve(grid, n, output) for n in nodes))
-                record = await store.get_job(job.id)
+                record = await store.jobs.get_job(job.id)
                 assert record is not None
                 if record.state.value not in ("queued", "running"):
                     break

@@ -124,7 +124,7 @@ async def fake_node(
     kinds = list(kinds)
     hardware = hardware or protocol.HardwareProfile(memory_mb=8192)
     benchmark = benchmark or protocol.Benchmark(matmul_gflops=10.0)
-    record = await store.register_node(
+    record = await store.nodes.register_node(
         account_id,
         key,
         name=key,

@@ -191,16 +191,16 @@ def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
 
 async def bootstrap_admin(store: Store, settings: CoordinatorSettings) -> None:
     """On the first start, make an admin account and write its token to a 0600 file."""
-    if await store.count_accounts() > 0:
+    if await store.accounts.count_accounts() > 0:
         return
     import time
 
     try:
-        account = await store.create_account("admin", is_admin=True, now=time.time())
+        account = await store.accounts.create_account("admin", is_admin=True, now=time.time())
     except AccountExists:
         return  # another coordinator process sharing the database made it a moment ago
     token = new_token("api")
-    await store.add_token(
+    await store.accounts.add_token(
         account.id,
         kind="api",
         token_hash=hash_token(token),

@@ -70,7 +70,7 @@ async def pair(
     # Each monitor listens for the other process's messages; one published before its
     # subscription is up would be lost.
     await eventually(lambda: _subscriptions(broker, len(monitors)), "both monitors to subscribe")
-    account = await store.create_account("volunteer", is_admin=False, now=1.0)
+    account = await store.accounts.create_account("volunteer", is_admin=False, now=1.0)
     try:
         yield Pair(grids[0], grids[1], account, "memory" if second_broker is broker else "redis")
     finally:
@@ -165,7 +165,7 @@ async def test_no_shard_gets_more_replicas_than_it_needs(pair: Pair) -> None:
     assert sorted(shards) == list(range(12))
     # Two replicas per shard, on two distinct nodes, whichever process gave them out.
     assert all(len(set(holders)) == 2 for holders in shards.values())
-    listed = await pair.a.store.list_shards(job_id)
+    listed = await pair.a.store.jobs.list_shards(job_id)
     assert all(s.attempts == 2 and s.live_tasks == 2 for s in listed)
 
 
@@ -174,10 +174,10 @@ async def test_concurrent_top_ups_from_both_processes_create_each_task_once(pair
     node = await _node(pair, pair.a, "taker", slots=10)
     node.session.requested = 10
     assert await pair.a.fill(node.session) == 10
-    expired = await pair.a.store.expire_node_tasks(node.session.node_id, now=pair.a.clock())
+    expired = await pair.a.store.results.expire_node_tasks(node.session.node_id, now=pair.a.clock())
     assert len(expired) == 10
     await asyncio.gather(*(grid.replenish() for grid in (pair.a, pair.b, pair.a, pair.b)))
-    listed = await pair.a.store.list_shards(job_id)
+    listed = await pair.a.store.jobs.list_shards(job_id)
     assert [(s.attempts, s.live_tasks) for s in listed] == [(2, 1)] * 10
 
 
@@ -211,7 +211,7 @@ async def _lose_contents(broker: Broker) -> None:
 async def test_one_node_registering_through_both_processes_at_once(pair: Pair) -> None:
     records = await asyncio.gather(
         *(
-            grid.store.register_node(
+            grid.store.nodes.register_node(
                 pair.account.id,
                 "racer",
                 name="racer",
@@ -236,7 +236,7 @@ async def test_the_last_two_shards_decided_at_once_finish_the_job(pair: Pair) ->
     await pair.a.fill(node.session)
     store_a, store_b = pair.a.store, pair.b.store
     for message in node.of_type("assign"):
-        receipt = await store_a.accept_result(
+        receipt = await store_a.results.accept_result(
             message["task_id"],
             node.session.node_id,
             output_hash="a" * 64,
@@ -247,7 +247,7 @@ async def test_the_last_two_shards_decided_at_once_finish_the_job(pair: Pair) ->
         assert receipt.status == "accepted"
     decisions = await asyncio.gather(
         *(
-            store.decide_shard(
+            store.verification.decide_shard(
                 shard.id,
                 canonical_task_id=task_id,
                 valid=[task_id],
@@ -257,7 +257,7 @@ async def test_the_last_two_shards_decided_at_once_finish_the_job(pair: Pair) ->
             )
             for store, shard, task_id in zip(
                 (store_a, store_b),
-                await store_a.list_shards(job_id),
+                await store_a.jobs.list_shards(job_id),
                 sorted(m["task_id"] for m in node.of_type("assign")),
                 strict=True,
             )

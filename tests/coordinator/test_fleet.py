@@ -31,12 +31,13 @@ class CountingStore:
         self._store = store
         self.reads = 0
         self.gate: asyncio.Event | None = None
+        self.nodes = self  # the fleet reads `store.nodes.list_nodes`: counted here
 
     async def list_nodes(self, account_id: int | None = None) -> Any:
         self.reads += 1
         if self.gate is not None:
             await self.gate.wait()
-        return await self._store.list_nodes(account_id)
+        return await self._store.nodes.list_nodes(account_id)
 
 
 async def _gpu_node(store: SqlStore, account_id: int, key: str) -> Any:
@@ -44,11 +45,11 @@ async def _gpu_node(store: SqlStore, account_id: int, key: str) -> Any:
         memory_mb=8000, gpus=[protocol.Gpu(backend="cuda", name="gpu", memory_mb=8000)]
     )  # type: ignore[arg-type]
     node = await fake_node(store, account_id, key, now=1000.0, hardware=hardware)
-    return next(n for n in await store.list_nodes(account_id) if n.id == node.session.node_id)
+    return next(n for n in await store.nodes.list_nodes(account_id) if n.id == node.session.node_id)
 
 
 async def test_the_snapshot_is_read_once_per_ttl_and_answers_are_reused(store: SqlStore) -> None:
-    account = (await store.create_account("alice", is_admin=False, now=1000.0)).id
+    account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
     await fake_node(store, account, "cpu-node", now=1000.0)
     counting, clock = CountingStore(store), Clock()
     fleet = Fleet(counting, clock=clock, ttl_s=10.0)  # type: ignore[arg-type]
@@ -62,7 +63,7 @@ async def test_the_snapshot_is_read_once_per_ttl_and_answers_are_reused(store: S
 
 
 async def test_a_stale_snapshot_is_served_while_one_refresh_runs(store: SqlStore) -> None:
-    account = (await store.create_account("alice", is_admin=False, now=1000.0)).id
+    account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
     await fake_node(store, account, "cpu-node", now=1000.0)
     counting, clock = CountingStore(store), Clock()
     fleet = Fleet(counting, clock=clock, ttl_s=10.0)  # type: ignore[arg-type]
@@ -85,7 +86,7 @@ async def test_a_stale_snapshot_is_served_while_one_refresh_runs(store: SqlStore
 
 
 async def test_a_node_registering_here_counts_at_once(store: SqlStore) -> None:
-    account = (await store.create_account("alice", is_admin=False, now=1000.0)).id
+    account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
     await fake_node(store, account, "cpu-node", now=1000.0)
     counting = CountingStore(store)
     fleet = Fleet(counting, clock=Clock(), ttl_s=10.0)  # type: ignore[arg-type]
@@ -99,7 +100,7 @@ async def test_a_node_registering_here_counts_at_once(store: SqlStore) -> None:
 
 
 async def test_a_failed_refresh_keeps_the_last_copy(store: SqlStore) -> None:
-    account = (await store.create_account("alice", is_admin=False, now=1000.0)).id
+    account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
     await fake_node(store, account, "cpu-node", now=1000.0)
     counting, clock = CountingStore(store), Clock()
     fleet = Fleet(counting, clock=clock, ttl_s=10.0)  # type: ignore[arg-type]

@@ -65,7 +65,7 @@ async def _node(grid: Grid, account_id: int, key: str, tasks: int) -> Node:
 
 
 async def _two_nodes_with_work(grid: Grid) -> tuple[Node, Node, int]:
-    account = await grid.store.create_account("alice", is_admin=False, now=T0)
+    account = await grid.store.accounts.create_account("alice", is_admin=False, now=T0)
     job = await grid.submit_job(
         account_id=account.id, kind_name="noop", inputs={}, params={"tasks": 6},
         replication=1, priority=0,
@@ -79,17 +79,17 @@ async def _two_nodes_with_work(grid: Grid) -> tuple[Node, Node, int]:
 
 @contextlib.asynccontextmanager
 async def _counting_batches(grid: Grid, count: list[int]) -> AsyncIterator[None]:
-    batch = grid.store.batch
+    batch = grid.store.db.batch  # what `store.batch` and `store.run_batch` open
 
     def counting() -> contextlib.AbstractAsyncContextManager[None]:
         count[0] += 1
         return batch()
 
-    grid.store.batch = counting  # type: ignore[method-assign]
+    grid.store.db.batch = counting  # type: ignore[method-assign]
     try:
         yield
     finally:
-        grid.store.batch = batch  # type: ignore[method-assign]
+        grid.store.db.batch = batch  # type: ignore[method-assign]
 
 
 async def test_results_of_two_nodes_arriving_together_share_one_commit(grid: Grid) -> None:
@@ -103,27 +103,27 @@ async def test_results_of_two_nodes_arriving_together_share_one_commit(grid: Gri
     assert [r.status for rs in receipts for r in rs] == ["accepted"] * 6
     # SQLite commits one at a time: one group for both; PostgreSQL: one each, side by side.
     assert batches[0] == (1 if grid.store.serial_commits else 2)
-    job = await grid.store.get_job(job_id)
+    job = await grid.store.jobs.get_job(job_id)
     assert job is not None and job.state.value == "completed"
     assert not first.session.live and not second.session.live
 
 
 def _break_batches_of(grid: Grid, node: Node, monkeypatch: pytest.MonkeyPatch) -> None:
     """Storing `node`'s results raises (and fails the transaction it runs in)."""
-    accept = grid.store.accept_results
+    accept = grid.store.results.accept_results
 
     async def failing_for_node(node_id: int, results: Any, *, now: float) -> Any:
         if node_id == node.session.node_id:
             raise RuntimeError("this node's batch breaks the transaction")
         return await accept(node_id, results, now=now)
 
-    monkeypatch.setattr(grid.store, "accept_results", failing_for_node)
+    monkeypatch.setattr(grid.store.results, "accept_results", failing_for_node)
 
 
 def _slow_commits(grid: Grid, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each batch's commit takes a while (an fsync on a busy disk): a receipt given out
     before the commit would reach the node while its results could still be lost."""
-    batch = grid.store.batch
+    batch = grid.store.db.batch  # what `store.batch` and `store.run_batch` open
 
     @contextlib.asynccontextmanager
     async def slow() -> AsyncIterator[None]:
@@ -131,7 +131,7 @@ def _slow_commits(grid: Grid, monkeypatch: pytest.MonkeyPatch) -> None:
             yield
             await asyncio.sleep(0.05)
 
-    monkeypatch.setattr(grid.store, "batch", slow)
+    monkeypatch.setattr(grid.store.db, "batch", slow)
 
 
 async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
@@ -148,7 +148,7 @@ async def test_one_nodes_failing_batch_does_not_fail_the_others_in_its_group(
     assert isinstance(outcome[0], RuntimeError)
     assert not isinstance(outcome[1], BaseException)
     assert [r.status for r in outcome[1]] == ["accepted"] * 3
-    shards = await grid.store.list_shards(job_id)
+    shards = await grid.store.jobs.list_shards(job_id)
     assert sorted(s.state.value for s in shards) == ["done"] * 3 + ["open"] * 3
 
 
@@ -186,7 +186,7 @@ async def test_closing_the_grid_stores_the_results_it_took_and_refuses_later_one
     assert all(task.done() for task in storing)  # aclose waited for them
     receipts = [task.result() for task in storing]
     assert [r.status for rs in receipts for r in rs] == ["accepted"] * 6
-    job = await grid.store.get_job(job_id)
+    job = await grid.store.jobs.get_job(job_id)
     assert job is not None and job.state.value == "completed"
     with pytest.raises(ResultsClosed, match="stopping"):
         await grid.accept_results(first.session, first.results_for(grid))

@@ -143,7 +143,9 @@ async def grid(store: SqlStore, tmp_path: Path, clock: Clock) -> AsyncIterator[G
 
 
 async def _node(grid: Grid, *, benchmark: protocol.Benchmark | None = None) -> FakeNode:
-    account = await grid.store.create_account("volunteer", is_admin=False, now=grid.clock())
+    account = await grid.store.accounts.create_account(
+        "volunteer", is_admin=False, now=grid.clock()
+    )
     node = await fake_node(
         grid.store, account.id, "node-one", now=grid.clock(), benchmark=benchmark
     )
@@ -152,7 +154,9 @@ async def _node(grid: Grid, *, benchmark: protocol.Benchmark | None = None) -> F
 
 
 async def _submit(grid: Grid, *, tasks: int, seconds: float) -> int:
-    researcher = await grid.store.create_account("researcher", is_admin=False, now=grid.clock())
+    researcher = await grid.store.accounts.create_account(
+        "researcher", is_admin=False, now=grid.clock()
+    )
     job = await grid.submit_job(
         account_id=researcher.id,
         kind_name="sleep",
@@ -202,7 +206,9 @@ async def test_the_lease_follows_what_the_node_was_measured_at(grid: Grid, clock
     )
     assert receipt.status == "accepted"
     await grid.verify_shard(receipt.shard_id)  # type: ignore[arg-type]
-    assert await grid.store.measured_speeds(node.session.node_id) == {"sleep": pytest.approx(2e9)}
+    assert await grid.store.nodes.measured_speeds(node.session.node_id) == {
+        "sleep": pytest.approx(2e9)
+    }
     node.session.measured_at = -math.inf  # as if its measure were old: read it again
     assign = await _take(grid, node)
     assert _lease_s(assign, clock) == pytest.approx(60.0)  # 15 s x slack 4
@@ -219,7 +225,7 @@ async def test_a_claim_that_cannot_be_sent_is_released_at_once(grid: Grid, clock
     node.session.requested = 1
     assert await grid.fill(node.session) == 0
     assert node.session.live == set()
-    (shard,) = await grid.store.list_shards(job_id)
+    (shard,) = await grid.store.jobs.list_shards(job_id)
     assert shard.live_tasks == 1  # a fresh task, ready for another node
     assert await grid.broker.ready_count() == 1
 

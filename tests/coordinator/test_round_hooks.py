@@ -174,7 +174,7 @@ async def test_the_round_driver_runs_a_kind_it_knows_only_by_its_hooks(
 ) -> None:
     kind = get_kind(NAME)
     assert grid.rounds.drives(kind) and not grid.rounds.drives(get_kind("vectors"))
-    account = await store.create_account("alice", is_admin=False, now=T0)
+    account = await store.accounts.create_account("alice", is_admin=False, now=T0)
     job = await grid.submit_job(
         account_id=account.id, kind_name=NAME, inputs={"start": grid.blobs.put(b"go")},
         params={"rounds": 3, "workers": 2}, replication=None, priority=0,
@@ -188,7 +188,7 @@ async def test_the_round_driver_runs_a_kind_it_knows_only_by_its_hooks(
     for _ in range(40):
         if not any([await _work(grid, node) for node in nodes]):
             break
-    done = await store.get_job(job.id)
+    done = await store.jobs.get_job(job.id)
     assert done is not None and done.state == "completed", done
     # Three rounds of updates 1 + 2: the result is the last round's checkpoint.
     assert json.loads(grid.blobs.read(done.result_hash or "")) == {"round": 3, "total": 9}

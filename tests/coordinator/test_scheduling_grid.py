@@ -48,7 +48,7 @@ async def grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Grid]:
 
 
 async def _account(grid: Grid, name: str) -> int:
-    return (await grid.store.create_account(name, is_admin=False, now=grid.clock())).id
+    return (await grid.store.accounts.create_account(name, is_admin=False, now=grid.clock())).id
 
 
 async def _node(
@@ -103,7 +103,7 @@ async def test_a_small_job_after_a_big_one_gets_tasks_before_the_big_one_is_done
     small = await _submit(grid, bob, tasks=3)
     after = [await _take(grid, node) for _ in range(4)]
     assert [m["job_id"] for m in after if m] == [small, small, small, big]
-    job = await grid.store.get_job(big)
+    job = await grid.store.jobs.get_job(big)
     assert job is not None and job.shard_counts.get("open") == 100
 
 
@@ -132,7 +132,7 @@ async def test_a_node_without_a_gpu_never_receives_a_gpu_task(grid: Grid) -> Non
     cpu_job = await _submit(grid, alice, tasks=3)
     taken = [await _take(grid, cpu) for _ in range(10)]
     assert [m["job_id"] for m in taken if m] == [cpu_job] * 3
-    job = await grid.store.get_job(gpu_job)
+    job = await grid.store.jobs.get_job(gpu_job)
     assert job is not None
     assert (await grid.matcher.waiting_for(job)) == [
         "no registered node can run it: of 1 node(s), 1 has no GPU; 1 has no backend of cuda"
@@ -175,10 +175,12 @@ async def test_a_fast_idle_node_gets_a_backup_of_a_straggler_and_wins(grid: Grid
         ),
     )
     assert receipt.status == "accepted"
-    job = await grid.store.get_job(job_id)
+    job = await grid.store.jobs.get_job(job_id)
     assert job is not None and job.state.value == "completed"
     assert [m["task_id"] for m in slow.of_type("cancel")] == [original["task_id"]]
-    states = {t.task_id: t.state.value for t in await grid.store.node_tasks(slow.session.node_id)}
+    states = {
+        t.task_id: t.state.value for t in await grid.store.nodes.node_tasks(slow.session.node_id)
+    }
     assert original["task_id"] not in states  # no longer held: cancelled
 
 
@@ -212,24 +214,24 @@ async def test_backups_respect_max_attempts_and_distinct_nodes(grid: Grid) -> No
     now = grid.clock()
     # The holder itself never gets a copy of its own shard.
     assert (
-        await grid.store.add_backup_task(
+        await grid.store.scheduling.add_backup_task(
             shard_id, slow.session.node_id, lease_deadline=now + 9, now=now
         )
         is None
     )
     other = await _node(grid, alice, "other", gflops=1.0)
-    first = await grid.store.add_backup_task(
+    first = await grid.store.scheduling.add_backup_task(
         shard_id, other.session.node_id, lease_deadline=now + 9, now=now
     )
     assert first is not None
     third = await _node(grid, alice, "third", gflops=1.0)
     assert (
-        await grid.store.add_backup_task(
+        await grid.store.scheduling.add_backup_task(
             shard_id, third.session.node_id, lease_deadline=now + 9, now=now
         )
         is None
     )
-    shards = await grid.store.list_shards(original["job_id"])
+    shards = await grid.store.jobs.list_shards(original["job_id"])
     assert (shards[0].attempts, shards[0].live_tasks) == (2, 2)
 
 
@@ -286,9 +288,11 @@ async def test_running_shards_are_only_those_of_jobs_near_their_end(grid: Grid) 
     first, second = await _node(grid, alice, "first"), await _node(grid, alice, "second")
     job_id = await _submit(grid, alice, tasks=2, seconds=30.0)
     await _take(grid, first)
-    assert await grid.store.running_shards(limit=10) == []  # a shard still waits: not the end
+    assert (
+        await grid.store.scheduling.running_shards(limit=10) == []
+    )  # a shard still waits: not the end
     await _take(grid, second)
-    running = await grid.store.running_shards(limit=10)
+    running = await grid.store.scheduling.running_shards(limit=10)
     assert sorted(r.node_id for r in running) == [first.session.node_id, second.session.node_id]
     assert {r.job_id for r in running} == {job_id}
     assert all(r.node_benchmark["matmul_gflops"] == 10.0 for r in running)

@@ -621,7 +621,7 @@ async def _role_of(api: Api, name: str) -> str:
     store = open_store(api.settings.database)
     try:
         await store.open()
-        account = await store.web_read(web.account_by_name, name)
+        account = await store.web.web_read(web.account_by_name, name)
         assert account is not None
         return account.role
     finally:

@@ -112,9 +112,9 @@ def test_a_node_reads_what_its_tasks_name_and_writes_only_while_it_holds_one(api
 
 
 async def _job(store: SqlStore, *, inputs: dict[str, str], payload: str) -> tuple[int, int]:
-    owner = await store.create_account("owner", is_admin=False, now=0.0)
-    volunteer = await store.create_account("volunteer", is_admin=False, now=0.0)
-    created = await store.create_job(
+    owner = await store.accounts.create_account("owner", is_admin=False, now=0.0)
+    volunteer = await store.accounts.create_account("volunteer", is_admin=False, now=0.0)
+    created = await store.jobs.create_job(
         NewJob(
             account_id=owner.id,
             kind="sleep",
@@ -128,13 +128,13 @@ async def _job(store: SqlStore, *, inputs: dict[str, str], payload: str) -> tupl
         ),
         now=0.0,
     )
-    node = await store.register_node(
+    node = await store.nodes.register_node(
         volunteer.id, "volunteer-key", name="pc", worker_version="test", hardware={},
         benchmark={}, kinds=["sleep"], slots=1, address="", now=0.0,
     )  # fmt: skip
     (ready,) = created.ready
     claimer = Claimer(node_id=node.id, account_id=volunteer.id, network="", backend="cpu")
-    claimed = await store.claim_task(
+    claimed = await store.claims.claim_task(
         ready.task_id, claimer, kind="sleep", now=0.0, lease_deadline=100.0, distinct=None
     )
     assert isinstance(claimed, Assignment)
@@ -147,32 +147,32 @@ async def test_a_task_names_its_payload_and_its_jobs_inputs_until_the_grace_ends
     model, payload, other = sha(b"model"), sha(b"payload"), sha(b"other")
     volunteer, node_id = await _job(store, inputs={"model": model}, payload=payload)
     for blob_hash in (model, payload):
-        assert await store.tasks_name(volunteer, blob_hash, since=0.0)
-    assert not await store.tasks_name(volunteer, other, since=0.0)
-    assert await store.holds_tasks(volunteer, since=0.0)
+        assert await store.blob_owners.tasks_name(volunteer, blob_hash, since=0.0)
+    assert not await store.blob_owners.tasks_name(volunteer, other, since=0.0)
+    assert await store.blob_owners.holds_tasks(volunteer, since=0.0)
     # The task's lease ran out at 100 and it was expired: readable until 100 + grace.
-    expired = await store.expire_overdue(now=150.0)
+    expired = await store.results.expire_overdue(now=150.0)
     assert [task.node_id for task in expired] == [node_id]
-    assert await store.tasks_name(volunteer, payload, since=150.0 - 600.0)
-    assert await store.holds_tasks(volunteer, since=150.0 - 600.0)
-    assert not await store.tasks_name(volunteer, payload, since=101.0)
-    assert not await store.holds_tasks(volunteer, since=101.0)
+    assert await store.blob_owners.tasks_name(volunteer, payload, since=150.0 - 600.0)
+    assert await store.blob_owners.holds_tasks(volunteer, since=150.0 - 600.0)
+    assert not await store.blob_owners.tasks_name(volunteer, payload, since=101.0)
+    assert not await store.blob_owners.holds_tasks(volunteer, since=101.0)
 
 
 async def test_an_account_owns_what_it_uploaded(store: SqlStore) -> None:
-    alice = await store.create_account("alice", is_admin=False, now=0.0)
-    bob = await store.create_account("bob", is_admin=False, now=0.0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=0.0)
+    bob = await store.accounts.create_account("bob", is_admin=False, now=0.0)
     blob = sha(b"data")
-    await store.add_blob_owner(blob, alice.id, size=4, now=0.0)
-    await store.add_blob_owner(blob, alice.id, size=4, now=1.0)  # again: no change
-    assert await store.owns_or_produced(alice.id, blob)
-    assert not await store.owns_or_produced(bob.id, blob)
+    await store.blob_owners.add_blob_owner(blob, alice.id, size=4, now=0.0)
+    await store.blob_owners.add_blob_owner(blob, alice.id, size=4, now=1.0)  # again: no change
+    assert await store.blob_owners.owns_or_produced(alice.id, blob)
+    assert not await store.blob_owners.owns_or_produced(bob.id, blob)
 
 
 async def test_the_migration_gives_existing_blobs_their_owners_and_jobs(store: SqlStore) -> None:
-    alice = await store.create_account("alice", is_admin=False, now=0.0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=0.0)
     uploaded, named = sha(b"uploaded in the browser"), sha(b"named by a job")
-    await store.create_job(
+    await store.jobs.create_job(
         NewJob(
             account_id=alice.id, kind="sleep", params={"tasks": 1}, inputs={"texts": named},
             replication=1, min_quorum=1, max_attempts=3, priority=0,
@@ -190,8 +190,8 @@ async def test_the_migration_gives_existing_blobs_their_owners_and_jobs(store: S
         # As the database was before: no ownership yet; then the migration runs.
         await conn.run_sync(_downgrade, "0005_dashboard")
         await conn.run_sync(upgrade)
-    assert await store.owns_or_produced(alice.id, uploaded)
-    assert await store.owns_or_produced(alice.id, named)
+    assert await store.blob_owners.owns_or_produced(alice.id, uploaded)
+    assert await store.blob_owners.owns_or_produced(alice.id, named)
 
 
 def _downgrade(connection: Connection, revision: str) -> None:

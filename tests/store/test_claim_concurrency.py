@@ -50,19 +50,21 @@ class Run:
     backups_left: int = 0
     violations: list[str] = field(default_factory=list)
 
-    async def call(self, which: int, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def call(self, which: int, operation: str, *args: Any, **kwargs: Any) -> Any:
+        """`operation` ("role.method") on store `which`, within its pool's size."""
+        role, method = operation.split(".")
         async with self.gates[which]:
-            return await getattr(self.stores[which], method)(*args, **kwargs)
+            return await getattr(getattr(self.stores[which], role), method)(*args, **kwargs)
 
 
 async def _setup(stores: list[SqlStore], rng: random.Random, *, backups: bool) -> Run:
     store = stores[0]
     for each in stores:  # claims are what is tested here, not the daily quota
         each.trust = TrustSettings(initial_daily_quota=1_000_000)
-    account = await store.create_account("researcher", is_admin=False, now=1.0)
+    account = await store.accounts.create_account("researcher", is_admin=False, now=1.0)
     node_ids = []
     for n in range(NODES):
-        node = await store.register_node(
+        node = await store.nodes.register_node(
             account.id,
             f"node-key-{n:04d}",
             name=f"n{n}",
@@ -94,7 +96,7 @@ async def _setup(stores: list[SqlStore], rng: random.Random, *, backups: bool) -
             )
             for i in range(rng.randint(1, 12))
         ]
-        record, _ = await store.create_job(
+        record, _ = await store.jobs.create_job(
             NewJob(
                 account_id=account.id,
                 kind="sleep",
@@ -108,7 +110,7 @@ async def _setup(stores: list[SqlStore], rng: random.Random, *, backups: bool) -
             ),
             now=2.0,
         )
-        for shard in await store.list_shards(record.id):
+        for shard in await store.jobs.list_shards(record.id):
             run.replication[shard.id] = replication
     return run
 
@@ -117,7 +119,7 @@ async def _requester(run: Run, rng: random.Random, which: int) -> None:
     """One node asking for work: one (soon stale) look at the queue, a few claims from it."""
     node_id = rng.choice(run.node_ids)
     await asyncio.sleep(rng.random() * 0.05)
-    ready = await run.call(which, "ready_tasks", limit=40)
+    ready = await run.call(which, "claims.ready_tasks", limit=40)
     held: list[Assignment] = []
     for task in rng.sample(ready, min(CLAIMS_EACH, len(ready))):
         claimer = Claimer(node_id=node_id, account_id=run.account_id, network="", backend="cpu")
@@ -125,7 +127,7 @@ async def _requester(run: Run, rng: random.Random, which: int) -> None:
         distinct = Distinct(accounts=False, networks=False)
         claim = await run.call(
             which,
-            "claim_task",
+            "claims.claim_task",
             task.task_id,
             claimer,
             kind="sleep",
@@ -141,13 +143,13 @@ async def _requester(run: Run, rng: random.Random, which: int) -> None:
     if held and run.expiries_left > 0 and rng.random() < 0.3:
         run.expiries_left -= 1
         lost = held.pop(rng.randrange(len(held)))
-        await run.call(which, "expire_task", lost.task_id, now=4.0)
-        await run.call(which, "replenish", now=4.0)
+        await run.call(which, "results.expire_task", lost.task_id, now=4.0)
+        await run.call(which, "scheduling.replenish", now=4.0)
     if run.backups_left > 0 and rng.random() < 0.3:
         run.backups_left -= 1
         await run.call(
             which,
-            "add_backup_task",
+            "scheduling.add_backup_task",
             rng.choice(list(run.replication)),
             rng.choice(run.node_ids),
             lease_deadline=1e12,

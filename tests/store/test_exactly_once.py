@@ -39,7 +39,7 @@ OUT = hashlib.sha256(b"out").hexdigest()
 
 
 async def _node(store: SqlStore, account: AccountRecord, key: str) -> NodeRecord:
-    return await store.register_node(
+    return await store.nodes.register_node(
         account.id,
         key,
         name=key,
@@ -68,7 +68,7 @@ def _job(account: AccountRecord, *, replication: int = 1) -> NewJob:
 
 
 async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float) -> Assignment:
-    claim = await store.claim_task(
+    claim = await store.claims.claim_task(
         task_id,
         Claimer(node_id=node.id, account_id=node.account_id, network="", backend="cpu"),
         kind="sleep",
@@ -81,12 +81,12 @@ async def _claim(store: SqlStore, task_id: int, node: NodeRecord, *, now: float)
 
 
 async def _trust(store: SqlStore, node: NodeRecord) -> tuple[int, int, int]:
-    [row] = await store.node_trust(node.id)
+    [row] = await store.nodes.node_trust(node.id)
     return row.trust.valid_total, row.trust.invalid_total, row.trust.error_total
 
 
 async def _credit(store: SqlStore, node: NodeRecord) -> float:
-    [found] = [n for n in await store.list_nodes() if n.id == node.id]
+    [found] = [n for n in await store.nodes.list_nodes() if n.id == node.id]
     return found.credit.total
 
 
@@ -96,17 +96,19 @@ async def _task(store: SqlStore, task_id: int):  # type: ignore[no-untyped-def]
 
 
 async def test_two_expiries_of_one_task_charge_its_node_once(store: SqlStore) -> None:
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await _node(store, alice, "n1")
-    _, [ready] = await store.create_job(_job(alice), now=T0)
+    _, [ready] = await store.jobs.create_job(_job(alice), now=T0)
     await _claim(store, ready.task_id, node, now=T0)
     # Two processes' passes both select the overdue task; the second changes nothing.
-    first = await store.expire_overdue(now=T0 + LEASE + 1)
-    second = await store.expire_node_tasks(node.id, now=T0 + LEASE + 2)
+    first = await store.results.expire_overdue(now=T0 + LEASE + 1)
+    second = await store.results.expire_node_tasks(node.id, now=T0 + LEASE + 2)
     assert [t.task_id for t in first] == [ready.task_id] and second == []
     assert await _trust(store, node) == (0, 0, 1)
     # A failure it reports after that is the same error, not a second one.
-    assert await store.record_failure(ready.task_id, node.id, reason="gave up", now=T0 + 200)
+    assert await store.results.record_failure(
+        ready.task_id, node.id, reason="gave up", now=T0 + 200
+    )
     assert (await _task(store, ready.task_id)).state == TaskState.FAILED.value
     assert await _trust(store, node) == (0, 0, 1)
 
@@ -114,17 +116,17 @@ async def test_two_expiries_of_one_task_charge_its_node_once(store: SqlStore) ->
 async def test_an_expired_task_that_delivers_is_no_error_and_a_late_copy_earns_no_credit(
     store: SqlStore,
 ) -> None:
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     slow, fast = await _node(store, alice, "slow"), await _node(store, alice, "fast")
-    _, [ready] = await store.create_job(_job(alice), now=T0)
+    _, [ready] = await store.jobs.create_job(_job(alice), now=T0)
     await _claim(store, ready.task_id, slow, now=T0)
-    await store.expire_overdue(now=T0 + LEASE + 1)
-    [replacement], _, _ = await store.replenish(now=T0 + LEASE + 1)
+    await store.results.expire_overdue(now=T0 + LEASE + 1)
+    [replacement], _, _ = await store.scheduling.replenish(now=T0 + LEASE + 1)
     await _claim(store, replacement.task_id, fast, now=T0 + LEASE + 2)
-    await store.accept_result(
+    await store.results.accept_result(
         replacement.task_id, fast.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 150
     )
-    [outcome] = await store.decide_shards(
+    [outcome] = await store.verification.decide_shards(
         [ShardDecision(ready.shard_id, replacement.task_id, [replacement.task_id], [], None)],
         now=T0 + 151,
     )
@@ -134,12 +136,12 @@ async def test_an_expired_task_that_delivers_is_no_error_and_a_late_copy_earns_n
     assert (await _task(store, ready.task_id)).state == TaskState.EXPIRED.value
     assert await _trust(store, slow) == (0, 0, 1)
     # It delivers after all: the error is withdrawn; the result is checked, and agrees.
-    receipt = await store.accept_result(
+    receipt = await store.results.accept_result(
         ready.task_id, slow.id, output_hash=OUT, output_size=3, elapsed_s=9, now=T0 + 300
     )
     assert receipt.status == "late"
     assert await _trust(store, slow) == (0, 0, 0)
-    await store.judge_late(ready.task_id, agrees=True, now=T0 + 301)
+    await store.verification.judge_late(ready.task_id, agrees=True, now=T0 + 301)
     assert await _trust(store, slow) == (1, 0, 0)
     # The shard's work was credited once, to the result that decided it.
     late, canonical = await _task(store, ready.task_id), await _task(store, replacement.task_id)
@@ -151,18 +153,18 @@ async def test_an_expired_task_that_delivers_is_no_error_and_a_late_copy_earns_n
 async def test_run_alone_gives_back_the_attempts_of_the_replicas_it_cancelled(
     store: SqlStore,
 ) -> None:
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await _node(store, alice, "n1")
-    _, ready = await store.create_job(_job(alice, replication=3), now=T0)
+    _, ready = await store.jobs.create_job(_job(alice, replication=3), now=T0)
     first = ready[0]
     await _claim(store, first.task_id, node, now=T0)
-    cancelled = await store.run_alone(first.shard_id, first.task_id, spot_check=False)
+    cancelled = await store.claims.run_alone(first.shard_id, first.task_id, spot_check=False)
     assert cancelled == sorted(r.task_id for r in ready[1:])
     async with store.engine.connect() as conn:
         shard = (await conn.execute(select(shards).where(shards.c.id == first.shard_id))).one()
     assert (shard.mode, shard.target, shard.attempts) == ("alone", 1, 1)
     # Asked again (another process, say), it changes and cancels nothing.
-    assert await store.run_alone(first.shard_id, first.task_id, spot_check=False) == []
+    assert await store.claims.run_alone(first.shard_id, first.task_id, spot_check=False) == []
 
 
 # -- a restarted coordinator waits for its workers -----------------------------------------
@@ -189,7 +191,7 @@ async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be
         blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 20),
         clock=lambda: now[0],
     )
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     away = await fake_node(store, alice.id, "away", now=T0)
     back = await fake_node(store, alice.id, "back", now=T0)
     await grid.submit_job(
@@ -218,7 +220,7 @@ async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be
         now[0] += 2
         await monitor._pass(grid)
         assert (await _task(store, away_task)).state == TaskState.EXPIRED.value
-        [away_row] = [n for n in await store.list_nodes() if n.id == away.session.node_id]
+        [away_row] = [n for n in await store.nodes.list_nodes() if n.id == away.session.node_id]
         assert away_row.state == "offline"
     finally:
         await monitor.stop()
@@ -246,7 +248,7 @@ async def test_claims_made_while_the_connection_closed_are_released_at_once(
     store: SqlStore, tmp_path: Path
 ) -> None:
     grid = await _grid(store, tmp_path)
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await fake_node(store, alice.id, "leaving", now=T0)
     await grid.submit_job(
         account_id=alice.id, kind_name="sleep", inputs={}, params={"tasks": 1, "seconds": 0},
@@ -272,7 +274,7 @@ async def test_claims_made_while_the_connection_closed_are_released_at_once(
     assert await _shard_tasks(store) == [("cancelled", node_id), ("ready", None)]
     assert node.assigned() == [] and node.session.live == set()
     assert await _trust(store, await _record(store, node_id)) == (0, 0, 0)
-    [row] = await store.node_trust(node_id)
+    [row] = await store.nodes.node_trust(node_id)
     assert row.quota_used_today == 0
     async with store.engine.connect() as conn:
         [attempts] = (await conn.execute(select(shards.c.attempts))).scalars().all()
@@ -283,7 +285,7 @@ async def test_claims_that_cannot_be_sent_are_released_at_once(
     store: SqlStore, tmp_path: Path
 ) -> None:
     grid = await _grid(store, tmp_path)
-    alice = await store.create_account("alice", is_admin=False, now=T0)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await fake_node(store, alice.id, "broken", now=T0, slots=2)
 
     async def broken(text: str) -> None:
@@ -306,5 +308,5 @@ async def test_claims_that_cannot_be_sent_are_released_at_once(
 
 
 async def _record(store: SqlStore, node_id: int) -> NodeRecord:
-    [found] = [n for n in await store.list_nodes() if n.id == node_id]
+    [found] = [n for n in await store.nodes.list_nodes() if n.id == node_id]
     return found

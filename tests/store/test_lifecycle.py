@@ -64,7 +64,7 @@ def _hash(text: str) -> str:
 
 
 async def _register(store: SqlStore, account_id: int) -> NodeRecord:
-    return await store.register_node(
+    return await store.nodes.register_node(
         account_id,
         f"node-key-{account_id}",
         name="n1",
@@ -97,9 +97,9 @@ def _job(account_id: int, *, shards: int = 1) -> NewJob:
 
 async def _rows(store: SqlStore) -> dict[Table, int]:
     """One row of each table with a lifecycle; its id."""
-    account = await store.create_account("alice", is_admin=False, now=T0)
+    account = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await _register(store, account.id)
-    created = await store.create_job(_job(account.id), now=T0)
+    created = await store.jobs.create_job(_job(account.id), now=T0)
     [task] = created.ready
     first = NewRound(
         round=0,
@@ -113,7 +113,7 @@ async def _rows(store: SqlStore) -> dict[Table, int]:
         eval_shard=None,
         deadline=T0 + 60,
     )
-    await store.start_training(created.job.id, first, [], now=T0)
+    await store.rounds.start_training(created.job.id, first, [], now=T0)
     async with store.engine.begin() as conn:
         upload_id, _ = await upload_sql.start_upload(
             conn,
@@ -306,16 +306,18 @@ async def test_a_batch_that_left_a_row_in_an_illegal_state_raises(
 
 async def test_a_batch_of_results_completes_through_the_guarded_take(store: SqlStore) -> None:
     # Several rows in one executemany: the guard's list of states is plain bound values.
-    account = await store.create_account("bob", is_admin=False, now=T0)
+    account = await store.accounts.create_account("bob", is_admin=False, now=T0)
     node = await _register(store, account.id)
-    created = await store.create_job(_job(account.id, shards=3), now=T0)
+    created = await store.jobs.create_job(_job(account.id, shards=3), now=T0)
     ids = [task.task_id for task in created.ready]
     claimer = Claimer(node_id=node.id, account_id=account.id, network="", backend="cpu")
-    claimed = await store.claim_tasks(dict.fromkeys(ids, T0 + 100), claimer, kind="sleep", now=T0)
+    claimed = await store.claims.claim_tasks(
+        dict.fromkeys(ids, T0 + 100), claimer, kind="sleep", now=T0
+    )
     assert isinstance(claimed, list) and len(claimed) == 3
-    await store.expire_task(ids[0], now=T0 + 1)  # expired, and still delivers
+    await store.results.expire_task(ids[0], now=T0 + 1)  # expired, and still delivers
     results = [NewResult(task_id, _hash(f"out {task_id}"), 1, 0.5) for task_id in ids]
-    receipts = await store.accept_results(node.id, results, now=T0 + 2)
+    receipts = await store.results.accept_results(node.id, results, now=T0 + 2)
     assert [receipt.status for receipt in receipts] == ["accepted"] * 3
     async with store.engine.connect() as conn:
         for task_id in ids:

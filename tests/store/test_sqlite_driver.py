@@ -180,8 +180,8 @@ async def test_the_store_still_runs_on_aiosqlite(tmp_path: Path) -> None:
     store = SqlStore(f"sqlite+aiosqlite:///{tmp_path / 'store.db'}")
     await store.open()
     try:
-        account = await store.create_account("ada", is_admin=False, now=1.0)
-        assert (await store.get_account("ada")) == account
+        account = await store.accounts.create_account("ada", is_admin=False, now=1.0)
+        assert (await store.accounts.get_account("ada")) == account
     finally:
         await store.close()
 

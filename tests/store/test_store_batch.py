@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from sqlalchemy import select
-from test_store import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
+from store_helpers import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.states import NodeState, TaskState
 from idlegrid.store import totals
@@ -23,12 +23,14 @@ class Boom(Exception):
 async def test_claims_and_results_in_a_batch_are_all_stored(store: SqlStore) -> None:
     account = await _account(store)
     node = await _node(store, account)
-    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=3), now=T0)
     async with store.batch():
         for entry in ready:
             await _claim(store, entry.task_id, node)
         # Reads inside the batch see its writes.
-        assert {t.task_id for t in await store.node_tasks(node.id)} == {e.task_id for e in ready}
+        assert {t.task_id for t in await store.nodes.node_tasks(node.id)} == {
+            e.task_id for e in ready
+        }
     async with store.batch():
         receipts = [await _result(store, entry.task_id, node) for entry in ready]
     assert [r.status for r in receipts] == ["accepted"] * 3
@@ -39,7 +41,7 @@ async def test_claims_and_results_in_a_batch_are_all_stored(store: SqlStore) -> 
 async def test_a_failed_batch_stores_nothing(store: SqlStore) -> None:
     account = await _account(store)
     node = await _node(store, account)
-    _, ready = await store.create_job(_job(account, shards=2), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=2), now=T0)
     with pytest.raises(Boom):
         async with store.batch():
             await _claim(store, ready[0].task_id, node)
@@ -54,15 +56,15 @@ async def test_a_failed_batch_stores_nothing(store: SqlStore) -> None:
 async def test_a_batch_with_only_reads_takes_no_write_lock(store: SqlStore) -> None:
     account = await _account(store)
     async with store.batch():
-        assert await store.get_account(account.name) == account
-        if store._write_lock is not None:
-            assert not store._write_lock.locked()
+        assert await store.accounts.get_account(account.name) == account
+        if store.db.write_lock is not None:
+            assert not store.db.write_lock.locked()
 
 
 async def test_nested_batches_share_the_outer_transaction(store: SqlStore) -> None:
     account = await _account(store)
     node = await _node(store, account)
-    _, ready = await store.create_job(_job(account, shards=1), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=1), now=T0)
     with pytest.raises(Boom):
         async with store.batch():
             async with store.batch():
@@ -75,10 +77,10 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
     store.trust = TrustSettings(initial_daily_quota=3)
     account = await _account(store)
     node, other = await _node(store, account), await _node(store, account, "node-key-2")
-    job, ready = await store.create_job(_job(account, shards=3), now=T0)
+    job, ready = await store.jobs.create_job(_job(account, shards=3), now=T0)
     taken = await _claim(store, ready[1].task_id, other)
     deadlines = {entry.task_id: T0 + 50 + i for i, entry in enumerate(ready)}
-    claimed = await store.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0)
+    claimed = await store.claims.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0)
     assert not isinstance(claimed, ClaimMiss)
     assert [a.task_id for a in claimed] == [ready[0].task_id, ready[2].task_id]
     assert [a.shard_index for a in claimed] == [0, 2]
@@ -88,17 +90,19 @@ async def test_claim_tasks_takes_those_still_ready_in_one_go(store: SqlStore) ->
         assert row.state == TaskState.ASSIGNED.value and row.node_id == node.id
         assert row.lease_deadline == deadlines[assignment.task_id]
     assert (await _task_row(store, taken.task_id)).node_id == other.id  # not taken over
-    assert (await store.get_job(job.id)).state == "running"  # type: ignore[union-attr]
-    assert await store.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0) == []
-    assert await store.claim_tasks({}, _claimer(node), kind="sleep", now=T0) == []
+    assert (await store.jobs.get_job(job.id)).state == "running"  # type: ignore[union-attr]
+    assert await store.claims.claim_tasks(deadlines, _claimer(node), kind="sleep", now=T0) == []
+    assert await store.claims.claim_tasks({}, _claimer(node), kind="sleep", now=T0) == []
     # The daily quota (3 here) caps a batch, as it caps single claims.
-    _, more = await store.create_job(_job(account, shards=3), now=T0)
-    rest = await store.claim_tasks(
+    _, more = await store.jobs.create_job(_job(account, shards=3), now=T0)
+    rest = await store.claims.claim_tasks(
         {e.task_id: T0 + 50 for e in more}, _claimer(node), kind="sleep", now=T0
     )
     assert not isinstance(rest, ClaimMiss) and len(rest) == 1  # 2 of its 3 used above
     assert (
-        await store.claim_tasks({more[1].task_id: T0 + 50}, _claimer(node), kind="sleep", now=T0)
+        await store.claims.claim_tasks(
+            {more[1].task_id: T0 + 50}, _claimer(node), kind="sleep", now=T0
+        )
         is ClaimMiss.QUOTA
     )
 
@@ -111,8 +115,8 @@ async def test_touch_nodes_writes_every_node_across_chunks(
     monkeypatch.setattr(store_nodes, "TOUCH_CHUNK", 2)
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(5)]
-    await store.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
-    listed = {node.id: node for node in await store.list_nodes()}
+    await store.nodes.touch_nodes({node.id: T0 + 10 + i for i, node in enumerate(nodes)})
+    listed = {node.id: node for node in await store.nodes.list_nodes()}
     for i, node in enumerate(nodes):
         assert listed[node.id].last_seen_at == T0 + 10 + i
         assert listed[node.id].connected_seconds == pytest.approx(10 + i)
@@ -123,7 +127,7 @@ async def test_after_commit_runs_once_the_batch_committed_and_never_after_a_roll
 ) -> None:
     account = await _account(store)
     node = await _node(store, account)
-    _, ready = await store.create_job(_job(account, shards=2), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=2), now=T0)
     seen: list[str] = []
 
     async def note(what: str) -> None:
@@ -164,17 +168,17 @@ async def test_a_deadlocked_batch_raises_a_conflict_and_runs_again(store: SqlSto
 
     async def both_offline(side: int) -> None:
         attempts[side] += 1
-        await store.set_node_offline(nodes[side].id, now=T0)
+        await store.nodes.set_node_offline(nodes[side].id, now=T0)
         first_writes[side].set()
         await first_writes[1 - side].wait()  # each holds its first row when it asks for more
-        await store.set_node_offline(nodes[1 - side].id, now=T0)
+        await store.nodes.set_node_offline(nodes[1 - side].id, now=T0)
 
     await asyncio.wait_for(
         asyncio.gather(*(store.run_batch(lambda s=side: both_offline(s)) for side in (0, 1))),
         timeout=30,
     )
     assert sorted(attempts) == [1, 2]  # one batch was aborted and ran again
-    assert {n.state for n in await store.list_nodes()} == {NodeState.OFFLINE}
+    assert {n.state for n in await store.nodes.list_nodes()} == {NodeState.OFFLINE}
 
 
 async def test_a_batch_that_meets_a_deadlock_raises_store_conflict(store: SqlStore) -> None:
@@ -186,10 +190,10 @@ async def test_a_batch_that_meets_a_deadlock_raises_store_conflict(store: SqlSto
 
     async def both_offline(side: int) -> None:
         async with store.batch():
-            await store.set_node_offline(nodes[side].id, now=T0)
+            await store.nodes.set_node_offline(nodes[side].id, now=T0)
             held[side].set()
             await held[1 - side].wait()
-            await store.set_node_offline(nodes[1 - side].id, now=T0)
+            await store.nodes.set_node_offline(nodes[1 - side].id, now=T0)
 
     results = await asyncio.wait_for(
         asyncio.gather(both_offline(0), both_offline(1), return_exceptions=True), timeout=30
@@ -205,7 +209,7 @@ async def test_a_claim_skips_a_task_another_batch_is_claiming(store: SqlStore) -
         pytest.skip("SQLite has one writer at a time: a second batch waits for the first")
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
-    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=3), now=T0)
     await _try(store, ready.pop().task_id, nodes[0])  # the job runs: no job-row write below
     holding, done = asyncio.Event(), asyncio.Event()
 
@@ -231,7 +235,7 @@ async def test_a_claim_skips_a_task_another_batch_is_claiming(store: SqlStore) -
 
 
 async def _try(store: SqlStore, task_id: int, node: object) -> Assignment | ClaimMiss:
-    from test_store import _try_claim
+    from store_helpers import _try_claim
 
     return await _try_claim(store, task_id, node, lease_deadline=T0 + 100, now=T0)  # type: ignore[arg-type]
 
@@ -242,7 +246,7 @@ async def test_claims_skip_tasks_another_batch_is_claiming(store: SqlStore) -> N
         pytest.skip("SQLite has one writer at a time: a second batch waits for the first")
     account = await _account(store)
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
-    _, ready = await store.create_job(_job(account, shards=3), now=T0)
+    _, ready = await store.jobs.create_job(_job(account, shards=3), now=T0)
     await _try(store, ready.pop().task_id, nodes[0])  # the job runs: no job-row write below
     holding, done = asyncio.Event(), asyncio.Event()
 
@@ -256,7 +260,7 @@ async def test_claims_skip_tasks_another_batch_is_claiming(store: SqlStore) -> N
     await holding.wait()
     try:
         claimed = await asyncio.wait_for(
-            store.claim_tasks(
+            store.claims.claim_tasks(
                 {e.task_id: T0 + 100 for e in ready}, _claimer(nodes[1]), kind="sleep", now=T0
             ),
             timeout=10,
@@ -280,7 +284,7 @@ async def test_credit_totals_are_written_at_the_end_of_a_batch(store: SqlStore) 
     neither grant is lost."""
     account = await _account(store)
     async with store.batch():
-        async with store._tx() as conn:
+        async with store.db.tx() as conn:
             await totals.grant(conn, "accounts", account.id, 5.0, now=T0)
         if not store.is_sqlite:  # SQLite: one writer at a time, the batch holds it
             async with store.engine.begin() as other:
@@ -295,12 +299,12 @@ async def test_credit_totals_of_a_rolled_back_batch_are_not_written(store: SqlSt
     account = await _account(store)
     with pytest.raises(Boom):
         async with store.batch():
-            async with store._tx() as conn:
+            async with store.db.tx() as conn:
                 await totals.grant(conn, "accounts", account.id, 5.0, now=T0)
             raise Boom()
     assert await _credit_total(store, account.id) == 0.0
     # Outside a batch, one call's transaction writes them at its own end.
-    async with store._tx() as conn:
+    async with store.db.tx() as conn:
         await totals.grant(conn, "accounts", account.id, 2.0, now=T0)
     assert await _credit_total(store, account.id) == 2.0
 
@@ -316,7 +320,7 @@ async def test_a_jobs_last_two_shards_decided_at_once_end_the_job(store: SqlStor
     account = await _account(store)
     # Two nodes: one node's trust row, written by both decisions, would order them.
     nodes = [await _node(store, account, f"node-key-{i}") for i in range(2)]
-    job, ready = await store.create_job(_job(account, shards=2), now=T0)
+    job, ready = await store.jobs.create_job(_job(account, shards=2), now=T0)
     for entry, node in zip(ready, nodes, strict=True):
         await _claim(store, entry.task_id, node)
         await _result(store, entry.task_id, node)
@@ -331,14 +335,14 @@ async def test_a_jobs_last_two_shards_decided_at_once_end_the_job(store: SqlStor
 
     async def first() -> bool:
         async with store.batch():
-            [outcome] = await store.decide_shards([decision(0)], now=T0 + 2)
+            [outcome] = await store.verification.decide_shards([decision(0)], now=T0 + 2)
             decided_first.set()
             await go_on.wait()
         return outcome.job_done
 
     async def second() -> bool:
         async with store.batch():
-            [outcome] = await store.decide_shards([decision(1)], now=T0 + 2)
+            [outcome] = await store.verification.decide_shards([decision(1)], now=T0 + 2)
         return outcome.job_done
 
     holder = asyncio.create_task(first())

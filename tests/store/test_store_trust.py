@@ -4,7 +4,7 @@ alone. Every test runs on SQLite and on PostgreSQL (the `store` fixture)."""
 from __future__ import annotations
 
 import pytest
-from test_store import LEASE, T0, _account, _hash, _job
+from store_helpers import LEASE, T0, _account, _hash, _job
 
 from idlegrid.store.base import (
     AccountRecord,
@@ -32,7 +32,7 @@ async def _register(
     now: float = T0,
     limits: RegistrationLimits | None = LIMITS,
 ) -> NodeRecord:
-    return await store.register_node(
+    return await store.nodes.register_node(
         account.id,
         key,
         name=key,
@@ -59,7 +59,7 @@ async def _claim(
     claimer = Claimer(
         node_id=node.id, account_id=node.account_id, network=node.network, backend="cpu"
     )
-    return await store.claim_task(
+    return await store.claims.claim_task(
         task_id, claimer, kind="sleep", lease_deadline=now + LEASE, now=now, distinct=distinct
     )
 
@@ -97,7 +97,7 @@ async def test_replicas_go_to_distinct_nodes_accounts_and_networks(store: SqlSto
     a2 = await _register(store, alice, "node-key-a2", network="10.0.1.0/24", limits=None)
     b1 = await _register(store, bob, "node-key-b1", network="10.0.0.0/24", limits=None)
     c1 = await _register(store, carol, "node-key-c1", network="10.0.2.0/24", limits=None)
-    _, ready = await store.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
+    _, ready = await store.jobs.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
     rule = Distinct(accounts=True, networks=True)
     assert isinstance(await _claim(store, ready[0].task_id, a1, distinct=rule), Assignment)
     assert await _claim(store, ready[1].task_id, a2, distinct=rule) is ClaimMiss.CONFLICT
@@ -112,13 +112,13 @@ async def test_daily_quota_stops_claims_until_the_next_day(store: SqlStore) -> N
     store.trust = TrustSettings(initial_daily_quota=2)
     alice = await _account(store)
     node = await _register(store, alice, "node-key-1", limits=None)
-    _, ready = await store.create_job(_job(alice, shards=4), now=T0)
+    _, ready = await store.jobs.create_job(_job(alice, shards=4), now=T0)
     for entry in ready[:2]:
         assert isinstance(await _claim(store, entry.task_id, node), Assignment)
     assert await _claim(store, ready[2].task_id, node) is ClaimMiss.QUOTA
     tomorrow = T0 + 86_400
     assert isinstance(await _claim(store, ready[2].task_id, node, now=tomorrow), Assignment)
-    [row] = await store.node_trust(node.id)
+    [row] = await store.nodes.node_trust(node.id)
     assert row.trust.daily_quota == 2
 
 
@@ -126,16 +126,16 @@ async def test_running_alone_withdraws_the_other_replicas(store: SqlStore) -> No
     alice, bob = await _account(store), await _account(store, "bob")
     trusted = await _register(store, alice, "node-key-1", limits=None)
     other = await _register(store, bob, "node-key-2", limits=None)
-    job, ready = await store.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
+    job, ready = await store.jobs.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
     claim = await _claim(store, ready[0].task_id, trusted)
     assert isinstance(claim, Assignment) and claim.first_replica
-    dropped = await store.run_alone(claim.shard_id, claim.task_id, spot_check=False)
+    dropped = await store.claims.run_alone(claim.shard_id, claim.task_id, spot_check=False)
     assert sorted(dropped) == sorted(r.task_id for r in ready[1:])
     assert await _claim(store, ready[1].task_id, other) is ClaimMiss.GONE
-    [shard] = await store.list_shards(job.id)
+    [shard] = await store.jobs.list_shards(job.id)
     assert (shard.target, shard.quorum, shard.mode, shard.attempts) == (1, 1, "alone", 1)
     # Only once, and never after another replica went out.
-    assert await store.run_alone(claim.shard_id, claim.task_id, spot_check=False) == []
+    assert await store.claims.run_alone(claim.shard_id, claim.task_id, spot_check=False) == []
 
 
 async def test_a_spot_check_replica_is_for_trusted_nodes_only(store: SqlStore) -> None:
@@ -143,17 +143,17 @@ async def test_a_spot_check_replica_is_for_trusted_nodes_only(store: SqlStore) -
     alice, bob = await _account(store), await _account(store, "bob")
     first = await _register(store, alice, "node-key-1", limits=None)
     second = await _register(store, bob, "node-key-2", limits=None)
-    _, ready = await store.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
+    _, ready = await store.jobs.create_job(_job(alice, replication=3, min_quorum=2), now=T0)
     claim = await _claim(store, ready[0].task_id, first)
     assert isinstance(claim, Assignment)
     [kept, dropped] = ready[1:]
-    assert await store.run_alone(claim.shard_id, claim.task_id, spot_check=True) == [
+    assert await store.claims.run_alone(claim.shard_id, claim.task_id, spot_check=True) == [
         dropped.task_id
     ]
     store.trust = TrustSettings(adaptive_after=5)  # ...and now none is
     assert await _claim(store, kept.task_id, second) is ClaimMiss.CONFLICT
     # Escalated (the check disagreed), the replica is anyone's again.
-    assert await store.escalate(claim.shard_id, target=3, quorum=2, now=T0 + 2)
+    assert await store.claims.escalate(claim.shard_id, target=3, quorum=2, now=T0 + 2)
     assert isinstance(await _claim(store, kept.task_id, second), Assignment)
 
 
@@ -161,13 +161,13 @@ async def test_a_suspended_node_claims_nothing(store: SqlStore) -> None:
     store.trust = TrustSettings(suspend_after_invalids=1)
     alice, bob = await _account(store), await _account(store, "bob")
     liar = await _register(store, alice, "node-key-1", limits=None)
-    _, ready = await store.create_job(_job(bob, shards=2), now=T0)
+    _, ready = await store.jobs.create_job(_job(bob, shards=2), now=T0)
     claim = await _claim(store, ready[0].task_id, liar)
     assert isinstance(claim, Assignment)
-    await store.accept_result(
+    await store.results.accept_result(
         claim.task_id, liar.id, output_hash=_hash("x"), output_size=1, elapsed_s=1.0, now=T0 + 1
     )
-    await store.decide_shard(
+    await store.verification.decide_shard(
         claim.shard_id,
         canonical_task_id=None,
         valid=(),
@@ -176,7 +176,7 @@ async def test_a_suspended_node_claims_nothing(store: SqlStore) -> None:
         now=T0 + 2,
     )
     assert await _claim(store, ready[1].task_id, liar) is ClaimMiss.SUSPENDED
-    account = await store.account_by_id(alice.id)
+    account = await store.accounts.account_by_id(alice.id)
     assert account is not None and account.flagged_at == T0 + 2
     with pytest.raises(RegistrationRefused, match="flagged"):
         await _register(store, alice, "node-key-2")
@@ -185,15 +185,15 @@ async def test_a_suspended_node_claims_nothing(store: SqlStore) -> None:
 async def test_raise_target_adds_one_replica_once_per_verdict(store: SqlStore) -> None:
     alice = await _account(store)
     node = await _register(store, alice, "node-key-1", limits=None)
-    _, [ready] = await store.create_job(_job(alice), now=T0)
+    _, [ready] = await store.jobs.create_job(_job(alice), now=T0)
     claim = await _claim(store, ready.task_id, node)
     assert isinstance(claim, Assignment)
-    await store.accept_result(
+    await store.results.accept_result(
         claim.task_id, node.id, output_hash=_hash("x"), output_size=1, elapsed_s=1.0, now=T0 + 1
     )
     # A quorum-1 shard's result waiting for its verdict never makes replenish add tasks.
-    assert (await store.replenish(now=T0 + 2))[0] == []
-    assert await store.raise_target(claim.shard_id, results_seen=1)
-    assert not await store.raise_target(claim.shard_id, results_seen=1)  # raced: once
-    [more], _, _ = await store.replenish(now=T0 + 3)
+    assert (await store.scheduling.replenish(now=T0 + 2))[0] == []
+    assert await store.claims.raise_target(claim.shard_id, results_seen=1)
+    assert not await store.claims.raise_target(claim.shard_id, results_seen=1)  # raced: once
+    [more], _, _ = await store.scheduling.replenish(now=T0 + 3)
     assert more.shard_id == claim.shard_id

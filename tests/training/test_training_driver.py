@@ -149,7 +149,7 @@ class Harness:
         return await self.deliver(node, assign, self.compute(node, assign, monkeypatch))
 
     async def metrics(self, job_id: int) -> dict[str, Any]:
-        job = await self.grid.store.get_job(job_id)
+        job = await self.grid.store.jobs.get_job(job_id)
         assert job is not None
         return await self.grid.rounds.metrics(job)
 
@@ -164,7 +164,7 @@ async def harness(store: SqlStore, tmp_path: Path) -> Iterator[Harness]:  # type
         blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
         clock=lambda: now[0],
     )
-    account = await store.create_account("alice", is_admin=False, now=T0)
+    account = await store.accounts.create_account("alice", is_admin=False, now=T0)
     yield Harness(grid, now, account.id)
     await grid.aclose()
 
@@ -177,7 +177,7 @@ async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
     for _ in range(40):
         if not any([await harness.work(node, monkeypatch) for node in nodes]):
             break
-    done = await harness.grid.store.get_job(job.id)
+    done = await harness.grid.store.jobs.get_job(job.id)
     assert done is not None and done.state == "completed", done
     found = await harness.metrics(job.id)
     rows = found["rounds"]
@@ -189,7 +189,7 @@ async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(
     assert rows[-1]["eval_loss"] < rows[0]["eval_loss"] - 0.1
     # Round 0's payloads carry no weights (nodes draw them from the seed); their keyframe
     # fallback is the checkpoint the driver stored.
-    first = (await harness.grid.store.list_shards(job.id))[0]
+    first = (await harness.grid.store.jobs.list_shards(job.id))[0]
     payload = tasks.decode_task(harness.grid.blobs.read(first.input_hash))
     assert payload.weights is None and payload.keyframe_blob == rows[0]["checkpoint"]
     assert harness.grid.blobs.exists(rows[0]["checkpoint"])
@@ -255,7 +255,7 @@ async def test_later_rounds_send_the_update_not_the_weights_and_a_new_node_gets_
     keyframe = harness.grid.blobs.size(payload.keyframe_blob)
     assert fresh.fetched_bytes == keyframe > 2 * update_size  # full weights, once
     assert fresh.weights_digest == held.weights_digest
-    rounds = await harness.grid.store.training_rounds(job.id)
+    rounds = await harness.grid.store.rounds.training_rounds(job.id)
     assert rounds[-1].round == 1
 
 
@@ -279,7 +279,7 @@ async def test_a_round_closes_on_quorum_and_a_late_update_is_dropped(
     assert slow["task_id"] in c.cancelled()  # told to stop
     late = await harness.deliver(c, slow, harness.compute(c, slow, monkeypatch))
     assert late.status == "late"  # stored, never aggregated: its shard closed with the round
-    shards = {s.index: s for s in await harness.grid.store.list_shards(job.id)}
+    shards = {s.index: s for s in await harness.grid.store.jobs.list_shards(job.id)}
     assert shards[slow["shard_index"]].state == "cancelled"
     again = await harness.metrics(job.id)
     assert again["rounds"][0]["updates"] == 2 and len(again["rounds"]) == 2
@@ -303,7 +303,7 @@ async def test_the_timer_closes_a_round_with_what_arrived_and_waits_when_nothing
     # Round 1: nothing arrives before its timer; it stays open with a later deadline.
     harness.now[0] += 101
     assert await harness.grid.rounds.close_due() == 1
-    records = await harness.grid.store.training_rounds(job.id)
+    records = await harness.grid.store.rounds.training_rounds(job.id)
     assert records[-1].round == 1 and records[-1].state == "open"
     assert records[-1].deadline == harness.now[0] + 100
     assert await harness.grid.rounds.close_due() == 0  # idempotent
@@ -321,7 +321,7 @@ async def test_asynchronous_settings_that_cannot_work_are_refused(
 ) -> None:
     with pytest.raises(ValidationError, match=reason):
         await harness.submit(asynchronous=True, **changes)
-    assert await harness.grid.store.list_jobs(harness.account_id, limit=10, offset=0) == []
+    assert await harness.grid.store.jobs.list_jobs(harness.account_id, limit=10, offset=0) == []
 
 
 async def _slow_start(harness: Harness, node: Node, monkeypatch: Any) -> dict[str, Any]:
@@ -441,7 +441,7 @@ async def test_a_node_keeps_its_shards_moments_and_gets_that_shard_again(
     for node in (b, a):
         assign = await _train_task(harness, node, monkeypatch)
         assert assign["shard_index"] == 3 + first[node.session.node_id]
-    rounds = await harness.grid.store.training_rounds(job.id)
+    rounds = await harness.grid.store.rounds.training_rounds(job.id)
     assert rounds[-1].round == 1
 
 
@@ -457,7 +457,7 @@ async def test_a_shard_whose_node_is_gone_goes_to_another_that_starts_fresh(
     for _ in range(12):
         if await harness.work(a, monkeypatch) is None:
             break
-    done = await harness.grid.store.get_job(job.id)
+    done = await harness.grid.store.jobs.get_job(job.id)
     assert done is not None and done.state == "completed"
 
 
@@ -466,7 +466,7 @@ async def test_round_0s_evaluation_draws_the_weights_from_the_seed(
 ) -> None:
     job = await harness.submit()
     fresh = await harness.node("fresh")
-    evaluation = next(s for s in await harness.grid.store.list_shards(job.id) if s.index == 2)
+    evaluation = next(s for s in await harness.grid.store.jobs.list_shards(job.id) if s.index == 2)
     payload = tasks.decode_task(harness.grid.blobs.read(evaluation.input_hash))
     assert payload.mode == "eval" and payload.init_seed == MLP.get("seed", 0)
     while True:  # a node with no weights yet takes round 0's evaluation
@@ -493,7 +493,7 @@ async def test_streaming_settings_that_cannot_work_are_refused(
 ) -> None:
     with pytest.raises(ValidationError, match=reason):
         await harness.submit(**{"streaming": {"fragments": 2}, **changes})
-    assert await harness.grid.store.list_jobs(harness.account_id, limit=10, offset=0) == []
+    assert await harness.grid.store.jobs.list_jobs(harness.account_id, limit=10, offset=0) == []
 
 
 async def test_a_streaming_job_syncs_one_fragment_a_round_through_the_grid(
@@ -507,7 +507,7 @@ async def test_a_streaming_job_syncs_one_fragment_a_round_through_the_grid(
             break
     found = {}
     for job in (whole, streamed):
-        done = await harness.grid.store.get_job(job.id)
+        done = await harness.grid.store.jobs.get_job(job.id)
         assert done is not None and done.state == "completed", done
         found[job.id] = (await harness.metrics(job.id))["rounds"]
     rows = found[streamed.id]
@@ -584,7 +584,7 @@ async def test_asynchronous_a_closed_rounds_task_no_node_started_is_cancelled(
     # weights and arrive stale. It is cancelled; the next node trains round 1.
     assign = await harness.take(c)
     assert assign is not None and assign["shard_index"] >= 4
-    shards = {s.index: s for s in await harness.grid.store.list_shards(job.id)}
+    shards = {s.index: s for s in await harness.grid.store.jobs.list_shards(job.id)}
     assert (
         [i for i in range(3) if shards[i].state == "cancelled"]
         == [i for i in range(3) if shards[i].state != "done"]

@@ -291,7 +291,7 @@ def test_a_late_result_is_checked_against_the_canonical_one(api: Api, fleet: Fle
 
     async def expire() -> None:
         await grid.expire(
-            await grid.store.expire_task(held["task_id"], now=grid.clock()),
+            await grid.store.results.expire_task(held["task_id"], now=grid.clock()),
             why="test: the lease ran out",
         )
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import enum
 
-from idlegrid.store.base import Store, TokenInfo
+from idlegrid.store import Store
+from idlegrid.store.base import TokenInfo
 
 
 class Basis(enum.Enum):
@@ -44,13 +45,15 @@ async def may_read(
         case Basis.EVERYTHING:
             return True
         case Basis.OWNED:
-            return await store.owns_or_produced(token.account_id, blob_hash)
+            return await store.blob_owners.owns_or_produced(token.account_id, blob_hash)
         case Basis.TASKS:
-            return await store.tasks_name(token.account_id, blob_hash, since=now - grace_s)
+            return await store.blob_owners.tasks_name(
+                token.account_id, blob_hash, since=now - grace_s
+            )
 
 
 async def may_write(store: Store, token: TokenInfo, *, now: float, grace_s: float) -> bool:
     """Whether the token's holder may upload a blob now."""
     if write_basis(token) is Basis.EVERYTHING:
         return True
-    return await store.holds_tasks(token.account_id, since=now - grace_s)
+    return await store.blob_owners.holds_tasks(token.account_id, since=now - grace_s)

@@ -21,7 +21,8 @@ from idlegrid.broker.base import Broker
 from idlegrid.coordinator.hub import Hub
 from idlegrid.coordinator.jobwatch import JobWatch
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.base import NodeTask, ReadyTask, Store
+from idlegrid.store import Store
+from idlegrid.store.base import NodeTask, ReadyTask
 
 # The broker channel the coordinator processes of one grid talk on (see `peers`).
 CHANNEL = "grid"

@@ -73,7 +73,7 @@ class Dispatcher:
         until their leases ran out, and be charged to the node as errors."""
         if not claimed:
             return
-        released = await self._ctx.store.release_claims(
+        released = await self._ctx.store.claims.release_claims(
             [a.task_id for a in claimed], session.node_id, now=self._ctx.clock()
         )
         for assignment in claimed:
@@ -161,7 +161,7 @@ class Dispatcher:
             return None
         settings = self._ctx.settings
         with self._matcher.claiming(picked):
-            claimed = await self._ctx.store.claim_tasks(
+            claimed = await self._ctx.store.claims.claim_tasks(
                 {t: now + lease_seconds(settings, session, by_id[t]) for t in picked},
                 _claimer(session),
                 kind=kind,
@@ -237,7 +237,7 @@ class Dispatcher:
             plan = self._plans.loaded(entry.job_id)
             # Not marked in flight: a replica's claim may fail for this node alone (one
             # replica per node, account and network), and another node must still try it.
-            claim = await self._ctx.store.claim_task(
+            claim = await self._ctx.store.claims.claim_task(
                 entry.task_id,
                 claimer,
                 kind=entry.kind,
@@ -277,7 +277,7 @@ class Dispatcher:
             return
         spot = trust_policy.needs_spot_check(trust, draw=draw.random())
         checkers = trust_policy.spot_checkers(trust, draw=draw.random())
-        dropped = await self._ctx.store.run_alone(
+        dropped = await self._ctx.store.claims.run_alone(
             claim.shard_id, claim.task_id, spot_check=spot, checkers=checkers
         )
         if dropped:

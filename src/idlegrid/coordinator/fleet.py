@@ -22,7 +22,8 @@ from idlegrid import protocol
 from idlegrid.coordinator.hub import node_view
 from idlegrid.kinds.base import Requirements
 from idlegrid.policy import scheduler
-from idlegrid.store.base import NodeRecord, Store
+from idlegrid.store import Store
+from idlegrid.store.base import NodeRecord
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class Fleet:
         started = self._clock()
         self._seen_during_read = {}
         try:
-            records = await self._store.list_nodes()
+            records = await self._store.nodes.list_nodes()
         except Exception:
             if self._nodes is None:
                 raise  # the first read: the caller's request fails with it

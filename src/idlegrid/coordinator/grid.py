@@ -44,13 +44,13 @@ from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.coordinator.verifier import Verifier
 from idlegrid.settings import CoordinatorSettings
+from idlegrid.store import Store
 from idlegrid.store.base import (
     JobRecord,
     NodeTask,
     ReadyTask,
     RegistrationLimits,
     ResultReceipt,
-    Store,
 )
 from idlegrid.verification.trust import TrustSettings
 

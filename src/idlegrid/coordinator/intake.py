@@ -76,7 +76,7 @@ class Intake:
             raise JobInputError(
                 f"max_total_results ({max_total_results}) is below replication ({replication})"
             )
-        record, ready = await self._ctx.store.create_job(
+        record, ready = await self._ctx.store.jobs.create_job(
             NewJob(
                 account_id=account_id,
                 kind=kind.name,
@@ -148,7 +148,7 @@ class Intake:
         return reasons + ([shortfall] if shortfall else [])
 
     async def cancel_job(self, job_id: int) -> None:
-        held = await self._ctx.store.cancel_job(job_id, now=self._ctx.clock())
+        held = await self._ctx.store.jobs.cancel_job(job_id, now=self._ctx.clock())
         # Its ready tasks stay in the broker until a claim finds them gone.
         await self._fanout.send_cancels(held, reason=f"job {job_id} was cancelled")
         await self._fanout.job_ended(job_id)

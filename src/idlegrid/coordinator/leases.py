@@ -68,7 +68,9 @@ async def measure(ctx: Context, session: NodeSession) -> None:
     """Read the node's measured speeds again when they are older than MEASURE_TTL_S."""
     if time.monotonic() - session.measured_at < MEASURE_TTL_S:
         return
-    session.measured_flops = await ctx.store.measured_speeds(session.node_id, last=MEASURED_TASKS)
+    session.measured_flops = await ctx.store.nodes.measured_speeds(
+        session.node_id, last=MEASURED_TASKS
+    )
     session.measured_at = time.monotonic()
 
 
@@ -81,7 +83,9 @@ class Leases:
 
     async def replenish(self) -> None:
         """New tasks for shards short of them; jobs whose shard ran out of attempts fail."""
-        ready, failed_jobs, to_cancel = await self._ctx.store.replenish(now=self._ctx.clock())
+        ready, failed_jobs, to_cancel = await self._ctx.store.scheduling.replenish(
+            now=self._ctx.clock()
+        )
         for job_id in failed_jobs:
             log.warning("job %s failed: a shard ran out of attempts", job_id)
             await self._fanout.job_ended(job_id)

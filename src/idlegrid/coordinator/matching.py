@@ -20,12 +20,12 @@ from idlegrid.coordinator.leases import lease_for
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.policy import fairshare, scheduler
 from idlegrid.settings import CoordinatorSettings
+from idlegrid.store import Store
 from idlegrid.store.base import (
     Assignment,
     JobRecord,
     ReadyTask,
     RunningTask,
-    Store,
 )
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class Shares:
     async def resolve(self) -> None:
         """Map configured account names to ids (accounts may be created later)."""
         for name, share in list(self._unresolved.items()):
-            account = await self._store.get_account(name)
+            account = await self._store.accounts.get_account(name)
             if account is not None:
                 self.share_of[account.id] = share
                 del self._unresolved[name]
@@ -119,7 +119,7 @@ class Matcher:
             return entries
         now = self._ctx.clock()
         if now - self._heads[0] > SCAN_TTL_S:
-            self._heads = (now, await self._ctx.store.ready_heads(per_job=HEADS_PER_JOB))
+            self._heads = (now, await self._ctx.store.scheduling.ready_heads(per_job=HEADS_PER_JOB))
         seen = {entry.task_id for entry in entries}
         return entries + [head for head in self._heads[1] if head.task_id not in seen]
 
@@ -191,7 +191,7 @@ class Matcher:
         """Give an idle node a copy of a straggling shard near its job's end, if worth it."""
         now = self._ctx.clock()
         if now - self._running[0] > SCAN_TTL_S:
-            found = await self._ctx.store.running_shards(limit=RUNNING_SCAN_LIMIT)
+            found = await self._ctx.store.scheduling.running_shards(limit=RUNNING_SCAN_LIMIT)
             self._running = (now, found)
         running = await self._running_shards(session, self._running[1], now=now)
         view = session.view_now(reliability=node_reliability(session))
@@ -211,7 +211,7 @@ class Matcher:
             cost_flops=pick.cost_flops,
             measured_flops=session.measured_flops.get(pick.kind),
         )
-        assignment = await self._ctx.store.add_backup_task(
+        assignment = await self._ctx.store.scheduling.add_backup_task(
             pick.shard_id, session.node_id, lease_deadline=now + lease, now=now
         )
         at, rows = self._running
@@ -271,7 +271,7 @@ class Matcher:
         if fleet is not None:
             reason = await fleet.unmet(plan.requirements, job.kind)
         else:
-            found = [fleet_node(node) for node in await self._ctx.store.list_nodes()]
+            found = [fleet_node(node) for node in await self._ctx.store.nodes.list_nodes()]
             views = [node.view for node in found if node.view is not None]
             reason = scheduler.unmet(plan.requirements, job.kind, views)
         return [reason] if reason else []

@@ -33,7 +33,7 @@ def _by(label: str, values: dict[str, int], keys: tuple[str, ...]) -> dict[str, 
 
 async def render(ctx: Context) -> str:
     """The metrics page of this process."""
-    tasks, jobs = await ctx.store.state_counts()
+    tasks, jobs = await ctx.store.jobs.state_counts()
     out = _Exposition()
     out.metric(
         "idlegrid_connected_nodes",

@@ -29,7 +29,7 @@ RESUBSCRIBE_S = 1.0
 
 async def expire_leases(grid: Grid) -> int:
     """Overdue tasks lose their lease; their shards get new tasks."""
-    expired = await grid.store.expire_overdue(now=grid.clock())
+    expired = await grid.store.results.expire_overdue(now=grid.clock())
     if expired:
         faults.point("monitor-expired")
     await grid.expire(expired, why="lease deadline passed")
@@ -51,9 +51,9 @@ async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
         if not leader:
             continue
         log.info("node %s missed its heartbeats: offline", node_id)
-        await grid.store.set_node_offline(node_id, now=now)
+        await grid.store.nodes.set_node_offline(node_id, now=now)
         await grid.broker.forget_node(node_id)
-        expired = await grid.store.expire_node_tasks(node_id, now=now)
+        expired = await grid.store.results.expire_node_tasks(node_id, now=now)
         if expired:
             faults.point("monitor-expired")
         await grid.expire(expired, why=f"node {node_id} went silent")
@@ -62,14 +62,14 @@ async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
 
 async def record_presence(grid: Grid) -> None:
     """Persist last-seen times (and uptime) of the nodes heard from."""
-    await grid.store.touch_nodes(await grid.broker.presence())
+    await grid.store.nodes.touch_nodes(await grid.broker.presence())
 
 
 async def finish_pending(grid: Grid) -> None:
     """Verify results and assemble jobs that a crash left between two steps."""
-    for shard_id in await grid.store.shards_to_verify(limit=100):
+    for shard_id in await grid.store.verification.shards_to_verify(limit=100):
         await grid.verify_shard(shard_id)
-    for job_id in await grid.store.jobs_to_assemble():
+    for job_id in await grid.store.jobs.jobs_to_assemble():
         await grid.assemble(job_id)
     await grid.judge_late()
 
@@ -96,7 +96,7 @@ async def sync_queue(grid: Grid) -> None:
     A safety net for pushes lost while the broker was unreachable; a task claimed
     meanwhile is harmless there (the next claim finds it gone and discards it).
     """
-    await grid.broker.push_ready(await grid.store.ready_tasks(limit=SYNC_LIMIT))
+    await grid.broker.push_ready(await grid.store.claims.ready_tasks(limit=SYNC_LIMIT))
 
 
 def offer_work(grid: Grid) -> None:
@@ -183,7 +183,7 @@ class Monitor:
         # back by then reclaims what it holds (nodes.py, `_reconcile`), and the nodes
         # not heard from by then go offline at the first pass after it.
         self.grace_until = now + self.grid.settings.restart_grace_s
-        for node in await self.grid.store.list_nodes():
+        for node in await self.grid.store.nodes.list_nodes():
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)
         if self.leadership.is_leader:

@@ -164,7 +164,7 @@ def _raise_frame_limit(websocket: WebSocket, limit: int) -> None:
 async def _register(
     websocket: WebSocket, grid: Grid, guard: Guard, hello: protocol.Hello, address: str
 ) -> NodeSession | None:
-    token = await grid.store.find_token(hash_token(hello.token))
+    token = await grid.store.accounts.find_token(hash_token(hello.token))
     if token is None:
         guard.auth.failed(address)
     if token is None or token.kind != "node":
@@ -178,7 +178,7 @@ async def _register(
         v6_prefix=grid.settings.network_prefix_v6,
     )
     try:
-        node = await grid.store.register_node(
+        node = await grid.store.nodes.register_node(
             token.account_id,
             hello.node_key,
             name=hello.name,
@@ -250,9 +250,9 @@ async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set
     once, not left to their leases: most often a coordinator that died claimed them and
     never sent them, and the node is not charged for that.
     """
-    held = {task.task_id: task for task in await grid.store.node_tasks(session.node_id)}
+    held = {task.task_id: task for task in await grid.store.nodes.node_tasks(session.node_id)}
     lost = sorted(held.keys() - claimed)
-    if lost and await grid.store.release_claims(lost, session.node_id, now=grid.clock()):
+    if lost and await grid.store.claims.release_claims(lost, session.node_id, now=grid.clock()):
         log.info("node %s reconnected without %d task(s): released", session.node_id, len(lost))
         await grid.replenish()
     session.live = set(held.keys() & claimed)

@@ -99,7 +99,7 @@ async def on_message(ctx: Context, plans: Plans, message: dict[str, Any]) -> Non
 
 async def rebuild_queue(ctx: Context) -> None:
     """Refill the broker's ready queue from the store (startup, broker loss)."""
-    ready = await ctx.store.ready_tasks(limit=1_000_000)
+    ready = await ctx.store.claims.ready_tasks(limit=1_000_000)
     await ctx.broker.replace_ready(ready)
     if ready:
         ctx.work_available.set()
@@ -112,7 +112,7 @@ async def recover_broker(ctx: Context) -> None:
     for session in ctx.hub.sessions():
         await ctx.broker.node_seen(session.node_id, now, owner=ctx.process_id)
     # Nodes the store thinks online get one timeout's grace to be heard from again.
-    for node in await ctx.store.list_nodes():
+    for node in await ctx.store.nodes.list_nodes():
         if node.state == "online":
             await ctx.broker.node_seen(node.id, now)
     ctx.work_available.set()

@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from idlegrid.kinds import KindParams, Requirements, TaskKind, get_kind
-from idlegrid.store.base import Store
+from idlegrid.store import Store
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Plans:
         """The job's plan; None if there is no such job."""
         plan = self._plans.get(job_id)
         if plan is None:
-            job = await self._store.get_job(job_id)
+            job = await self._store.jobs.get_job(job_id)
             if job is None:
                 return None
             kind = get_kind(job.kind)

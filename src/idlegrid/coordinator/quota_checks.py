@@ -16,7 +16,7 @@ __all__ = ["QuotaExceeded", "blob_allowance", "check_new_job", "check_new_token"
 
 
 async def _is_admin(store: Store, account_id: int) -> bool:
-    account = await store.account_by_id(account_id)
+    account = await store.accounts.account_by_id(account_id)
     return account is not None and account.is_admin
 
 
@@ -29,7 +29,7 @@ async def check_new_token(store: Store, settings: CoordinatorSettings, account_i
     """One more token of the account (`quota_tokens`)."""
     if await _is_admin(store, account_id):
         return
-    live = len(await store.list_tokens(account_id))
+    live = len(await store.accounts.list_tokens(account_id))
     _raise(policy.tokens_refusal(settings.quotas, live_tokens=live))
 
 
@@ -38,7 +38,7 @@ async def check_new_job(store: Store, settings: CoordinatorSettings, account_id:
     quotas at all (False for admins), for `check_shards`."""
     if await _is_admin(store, account_id):
         return False
-    open_jobs = await store.count_open_jobs(account_id)
+    open_jobs = await store.jobs.count_open_jobs(account_id)
     _raise(policy.open_jobs_refusal(settings.quotas, open_jobs=open_jobs))
     return True
 
@@ -57,9 +57,9 @@ async def blob_allowance(
     the account has already is no new one."""
     if token.kind != "api" or token.is_admin:
         return None
-    if await store.owns_or_produced(token.account_id, blob_hash):
+    if await store.blob_owners.owns_or_produced(token.account_id, blob_hash):
         return None
-    usage = await store.blob_usage(token.account_id)
+    usage = await store.usage.blob_usage(token.account_id)
     quotas = settings.quotas
     _raise(
         policy.blob_refusal(quotas, blobs_held=usage.blobs, bytes_held=usage.bytes, new_bytes=size)

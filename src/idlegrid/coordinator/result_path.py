@@ -143,10 +143,10 @@ class ResultPath:
         one read of their inputs, one write of the results, one verification pass over
         the shards they complete."""
         store = self._ctx.store
-        inputs = await store.task_inputs([m.task_id for m in msgs], session.node_id)
+        inputs = await store.results.task_inputs([m.task_id for m in msgs], session.node_id)
         taking = await self._check_all(session, msgs, inputs)
         good = taking.good
-        stored = await store.accept_results(
+        stored = await store.results.accept_results(
             session.node_id,
             [
                 NewResult(msgs[i].task_id, msgs[i].output, msgs[i].output_size, msgs[i].elapsed_s)
@@ -192,7 +192,7 @@ class ResultPath:
             if problem is None:
                 taking.good.append(index)
                 continue
-            if await self._ctx.store.record_failure(
+            if await self._ctx.store.results.record_failure(
                 msg.task_id,
                 session.node_id,
                 reason=f"invalid output: {problem}",
@@ -261,7 +261,7 @@ class ResultPath:
 
     async def record_failure(self, session: NodeSession, msg: protocol.Failure) -> bool:
         """A node could not run a task: the task fails and its shard gets another."""
-        changed = await self._ctx.store.record_failure(
+        changed = await self._ctx.store.results.record_failure(
             msg.task_id, session.node_id, reason=msg.reason, now=self._ctx.clock()
         )
         session.forget_task(msg.task_id)

@@ -92,7 +92,9 @@ class RoundDriver:
         specs = training.first_shards(start.weights, keyframe=start.checkpoint_hash)
         first = self._new_round(training, start, None)
         now = self._ctx.clock()
-        ready = await self._ctx.store.start_training(job.id, first, await self._put(specs), now=now)
+        ready = await self._ctx.store.rounds.start_training(
+            job.id, first, await self._put(specs), now=now
+        )
         await self._fanout.enqueue(ready)
 
     async def progress(self, job_id: int) -> None:
@@ -102,7 +104,7 @@ class RoundDriver:
 
     async def close_due(self) -> int:
         """Monitor pass: close (or extend) every open round whose timer ran out."""
-        due = await self._ctx.store.due_rounds(now=self._ctx.clock())
+        due = await self._ctx.store.rounds.due_rounds(now=self._ctx.clock())
         for job_id, _ in due:
             async with self._locks[job_id]:
                 await self._step(job_id, timer=True)
@@ -111,8 +113,8 @@ class RoundDriver:
     async def metrics(self, job: JobRecord) -> dict[str, Any]:
         """Per-round metrics of a training job (the body of GET /v1/jobs/{id}/metrics)."""
         training = await self._training(job.id)
-        records = await self._ctx.store.training_rounds(job.id)
-        shards = {s.index: s for s in await self._ctx.store.list_shards(job.id)}
+        records = await self._ctx.store.rounds.training_rounds(job.id)
+        shards = {s.index: s for s in await self._ctx.store.jobs.list_shards(job.id)}
         rows = [_round_out(r, shards, training) for r in records]
         return {
             "job_id": job.id,
@@ -139,12 +141,12 @@ class RoundDriver:
     # -- one step ----------------------------------------------------------------------------
 
     async def _step(self, job_id: int, *, timer: bool) -> None:
-        job = await self._ctx.store.get_job(job_id)
+        job = await self._ctx.store.jobs.get_job(job_id)
         if job is None or job.state in TERMINAL_JOB_STATES:
             return
         training = await self._training(job_id)
-        records = await self._ctx.store.training_rounds(job_id)
-        shards = {s.index: s for s in await self._ctx.store.list_shards(job_id)}
+        records = await self._ctx.store.rounds.training_rounds(job_id)
+        shards = {s.index: s for s in await self._ctx.store.jobs.list_shards(job_id)}
         await self._record_evaluations(job_id, records, shards)
         if not records or records[-1].state != TrainingRoundState.OPEN:
             return
@@ -170,7 +172,7 @@ class RoundDriver:
         if decision == Close.EXTEND:
             log.info("job %s round %s: no update before the timer; waiting", job_id, current.round)
             deadline = self._ctx.clock() + training.plan.round_timeout_s
-            await self._ctx.store.extend_round(job_id, current.round, deadline=deadline)
+            await self._ctx.store.rounds.extend_round(job_id, current.round, deadline=deadline)
         elif decision != Close.WAIT:
             await self._close(job_id, training, records, shards, [*done, *late], decision,
                               too_stale=too_stale)  # fmt: skip
@@ -197,7 +199,7 @@ class RoundDriver:
             keyframe=stored.checkpoint_hash, final=final,
         )  # fmt: skip
         now = self._ctx.clock()
-        traffic = await self._ctx.store.round_traffic(job_id, _indexes(current))
+        traffic = await self._ctx.store.rounds.round_traffic(job_id, _indexes(current))
         evaluation = await asyncio.to_thread(
             self._evaluation, training, _done(shards, current.eval_shard)
         )
@@ -227,7 +229,7 @@ class RoundDriver:
             open_left = sorted({*unstarted, *doomed})
             dropped = [shard.index for shard in too_stale] + running
             metrics.update({"stale_dropped": len(dropped), "dropped": dropped})
-        advance = await self._ctx.store.advance_round(
+        advance = await self._ctx.store.rounds.advance_round(
             job_id, current.round, metrics=metrics, cancel_shards=open_left,
             next_round=self._new_round(training, stored, update_hash, final=final),
             shards=await self._put(specs), now=now,
@@ -249,24 +251,24 @@ class RoundDriver:
         AdamW moments with `inner.keep_state`, its local weights when streaming)."""
         holders = {}
         for shard in done:
-            found = await self._ctx.store.shard_for_verify(shard.id)
+            found = await self._ctx.store.verification.shard_for_verify(shard.id)
             results = found.results if found is not None else []
             taken = [r.node_id for r in results if r.output_hash == shard.output_hash]
             if taken:
                 holders[shard.index + training.plan.stride] = taken[0]
-        shards = await self._ctx.store.list_shards(job_id)
+        shards = await self._ctx.store.jobs.list_shards(job_id)
         self._matcher.prefer(job_id, {s.id: holders[s.index] for s in shards if s.index in holders})
 
     async def _finish(
         self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
     ) -> None:
         now = self._ctx.clock()
-        traffic = await self._ctx.store.round_traffic(job_id, _indexes(final))
+        traffic = await self._ctx.store.rounds.round_traffic(job_id, _indexes(final))
         training = await self._training(job_id)
         evaluation = await asyncio.to_thread(
             self._evaluation, training, _done(shards, final.eval_shard)
         )
-        records = await self._ctx.store.training_rounds(job_id)
+        records = await self._ctx.store.rounds.training_rounds(job_id)
         metrics = {
             # Asynchronous: updates decided after the last training round, or still running.
             "stale_dropped": len(await self._started(job_id, unapplied(records, shards))),
@@ -277,7 +279,7 @@ class RoundDriver:
             "eval_loss": evaluation[0] if evaluation else None,
         }
         size = self._ctx.blobs.size(final.checkpoint_hash)
-        completed, to_cancel = await self._ctx.store.finish_training(
+        completed, to_cancel = await self._ctx.store.rounds.finish_training(
             job_id, final.round, metrics=metrics, result_hash=final.checkpoint_hash,
             result_size=size, now=now,
         )  # fmt: skip
@@ -305,7 +307,7 @@ class RoundDriver:
                     values["bytes_down"] = (record.metrics.get("bytes_down", 0)
                                             + evaluation[1] + evaluation[2])  # fmt: skip
                     values["bytes_up"] = record.metrics.get("bytes_up", 0) + evaluation[3]
-                await self._ctx.store.update_round_metrics(job_id, record.round, values)
+                await self._ctx.store.rounds.update_round_metrics(job_id, record.round, values)
 
     # -- blocking helpers (run in a thread) --------------------------------------------------
 
@@ -357,7 +359,7 @@ class RoundDriver:
         """The shards among `indexes` some node was given (an update may come from it)."""
         started = []
         for index in indexes:
-            traffic = await self._ctx.store.round_traffic(job_id, [index])
+            traffic = await self._ctx.store.rounds.round_traffic(job_id, [index])
             if traffic.payload_bytes > 0:
                 started.append(index)
         return started
@@ -395,7 +397,7 @@ class RoundDriver:
         found = self._jobs.get(job_id)
         if found is None:
             plan = await self._plans.get(job_id)
-            job = await self._ctx.store.get_job(job_id)
+            job = await self._ctx.store.jobs.get_job(job_id)
             assert plan is not None and job is not None and plan.kind.rounds is not None
             inputs = await asyncio.to_thread(self._read_inputs, job.inputs)
             found = plan.kind.rounds.job(plan.params, inputs)

@@ -62,7 +62,7 @@ class Verifier:
     async def verify_shards(self, shard_ids: Sequence[int]) -> None:
         """Verify several shards: one read of their results, one write of the decisions."""
         store = self._ctx.store
-        found = await store.shards_for_verify(shard_ids)
+        found = await store.verification.shards_for_verify(shard_ids)
         decided: list[tuple[ShardForVerify, JobPlan, Decision]] = []
         for shard_id in dict.fromkeys(shard_ids):
             item = found.get(shard_id)
@@ -71,7 +71,7 @@ class Verifier:
             plan = await self._plans.get(item.job.id)
             assert plan is not None
             decided.append((item, plan, await self._decide(item, plan)))
-        outcomes = await store.decide_shards(
+        outcomes = await store.verification.decide_shards(
             [
                 ShardDecision(
                     item.shard.id,
@@ -122,20 +122,20 @@ class Verifier:
         shard, store = found.shard, self._ctx.store
         then = judging.follow_up(_terms(found, plan), len(found.results), decision)
         if then.suspects:
-            await store.suspect(then.suspects, now=self._ctx.clock())
+            await store.verification.suspect(then.suspects, now=self._ctx.clock())
             self._ctx.counters.alone["suspected"] += len(then.suspects)
-        if then.escalate and await store.escalate(
+        if then.escalate and await store.claims.escalate(
             shard.id, target=plan.replication, quorum=plan.min_quorum, now=self._ctx.clock()
         ):
             self._ctx.counters.alone["escalated"] += 1
         elif then.raise_target:
-            await store.raise_target(shard.id, results_seen=len(found.results))
+            await store.claims.raise_target(shard.id, results_seen=len(found.results))
 
     async def reject(self, task_id: int, why: str) -> None:
         """A stored result that cannot be right (NaN, zeros, a constant): invalid, as if
         outvoted, with all that follows for its node (`store.recheck`)."""
         log.info("task %s returned a wrong output: %s", task_id, why)
-        await self._ctx.store.judge_late(task_id, agrees=False, now=self._ctx.clock())
+        await self._ctx.store.verification.judge_late(task_id, agrees=False, now=self._ctx.clock())
         self._ctx.counters.verified["wrong_output"] += 1
 
     async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
@@ -145,7 +145,7 @@ class Verifier:
         `task_ids`: only these (a node's batch); None: any, oldest first (the monitor).
         """
         store, blobs = self._ctx.store, self._ctx.blobs
-        late = await store.late_results(limit=limit, task_ids=task_ids)
+        late = await store.verification.late_results(limit=limit, task_ids=task_ids)
         caught = False
         for result in late:
             plan = await self._plans.get(result.job_id)
@@ -155,7 +155,9 @@ class Verifier:
                 output = blobs.read(result.output_hash)
                 verdict = await asyncio.to_thread(plan.kind.compare, canonical, output, plan.params)
                 agrees = judging.agrees(verdict)
-            await store.judge_late(result.task_id, agrees=agrees, now=self._ctx.clock())
+            await store.verification.judge_late(
+                result.task_id, agrees=agrees, now=self._ctx.clock()
+            )
             self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
             caught = caught or not agrees
         if caught:
@@ -170,7 +172,7 @@ class Verifier:
         await self._fanout.send_cancels(outcome.to_cancel, reason=f"shard {shard_id} is decided")
         self._count_verdicts(outcome.decided, decision)
         if outcome.decided and decision.colluding:
-            flagged = await self._ctx.store.flag_colluders(
+            flagged = await self._ctx.store.verification.flag_colluders(
                 decision.colluding, now=self._ctx.clock()
             )
             if flagged:
@@ -193,15 +195,15 @@ class Verifier:
             await self._rounds.progress(job_id)
             return
         store = self._ctx.store
-        shards = await store.list_shards(job_id)
+        shards = await store.jobs.list_shards(job_id)
         if any(shard.state != ShardState.DONE for shard in shards):
             return  # a shard was opened again (its lone node was caught) meanwhile
         if await self._hold_for_audit(job_id):
             return
-        hashes = await store.canonical_outputs(job_id)
+        hashes = await store.jobs.canonical_outputs(job_id)
         inputs = [shard.input_hash for shard in shards]
         result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
-        if await store.complete_job(
+        if await store.jobs.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
@@ -213,10 +215,10 @@ class Verifier:
         when that check agrees; if it disagrees, the node's lone shards are replicated).
         A lie told alone at the end of a job thus never reaches the researcher."""
         store = self._ctx.store
-        unvouched = await store.unvouched_alone(job_id)
+        unvouched = await store.verification.unvouched_alone(job_id)
         if not unvouched:
             return False
-        ready = await store.audit(unvouched, now=self._ctx.clock())
+        ready = await store.verification.audit(unvouched, now=self._ctx.clock())
         self._ctx.counters.alone["audited"] += len(ready)
         await self._fanout.enqueue(ready)
         return True

@@ -26,7 +26,7 @@ from idlegrid.dashboard.pages import (
     set_cookie,
     store_of,
 )
-from idlegrid.store import web
+from idlegrid.store import Store, web
 from idlegrid.store.base import AccountExists
 
 router = APIRouter()
@@ -58,7 +58,7 @@ async def signup(
     error = _signup_problem(username, email, password)
     if error is None:
         try:
-            account_id = await store_of(request).web_write(
+            account_id = await store_of(request).web.web_write(
                 web.create_account,
                 username,
                 email=email,
@@ -102,7 +102,7 @@ async def signin(
     if wait > 0:
         error = f"Too many failed sign-ins. Try again in {max(1, round(wait / 60))} minute(s)."
         return await _signin_again(request, login, next, error, status=429)
-    account = await store_of(request).web_read(web.account_by_login, login)
+    account = await store_of(request).web.web_read(web.account_by_login, login)
     stored = account.password_hash if account else None
     matches = await security.check_password(stored, password)
     if not matches or account is None or account.disabled_at is not None:
@@ -125,7 +125,7 @@ async def _start_session(
 ) -> Response:
     settings = dashboard_of(request).settings
     secret = security.new_secret()
-    await store_of(request).web_write(
+    await store_of(request).web.web_write(
         web.create_session,
         security.session_id(secret),
         account_id,
@@ -142,7 +142,7 @@ async def _start_session(
 
 @router.post("/signout", dependencies=[Csrf])
 async def signout(request: Request, session: SignedIn) -> Response:
-    await store_of(request).web_write(web.end_session, session.id, now=grid_of(request).clock())
+    await store_of(request).web.web_write(web.end_session, session.id, now=grid_of(request).clock())
     response = redirect(request, "/", flash="You are signed out.")
     response.delete_cookie(security.SESSION_COOKIE, path="/")
     return response
@@ -164,7 +164,7 @@ async def _account(
     new_secret: str | None = None,
     status: int = 200,
 ) -> HTMLResponse:
-    tokens = await store_of(request).web_read(web.list_tokens, session.account.id)
+    tokens = await store_of(request).web.web_read(web.list_tokens, session.account.id)
     return await render(
         request,
         "account.html",
@@ -190,7 +190,7 @@ async def change_password(
     problem = security.password_problem(new, username=account.name, email=account.email or "")
     if problem:
         return await _account(request, session, error=problem, status=422)
-    await store_of(request).web_write(
+    await store_of(request).web.web_write(
         web.set_password, account.id, await security.hash_password(new), keep_session=session.id
     )
     return redirect(request, "/account", flash="Password changed; other sessions are signed out.")
@@ -219,7 +219,7 @@ async def make_token(
     except quotas.QuotaExceeded as exc:
         raise PageError(exc.status, exc.message) from None
     secret = new_token(kind)
-    await grid_of(request).store.add_token(
+    await grid_of(request).store.accounts.add_token(
         account_id,
         kind=kind,
         token_hash=hash_token(secret),
@@ -232,7 +232,7 @@ async def make_token(
 
 @router.post("/account/tokens/{token_id}/revoke", dependencies=[Csrf])
 async def revoke_token(request: Request, token_id: Id, session: SignedIn) -> Response:
-    revoked = await store_of(request).web_write(
+    revoked = await store_of(request).web.web_write(
         web.revoke_token, session.account.id, token_id, now=grid_of(request).clock()
     )
     if not revoked:
@@ -255,8 +255,8 @@ async def set_login(
     problem = security.password_problem(password, username=name, email=email or "")
     if problem:
         raise ValueError(problem)
-    dashboard_store = cast(web.DashboardStore, store)
-    return await dashboard_store.web_write(
+    dashboard_store = cast(Store, store)
+    return await dashboard_store.web.web_write(
         web.set_login,
         name,
         email=email,

@@ -34,11 +34,11 @@ async def admin_page(
 ) -> Response:
     limit, offset = page_bounds(page, 50)
     store = store_of(request)
-    accounts = await store.web_read(
+    accounts = await store.web.web_read(
         web.list_accounts, search=q.strip(), flagged=flagged, limit=limit + 1, offset=offset
     )
-    suspended = await store.web_read(web.list_all_nodes, suspended=True, limit=50, offset=0)
-    recent = await store.web_read(web.list_all_nodes, suspended=False, limit=20, offset=0)
+    suspended = await store.web.web_read(web.list_all_nodes, suspended=True, limit=50, offset=0)
+    recent = await store.web.web_read(web.list_all_nodes, suspended=False, limit=20, offset=0)
     return await render(
         request,
         "admin.html",
@@ -63,9 +63,9 @@ async def set_role(
 ) -> Response:
     if account_id == session.account.id and role != "admin":
         raise PageError(409, "You cannot take the admin role from yourself.")
-    if not await store_of(request).web_write(web.set_role, account_id, role):
+    if not await store_of(request).web.web_write(web.set_role, account_id, role):
         raise PageError(404, f"There is no account {account_id}.")
-    account = await store_of(request).web_read(web.account_by_id, account_id)
+    account = await store_of(request).web.web_read(web.account_by_id, account_id)
     name = account.name if account is not None else f"Account {account_id}"
     return redirect(request, "/admin", flash=f"{name} is now a {role}.")
 
@@ -80,7 +80,7 @@ async def disable(
     if account_id == session.account.id:
         raise PageError(409, "You cannot disable your own account.")
     now = grid_of(request).clock()
-    if not await store_of(request).web_write(
+    if not await store_of(request).web.web_write(
         web.set_disabled, account_id, disabled=disabled, now=now
     ):
         raise PageError(404, f"There is no account {account_id}.")
@@ -90,7 +90,7 @@ async def disable(
 
 @router.post("/accounts/{account_id}/unflag", dependencies=[Csrf])
 async def unflag(request: Request, account_id: Id, session: Admin) -> Response:
-    if not await store_of(request).web_write(web.clear_flag, account_id):
+    if not await store_of(request).web.web_write(web.clear_flag, account_id):
         raise PageError(404, f"There is no account {account_id}.")
     return redirect(request, "/admin?flagged=true", flash=f"Account {account_id} is cleared.")
 
@@ -103,7 +103,7 @@ async def suspend(
     suspended: Annotated[bool, Form()] = True,
 ) -> Response:
     now = grid_of(request).clock()
-    if not await store_of(request).web_write(
+    if not await store_of(request).web.web_write(
         web.set_suspended, node_id, suspended=suspended, now=now
     ):
         raise PageError(404, f"There is no node {node_id}.")

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import cast
 
-from idlegrid.store import stats
-from idlegrid.store.web import DashboardStore
+from idlegrid.store import Store, stats
 from idlegrid.verification.credit import recent_average
 
 log = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ def path_of(data_dir: Path, name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-async def write_exports(store: DashboardStore, data_dir: Path, *, now: float) -> list[Path]:
+async def write_exports(store: Store, data_dir: Path, *, now: float) -> list[Path]:
     """Write every export file now; return their paths."""
     target = folder(data_dir)
     target.mkdir(parents=True, exist_ok=True)
@@ -79,7 +78,7 @@ async def write_exports(store: DashboardStore, data_dir: Path, *, now: float) ->
     return written
 
 
-async def _write(store: DashboardStore, board: stats.Board, path: Path, *, now: float) -> None:
+async def _write(store: Store, board: stats.Board, path: Path, *, now: float) -> None:
     partial = path.with_suffix(".partial")
     buffer = io.StringIO()
     writer = csv.writer(buffer)
@@ -87,7 +86,7 @@ async def _write(store: DashboardStore, board: stats.Board, path: Path, *, now: 
     with gzip.open(partial, "wt", encoding="utf-8", newline="") as out:
         after = 0
         while True:
-            rows = await store.web_read(stats.export_page, board, after_id=after, limit=PAGE)
+            rows = await store.web.web_read(stats.export_page, board, after_id=after, limit=PAGE)
             for row in rows:
                 writer.writerow(_fields(board, row, now))
             await asyncio.to_thread(out.write, buffer.getvalue())
@@ -115,7 +114,7 @@ class Exporter:
     `interval_s`; an owned background task."""
 
     def __init__(self, store: object, data_dir: Path, *, interval_s: float) -> None:
-        self.store = cast(DashboardStore, store)
+        self.store = cast(Store, store)
         self.data_dir = data_dir
         self.interval_s = interval_s
         self._task: asyncio.Task[None] | None = None

@@ -8,7 +8,7 @@ import math
 import urllib.parse
 from dataclasses import dataclass
 from pathlib import Path as FilePath
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -20,7 +20,8 @@ from idlegrid.coordinator.grid import Grid
 from idlegrid.dashboard import security
 from idlegrid.protocol import MAX_ID
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.web import DashboardStore, WebSession, find_session
+from idlegrid.store import Store
+from idlegrid.store.web import WebSession, find_session
 from idlegrid.verification.credit import CreditTotals, recent_average
 
 HERE = FilePath(__file__).parent
@@ -93,8 +94,8 @@ def grid_of(request: Request) -> Grid:
     return request.app.state.grid  # type: ignore[no-any-return]
 
 
-def store_of(request: Request) -> DashboardStore:
-    return cast(DashboardStore, grid_of(request).store)
+def store_of(request: Request) -> Store:
+    return grid_of(request).store
 
 
 def address_of(request: Request) -> str:
@@ -112,7 +113,9 @@ async def viewer(request: Request) -> WebSession | None:
     secret = request.cookies.get(security.SESSION_COOKIE)
     if secret:
         sid = security.session_id(secret)
-        found = await store_of(request).web_read(find_session, sid, now=grid_of(request).clock())
+        found = await store_of(request).web.web_read(
+            find_session, sid, now=grid_of(request).clock()
+        )
     request.state.web_session = found
     return found
 

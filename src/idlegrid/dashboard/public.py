@@ -44,11 +44,11 @@ async def status_page(request: Request) -> Response:
     dash = dashboard_of(request)
     fresh = dash.census is not None and now - dash.census[0] < CENSUS_TTL_S
     census = dash.census[1:] if fresh and dash.census else None
-    status = await store_of(request).web_read(stats.grid_status, now=now, census=census)
+    status = await store_of(request).web.web_read(stats.grid_status, now=now, census=census)
     if census is None:
         dash.census = (now, status.accounts, status.teams)
     flops_24h = status.flops_since(now - DAY_S)
-    top = await store_of(request).web_read(
+    top = await store_of(request).web.web_read(
         stats.leaderboard, "accounts", order="recent", limit=5, offset=0
     )
     unit, scale = flops_unit(max([flops_24h / DAY_S, *(p.flops / 3600 for p in status.hourly)]))
@@ -101,7 +101,7 @@ async def leaderboard(
     per_page: PerPage = 50,
 ) -> Response:
     limit, offset = page_bounds(page, per_page, max_rows=LEADERBOARD_ROWS)
-    rows = await store_of(request).web_read(
+    rows = await store_of(request).web.web_read(
         stats.leaderboard, board, order=sort, limit=limit + 1, offset=offset
     )
     more = len(rows) > limit
@@ -123,11 +123,11 @@ async def leaderboard(
 @router.get("/users/{account_id}", response_class=HTMLResponse)
 async def profile(request: Request, account_id: Id) -> Response:
     store = store_of(request)
-    account = await store.web_read(web.account_by_id, account_id)
+    account = await store.web.web_read(web.account_by_id, account_id)
     if account is None:
         raise PageError(404, "There is no such volunteer.")
-    standing = await store.web_read(stats.standing, "accounts", account.id)
-    nodes = await grid_of(request).store.list_nodes(account.id)
+    standing = await store.web.web_read(stats.standing, "accounts", account.id)
+    nodes = await grid_of(request).store.nodes.list_nodes(account.id)
     return await render(request, "profile.html", account=account, standing=standing, nodes=nodes)
 
 
@@ -140,8 +140,8 @@ async def teams_page(
 ) -> Response:
     limit, offset = page_bounds(page, 50, max_rows=LEADERBOARD_ROWS)
     store = store_of(request)
-    found = await store.web_read(web.search_teams, q.strip(), limit=50) if q.strip() else None
-    rows = await store.web_read(
+    found = await store.web.web_read(web.search_teams, q.strip(), limit=50) if q.strip() else None
+    rows = await store.web.web_read(
         stats.leaderboard, "teams", order="total", limit=limit + 1, offset=offset
     )
     return await render(
@@ -175,7 +175,7 @@ async def create_team(
         error = "Keep the description under 2,000 characters."
     else:
         try:
-            team_id = await store_of(request).web_write(
+            team_id = await store_of(request).web.web_write(
                 web.create_team,
                 name,
                 description=description,
@@ -193,24 +193,24 @@ async def create_team(
 @router.get("/teams/{team_id}", response_class=HTMLResponse)
 async def team_page(request: Request, team_id: Id, session: Viewer) -> Response:
     store = store_of(request)
-    team = await store.web_read(web.get_team, team_id)
+    team = await store.web.web_read(web.get_team, team_id)
     if team is None:
         raise PageError(404, f"There is no team {team_id}.")
-    members = await store.web_read(stats.team_members, team_id, limit=100)
-    standing = await store.web_read(stats.standing, "teams", team_id)
+    members = await store.web.web_read(stats.team_members, team_id, limit=100)
+    standing = await store.web.web_read(stats.standing, "teams", team_id)
     return await render(request, "team.html", team=team, members=members, standing=standing)
 
 
 @router.post("/teams/{team_id}/join", dependencies=[Csrf])
 async def join_team(request: Request, team_id: Id, session: SignedIn) -> Response:
-    if not await store_of(request).web_write(web.join_team, session.account.id, team_id):
+    if not await store_of(request).web.web_write(web.join_team, session.account.id, team_id):
         raise PageError(404, f"There is no team {team_id}.")
     return redirect(request, f"/teams/{team_id}", flash="You joined the team.")
 
 
 @router.post("/teams/leave", dependencies=[Csrf])
 async def leave_team(request: Request, session: SignedIn) -> Response:
-    await store_of(request).web_write(web.leave_team, session.account.id)
+    await store_of(request).web.web_write(web.leave_team, session.account.id)
     return redirect(request, "/teams", flash="You left your team.")
 
 

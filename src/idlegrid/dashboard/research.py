@@ -48,8 +48,8 @@ def _json_error(status: int, message: str) -> JSONResponse:
 @router.get("/files", response_class=HTMLResponse)
 async def files_page(request: Request, session: Researcher) -> Response:
     store = store_of(request)
-    files = await store.web_read(uploads.list_uploads, session.account.id)
-    used = await store.web_read(uploads.used_bytes, session.account.id)
+    files = await store.web.web_read(uploads.list_uploads, session.account.id)
+    used = await store.web.web_read(uploads.used_bytes, session.account.id)
     return await render(
         request,
         "files.html",
@@ -92,7 +92,7 @@ async def start_upload(request: Request, session: Researcher) -> Response:
         )
     now = grid_of(request).clock()
     try:
-        upload_id, stale = await store_of(request).web_write(
+        upload_id, stale = await store_of(request).web.web_write(
             uploads.start_upload,
             session.account.id,
             name=body.name,
@@ -119,14 +119,14 @@ async def put_chunk(
 ) -> Response:
     """One chunk at `offset`; chunks come in order, each under the request size limit."""
     store = store_of(request)
-    upload = await store.web_read(uploads.get_upload, upload_id, session.account.id)
+    upload = await store.web.web_read(uploads.get_upload, upload_id, session.account.id)
     if upload is None or upload.state != "partial":
         return _json_error(404, f"no upload {upload_id} in progress")
     data = await request.body()
     if offset != upload.received or offset + len(data) > upload.size:
         return _json_error(409, f"expected the chunk at offset {upload.received}")
     await asyncio.to_thread(_write_at, _tmp(request, upload_id), offset, data)
-    if not await store.web_write(
+    if not await store.web.web_write(
         uploads.advance, upload_id, session.account.id, offset=offset, length=len(data)
     ):
         return _json_error(409, "another chunk arrived at that offset first")
@@ -142,7 +142,7 @@ def _write_at(path: Path, offset: int, data: bytes) -> None:
 @router.post("/uploads/{upload_id}/finish", dependencies=[Csrf])
 async def finish_upload(request: Request, upload_id: Id, session: Researcher) -> Response:
     store = store_of(request)
-    upload = await store.web_read(uploads.get_upload, upload_id, session.account.id)
+    upload = await store.web.web_read(uploads.get_upload, upload_id, session.account.id)
     if upload is None or upload.state != "partial" or upload.received != upload.size:
         return _json_error(409, "the upload is not complete")
     blobs = grid_of(request).blobs
@@ -151,14 +151,14 @@ async def finish_upload(request: Request, upload_id: Id, session: Researcher) ->
             blobs.put_file, _tmp(request, upload_id), size=upload.size
         )
     except (BlobError, OSError) as exc:
-        await store.web_write(uploads.delete_upload, upload_id, session.account.id)
+        await store.web.web_write(uploads.delete_upload, upload_id, session.account.id)
         return _json_error(422, f"the file could not be stored: {exc}")
     now = grid_of(request).clock()
-    await store.web_write(
+    await store.web.web_write(
         uploads.finish_upload, upload_id, session.account.id, blob_hash=blob_hash, now=now
     )
     # The blob is the account's: its API token reads it, and its jobs may name it.
-    await grid_of(request).store.add_blob_owner(
+    await grid_of(request).store.blob_owners.add_blob_owner(
         blob_hash, session.account.id, size=upload.size, now=now
     )
     return JSONResponse({"hash": blob_hash, "size": upload.size})
@@ -167,16 +167,18 @@ async def finish_upload(request: Request, upload_id: Id, session: Researcher) ->
 @router.post("/uploads/{upload_id}/abort", dependencies=[Csrf])
 async def abort_upload(request: Request, upload_id: Id, session: Researcher) -> Response:
     """Drop an upload that failed or was cancelled: its row and its partial file."""
-    upload = await store_of(request).web_read(uploads.get_upload, upload_id, session.account.id)
+    upload = await store_of(request).web.web_read(uploads.get_upload, upload_id, session.account.id)
     if upload is not None and upload.state == "partial":
-        await store_of(request).web_write(uploads.delete_upload, upload_id, session.account.id)
+        await store_of(request).web.web_write(uploads.delete_upload, upload_id, session.account.id)
         _tmp(request, upload_id).unlink(missing_ok=True)
     return Response(status_code=204)
 
 
 @router.post("/files/{upload_id}/delete", dependencies=[Csrf])
 async def delete_file(request: Request, upload_id: Id, session: Researcher) -> Response:
-    if not await store_of(request).web_write(uploads.delete_upload, upload_id, session.account.id):
+    if not await store_of(request).web.web_write(
+        uploads.delete_upload, upload_id, session.account.id
+    ):
         raise PageError(404, f"You have no file {upload_id}.")
     return redirect(request, "/research/files", flash="File removed from your list.")
 
@@ -189,7 +191,7 @@ async def jobs_page(
     request: Request, session: Researcher, page: Annotated[int, Query(ge=1, le=10_000)] = 1
 ) -> Response:
     limit, offset = page_bounds(page, 50)
-    jobs = await store_of(request).web_read(
+    jobs = await store_of(request).web.web_read(
         web.job_list, session.account.id, limit=limit + 1, offset=offset
     )
     return await render(
@@ -215,7 +217,7 @@ async def _new_job(
     values: dict[str, Any],
     status: int = 200,
 ) -> HTMLResponse:
-    files = await store_of(request).web_read(uploads.list_uploads, session.account.id)
+    files = await store_of(request).web.web_read(uploads.list_uploads, session.account.id)
     return await render(
         request,
         "job_new.html",
@@ -397,7 +399,7 @@ def _preprocess(
 
 
 async def _own_file(request: Request, session: WebSession, upload_id: int) -> str | None:
-    upload = await store_of(request).web_read(uploads.get_upload, upload_id, session.account.id)
+    upload = await store_of(request).web.web_read(uploads.get_upload, upload_id, session.account.id)
     return upload.blob_hash if upload is not None and upload.state == "done" else None
 
 
@@ -434,7 +436,7 @@ async def _submit(
 
 
 async def own_job(request: Request, session: WebSession, job_id: int) -> JobRecord:
-    job = await grid_of(request).store.get_job(job_id)
+    job = await grid_of(request).store.jobs.get_job(job_id)
     # Another researcher's job is indistinguishable from a missing one.
     if job is None or (job.account_id != session.account.id and not session.account.is_admin):
         raise PageError(404, f"There is no job {job_id}.")

@@ -62,12 +62,12 @@ async def connected_ids(request: Request) -> set[int]:
 async def my_nodes(request: Request, account_id: int) -> list[NodeView]:
     grid = grid_of(request)
     store = store_of(request)
-    nodes = await grid.store.list_nodes(account_id)
+    nodes = await grid.store.nodes.list_nodes(account_id)
     ids = [node.id for node in nodes]
-    live = await store.web_read(web.live_tasks, ids)
-    validated = await store.web_read(web.validated_counts, ids)
+    live = await store.web.web_read(web.live_tasks, ids)
+    validated = await store.web.web_read(web.validated_counts, ids)
     connected = await connected_ids(request)
-    trusts = await store.web_read(web.trust_of_nodes, ids, now=grid.clock())
+    trusts = await store.web.web_read(web.trust_of_nodes, ids, now=grid.clock())
     views = []
     for node in nodes:
         trust = trusts.get(node.id, [])
@@ -142,14 +142,18 @@ def worker_commands(server: str, token: str, name: str) -> list[tuple[str, str]]
 async def node_page(request: Request, node_id: Id, session: Viewer) -> Response:
     """A node's public page: hardware, credit, and its validated work per day."""
     store = store_of(request)
-    standing = await store.web_read(stats.standing, "nodes", node_id)
+    standing = await store.web.web_read(stats.standing, "nodes", node_id)
     if standing is None:
         raise PageError(404, f"There is no node {node_id}.")
     node = next(
-        (n for n in await grid_of(request).store.list_nodes(standing.parent_id) if n.id == node_id),
+        (
+            n
+            for n in await grid_of(request).store.nodes.list_nodes(standing.parent_id)
+            if n.id == node_id
+        ),
         None,
     )
-    history = await store.web_read(stats.node_history, node_id, days=HISTORY_DAYS)
+    history = await store.web.web_read(stats.node_history, node_id, days=HISTORY_DAYS)
     mine = session is not None and session.account.id == standing.parent_id
     return await render(
         request,

@@ -1,22 +1,19 @@
-"""The store interface: the durable truth of accounts, nodes, jobs, shards and tasks.
+"""The store's records and errors: what its roles (`store.jobs`, `store.claims`, ...) take
+and return.
 
-Records, errors, and the store's roles (small protocols) that `Store` combines. Callers
-see plain frozen records, never rows or sessions. Every method is one transaction; the
-ones that change task or shard state are conditional updates, so they stay correct when
-several coordinator processes share one database.
+Callers see plain frozen records, never rows or sessions. Every operation is one
+transaction; the ones that change task or shard state are conditional updates, so they
+stay correct when several coordinator processes share one database.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
-from idlegrid.store.blob_owners import BlobAccessStore
-from idlegrid.store.usage import UsageStore
 from idlegrid.verification.credit import CreditTotals
 from idlegrid.verification.trust import Trust
 
@@ -258,7 +255,7 @@ class ResultReceipt:
 
 @dataclass(frozen=True)
 class NewResult:
-    """A node's report that it finished a task, as `Store.accept_results` takes it."""
+    """A node's report that it finished a task, as `store.results.accept_results` takes it."""
 
     task_id: int
     output_hash: str
@@ -305,7 +302,7 @@ class ShardForVerify:
 
 @dataclass(frozen=True)
 class ShardDecision:
-    """What the verifier decided for a shard (`Store.decide_shards` records it)."""
+    """What the verifier decided for a shard (`SqlStore.decide_shards` records it)."""
 
     shard_id: int
     canonical_task_id: int | None
@@ -416,7 +413,7 @@ class DueRound(NamedTuple):
 
 @dataclass(frozen=True)
 class RunningTask:
-    """A live task of a shard that might straggle (see `DispatchStore.running_shards`)."""
+    """A live task of a shard that might straggle (see `store.scheduling.running_shards`)."""
 
     task_id: int
     shard_id: int
@@ -428,333 +425,3 @@ class RunningTask:
     assigned_at: float
     # The holder's benchmark as it sent it (protocol.Benchmark fields).
     node_benchmark: dict[str, Any]
-
-
-# -- the store's roles: each part of the coordinator needs only some of them -------------
-
-
-class AccountStore(Protocol):
-    """Accounts and their API and node tokens."""
-
-    async def create_account(
-        self, name: str, *, is_admin: bool, now: float, role: str = "researcher"
-    ) -> AccountRecord:
-        """A new account; `AccountExists` when the name is taken. `role`: its dashboard
-        role (a volunteer's account, made for a node token, uploads and submits nothing)."""
-        ...
-
-    async def get_account(self, name: str) -> AccountRecord | None: ...
-    async def account_by_id(self, account_id: int) -> AccountRecord | None: ...
-    async def count_accounts(self) -> int: ...
-    async def add_token(
-        self, account_id: int, *, kind: str, token_hash: str, prefix: str, label: str, now: float
-    ) -> int: ...
-    async def find_token(self, token_hash: str) -> TokenInfo | None: ...
-    async def list_tokens(
-        self, account_id: int | None, *, include_revoked: bool = False
-    ) -> list[TokenRecord]:
-        """Tokens of one account (None: every account), oldest first."""
-        ...
-
-    async def revoke_token(
-        self, token_id: int, *, account_id: int | None, now: float
-    ) -> TokenRecord | None:
-        """Revoke a live token of `account_id` (None: of any account); None if no such."""
-        ...
-
-
-class NodeStore(Protocol):
-    """Nodes: registration, presence, what they hold, their trust."""
-
-    async def register_node(
-        self,
-        account_id: int,
-        node_key: str,
-        *,
-        name: str,
-        worker_version: str,
-        hardware: dict[str, Any],
-        benchmark: dict[str, Any],
-        kinds: list[str],
-        slots: int,
-        address: str,
-        now: float,
-        network: str = "",
-        limits: RegistrationLimits | None = None,
-    ) -> NodeRecord:
-        """Register or refresh a node; `RegistrationRefused` says why a new one may not."""
-        ...
-
-    async def set_node_offline(self, node_id: int, *, now: float) -> None: ...
-    async def touch_nodes(self, seen: dict[int, float]) -> None: ...
-    async def list_nodes(self, account_id: int | None = None) -> list[NodeRecord]: ...
-    async def node_tasks(self, node_id: int) -> list[NodeTask]: ...
-    async def node_trust(self, node_id: int) -> list[NodeTrust]: ...
-    async def measured_speeds(self, node_id: int, *, last: int = 50) -> dict[str, float]:
-        """FLOP/s per kind of the node's last validated tasks, as the coordinator timed
-        them (assignment to result) against their shards' nominal cost; kinds it has
-        no validated task of are absent."""
-        ...
-
-    async def state_counts(self) -> StateCounts:
-        """How many tasks and how many jobs are in each state (for metrics)."""
-        ...
-
-
-class JobStore(Protocol):
-    """Jobs and their shards: create, read, end."""
-
-    async def create_job(self, job: NewJob, *, now: float) -> CreatedJob: ...
-    async def get_job(self, job_id: int) -> JobRecord | None: ...
-    async def list_jobs(
-        self, account_id: int | None, *, limit: int, offset: int
-    ) -> list[JobRecord]: ...
-    async def list_shards(self, job_id: int) -> list[ShardRecord]: ...
-    async def count_open_jobs(self, account_id: int) -> int:
-        """The account's jobs that are queued or running."""
-        ...
-
-    async def cancel_job(self, job_id: int, *, now: float) -> list[NodeTask]: ...
-    async def canonical_outputs(self, job_id: int) -> list[str]: ...
-    async def complete_job(
-        self, job_id: int, *, result_hash: str, result_size: int, now: float
-    ) -> bool: ...
-    async def fail_job(self, job_id: int, *, error: str, now: float) -> list[NodeTask]: ...
-    async def jobs_to_assemble(self) -> list[int]: ...
-
-
-class DispatchStore(Protocol):
-    """Ready tasks and their claims, how a shard's replication changes, top-up."""
-
-    async def ready_tasks(self, *, limit: int) -> list[ReadyTask]: ...
-    async def claim_tasks(
-        self, lease_deadlines: dict[int, float], claimer: Claimer, *, kind: str, now: float
-    ) -> list[Assignment] | ClaimMiss:
-        """Claim those of these tasks (of one kind) still ready for one node, at once.
-
-        No distinct-replica rules: for tasks of replication-1 jobs only. The node's daily
-        quota of the kind caps how many (the lowest ids are tried first); a suspended node
-        gets none.
-        """
-        ...
-
-    async def claim_task(
-        self,
-        task_id: int,
-        claimer: Claimer,
-        *,
-        kind: str,
-        lease_deadline: float,
-        now: float,
-        distinct: Distinct | None,
-    ) -> Assignment | ClaimMiss:
-        """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
-        ...
-
-    async def release_claims(
-        self, task_ids: Sequence[int], node_id: int, *, now: float
-    ) -> list[int]:
-        """Give back tasks claimed for a node that never heard of them (its connection
-        closed first): cancelled, not attempts of their shards, not in its daily quota.
-        Returns those released (still assigned to it); the shards are then topped up."""
-        ...
-
-    async def run_alone(
-        self, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
-    ) -> list[int]:
-        """Let the first replica of a shard run unreplicated (adaptive replication).
-
-        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
-        ready tasks cancelled (to drop from the queue); none if another replica was
-        handed out meanwhile (then the shard stays fully replicated).
-        """
-        ...
-
-    async def escalate(self, shard_id: int, *, target: int, quorum: int, now: float) -> bool:
-        """Send a shard run alone back to full replication (a spot check disagreed); its
-        lone node runs nothing alone until it passes checks again."""
-        ...
-
-    async def suspect(self, task_ids: Sequence[int], *, now: float) -> None:
-        """These results are outnumbered in a dispute, or failed a spot check: their
-        nodes run nothing alone for now, and what they run or decided alone is
-        replicated again (`ledger.suspect`)."""
-        ...
-
-    async def flag_colluders(self, groups: Sequence[Sequence[int]], *, now: float) -> list[int]:
-        """Groups of wrong results that agreed: flag the accounts that were wrong together
-        often enough (`store.collusion`); the accounts flagged now."""
-        ...
-
-    async def unvouched_alone(self, job_id: int) -> list[int]:
-        """Per node that decided shards of the job alone, its latest one, if the node
-        passed no check since (`store.recheck.unvouched_alone`)."""
-        ...
-
-    async def audit(self, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:
-        """Open decided lone shards again for a spot check each; the new ready tasks."""
-        ...
-
-    async def raise_target(self, shard_id: int, *, results_seen: int) -> bool:
-        """One more replica for a shard whose `results_seen` results did not decide it."""
-        ...
-
-    async def replenish(self, *, now: float) -> Replenished:
-        """Create tasks for open shards short of replicas; fail shards out of attempts."""
-        ...
-
-    async def ready_heads(self, *, per_job: int) -> list[ReadyTask]:
-        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
-        ...
-
-    async def running_shards(self, *, limit: int) -> list[RunningTask]:
-        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
-        ...
-
-    async def add_backup_task(
-        self, shard_id: int, node_id: int, *, lease_deadline: float, now: float
-    ) -> Assignment | None:
-        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
-
-        None when the shard is decided, already has a backup or a ready task, is out of
-        attempts (`max_attempts`), or the node already holds or held a task of it.
-        """
-        ...
-
-
-class ResultStore(Protocol):
-    """What comes back from nodes: results, failures, missed leases."""
-
-    async def accept_result(
-        self,
-        task_id: int,
-        node_id: int,
-        *,
-        output_hash: str,
-        output_size: int,
-        elapsed_s: float,
-        now: float,
-    ) -> ResultReceipt: ...
-    async def accept_results(
-        self, node_id: int, results: Sequence[NewResult], *, now: float
-    ) -> list[ResultReceipt]:
-        """Record several results of one node in one transaction; a receipt for each."""
-        ...
-
-    async def task_inputs(self, task_ids: Sequence[int], node_id: int) -> dict[int, TaskInput]:
-        """The inputs of those of `task_ids` that `node_id` holds or held."""
-        ...
-
-    async def record_failure(
-        self, task_id: int, node_id: int, *, reason: str, now: float
-    ) -> bool: ...
-    async def expire_overdue(self, *, now: float) -> list[NodeTask]: ...
-    async def expire_task(self, task_id: int, *, now: float) -> list[NodeTask]: ...
-    async def expire_node_tasks(self, node_id: int, *, now: float) -> list[NodeTask]: ...
-
-
-class VerificationStore(Protocol):
-    """Shards with results to judge, the verifier's decisions, late results."""
-
-    async def shards_to_verify(self, *, limit: int) -> list[int]: ...
-    async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None: ...
-    async def shards_for_verify(self, shard_ids: Sequence[int]) -> dict[int, ShardForVerify]:
-        """`shard_for_verify` of several shards in one read; unknown ids are left out."""
-        ...
-
-    async def decide_shards(
-        self, decisions: Sequence[ShardDecision], *, now: float
-    ) -> list[DecisionOutcome]:
-        """`decide_shard` of several shards in one transaction; outcomes in their order."""
-        ...
-
-    async def decide_shard(
-        self,
-        shard_id: int,
-        *,
-        canonical_task_id: int | None,
-        valid: Sequence[int],
-        invalid: Sequence[int],
-        fail_reason: str | None,
-        now: float,
-    ) -> DecisionOutcome: ...
-    async def late_results(
-        self, *, limit: int, task_ids: Sequence[int] | None = None
-    ) -> list[LateResult]:
-        """Results stored after their shard was decided and not judged yet, oldest first
-        (only those of `task_ids`, if given)."""
-        ...
-
-    async def judge_late(self, task_id: int, *, agrees: bool, now: float) -> None:
-        """Record whether a late result agreed with its shard's canonical one (or, with
-        `agrees=False`, that any unjudged result is wrong)."""
-        ...
-
-
-class TrainingRoundStore(Protocol):
-    """The training rounds of `diloco-train` jobs."""
-
-    async def start_training(
-        self, job_id: int, first: NewRound, extra_shards: Sequence[NewShard], *, now: float
-    ) -> list[ReadyTask]: ...
-    async def training_rounds(self, job_id: int) -> list[RoundRecord]: ...
-    async def advance_round(
-        self,
-        job_id: int,
-        closing: int,
-        *,
-        metrics: dict[str, Any],
-        cancel_shards: Sequence[int],
-        next_round: NewRound,
-        shards: Sequence[NewShard],
-        now: float,
-    ) -> RoundAdvance: ...
-    async def finish_training(
-        self,
-        job_id: int,
-        final: int,
-        *,
-        metrics: dict[str, Any],
-        result_hash: str,
-        result_size: int,
-        now: float,
-    ) -> TrainingFinish: ...
-    async def update_round_metrics(
-        self, job_id: int, round_number: int, values: dict[str, Any]
-    ) -> None: ...
-    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None: ...
-    async def due_rounds(self, *, now: float) -> list[DueRound]: ...
-    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic: ...
-
-
-class Store(
-    AccountStore,
-    NodeStore,
-    JobStore,
-    DispatchStore,
-    ResultStore,
-    VerificationStore,
-    TrainingRoundStore,
-    BlobAccessStore,
-    UsageStore,
-    Protocol,
-):
-    """Durable state. Implemented by `SqlStore` over SQLite (default) or PostgreSQL."""
-
-    # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
-    serial_commits: bool
-
-    async def open(self) -> None: ...
-    async def close(self) -> None: ...
-    def batch(self) -> AbstractAsyncContextManager[None]:
-        """The calls made inside share one transaction (committed once, all or nothing)."""
-        ...
-
-    async def after_commit(self, action: Callable[[], Awaitable[None]]) -> None:
-        """Run `action` once the caller's writes are committed (at the end of a running
-        `batch`, never if it rolls back; at once outside one)."""
-        ...
-
-    async def run_batch(self, work: Callable[[], Awaitable[T]]) -> T:
-        """`work()` in one `batch`, run again (a few times) when it met `StoreConflict`."""
-        ...

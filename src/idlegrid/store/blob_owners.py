@@ -1,4 +1,4 @@
-"""SQL of who may read and write which blob, mixed into `SqlStore` (`BlobAccessStore`).
+"""Who may read and write which blob: the `store.blob_owners` role.
 
 A blob belongs to the accounts that uploaded it (`blob_owners`). A job names blobs
 besides its shards' payloads (`job_blobs`: its inputs, its training rounds' weights and
@@ -8,40 +8,18 @@ grace period after (`since`); the policy itself is `coordinator/blob_access.py`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import TaskState
+from idlegrid.store.database import Role, read, write
 from idlegrid.store.schema import blob_owners, job_blobs, jobs, shards, tasks
 
 _ASSIGNED = TaskState.ASSIGNED.value
-
-
-class BlobAccessStore(Protocol):
-    """Ownership of blobs, and what an account's tasks name."""
-
-    async def add_blob_owner(
-        self, blob_hash: str, account_id: int, *, size: int, now: float
-    ) -> None:
-        """Record that `account_id` uploaded the blob (again: nothing changes)."""
-        ...
-
-    async def owns_or_produced(self, account_id: int, blob_hash: str) -> bool:
-        """The account uploaded the blob, or it is the result (or a blob) of its job."""
-        ...
-
-    async def tasks_name(self, account_id: int, blob_hash: str, *, since: float) -> bool:
-        """A task of the account's nodes, held now or until `since`, names the blob."""
-        ...
-
-    async def holds_tasks(self, account_id: int, *, since: float) -> bool:
-        """The account's nodes hold a task now, or held one until `since`."""
-        ...
 
 
 async def add_job_blobs(conn: AsyncConnection, job_id: int, blob_hashes: Iterable[str]) -> None:
@@ -62,22 +40,19 @@ def _held_since(since: float) -> ColumnElement[bool]:
     return or_(tasks.c.state == _ASSIGNED, and_(tasks.c.assigned_at.is_not(None), ended >= since))
 
 
-class BlobAccessSql:
-    """The blob-access methods of `SqlStore`."""
+class BlobOwners(Role):
+    """Ownership of blobs, and what an account's tasks name (`store.blob_owners`)."""
 
-    if TYPE_CHECKING:  # provided by SqlStore
-
-        def _tx(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-        def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-
+    @write
     async def add_blob_owner(
-        self, blob_hash: str, account_id: int, *, size: int, now: float
+        self, conn: AsyncConnection, blob_hash: str, account_id: int, *, size: int, now: float
     ) -> None:
+        """Record that `account_id` uploaded the blob (again: nothing changes)."""
         row = {"blob_hash": blob_hash, "account_id": account_id, "size": size, "created_at": now}
-        async with self._tx() as conn:
-            await conn.execute(_insert_ignoring_duplicates(conn, blob_owners), [row])
+        await conn.execute(_insert_ignoring_duplicates(conn, blob_owners), [row])
 
     async def owns_or_produced(self, account_id: int, blob_hash: str) -> bool:
+        """The account uploaded the blob, or it is the result (or a blob) of its job."""
         owned = exists().where(
             blob_owners.c.blob_hash == blob_hash, blob_owners.c.account_id == account_id
         )
@@ -90,6 +65,7 @@ class BlobAccessSql:
         return await self._any(or_(owned, result, named))
 
     async def tasks_name(self, account_id: int, blob_hash: str, *, since: float) -> bool:
+        """A task of the account's nodes, held now or until `since`, names the blob."""
         mine = and_(tasks.c.account_id == account_id, _held_since(since))
         payload = exists().where(
             shards.c.input_hash == blob_hash, tasks.c.shard_id == shards.c.id, mine
@@ -100,8 +76,9 @@ class BlobAccessSql:
         return await self._any(or_(payload, named))
 
     async def holds_tasks(self, account_id: int, *, since: float) -> bool:
+        """The account's nodes hold a task now, or held one until `since`."""
         return await self._any(exists().where(tasks.c.account_id == account_id, _held_since(since)))
 
-    async def _any(self, condition: ColumnElement[bool]) -> bool:
-        async with self._read() as conn:
-            return bool((await conn.execute(select(condition))).scalar())
+    @read
+    async def _any(self, conn: AsyncConnection, condition: ColumnElement[bool]) -> bool:
+        return bool((await conn.execute(select(condition))).scalar())

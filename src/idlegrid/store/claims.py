@@ -1,6 +1,6 @@
-"""SQL of claims: a node takes ready tasks, atomically, within its trust and quota.
+"""Claims: a node takes ready tasks, atomically, within its trust and quota.
 
-Functions over an open connection; `SqlStore` wraps each in a transaction. A claim is a
+The `store.claims` role; each method is one transaction (store/database.py). A claim is a
 conditional update (`WHERE state = 'ready'`) checked by its row count, so two claims of
 one task, in one process or in several, cannot both win. Also here: how a shard's
 replication changes after its first claim (`run_alone`, `escalate`, `raise_target`).
@@ -17,8 +17,10 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
+from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import in_state, move
 from idlegrid.store.schema import jobs, nodes, shards, tasks
+from idlegrid.store.writelock import urgent
 from idlegrid.verification import trust as trust_policy
 from idlegrid.verification.trust import TrustSettings
 
@@ -27,18 +29,6 @@ from idlegrid.verification.trust import TrustSettings
 OTHER = tasks.alias("other")
 _RAN = rows.states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
 _CLAIMABLE = (TaskState.READY,)
-
-
-async def ready_tasks(conn: AsyncConnection, *, limit: int) -> list[ReadyTask]:
-    query = (
-        select(*rows.READY_COLUMNS)
-        .join(jobs, jobs.c.id == tasks.c.job_id)
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(tasks.c.state == TaskState.READY.value)
-        .order_by(tasks.c.id)
-        .limit(limit)
-    )
-    return [rows.ready(row) for row in await conn.execute(query)]
 
 
 async def standing(
@@ -56,126 +46,6 @@ async def standing(
     if found.quota_used_today >= found.trust.daily_quota:
         return ClaimMiss.QUOTA
     return found
-
-
-async def claim_task(
-    conn: AsyncConnection,
-    task_id: int,
-    claimer: Claimer,
-    *,
-    kind: str,
-    lease_deadline: float,
-    distinct: Distinct | None,
-    trust: TrustSettings,
-    now: float,
-) -> Assignment | ClaimMiss:
-    """Claim one ready task, on the conditions `distinct` and the claimer's trust set."""
-    found = await standing(conn, claimer, kind, trust=trust, now=now)
-    if isinstance(found, ClaimMiss):
-        return found
-    if distinct is not None and rows.row_locks(conn):
-        # The "no replica on this node yet" check reads other rows: lock the shard
-        # so two claims of its replicas for one node cannot both pass it.
-        shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
-        await conn.execute(
-            select(shards.c.id)
-            .where(shards.c.id == shard_of_task.scalar_subquery())
-            .with_for_update(key_share=True)
-        )
-    where = [tasks.c.id == task_id]
-    if rows.row_locks(conn):
-        # A task another transaction is claiming now is skipped, not waited for (its
-        # claim may be a whole batch long, and it will most likely win): the caller
-        # tries its next candidate at once, as `claim_tasks` does.
-        free = select(tasks.c.id).where(*where, in_state(tasks, *_CLAIMABLE))
-        free = free.with_for_update(skip_locked=True, key_share=True)
-        where.append(tasks.c.id.in_(free.scalar_subquery()))
-    where += distinct_from(claimer, distinct)
-    if not trust_policy.is_trusted(found.trust, trust):
-        where.append(tasks.c.trusted_only.is_(False))
-    claimed = await conn.execute(
-        move(
-            tasks,
-            TaskState.ASSIGNED,
-            *where,
-            sources=_CLAIMABLE,
-            **held_by(claimer, now),
-            lease_deadline=lease_deadline,
-        )
-    )
-    if claimed.rowcount != 1:
-        state = (
-            await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
-        ).scalar_one_or_none()
-        return ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
-    await ledger.use_quota(
-        conn, claimer.node_id, kind, claimer.backend, used=found.quota_used_today, now=now
-    )
-    [row] = await assigned(conn, [task_id], now=now)
-    others_out = (
-        await conn.execute(
-            select(func.count()).where(
-                OTHER.c.shard_id == row.shard_id,
-                OTHER.c.id != task_id,
-                OTHER.c.node_id.is_not(None),
-            )
-        )
-    ).scalar_one()
-    first = others_out == 0 and row.mode is None
-    return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
-
-
-async def claim_tasks(
-    conn: AsyncConnection,
-    lease_deadlines: dict[int, float],
-    claimer: Claimer,
-    *,
-    kind: str,
-    trust: TrustSettings,
-    now: float,
-) -> list[Assignment] | ClaimMiss:
-    """Claim as many of these ready tasks (of one kind) as the claimer's quota allows."""
-    found = await standing(conn, claimer, kind, trust=trust, now=now)
-    if isinstance(found, ClaimMiss):
-        return found
-    room = found.trust.daily_quota - found.quota_used_today
-    wanted = sorted(lease_deadlines)[:room]
-    ready = [tasks.c.id.in_(wanted)]
-    if rows.row_locks(conn):
-        # Tasks another process is claiming right now are skipped, not waited for: its
-        # transaction may be a whole batch long, and they will be its tasks anyway.
-        free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
-        free = free.with_for_update(skip_locked=True, key_share=True)
-        ready.append(tasks.c.id.in_(free.scalar_subquery()))
-    claimed = (
-        (
-            await conn.execute(
-                move(
-                    tasks,
-                    TaskState.ASSIGNED,
-                    *ready,
-                    sources=_CLAIMABLE,
-                    **held_by(claimer, now),
-                    lease_deadline=case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id),
-                ).returning(tasks.c.id)
-            )
-        )
-        .scalars()
-        .all()
-    )
-    if not claimed:
-        return []
-    await ledger.use_quota(
-        conn,
-        claimer.node_id,
-        kind,
-        claimer.backend,
-        used=found.quota_used_today,
-        count=len(claimed),
-        now=now,
-    )
-    found_rows = await assigned(conn, claimed, now=now)
-    return [rows.assignment(row, lease_deadlines[row.id], found.trust) for row in found_rows]
 
 
 def held_by(claimer: Claimer, now: float) -> dict[str, Any]:
@@ -234,179 +104,348 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     ]
 
 
-async def release_claims(
-    conn: AsyncConnection, task_ids: Sequence[int], node_id: int, *, now: float
-) -> list[int]:
-    """Cancel tasks claimed for a node that never heard of them; see `Store.release_claims`.
+class Claims(Role):
+    """Ready tasks and their claims; how a shard's replication changes (`store.claims`)."""
 
-    Cancelled rather than made ready again: a backup copy released so is simply gone,
-    and a shard short of a task gets a new one from the top-up.
-    """
-    released = (
-        await conn.execute(
+    @read
+    async def ready_tasks(self, conn: AsyncConnection, *, limit: int) -> list[ReadyTask]:
+        query = (
+            select(*rows.READY_COLUMNS)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.state == TaskState.READY.value)
+            .order_by(tasks.c.id)
+            .limit(limit)
+        )
+        return [rows.ready(row) for row in await conn.execute(query)]
+
+    @write(retry_conflicts=True)
+    async def claim_task(
+        self,
+        conn: AsyncConnection,
+        task_id: int,
+        claimer: Claimer,
+        *,
+        kind: str,
+        lease_deadline: float,
+        distinct: Distinct | None,
+        now: float,
+    ) -> Assignment | ClaimMiss:
+        """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
+        found = await standing(conn, claimer, kind, trust=self.trust, now=now)
+        if isinstance(found, ClaimMiss):
+            return found
+        if distinct is not None and rows.row_locks(conn):
+            # The "no replica on this node yet" check reads other rows: lock the shard
+            # so two claims of its replicas for one node cannot both pass it.
+            shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
+            await conn.execute(
+                select(shards.c.id)
+                .where(shards.c.id == shard_of_task.scalar_subquery())
+                .with_for_update(key_share=True)
+            )
+        where = [tasks.c.id == task_id]
+        if rows.row_locks(conn):
+            # A task another transaction is claiming now is skipped, not waited for (its
+            # claim may be a whole batch long, and it will most likely win): the caller
+            # tries its next candidate at once, as `claim_tasks` does.
+            free = select(tasks.c.id).where(*where, in_state(tasks, *_CLAIMABLE))
+            free = free.with_for_update(skip_locked=True, key_share=True)
+            where.append(tasks.c.id.in_(free.scalar_subquery()))
+        where += distinct_from(claimer, distinct)
+        if not trust_policy.is_trusted(found.trust, self.trust):
+            where.append(tasks.c.trusted_only.is_(False))
+        claimed = await conn.execute(
             move(
                 tasks,
-                TaskState.CANCELLED,
-                tasks.c.id.in_(sorted(set(task_ids))),
-                tasks.c.node_id == node_id,
-                sources=[TaskState.ASSIGNED],
-                finished_at=now,
-            ).returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
-        )
-    ).all()
-    if not released:
-        return []
-    per_shard: dict[int, int] = {}
-    per_job: dict[int, list[Any]] = {}
-    for row in released:
-        per_shard[row.shard_id] = per_shard.get(row.shard_id, 0) + 1
-        per_job.setdefault(row.job_id, []).append(row)
-    for shard_id, count in sorted(per_shard.items()):
-        await conn.execute(
-            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts - count)
-        )
-    kinds = {
-        row.id: row.kind
-        for row in await conn.execute(
-            select(jobs.c.id, jobs.c.kind).where(jobs.c.id.in_(list(per_job)))
-        )
-    }
-    used: dict[tuple[str, str], int] = {}
-    for job_id, found in per_job.items():
-        for row in found:
-            key = (kinds[job_id], row.backend or "cpu")
-            used[key] = used.get(key, 0) + 1
-    for (kind, backend), count in sorted(used.items()):
-        await ledger.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
-    return sorted(row.id for row in released)
-
-
-async def run_alone(
-    conn: AsyncConnection, shard_id: int, task_id: int, *, spot_check: bool, checkers: int = 1
-) -> list[int]:
-    """Let a trusted node's first replica decide the shard alone (or with a spot check by
-    `checkers` trusted nodes: two make a colluding checker meet an honest one).
-
-    Returns the ready tasks of the shard it cancelled; nothing when another replica is
-    already out or the shard's mode was already set.
-    """
-    if rows.row_locks(conn):
-        # A claim of another replica locks the shard (key share) until it commits; this
-        # lock waits for it, so the check below sees that replica: the shard then stays
-        # replicated, rather than run "alone" on two nodes.
-        await conn.execute(select(shards.c.id).where(shards.c.id == shard_id).with_for_update())
-    changed = await conn.execute(
-        update(shards)
-        .where(
-            shards.c.id == shard_id,
-            shards.c.state == ShardState.OPEN.value,
-            shards.c.mode.is_(None),
-            ~exists().where(
-                OTHER.c.shard_id == shard_id,
-                OTHER.c.id != task_id,
-                OTHER.c.node_id.is_not(None),
-            ),
-        )
-        .values(
-            target=1 + checkers if spot_check else 1,
-            quorum=2 if spot_check else 1,
-            mode="spot" if spot_check else "alone",
-        )
-    )
-    if changed.rowcount != 1:
-        return []
-    ready = list(
-        (
-            await conn.execute(
-                select(tasks.c.id)
-                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
-                .order_by(tasks.c.id)
+                TaskState.ASSIGNED,
+                *where,
+                sources=_CLAIMABLE,
+                **held_by(claimer, now),
+                lease_deadline=lease_deadline,
             )
         )
-        .scalars()
-        .all()
-    )
-    keep, drop = (ready[:checkers], ready[checkers:]) if spot_check else ([], ready)
-    if keep:
-        await conn.execute(update(tasks).where(tasks.c.id.in_(keep)).values(trusted_only=True))
-    if not drop:
-        return []
-    # Only what this update cancelled: another node may have claimed one of them since.
-    cancelled = sorted(
-        (
-            await conn.execute(
-                move(
-                    tasks, TaskState.CANCELLED, tasks.c.id.in_(drop), sources=[TaskState.READY]
-                ).returning(tasks.c.id)
-            )
+        if claimed.rowcount != 1:
+            state = (
+                await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
+            ).scalar_one_or_none()
+            return ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
+        await ledger.use_quota(
+            conn, claimer.node_id, kind, claimer.backend, used=found.quota_used_today, now=now
         )
-        .scalars()
-        .all()
-    )
-    if cancelled:
-        # Not attempts of the shard after all: its budget stays for real retries.
-        await conn.execute(
-            update(shards)
-            .where(shards.c.id == shard_id)
-            .values(attempts=shards.c.attempts - len(cancelled))
-        )
-    return cancelled
-
-
-async def escalate(
-    conn: AsyncConnection,
-    shard_id: int,
-    *,
-    target: int,
-    quorum: int,
-    trust: TrustSettings,
-    now: float,
-) -> bool:
-    """A shard run alone (or spot-checked) goes back to full replication, and its lone
-    node stops running alone at once (`ledger.suspect`), in the same transaction."""
-    lone = (
-        (
+        [row] = await assigned(conn, [task_id], now=now)
+        others_out = (
             await conn.execute(
-                select(tasks.c.id).where(
-                    tasks.c.shard_id == shard_id,
-                    tasks.c.state == TaskState.COMPLETED.value,
-                    tasks.c.trusted_only.is_(False),  # the spot check's task is trusted-only
+                select(func.count()).where(
+                    OTHER.c.shard_id == row.shard_id,
+                    OTHER.c.id != task_id,
+                    OTHER.c.node_id.is_not(None),
                 )
             )
-        )
-        .scalars()
-        .all()
-    )
-    changed = await conn.execute(
-        update(shards)
-        .where(
-            shards.c.id == shard_id,
-            shards.c.state == ShardState.OPEN.value,
-            shards.c.mode.in_(["alone", "spot"]),
-        )
-        .values(target=target, quorum=quorum, mode="escalated")
-    )
-    if changed.rowcount == 1:
-        # A spot check still waiting for a trusted node may go to anyone now.
-        await conn.execute(
-            update(tasks)
-            .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
-            .values(trusted_only=False)
-        )
-        for task_id in lone:
-            await ledger.suspect(conn, task_id, settings=trust, now=now)
-    return changed.rowcount == 1
+        ).scalar_one()
+        first = others_out == 0 and row.mode is None
+        return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
 
+    @retry_conflicts
+    async def claim_tasks(
+        self,
+        lease_deadlines: dict[int, float],
+        claimer: Claimer,
+        *,
+        kind: str,
+        now: float,
+    ) -> list[Assignment] | ClaimMiss:
+        """Claim those of these tasks (of one kind) still ready for one node, at once.
 
-async def raise_target(conn: AsyncConnection, shard_id: int, *, results_seen: int) -> bool:
-    """One more result for an open shard whose results so far did not decide it."""
-    changed = await conn.execute(
-        update(shards)
-        .where(
-            shards.c.id == shard_id,
-            shards.c.state == ShardState.OPEN.value,
-            shards.c.target <= results_seen,
+        No distinct-replica rules: for tasks of replication-1 jobs only. The node's daily
+        quota of the kind caps how many (the lowest ids are tried first); a suspended node
+        gets none.
+        """
+        if not lease_deadlines:
+            return []
+        # A node waits for this commit with free slots: ahead of background commits.
+        with urgent():
+            async with self.db.tx() as conn:
+                found = await standing(conn, claimer, kind, trust=self.trust, now=now)
+                if isinstance(found, ClaimMiss):
+                    return found
+                room = found.trust.daily_quota - found.quota_used_today
+                wanted = sorted(lease_deadlines)[:room]
+                ready = [tasks.c.id.in_(wanted)]
+                if rows.row_locks(conn):
+                    # Tasks another process is claiming right now are skipped, not waited for: its
+                    # transaction may be a whole batch long, and they will be its tasks anyway.
+                    free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
+                    free = free.with_for_update(skip_locked=True, key_share=True)
+                    ready.append(tasks.c.id.in_(free.scalar_subquery()))
+                claimed = (
+                    (
+                        await conn.execute(
+                            move(
+                                tasks,
+                                TaskState.ASSIGNED,
+                                *ready,
+                                sources=_CLAIMABLE,
+                                **held_by(claimer, now),
+                                lease_deadline=case(
+                                    {t: lease_deadlines[t] for t in wanted}, value=tasks.c.id
+                                ),
+                            ).returning(tasks.c.id)
+                        )
+                    )
+                    .scalars()
+                    .all()
+                )
+                if not claimed:
+                    return []
+                await ledger.use_quota(
+                    conn,
+                    claimer.node_id,
+                    kind,
+                    claimer.backend,
+                    used=found.quota_used_today,
+                    count=len(claimed),
+                    now=now,
+                )
+                found_rows = await assigned(conn, claimed, now=now)
+                return [
+                    rows.assignment(row, lease_deadlines[row.id], found.trust) for row in found_rows
+                ]
+
+    @retry_conflicts
+    async def release_claims(
+        self, task_ids: Sequence[int], node_id: int, *, now: float
+    ) -> list[int]:
+        """Give back tasks claimed for a node that never heard of them (its connection
+        closed first): cancelled, not attempts of their shards, not in its daily quota.
+        Returns those released (still assigned to it); the shards are then topped up.
+
+        Cancelled rather than made ready again: a backup copy released so is simply gone,
+        and a shard short of a task gets a new one from the top-up.
+        """
+        if not task_ids:
+            return []
+        async with self.db.tx() as conn:
+            released = (
+                await conn.execute(
+                    move(
+                        tasks,
+                        TaskState.CANCELLED,
+                        tasks.c.id.in_(sorted(set(task_ids))),
+                        tasks.c.node_id == node_id,
+                        sources=[TaskState.ASSIGNED],
+                        finished_at=now,
+                    ).returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
+                )
+            ).all()
+            if not released:
+                return []
+            per_shard: dict[int, int] = {}
+            per_job: dict[int, list[Any]] = {}
+            for row in released:
+                per_shard[row.shard_id] = per_shard.get(row.shard_id, 0) + 1
+                per_job.setdefault(row.job_id, []).append(row)
+            for shard_id, count in sorted(per_shard.items()):
+                await conn.execute(
+                    update(shards)
+                    .where(shards.c.id == shard_id)
+                    .values(attempts=shards.c.attempts - count)
+                )
+            kinds = {
+                row.id: row.kind
+                for row in await conn.execute(
+                    select(jobs.c.id, jobs.c.kind).where(jobs.c.id.in_(list(per_job)))
+                )
+            }
+            used: dict[tuple[str, str], int] = {}
+            for job_id, found in per_job.items():
+                for row in found:
+                    key = (kinds[job_id], row.backend or "cpu")
+                    used[key] = used.get(key, 0) + 1
+            for (kind, backend), count in sorted(used.items()):
+                await ledger.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
+            return sorted(row.id for row in released)
+
+    @write(retry_conflicts=True)
+    async def run_alone(
+        self,
+        conn: AsyncConnection,
+        shard_id: int,
+        task_id: int,
+        *,
+        spot_check: bool,
+        checkers: int = 1,
+    ) -> list[int]:
+        """Let the first replica of a shard run unreplicated (adaptive replication).
+
+        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
+        ready tasks cancelled (to drop from the queue); none if another replica was
+        handed out meanwhile (then the shard stays fully replicated).
+
+        Only a trusted node's first replica: a spot check by two `checkers` makes a
+        colluding checker meet an honest one. Nothing is cancelled either when the
+        shard's mode was already set.
+        """
+        if rows.row_locks(conn):
+            # A claim of another replica locks the shard (key share) until it commits; this
+            # lock waits for it, so the check below sees that replica: the shard then stays
+            # replicated, rather than run "alone" on two nodes.
+            await conn.execute(select(shards.c.id).where(shards.c.id == shard_id).with_for_update())
+        changed = await conn.execute(
+            update(shards)
+            .where(
+                shards.c.id == shard_id,
+                shards.c.state == ShardState.OPEN.value,
+                shards.c.mode.is_(None),
+                ~exists().where(
+                    OTHER.c.shard_id == shard_id,
+                    OTHER.c.id != task_id,
+                    OTHER.c.node_id.is_not(None),
+                ),
+            )
+            .values(
+                target=1 + checkers if spot_check else 1,
+                quorum=2 if spot_check else 1,
+                mode="spot" if spot_check else "alone",
+            )
         )
-        .values(target=shards.c.target + 1)
-    )
-    return changed.rowcount == 1
+        if changed.rowcount != 1:
+            return []
+        ready = list(
+            (
+                await conn.execute(
+                    select(tasks.c.id)
+                    .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
+                    .order_by(tasks.c.id)
+                )
+            )
+            .scalars()
+            .all()
+        )
+        keep, drop = (ready[:checkers], ready[checkers:]) if spot_check else ([], ready)
+        if keep:
+            await conn.execute(update(tasks).where(tasks.c.id.in_(keep)).values(trusted_only=True))
+        if not drop:
+            return []
+        # Only what this update cancelled: another node may have claimed one of them since.
+        cancelled = sorted(
+            (
+                await conn.execute(
+                    move(
+                        tasks, TaskState.CANCELLED, tasks.c.id.in_(drop), sources=[TaskState.READY]
+                    ).returning(tasks.c.id)
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if cancelled:
+            # Not attempts of the shard after all: its budget stays for real retries.
+            await conn.execute(
+                update(shards)
+                .where(shards.c.id == shard_id)
+                .values(attempts=shards.c.attempts - len(cancelled))
+            )
+        return cancelled
+
+    @write
+    async def escalate(
+        self,
+        conn: AsyncConnection,
+        shard_id: int,
+        *,
+        target: int,
+        quorum: int,
+        now: float,
+    ) -> bool:
+        """Send a shard run alone back to full replication (a spot check disagreed); its
+        lone node runs nothing alone until it passes checks again.
+        """
+        lone = (
+            (
+                await conn.execute(
+                    select(tasks.c.id).where(
+                        tasks.c.shard_id == shard_id,
+                        tasks.c.state == TaskState.COMPLETED.value,
+                        tasks.c.trusted_only.is_(False),  # the spot check's task is trusted-only
+                    )
+                )
+            )
+            .scalars()
+            .all()
+        )
+        changed = await conn.execute(
+            update(shards)
+            .where(
+                shards.c.id == shard_id,
+                shards.c.state == ShardState.OPEN.value,
+                shards.c.mode.in_(["alone", "spot"]),
+            )
+            .values(target=target, quorum=quorum, mode="escalated")
+        )
+        if changed.rowcount == 1:
+            # A spot check still waiting for a trusted node may go to anyone now.
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
+                .values(trusted_only=False)
+            )
+            for task_id in lone:
+                await ledger.suspect(conn, task_id, settings=self.trust, now=now)
+        return changed.rowcount == 1
+
+    @write
+    async def raise_target(
+        self, conn: AsyncConnection, shard_id: int, *, results_seen: int
+    ) -> bool:
+        """One more result for an open shard whose results so far did not decide it."""
+        changed = await conn.execute(
+            update(shards)
+            .where(
+                shards.c.id == shard_id,
+                shards.c.state == ShardState.OPEN.value,
+                shards.c.target <= results_seen,
+            )
+            .values(target=shards.c.target + 1)
+        )
+        return changed.rowcount == 1

@@ -1,29 +1,24 @@
-"""SQL of jobs and their shards: create, read, end (cancel, fail, complete).
+"""Jobs and their shards: create, read, end (cancel, fail, complete).
 
-Functions over an open connection; `SqlStore` wraps each in a transaction. Ending a job
-cancels its live tasks (`cancel_live`), whose nodes the coordinator then tells to stop.
+The `store.jobs` role; each method is one transaction (store/database.py). Ending a job
+cancels its live tasks (`ending.cancel_live`), whose nodes the coordinator then tells
+to stop.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-from sqlalchemy import Update, func, insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
+from idlegrid.states import JobState, ShardState
 from idlegrid.store import rows
-from idlegrid.store.base import HeldTask, JobRecord, NewJob, NodeTask, ShardRecord
+from idlegrid.store.base import CreatedJob, JobRecord, NewJob, NodeTask, ShardRecord, StateCounts
 from idlegrid.store.blob_owners import add_job_blobs
+from idlegrid.store.database import Role, read, write
+from idlegrid.store.ending import LIVE, OPEN_JOB, cancel_live, end_open_shards
 from idlegrid.store.lifecycle import move
+from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks
-
-LIVE = tuple(state.value for state in LIVE_TASK_STATES)
-OPEN_JOB = rows.states(JobState.QUEUED, JobState.RUNNING)
-_CANCELLABLE = (TaskState.READY, TaskState.ASSIGNED)
-# Expired tasks are told to stop too (their node may still run them), but stay expired:
-# an error of their node, which only a result that still comes takes back.
-_TO_STOP = rows.states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
 
 
 async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
@@ -68,35 +63,6 @@ async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
     return job_id
 
 
-async def list_jobs(
-    conn: AsyncConnection, account_id: int | None, *, limit: int, offset: int
-) -> list[JobRecord]:
-    query = select(jobs.c.id).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
-    if account_id is not None:
-        query = query.where(jobs.c.account_id == account_id)
-    ids = (await conn.execute(query)).scalars().all()
-    return [job for i in ids if (job := await rows.job(conn, i)) is not None]
-
-
-async def count_open_jobs(conn: AsyncConnection, account_id: int) -> int:
-    open_states = (JobState.QUEUED.value, JobState.RUNNING.value)
-    query = select(func.count()).where(
-        jobs.c.account_id == account_id, jobs.c.state.in_(open_states)
-    )
-    return int((await conn.execute(query)).scalar_one())
-
-
-async def list_shards(conn: AsyncConnection, job_id: int) -> list[ShardRecord]:
-    live = (
-        select(func.count())
-        .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(LIVE))
-        .scalar_subquery()
-    )
-    query = select(shards, live.label("live")).where(shards.c.job_id == job_id)
-    found = (await conn.execute(query.order_by(shards.c.idx))).all()
-    return [rows.shard(row, live=row.live) for row in found]
-
-
 async def end_job(
     conn: AsyncConnection, job_id: int, target: JobState, *, error: str | None, now: float
 ) -> list[NodeTask]:
@@ -112,74 +78,106 @@ async def end_job(
     return await cancel_live(conn, tasks.c.job_id == job_id, now=now)
 
 
-async def canonical_outputs(conn: AsyncConnection, job_id: int) -> list[str]:
-    query = select(shards.c.output_hash, shards.c.state).where(shards.c.job_id == job_id)
-    found = (await conn.execute(query.order_by(shards.c.idx))).all()
-    if any(row.state != ShardState.DONE.value or row.output_hash is None for row in found):
-        raise RuntimeError(f"job {job_id} has shards without a canonical result")
-    return [row.output_hash for row in found]
+class Jobs(Role):
+    """Jobs and their shards: create, read, end (`store.jobs`)."""
 
+    @write
+    async def create_job(self, conn: AsyncConnection, job: NewJob, *, now: float) -> CreatedJob:
+        """Store the job and its shards, with their first tasks (for the ready queue)."""
+        job_id = await insert_job(conn, job, now=now)
+        first = await replenish(conn, now=now, job_id=job_id)
+        record = await rows.job(conn, job_id)
+        assert record is not None
+        return CreatedJob(record, first.ready)
 
-async def complete_job(
-    conn: AsyncConnection, job_id: int, *, result_hash: str, result_size: int, now: float
-) -> bool:
-    changed = await conn.execute(
-        move(
-            jobs,
-            JobState.COMPLETED,
-            jobs.c.id == job_id,
-            result_hash=result_hash,
-            result_size=result_size,
-            finished_at=now,
+    @read
+    async def get_job(self, conn: AsyncConnection, job_id: int) -> JobRecord | None:
+        return await rows.job(conn, job_id)
+
+    @write(retry_conflicts=True)
+    async def cancel_job(self, conn: AsyncConnection, job_id: int, *, now: float) -> list[NodeTask]:
+        return await end_job(conn, job_id, JobState.CANCELLED, error=None, now=now)
+
+    @write(retry_conflicts=True)
+    async def fail_job(
+        self, conn: AsyncConnection, job_id: int, *, error: str, now: float
+    ) -> list[NodeTask]:
+        return await end_job(conn, job_id, JobState.FAILED, error=error, now=now)
+
+    @read
+    async def list_jobs(
+        self, conn: AsyncConnection, account_id: int | None, *, limit: int, offset: int
+    ) -> list[JobRecord]:
+        query = select(jobs.c.id).order_by(jobs.c.id.desc()).limit(limit).offset(offset)
+        if account_id is not None:
+            query = query.where(jobs.c.account_id == account_id)
+        ids = (await conn.execute(query)).scalars().all()
+        return [job for i in ids if (job := await rows.job(conn, i)) is not None]
+
+    @read
+    async def count_open_jobs(self, conn: AsyncConnection, account_id: int) -> int:
+        """The account's jobs that are queued or running."""
+        open_states = (JobState.QUEUED.value, JobState.RUNNING.value)
+        query = select(func.count()).where(
+            jobs.c.account_id == account_id, jobs.c.state.in_(open_states)
         )
-    )
-    return changed.rowcount == 1
+        return int((await conn.execute(query)).scalar_one())
 
+    @read
+    async def list_shards(self, conn: AsyncConnection, job_id: int) -> list[ShardRecord]:
+        live = (
+            select(func.count())
+            .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(LIVE))
+            .scalar_subquery()
+        )
+        query = select(shards, live.label("live")).where(shards.c.job_id == job_id)
+        found = (await conn.execute(query.order_by(shards.c.idx))).all()
+        return [rows.shard(row, live=row.live) for row in found]
 
-def end_open_shards(where: Any, to: ShardState, *, now: float) -> Update:
-    """The update that ends the open shards matching `where` (those decided stay)."""
-    return move(shards, to, where, sources=[ShardState.OPEN], finished_at=now)
+    @read
+    async def canonical_outputs(self, conn: AsyncConnection, job_id: int) -> list[str]:
+        query = select(shards.c.output_hash, shards.c.state).where(shards.c.job_id == job_id)
+        found = (await conn.execute(query.order_by(shards.c.idx))).all()
+        if any(row.state != ShardState.DONE.value or row.output_hash is None for row in found):
+            raise RuntimeError(f"job {job_id} has shards without a canonical result")
+        return [row.output_hash for row in found]
 
-
-async def jobs_to_assemble(conn: AsyncConnection) -> list[int]:
-    not_done = (
-        select(shards.c.id)
-        .where(shards.c.job_id == jobs.c.id, shards.c.state != ShardState.DONE.value)
-        .exists()
-    )
-    query = select(jobs.c.id).where(jobs.c.state.in_(OPEN_JOB), ~not_done)
-    return list((await conn.execute(query)).scalars().all())
-
-
-async def cancel_live(conn: AsyncConnection, where: Any, *, now: float) -> list[NodeTask]:
-    """Cancel ready and held tasks matching `where`; return those a node holds."""
-    return [held.task for held in await cancel_live_by_shard(conn, where, now=now)]
-
-
-async def cancel_live_by_shard(conn: AsyncConnection, where: Any, *, now: float) -> list[HeldTask]:
-    """`cancel_live`, each held task with its shard id (expired ones too, to be told to
-    stop, though they stay expired)."""
-    found = (
-        await conn.execute(
-            select(tasks.c.id, tasks.c.node_id, tasks.c.state, tasks.c.shard_id).where(
-                where, tasks.c.state.in_(_TO_STOP)
+    @write
+    async def complete_job(
+        self, conn: AsyncConnection, job_id: int, *, result_hash: str, result_size: int, now: float
+    ) -> bool:
+        changed = await conn.execute(
+            move(
+                jobs,
+                JobState.COMPLETED,
+                jobs.c.id == job_id,
+                result_hash=result_hash,
+                result_size=result_size,
+                finished_at=now,
             )
         )
-    ).all()
-    if not found:
-        return []
-    # Still conditional: a result committed meanwhile by another process stays.
-    await conn.execute(
-        move(
-            tasks,
-            TaskState.CANCELLED,
-            tasks.c.id.in_([r.id for r in found]),
-            sources=_CANCELLABLE,
-            finished_at=now,
+        return changed.rowcount == 1
+
+    @read
+    async def jobs_to_assemble(self, conn: AsyncConnection) -> list[int]:
+        not_done = (
+            select(shards.c.id)
+            .where(shards.c.job_id == jobs.c.id, shards.c.state != ShardState.DONE.value)
+            .exists()
         )
-    )
-    return [
-        HeldTask(r.shard_id, NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState(r.state)))
-        for r in found
-        if r.node_id is not None
-    ]
+        query = select(jobs.c.id).where(jobs.c.state.in_(OPEN_JOB), ~not_done)
+        return list((await conn.execute(query)).scalars().all())
+
+    @read
+    async def state_counts(self, conn: AsyncConnection) -> StateCounts:
+        """How many tasks and how many jobs are in each state (for metrics)."""
+        by_state = [
+            {
+                state: count
+                for state, count in (
+                    await conn.execute(select(table.c.state, func.count()).group_by(table.c.state))
+                ).all()
+            }
+            for table in (tasks, jobs)
+        ]
+        return StateCounts(tasks=by_state[0], jobs=by_state[1])

@@ -1,6 +1,6 @@
-"""SQL of nodes: registration under Sybil limits, presence, and what a node holds.
+"""Nodes: registration under Sybil limits, presence, and what a node holds.
 
-Functions over an open connection; `SqlStore` wraps each in a transaction.
+The `store.nodes` role; each method is one transaction (store/database.py).
 """
 
 from __future__ import annotations
@@ -20,60 +20,13 @@ from idlegrid.store.base import (
     NodeTrust,
     RegistrationLimits,
     RegistrationRefused,
-    StateCounts,
 )
+from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 
 HELD = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value)
 TOUCH_CHUNK = 500  # nodes per presence statement
-
-
-async def register_node(
-    conn: AsyncConnection,
-    account_id: int,
-    node_key: str,
-    *,
-    values: dict[str, Any],
-    now: float,
-    limits: RegistrationLimits | None,
-) -> NodeRecord:
-    """Insert the node, or update it when its key is known; `values` are its columns
-    (its state aside: it is online now, from either state)."""
-    upsert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
-    known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
-    if known is None and limits is not None:
-        await check_new_node(conn, account_id, values["address"], limits, now=now)
-    # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
-    inserted = await conn.execute(
-        upsert(nodes)
-        .values(
-            account_id=account_id,
-            node_key=node_key,
-            created_at=now,
-            connected_seconds=0.0,
-            state=NodeState.ONLINE.value,
-            **values,
-        )
-        .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
-    )
-    if inserted.rowcount != 1:
-        # Known and online already (a reconnect before its old connection was missed):
-        # still refreshed, so `or_already`.
-        updated = await conn.execute(
-            move(
-                nodes,
-                NodeState.ONLINE,
-                nodes.c.node_key == node_key,
-                nodes.c.account_id == account_id,
-                or_already=True,
-                **values,
-            )
-        )
-        if updated.rowcount != 1:
-            raise RegistrationRefused("this node key belongs to another account")
-    row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
-    return rows.node(row)
 
 
 async def check_new_node(
@@ -122,10 +75,6 @@ async def check_new_node(
             )
 
 
-async def set_node_offline(conn: AsyncConnection, node_id: int, *, now: float) -> None:
-    await conn.execute(move(nodes, NodeState.OFFLINE, nodes.c.id == node_id, last_seen_at=now))
-
-
 def _touch_statement() -> Any:
     at = bindparam("at", type_=Float)
     return (
@@ -141,32 +90,6 @@ def _touch_statement() -> Any:
 
 
 _TOUCH = _touch_statement()
-
-
-async def touch_nodes(conn: AsyncConnection, seen: dict[int, float]) -> None:
-    """Record last-seen times and add the time since the previous touch to uptime."""
-    # One statement executed for many rows: a fleet's presence in one round trip. In node
-    # id order, the order every transaction locks node rows in: two processes touching
-    # overlapping fleets (two leaders for a moment) wait for each other, never deadlock.
-    params = [{"node": node, "at": seen[node]} for node in sorted(seen)]
-    # In chunks: binding a whole fleet's rows at once would hold the event loop.
-    for start in range(0, len(params), TOUCH_CHUNK):
-        await conn.execute(_TOUCH, params[start : start + TOUCH_CHUNK])
-
-
-async def list_nodes(conn: AsyncConnection, account_id: int | None) -> list[NodeRecord]:
-    query = select(nodes).order_by(nodes.c.id)
-    if account_id is not None:
-        query = query.where(nodes.c.account_id == account_id)
-    return [rows.node(row) for row in await conn.execute(query)]
-
-
-async def node_tasks(conn: AsyncConnection, node_id: int) -> list[NodeTask]:
-    query = select(tasks.c.id, tasks.c.state).where(
-        tasks.c.node_id == node_id, tasks.c.state.in_(HELD)
-    )
-    found = (await conn.execute(query)).all()
-    return [NodeTask(task_id=r.id, node_id=node_id, state=TaskState(r.state)) for r in found]
 
 
 async def list_trust(
@@ -198,38 +121,141 @@ async def list_trust(
     ]
 
 
-async def measured_speeds(conn: AsyncConnection, node_id: int, *, last: int) -> dict[str, float]:
-    """FLOP/s per kind at which the node's `last` validated tasks ran, as the coordinator
-    timed them (assignment to result) against each shard's nominal cost."""
-    query = (
-        select(jobs.c.kind, shards.c.cost_flops, tasks.c.assigned_at, tasks.c.finished_at)
-        .select_from(tasks.join(shards, shards.c.id == tasks.c.shard_id).join(jobs))
-        .where(
-            tasks.c.node_id == node_id,
-            tasks.c.outcome == "valid",
-            tasks.c.assigned_at.is_not(None),
-            tasks.c.finished_at.is_not(None),
+class Nodes(Role):
+    """Nodes: registration, presence, what they hold, their trust (`store.nodes`)."""
+
+    @write
+    async def register_node(
+        self,
+        conn: AsyncConnection,
+        account_id: int,
+        node_key: str,
+        *,
+        name: str,
+        worker_version: str,
+        hardware: dict[str, Any],
+        benchmark: dict[str, Any],
+        kinds: list[str],
+        slots: int,
+        address: str,
+        now: float,
+        network: str = "",
+        limits: RegistrationLimits | None = None,
+    ) -> NodeRecord:
+        """Register or refresh a node; `RegistrationRefused` says why a new one may not.
+
+        Inserts the node, or updates it when its key is known (its state aside: it is
+        online now, from either state).
+        """
+        values: dict[str, Any] = dict(
+            name=name,
+            worker_version=worker_version,
+            hardware=hardware,
+            benchmark=benchmark,
+            kinds=kinds,
+            slots=slots,
+            address=address,
+            network=network,
+            last_seen_at=now,
         )
-        .order_by(tasks.c.id.desc())
-        .limit(last)
-    )
-    flops: dict[str, float] = {}
-    seconds: dict[str, float] = {}
-    for row in (await conn.execute(query)).all():
-        flops[row.kind] = flops.get(row.kind, 0.0) + row.cost_flops
-        seconds[row.kind] = seconds.get(row.kind, 0.0) + max(0.0, row.finished_at - row.assigned_at)
-    return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
+        upsert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
+        known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
+        if known is None and limits is not None:
+            await check_new_node(conn, account_id, address, limits, now=now)
+        # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
+        inserted = await conn.execute(
+            upsert(nodes)
+            .values(
+                account_id=account_id,
+                node_key=node_key,
+                created_at=now,
+                connected_seconds=0.0,
+                state=NodeState.ONLINE.value,
+                **values,
+            )
+            .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
+        )
+        if inserted.rowcount != 1:
+            # Known and online already (a reconnect before its old connection was missed):
+            # still refreshed, so `or_already`.
+            updated = await conn.execute(
+                move(
+                    nodes,
+                    NodeState.ONLINE,
+                    nodes.c.node_key == node_key,
+                    nodes.c.account_id == account_id,
+                    or_already=True,
+                    **values,
+                )
+            )
+            if updated.rowcount != 1:
+                raise RegistrationRefused("this node key belongs to another account")
+        row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
+        return rows.node(row)
 
+    @write
+    async def set_node_offline(self, conn: AsyncConnection, node_id: int, *, now: float) -> None:
+        await conn.execute(move(nodes, NodeState.OFFLINE, nodes.c.id == node_id, last_seen_at=now))
 
-async def state_counts(conn: AsyncConnection) -> StateCounts:
-    """Tasks and jobs counted by state (the metrics' gauges)."""
-    by_state = [
-        {
-            state: count
-            for state, count in (
-                await conn.execute(select(table.c.state, func.count()).group_by(table.c.state))
-            ).all()
-        }
-        for table in (tasks, jobs)
-    ]
-    return StateCounts(tasks=by_state[0], jobs=by_state[1])
+    @retry_conflicts
+    async def touch_nodes(self, seen: dict[int, float]) -> None:
+        """Record last-seen times and add the time since the previous touch to uptime."""
+        if not seen:
+            return
+        # One statement executed for many rows: a fleet's presence in one round trip. In node
+        # id order, the order every transaction locks node rows in: two processes touching
+        # overlapping fleets (two leaders for a moment) wait for each other, never deadlock.
+        params = [{"node": node, "at": seen[node]} for node in sorted(seen)]
+        # In chunks: binding a whole fleet's rows at once would hold the event loop.
+        async with self.db.tx() as conn:
+            for start in range(0, len(params), TOUCH_CHUNK):
+                await conn.execute(_TOUCH, params[start : start + TOUCH_CHUNK])
+
+    @read
+    async def list_nodes(
+        self, conn: AsyncConnection, account_id: int | None = None
+    ) -> list[NodeRecord]:
+        query = select(nodes).order_by(nodes.c.id)
+        if account_id is not None:
+            query = query.where(nodes.c.account_id == account_id)
+        return [rows.node(row) for row in await conn.execute(query)]
+
+    @read
+    async def node_tasks(self, conn: AsyncConnection, node_id: int) -> list[NodeTask]:
+        query = select(tasks.c.id, tasks.c.state).where(
+            tasks.c.node_id == node_id, tasks.c.state.in_(HELD)
+        )
+        found = (await conn.execute(query)).all()
+        return [NodeTask(task_id=r.id, node_id=node_id, state=TaskState(r.state)) for r in found]
+
+    @read
+    async def measured_speeds(
+        self, conn: AsyncConnection, node_id: int, *, last: int = 50
+    ) -> dict[str, float]:
+        """FLOP/s per kind of the node's last validated tasks, as the coordinator timed
+        them (assignment to result) against their shards' nominal cost; kinds it has
+        no validated task of are absent."""
+        query = (
+            select(jobs.c.kind, shards.c.cost_flops, tasks.c.assigned_at, tasks.c.finished_at)
+            .select_from(tasks.join(shards, shards.c.id == tasks.c.shard_id).join(jobs))
+            .where(
+                tasks.c.node_id == node_id,
+                tasks.c.outcome == "valid",
+                tasks.c.assigned_at.is_not(None),
+                tasks.c.finished_at.is_not(None),
+            )
+            .order_by(tasks.c.id.desc())
+            .limit(last)
+        )
+        flops: dict[str, float] = {}
+        seconds: dict[str, float] = {}
+        for row in (await conn.execute(query)).all():
+            flops[row.kind] = flops.get(row.kind, 0.0) + row.cost_flops
+            seconds[row.kind] = seconds.get(row.kind, 0.0) + max(
+                0.0, row.finished_at - row.assigned_at
+            )
+        return {kind: flops[kind] / seconds[kind] for kind in flops if seconds[kind] > 0}
+
+    @read
+    async def node_trust(self, conn: AsyncConnection, node_id: int) -> list[NodeTrust]:
+        return await list_trust(conn, node_id)

@@ -13,8 +13,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import jobs as job_sql
-from idlegrid.store import rows
+from idlegrid.store import ending, rows
 from idlegrid.store.base import NodeTask, ReadyTask, Replenished
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
@@ -24,7 +23,7 @@ from idlegrid.verification import replication
 def _candidates_query() -> Any:
     live = (
         select(func.count())
-        .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(job_sql.LIVE))
+        .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(ending.LIVE))
         .scalar_subquery()
     )
     results = (
@@ -63,7 +62,7 @@ def _candidates_query() -> Any:
         .join(jobs, jobs.c.id == shards.c.job_id)
         .where(
             shards.c.state == ShardState.OPEN.value,
-            jobs.c.state.in_(job_sql.OPEN_JOB),
+            jobs.c.state.in_(ending.OPEN_JOB),
             (live + results < shards.c.target) | undecided,
         )
     )
@@ -202,7 +201,7 @@ async def _fail_exhausted(
             failed_jobs.append(row.job_id)
             # Its other shards end with it, as in `jobs.end_job`.
             await conn.execute(
-                job_sql.end_open_shards(shards.c.job_id == row.job_id, ShardState.FAILED, now=now)
+                ending.end_open_shards(shards.c.job_id == row.job_id, ShardState.FAILED, now=now)
             )
-            to_cancel += await job_sql.cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
+            to_cancel += await ending.cancel_live(conn, tasks.c.job_id == row.job_id, now=now)
     return failed_jobs, to_cancel

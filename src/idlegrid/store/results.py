@@ -1,6 +1,6 @@
-"""SQL of what comes back from nodes: results recorded exactly once, failures, expiry.
+"""What comes back from nodes: results recorded exactly once, failures, expiry.
 
-Functions over an open connection; `SqlStore` wraps each in a transaction. A result is
+The `store.results` role; each method is one transaction (store/database.py). A result is
 taken only from the node that holds its task, once: a repeat with the same output is a
 duplicate, one with another output is refused.
 """
@@ -16,6 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import ShardState, TaskState
 from idlegrid.store import ledger, rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
+from idlegrid.store.database import Role, read, write
 from idlegrid.store.lifecycle import check_moved, check_row, move
 from idlegrid.store.schema import shards, tasks
 from idlegrid.verification.trust import TrustSettings
@@ -32,82 +33,6 @@ _TAKE = move(
     finished_at=bindparam("b_now"),
     outcome=bindparam("b_outcome"),
 )
-
-
-async def accept_results(
-    conn: AsyncConnection,
-    node_id: int,
-    results: Sequence[NewResult],
-    *,
-    trust: TrustSettings,
-    now: float,
-) -> list[ResultReceipt]:
-    """Record a node's results; one receipt for each, in order.
-
-    A task that expired and delivers after all was slow, not lost: the error its expiry
-    charged is withdrawn, and its result is judged like any other. A node's error count
-    is then the number of its tasks that failed or expired for good.
-    """
-    if not results:
-        return []
-    # One read and one write for the batch. The rows are locked on PostgreSQL (in id
-    # order, so two batches cannot deadlock); SQLite holds its write lock meanwhile.
-    query = (
-        select(
-            tasks.c.id,
-            tasks.c.node_id,
-            tasks.c.state,
-            tasks.c.output_hash,
-            tasks.c.shard_id,
-            tasks.c.job_id,
-            shards.c.state.label("shard_state"),
-        )
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
-        .order_by(tasks.c.id)
-    )
-    if rows.row_locks(conn):
-        query = query.with_for_update(of=tasks, key_share=True)
-    found = {row.id: row for row in (await conn.execute(query)).all()}
-    receipts: list[ResultReceipt] = []
-    changes: list[dict[str, Any]] = []
-    taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
-    delivered_late: list[int] = []  # expired tasks that delivered after all
-    for result in results:
-        if result.task_id in taken:  # the same task twice in one batch
-            receipts.append(_repeat(result, taken[result.task_id]))
-            continue
-        row = found.get(result.task_id)
-        receipt = judge_result(row, result.task_id, node_id, result.output_hash)
-        if receipt is not None:
-            receipts.append(receipt)
-            continue
-        assert row is not None
-        shard_open = row.shard_state == ShardState.OPEN.value
-        check_row(tasks, row.id, TaskState(row.state), TaskState.COMPLETED)
-        taken[result.task_id] = result.output_hash
-        if row.state == TaskState.EXPIRED.value:
-            delivered_late.append(result.task_id)
-        changes.append(
-            {
-                "b_task": result.task_id,
-                "b_output_hash": result.output_hash,
-                "b_output_size": result.output_size,
-                "b_elapsed_s": result.elapsed_s,
-                "b_now": now,
-                "b_outcome": None if shard_open else "late",
-            }
-        )
-        receipts.append(
-            ResultReceipt(
-                "accepted" if shard_open else "late", shard_id=row.shard_id, job_id=row.job_id
-            )
-        )
-    if changes:
-        done = await conn.execute(_TAKE, changes)
-        await check_moved(conn, done, tasks, list(taken), TaskState.COMPLETED)
-    await ledger.withdraw_errors(conn, delivered_late, settings=trust, now=now)
-    return receipts
 
 
 def _repeat(result: NewResult, taken_hash: str) -> ResultReceipt:
@@ -134,47 +59,6 @@ def judge_result(
     return None
 
 
-async def task_inputs(
-    conn: AsyncConnection, task_ids: Sequence[int], node_id: int
-) -> dict[int, TaskInput]:
-    if not task_ids:
-        return {}
-    query = (
-        select(tasks.c.id, tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(tasks.c.id.in_(list(set(task_ids))), tasks.c.node_id == node_id)
-    )
-    found = (await conn.execute(query)).all()
-    return {
-        r.id: TaskInput(job_id=r.job_id, shard_id=r.shard_id, input_hash=r.input_hash)
-        for r in found
-    }
-
-
-async def record_failure(
-    conn: AsyncConnection,
-    task_id: int,
-    node_id: int,
-    *,
-    reason: str,
-    trust: TrustSettings,
-    now: float,
-) -> bool:
-    """The node that holds the task reports it failed; False if it does not hold it.
-
-    An error of the node, unless the task had expired: that was charged already.
-    """
-    values: dict[str, Any] = dict(failure_reason=reason[:2000], finished_at=now)
-    mine = (tasks.c.id == task_id, tasks.c.node_id == node_id)
-    failed = TaskState.FAILED
-    changed = await conn.execute(move(tasks, failed, *mine, sources=[TaskState.ASSIGNED], **values))
-    if changed.rowcount == 1:
-        await ledger.apply_verdicts(conn, [(task_id, "error")], settings=trust, now=now)
-        return True
-    changed = await conn.execute(move(tasks, failed, *mine, sources=[TaskState.EXPIRED], **values))
-    return changed.rowcount == 1
-
-
 async def expire(
     conn: AsyncConnection, where: Any, *, trust: TrustSettings, now: float
 ) -> list[NodeTask]:
@@ -197,3 +81,165 @@ async def expire(
     # A missed deadline is an error of the node (BOINC counts it so too).
     await ledger.apply_verdicts(conn, [(r.id, "error") for r in found], settings=trust, now=now)
     return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in found]
+
+
+class Results(Role):
+    """What comes back from nodes: results, failures, missed leases (`store.results`)."""
+
+    async def accept_result(
+        self,
+        task_id: int,
+        node_id: int,
+        *,
+        output_hash: str,
+        output_size: int,
+        elapsed_s: float,
+        now: float,
+    ) -> ResultReceipt:
+        """`accept_results` of one result."""
+        result = NewResult(task_id, output_hash, output_size, elapsed_s)
+        return (await self.accept_results(node_id, [result], now=now))[0]
+
+    async def accept_results(
+        self,
+        node_id: int,
+        results: Sequence[NewResult],
+        *,
+        now: float,
+    ) -> list[ResultReceipt]:
+        """Record several results of one node in one transaction; a receipt for each.
+
+        A task that expired and delivers after all was slow, not lost: the error its expiry
+        charged is withdrawn, and its result is judged like any other. A node's error count
+        is then the number of its tasks that failed or expired for good.
+        """
+        if not results:
+            return []
+        async with self.db.tx() as conn:
+            if not results:
+                return []
+            # One read and one write for the batch. The rows are locked on PostgreSQL (in id
+            # order, so two batches cannot deadlock); SQLite holds its write lock meanwhile.
+            query = (
+                select(
+                    tasks.c.id,
+                    tasks.c.node_id,
+                    tasks.c.state,
+                    tasks.c.output_hash,
+                    tasks.c.shard_id,
+                    tasks.c.job_id,
+                    shards.c.state.label("shard_state"),
+                )
+                .join(shards, shards.c.id == tasks.c.shard_id)
+                .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
+                .order_by(tasks.c.id)
+            )
+            if rows.row_locks(conn):
+                query = query.with_for_update(of=tasks, key_share=True)
+            found = {row.id: row for row in (await conn.execute(query)).all()}
+            receipts: list[ResultReceipt] = []
+            changes: list[dict[str, Any]] = []
+            taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
+            delivered_late: list[int] = []  # expired tasks that delivered after all
+            for result in results:
+                if result.task_id in taken:  # the same task twice in one batch
+                    receipts.append(_repeat(result, taken[result.task_id]))
+                    continue
+                row = found.get(result.task_id)
+                receipt = judge_result(row, result.task_id, node_id, result.output_hash)
+                if receipt is not None:
+                    receipts.append(receipt)
+                    continue
+                assert row is not None
+                shard_open = row.shard_state == ShardState.OPEN.value
+                check_row(tasks, row.id, TaskState(row.state), TaskState.COMPLETED)
+                taken[result.task_id] = result.output_hash
+                if row.state == TaskState.EXPIRED.value:
+                    delivered_late.append(result.task_id)
+                changes.append(
+                    {
+                        "b_task": result.task_id,
+                        "b_output_hash": result.output_hash,
+                        "b_output_size": result.output_size,
+                        "b_elapsed_s": result.elapsed_s,
+                        "b_now": now,
+                        "b_outcome": None if shard_open else "late",
+                    }
+                )
+                receipts.append(
+                    ResultReceipt(
+                        "accepted" if shard_open else "late",
+                        shard_id=row.shard_id,
+                        job_id=row.job_id,
+                    )
+                )
+            if changes:
+                done = await conn.execute(_TAKE, changes)
+                await check_moved(conn, done, tasks, list(taken), TaskState.COMPLETED)
+            await ledger.withdraw_errors(conn, delivered_late, settings=self.trust, now=now)
+            return receipts
+
+    @read
+    async def task_inputs(
+        self, conn: AsyncConnection, task_ids: Sequence[int], node_id: int
+    ) -> dict[int, TaskInput]:
+        """The inputs of those of `task_ids` that `node_id` holds or held."""
+        if not task_ids:
+            return {}
+        query = (
+            select(tasks.c.id, tasks.c.job_id, tasks.c.shard_id, shards.c.input_hash)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.id.in_(list(set(task_ids))), tasks.c.node_id == node_id)
+        )
+        found = (await conn.execute(query)).all()
+        return {
+            r.id: TaskInput(job_id=r.job_id, shard_id=r.shard_id, input_hash=r.input_hash)
+            for r in found
+        }
+
+    @write
+    async def record_failure(
+        self,
+        conn: AsyncConnection,
+        task_id: int,
+        node_id: int,
+        *,
+        reason: str,
+        now: float,
+    ) -> bool:
+        """The node that holds the task reports it failed; False if it does not hold it.
+
+        An error of the node, unless the task had expired: that was charged already.
+        """
+        values: dict[str, Any] = dict(failure_reason=reason[:2000], finished_at=now)
+        mine = (tasks.c.id == task_id, tasks.c.node_id == node_id)
+        failed = TaskState.FAILED
+        changed = await conn.execute(
+            move(tasks, failed, *mine, sources=[TaskState.ASSIGNED], **values)
+        )
+        if changed.rowcount == 1:
+            await ledger.apply_verdicts(conn, [(task_id, "error")], settings=self.trust, now=now)
+            return True
+        changed = await conn.execute(
+            move(tasks, failed, *mine, sources=[TaskState.EXPIRED], **values)
+        )
+        return changed.rowcount == 1
+
+    @write(retry_conflicts=True)
+    async def expire_overdue(self, conn: AsyncConnection, *, now: float) -> list[NodeTask]:
+        """Expire the assigned tasks whose lease ran out."""
+        return await expire(conn, tasks.c.lease_deadline < now, trust=self.trust, now=now)
+
+    @write(retry_conflicts=True)
+    async def expire_node_tasks(
+        self, conn: AsyncConnection, node_id: int, *, now: float
+    ) -> list[NodeTask]:
+        """Expire the tasks a node holds (it went away)."""
+        return await expire(conn, tasks.c.node_id == node_id, trust=self.trust, now=now)
+
+    @write(retry_conflicts=True)
+    async def expire_task(
+        self, conn: AsyncConnection, task_id: int, *, now: float
+    ) -> list[NodeTask]:
+        """Expire one task if it is still assigned."""
+        return await expire(conn, tasks.c.id == task_id, trust=self.trust, now=now)

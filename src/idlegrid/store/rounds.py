@@ -1,4 +1,4 @@
-"""SQL of training rounds, mixed into `SqlStore` (the `TrainingRoundStore` protocol).
+"""The training rounds of `diloco-train` jobs: the `store.rounds` role.
 
 A round row is opened and the previous one closed in one transaction with the shards of
 the new round, so a round is closed exactly once even when two monitor passes (or two
@@ -8,9 +8,8 @@ no row and it creates nothing.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import and_, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
@@ -28,7 +27,8 @@ from idlegrid.store.base import (
     TrainingFinish,
 )
 from idlegrid.store.blob_owners import add_job_blobs
-from idlegrid.store.jobs import cancel_live, end_open_shards
+from idlegrid.store.database import Role, read, write
+from idlegrid.store.ending import cancel_live, end_open_shards
 from idlegrid.store.lifecycle import move
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds
@@ -37,40 +37,38 @@ _OPEN = TrainingRoundState.OPEN.value
 _LIVE_JOB = (JobState.QUEUED.value, JobState.RUNNING.value)
 
 
-class TrainingRoundsSql:
-    """The training-round methods of `SqlStore`."""
+class TrainingRounds(Role):
+    """The training rounds of `diloco-train` jobs (`store.rounds`)."""
 
-    if TYPE_CHECKING:  # provided by SqlStore
-
-        def _tx(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-        def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-
+    @write
     async def start_training(
         self,
+        conn: AsyncConnection,
         job_id: int,
         first: NewRound,
         extra_shards: Sequence[NewShard],
         *,
         now: float,
     ) -> list[ReadyTask]:
-        async with self._tx() as conn:
-            await conn.execute(insert(training_rounds).values(**_round_values(job_id, first, now)))
-            await _name_round_blobs(conn, job_id, first)
-            await _add_shards(conn, job_id, extra_shards)
-            topped_up = await replenish(conn, now=now, job_id=job_id)
+        await conn.execute(insert(training_rounds).values(**_round_values(job_id, first, now)))
+        await _name_round_blobs(conn, job_id, first)
+        await _add_shards(conn, job_id, extra_shards)
+        topped_up = await replenish(conn, now=now, job_id=job_id)
         return topped_up.ready
 
-    async def training_rounds(self, job_id: int) -> list[RoundRecord]:
+    @read
+    async def training_rounds(self, conn: AsyncConnection, job_id: int) -> list[RoundRecord]:
         query = (
             select(training_rounds)
             .where(training_rounds.c.job_id == job_id)
             .order_by(training_rounds.c.round)
         )
-        async with self._read() as conn:
-            return [_record(row) for row in (await conn.execute(query)).all()]
+        return [_record(row) for row in (await conn.execute(query)).all()]
 
+    @write
     async def advance_round(
         self,
+        conn: AsyncConnection,
         job_id: int,
         closing: int,
         *,
@@ -80,20 +78,19 @@ class TrainingRoundsSql:
         shards: Sequence[NewShard],
         now: float,
     ) -> RoundAdvance:
-        async with self._tx() as conn:
-            if not await _close(conn, job_id, closing, metrics, now):
-                return RoundAdvance(won=False, ready=[], to_cancel=[])
-            to_cancel = await self._cancel_shards(conn, job_id, cancel_shards, now=now)
-            await conn.execute(
-                insert(training_rounds).values(**_round_values(job_id, next_round, now))
-            )
-            await _name_round_blobs(conn, job_id, next_round)
-            await _add_shards(conn, job_id, shards)
-            more = await replenish(conn, now=now, job_id=job_id)
+        if not await _close(conn, job_id, closing, metrics, now):
+            return RoundAdvance(won=False, ready=[], to_cancel=[])
+        to_cancel = await _cancel_shards(conn, job_id, cancel_shards, now=now)
+        await conn.execute(insert(training_rounds).values(**_round_values(job_id, next_round, now)))
+        await _name_round_blobs(conn, job_id, next_round)
+        await _add_shards(conn, job_id, shards)
+        more = await replenish(conn, now=now, job_id=job_id)
         return RoundAdvance(won=True, ready=more.ready, to_cancel=to_cancel + more.to_cancel)
 
+    @write
     async def finish_training(
         self,
+        conn: AsyncConnection,
         job_id: int,
         final: int,
         *,
@@ -103,40 +100,42 @@ class TrainingRoundsSql:
         now: float,
     ) -> TrainingFinish:
         """Close the last round and complete the job; its remaining tasks are cancelled."""
-        async with self._tx() as conn:
-            if not await _close(conn, job_id, final, metrics, now):
-                return TrainingFinish(won=False, to_cancel=[])
-            await conn.execute(
-                end_open_shards(shards.c.job_id == job_id, ShardState.CANCELLED, now=now)
+        if not await _close(conn, job_id, final, metrics, now):
+            return TrainingFinish(won=False, to_cancel=[])
+        await conn.execute(
+            end_open_shards(shards.c.job_id == job_id, ShardState.CANCELLED, now=now)
+        )
+        to_cancel = await cancel_live(conn, tasks.c.job_id == job_id, now=now)
+        completed = await conn.execute(
+            move(
+                jobs,
+                JobState.COMPLETED,
+                jobs.c.id == job_id,
+                result_hash=result_hash,
+                result_size=result_size,
+                finished_at=now,
             )
-            to_cancel = await cancel_live(conn, tasks.c.job_id == job_id, now=now)
-            completed = await conn.execute(
-                move(
-                    jobs,
-                    JobState.COMPLETED,
-                    jobs.c.id == job_id,
-                    result_hash=result_hash,
-                    result_size=result_size,
-                    finished_at=now,
-                )
-            )
+        )
         return TrainingFinish(won=completed.rowcount == 1, to_cancel=to_cancel)
 
+    @write
     async def update_round_metrics(
-        self, job_id: int, round_number: int, values: dict[str, Any]
+        self, conn: AsyncConnection, job_id: int, round_number: int, values: dict[str, Any]
     ) -> None:
-        async with self._tx() as conn:
-            await _merge_metrics(conn, job_id, round_number, values)
+        await _merge_metrics(conn, job_id, round_number, values)
 
-    async def extend_round(self, job_id: int, round_number: int, *, deadline: float) -> None:
-        async with self._tx() as conn:
-            await conn.execute(
-                update(training_rounds)
-                .where(_round_is(job_id, round_number), training_rounds.c.state == _OPEN)
-                .values(deadline=deadline)
-            )
+    @write
+    async def extend_round(
+        self, conn: AsyncConnection, job_id: int, round_number: int, *, deadline: float
+    ) -> None:
+        await conn.execute(
+            update(training_rounds)
+            .where(_round_is(job_id, round_number), training_rounds.c.state == _OPEN)
+            .values(deadline=deadline)
+        )
 
-    async def due_rounds(self, *, now: float) -> list[DueRound]:
+    @read
+    async def due_rounds(self, conn: AsyncConnection, *, now: float) -> list[DueRound]:
         query = (
             select(training_rounds.c.job_id, training_rounds.c.round)
             .join(jobs, jobs.c.id == training_rounds.c.job_id)
@@ -146,10 +145,12 @@ class TrainingRoundsSql:
                 jobs.c.state.in_(_LIVE_JOB),
             )
         )
-        async with self._read() as conn:
-            return [DueRound(row.job_id, row.round) for row in (await conn.execute(query)).all()]
+        return [DueRound(row.job_id, row.round) for row in (await conn.execute(query)).all()]
 
-    async def round_traffic(self, job_id: int, shard_indexes: Sequence[int]) -> RoundTraffic:
+    @read
+    async def round_traffic(
+        self, conn: AsyncConnection, job_id: int, shard_indexes: Sequence[int]
+    ) -> RoundTraffic:
         of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(shard_indexes)))
         assigned = (
             select(func.coalesce(func.sum(shards.c.input_size), 0))
@@ -162,24 +163,24 @@ class TrainingRoundsSql:
             .where(of_round, tasks.c.state == TaskState.COMPLETED.value)
             .group_by(tasks.c.node_id)
         )
-        async with self._read() as conn:
-            payload_bytes = (await conn.execute(assigned)).scalar_one()
-            per_node = (await conn.execute(uploaded)).all()
+        payload_bytes = (await conn.execute(assigned)).scalar_one()
+        per_node = (await conn.execute(uploaded)).all()
         return RoundTraffic(
             payload_bytes=int(payload_bytes),
             output_bytes=int(sum(row[0] for row in per_node)),
             nodes=tuple(sorted(row.node_id for row in per_node if row.node_id is not None)),
         )
 
-    async def _cancel_shards(
-        self, conn: AsyncConnection, job_id: int, indexes: Sequence[int], *, now: float
-    ) -> list[NodeTask]:
-        if not indexes:
-            return []
-        of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(indexes)))
-        ids = (await conn.execute(select(shards.c.id).where(of_round))).scalars().all()
-        await conn.execute(end_open_shards(of_round, ShardState.CANCELLED, now=now))
-        return await cancel_live(conn, tasks.c.shard_id.in_(list(ids)), now=now)
+
+async def _cancel_shards(
+    conn: AsyncConnection, job_id: int, indexes: Sequence[int], *, now: float
+) -> list[NodeTask]:
+    if not indexes:
+        return []
+    of_round = and_(shards.c.job_id == job_id, shards.c.idx.in_(list(indexes)))
+    ids = (await conn.execute(select(shards.c.id).where(of_round))).scalars().all()
+    await conn.execute(end_open_shards(of_round, ShardState.CANCELLED, now=now))
+    return await cancel_live(conn, tasks.c.shard_id.in_(list(ids)), now=now)
 
 
 def _round_is(job_id: int, round_number: int) -> Any:

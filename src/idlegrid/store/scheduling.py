@@ -1,6 +1,8 @@
-"""SQL for scheduling: ready tasks of every job, straggling shards, speculative backups.
+"""Scheduling: ready tasks of every job, straggling shards, speculative backups, top-up.
 
-Functions over an open connection; `SqlStore` wraps each in a transaction. A backup
+The `store.scheduling` role; each method is one transaction (store/database.py). The
+top-up itself (store/replenish.py) also runs inside the transactions that make shards
+(a new job, a training round). A backup
 task follows the same rules as any claim: its insert is conditional on the shard being
 open, short of `max_attempts`, without a backup yet and without a task on the node, with
 the shard's row locked on PostgreSQL so two processes cannot both add one.
@@ -16,28 +18,14 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
 from idlegrid.store import rows
-from idlegrid.store.base import Assignment, ReadyTask, RunningTask
+from idlegrid.store.base import Assignment, ReadyTask, Replenished, RunningTask
+from idlegrid.store.database import Role, read, write
+from idlegrid.store.replenish import replenish as top_up
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 _OPEN_JOB = (JobState.QUEUED.value, JobState.RUNNING.value)
 _RAN = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value, TaskState.COMPLETED.value)
-
-
-async def ready_heads(conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]:
-    """The oldest `per_job` ready tasks of each job, oldest first."""
-    position = (
-        func.row_number().over(partition_by=tasks.c.job_id, order_by=tasks.c.id).label("position")
-    )
-    ranked = (
-        select(*rows.READY_COLUMNS, position)
-        .join(jobs, jobs.c.id == tasks.c.job_id)
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(tasks.c.state == TaskState.READY.value)
-        .subquery()
-    )
-    query = select(ranked).where(ranked.c.position <= per_job).order_by(ranked.c.id)
-    return [rows.ready(row) for row in await conn.execute(query)]
 
 
 # Made once, not per query: an alias copies the table's columns and foreign keys into
@@ -92,107 +80,138 @@ def _running_shards_query(limit: int) -> Any:
     )
 
 
-async def running_shards(conn: AsyncConnection, *, limit: int) -> list[RunningTask]:
-    """Held tasks of open shards whose job has no ready task and that have no backup."""
-    query = _running_shards_query(limit)
-    return [
-        RunningTask(
-            task_id=row.id,
-            shard_id=row.shard_id,
-            job_id=row.job_id,
-            node_id=row.node_id,
-            kind=row.kind,
-            items=row.item_count,
-            cost_flops=row.cost_flops,
-            assigned_at=row.assigned_at,
-            node_benchmark=dict(row.benchmark or {}),
-        )
-        for row in await conn.execute(query)
-    ]
+class Scheduling(Role):
+    """The ready queue's heads, stragglers and their backups, the top-up (`store.scheduling`)."""
 
+    @read
+    async def ready_heads(self, conn: AsyncConnection, *, per_job: int) -> list[ReadyTask]:
+        """The oldest `per_job` ready tasks of every job, so no job hides behind another."""
+        position = (
+            func.row_number()
+            .over(partition_by=tasks.c.job_id, order_by=tasks.c.id)
+            .label("position")
+        )
+        ranked = (
+            select(*rows.READY_COLUMNS, position)
+            .join(jobs, jobs.c.id == tasks.c.job_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(tasks.c.state == TaskState.READY.value)
+            .subquery()
+        )
+        query = select(ranked).where(ranked.c.position <= per_job).order_by(ranked.c.id)
+        return [rows.ready(row) for row in await conn.execute(query)]
 
-async def add_backup_task(
-    conn: AsyncConnection,
-    shard_id: int,
-    node_id: int,
-    *,
-    lease_deadline: float,
-    now: float,
-    lock: bool,
-) -> Assignment | None:
-    """Insert one extra task of the shard, assigned to the node, if the rules allow."""
-    shard_query = select(shards).where(shards.c.id == shard_id)
-    if lock:
-        shard_query = shard_query.with_for_update(key_share=True)
-    shard = (await conn.execute(shard_query)).first()
-    if shard is None or shard.state != ShardState.OPEN.value:
-        return None
-    job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
-    # Replicated shards are not backed up: their replicas race to a quorum already, and a
-    # backup would spend the shard's max_total_results budget that a dispute needs.
-    if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts or job.replication > 1:
-        return None
-    live, ready = (
-        await conn.execute(
-            select(
-                func.count(),
-                func.count().filter(tasks.c.state == TaskState.READY.value),
-            ).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
-        )
-    ).one()
-    on_node = (
-        await conn.execute(
-            select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
-        )
-    ).scalar_one()
-    # One backup at most: a shard's live tasks never exceed its target plus one. A
-    # shard with a task still waiting in the queue is not straggling.
-    if live > shard.target or ready or on_node:
-        return None
-    node = (
-        await conn.execute(
-            select(nodes.c.account_id, nodes.c.network, nodes.c.suspended_at).where(
-                nodes.c.id == node_id
+    @read
+    async def running_shards(self, conn: AsyncConnection, *, limit: int) -> list[RunningTask]:
+        """Held tasks of open shards in jobs with no ready task left and no backup yet."""
+        query = _running_shards_query(limit)
+        return [
+            RunningTask(
+                task_id=row.id,
+                shard_id=row.shard_id,
+                job_id=row.job_id,
+                node_id=row.node_id,
+                kind=row.kind,
+                items=row.item_count,
+                cost_flops=row.cost_flops,
+                assigned_at=row.assigned_at,
+                node_benchmark=dict(row.benchmark or {}),
+            )
+            for row in await conn.execute(query)
+        ]
+
+    @write(retry_conflicts=True)
+    async def add_backup_task(
+        self,
+        conn: AsyncConnection,
+        shard_id: int,
+        node_id: int,
+        *,
+        lease_deadline: float,
+        now: float,
+    ) -> Assignment | None:
+        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
+
+        None when the shard is decided, already has a backup or a ready task, is out of
+        attempts (`max_attempts`), or the node already holds or held a task of it.
+        """
+        shard_query = select(shards).where(shards.c.id == shard_id)
+        if not self.db.is_sqlite:
+            shard_query = shard_query.with_for_update(key_share=True)
+        shard = (await conn.execute(shard_query)).first()
+        if shard is None or shard.state != ShardState.OPEN.value:
+            return None
+        job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
+        # Replicated shards are not backed up: their replicas race to a quorum already, and a
+        # backup would spend the shard's max_total_results budget that a dispute needs.
+        if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts or job.replication > 1:
+            return None
+        live, ready = (
+            await conn.execute(
+                select(
+                    func.count(),
+                    func.count().filter(tasks.c.state == TaskState.READY.value),
+                ).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
+            )
+        ).one()
+        on_node = (
+            await conn.execute(
+                select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
+            )
+        ).scalar_one()
+        # One backup at most: a shard's live tasks never exceed its target plus one. A
+        # shard with a task still waiting in the queue is not straggling.
+        if live > shard.target or ready or on_node:
+            return None
+        node = (
+            await conn.execute(
+                select(nodes.c.account_id, nodes.c.network, nodes.c.suspended_at).where(
+                    nodes.c.id == node_id
+                )
+            )
+        ).one()
+        same_account = (
+            await conn.execute(
+                select(func.count()).where(
+                    tasks.c.shard_id == shard_id,
+                    tasks.c.account_id == node.account_id,
+                    tasks.c.state.in_(_RAN),
+                )
+            )
+        ).scalar_one()
+        # Backups keep the replica rules: never a suspended node, never a second replica of
+        # one account (networks are the caller's setting; accounts always count here).
+        if node.suspended_at is not None or (job.replication > 1 and same_account):
+            return None
+        inserted = await conn.execute(
+            insert(tasks).values(
+                shard_id=shard_id,
+                job_id=job.id,
+                node_id=node_id,
+                account_id=node.account_id,
+                network=node.network,
+                state=TaskState.ASSIGNED.value,
+                created_at=now,
+                assigned_at=now,
+                lease_deadline=lease_deadline,
             )
         )
-    ).one()
-    same_account = (
         await conn.execute(
-            select(func.count()).where(
-                tasks.c.shard_id == shard_id,
-                tasks.c.account_id == node.account_id,
-                tasks.c.state.in_(_RAN),
-            )
+            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
         )
-    ).scalar_one()
-    # Backups keep the replica rules: never a suspended node, never a second replica of
-    # one account (networks are the caller's setting; accounts always count here).
-    if node.suspended_at is not None or (job.replication > 1 and same_account):
-        return None
-    inserted = await conn.execute(
-        insert(tasks).values(
+        return Assignment(
+            task_id=rows.pk(inserted),
             shard_id=shard_id,
             job_id=job.id,
-            node_id=node_id,
-            account_id=node.account_id,
-            network=node.network,
-            state=TaskState.ASSIGNED.value,
-            created_at=now,
-            assigned_at=now,
+            shard_index=shard.idx,
+            kind=job.kind,
+            params=job.params,
+            input_hash=shard.input_hash,
+            input_size=shard.input_size,
             lease_deadline=lease_deadline,
         )
-    )
-    await conn.execute(
-        update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
-    )
-    return Assignment(
-        task_id=rows.pk(inserted),
-        shard_id=shard_id,
-        job_id=job.id,
-        shard_index=shard.idx,
-        kind=job.kind,
-        params=job.params,
-        input_hash=shard.input_hash,
-        input_size=shard.input_size,
-        lease_deadline=lease_deadline,
-    )
+
+    @write(retry_conflicts=True)
+    async def replenish(self, conn: AsyncConnection, *, now: float) -> Replenished:
+        """Create tasks for open shards short of replicas; fail shards out of attempts."""
+        return await top_up(conn, now=now, job_id=None)

@@ -1,13 +1,13 @@
-"""What an account holds, for its quotas (`coordinator/quotas.py`), mixed into `SqlStore`."""
+"""What an account holds, for its quotas (`coordinator/quotas.py`): the `store.usage` role."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import NamedTuple
 
 from sqlalchemy import func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from idlegrid.store.database import Role, read
 from idlegrid.store.schema import blob_owners
 
 
@@ -16,23 +16,14 @@ class BlobUsage(NamedTuple):
     bytes: int
 
 
-class UsageStore(Protocol):
-    async def blob_usage(self, account_id: int) -> BlobUsage:
+class Usage(Role):
+    """What an account holds (`store.usage`)."""
+
+    @read
+    async def blob_usage(self, conn: AsyncConnection, account_id: int) -> BlobUsage:
         """The blobs the account owns (uploaded): how many, and their bytes."""
-        ...
-
-
-class UsageSql:
-    """The usage methods of `SqlStore`."""
-
-    if TYPE_CHECKING:  # provided by SqlStore
-
-        def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-
-    async def blob_usage(self, account_id: int) -> BlobUsage:
         query = select(func.count(), func.coalesce(func.sum(blob_owners.c.size), 0)).where(
             blob_owners.c.account_id == account_id
         )
-        async with self._read() as conn:
-            count, size = (await conn.execute(query)).one()
+        count, size = (await conn.execute(query)).one()
         return BlobUsage(int(count), int(size))

@@ -1,6 +1,8 @@
-"""SQL of verification: shards with results to judge, their decisions, late results.
+"""SQL of verification (`store.verification`): shards with results to judge, their
+decisions, late results, spot checks and the flags that follow a caught lie.
 
-Functions over an open connection; `SqlStore` wraps them in transactions. The rules
+The role's operations each run in one transaction; `decide` and the functions beside it
+are the building blocks they share. The rules
 (`verification.judging`) decide from what `shards_for_verify` returns; `decide` records
 their decisions with a conditional update, so a decision that lost a race to another
 process changes nothing, `verification.replication.decision_verdicts` says what each
@@ -17,17 +19,18 @@ from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState, TaskState
-from idlegrid.store import jobs as job_sql
-from idlegrid.store import ledger, rows
+from idlegrid.store import audit, collusion, ending, ledger, rows
 from idlegrid.store.base import (
     DecisionOutcome,
     JobRecord,
     LateResult,
     NodeTask,
+    ReadyTask,
     ShardDecision,
     ShardForVerify,
     ShardResult,
 )
+from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import check_moved, move
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification import replication
@@ -36,21 +39,6 @@ from idlegrid.verification.replication import ResultVerdict
 from idlegrid.verification.trust import TrustSettings
 
 _UNJUDGED_OR_LATE = tasks.c.outcome.is_(None) | (tasks.c.outcome == "late")
-
-
-async def shards_to_verify(conn: AsyncConnection, *, limit: int) -> list[int]:
-    query = (
-        select(tasks.c.shard_id)
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(
-            shards.c.state == ShardState.OPEN.value,
-            tasks.c.state == TaskState.COMPLETED.value,
-            tasks.c.outcome.is_(None),
-        )
-        .distinct()
-        .limit(limit)
-    )
-    return list((await conn.execute(query)).scalars().all())
 
 
 _RESULTS_WITH_TRUST = (
@@ -84,54 +72,6 @@ _RESULTS_WITH_TRUST = (
     )
     .order_by(tasks.c.shard_id, tasks.c.finished_at, tasks.c.id)
 )
-
-
-async def shards_for_verify(
-    conn: AsyncConnection, shard_ids: Sequence[int], *, trust: TrustSettings
-) -> dict[int, ShardForVerify]:
-    """Each shard with its job and its results not found invalid, with their nodes' trust."""
-    ids = sorted(set(shard_ids))
-    if not ids:
-        return {}
-    shard_rows = (await conn.execute(select(shards).where(shards.c.id.in_(ids)))).all()
-    if not shard_rows:
-        return {}
-    job_of: dict[int, JobRecord] = {}
-    for job_id in sorted({row.job_id for row in shard_rows}):
-        job = await rows.job(conn, job_id, with_counts=False)
-        assert job is not None
-        job_of[job_id] = job
-    found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
-    live_query = (
-        select(tasks.c.shard_id, func.count().label("n"))
-        .where(tasks.c.shard_id.in_(ids), tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)))
-        .group_by(tasks.c.shard_id)
-    )
-    live = {row.shard_id: row.n for row in (await conn.execute(live_query)).all()}
-    by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
-    for r in found:
-        by_shard[r.shard_id].append(
-            ShardResult(
-                task_id=r.id,
-                node_id=r.node_id,
-                output_hash=r.output_hash,
-                output_size=r.output_size,
-                outcome=r.outcome,
-                trust=(
-                    ledger.trust_of(r)
-                    if r.valid_total is not None
-                    else trust_rules.new_trust(trust)
-                ),
-            )
-        )
-    return {
-        row.id: ShardForVerify(
-            shard=rows.shard(row, live=live.get(row.id, 0)),
-            job=job_of[row.job_id],
-            results=by_shard[row.id],
-        )
-        for row in shard_rows
-    }
 
 
 @dataclass
@@ -213,21 +153,21 @@ async def _take_final(
             ).all()
         }
     for state, statement in _DECIDE_SHARD.items():
-        ending = [d for d in taking if _decided_state(d) == state]
-        if ending:
+        closing = [d for d in taking if _decided_state(d) == state]
+        if closing:
             # Open and locked since they were read: each must move (logged if one cannot).
             moved = await conn.execute(
                 statement,
                 [
                     _decided_shard(d, outputs.get(d.canonical_task_id or -1), now=now)
-                    for d in ending
+                    for d in closing
                 ],
             )
-            await check_moved(conn, moved, shards, [d.shard_id for d in ending], state)
+            await check_moved(conn, moved, shards, [d.shard_id for d in closing], state)
     won = {d.shard_id for d in taking}
     to_cancel: dict[int, list[NodeTask]] = {}
     where = tasks.c.shard_id.in_(sorted(won))
-    for held in await job_sql.cancel_live_by_shard(conn, where, now=now):
+    for held in await ending.cancel_live_by_shard(conn, where, now=now):
         to_cancel.setdefault(held.shard_id, []).append(held.task)
     return Decided(won=won, job_of=job_of, to_cancel=to_cancel)
 
@@ -331,56 +271,6 @@ def outcomes(
     return result
 
 
-async def late_results(
-    conn: AsyncConnection, *, limit: int, task_ids: Sequence[int] | None = None
-) -> list[LateResult]:
-    """Results stored after their shard was decided, not yet judged (of `task_ids` only,
-    if given), oldest first."""
-    query = (
-        select(
-            tasks.c.id,
-            tasks.c.node_id,
-            tasks.c.output_hash,
-            tasks.c.job_id,
-            shards.c.output_hash.label("canonical_hash"),
-        )
-        .join(shards, shards.c.id == tasks.c.shard_id)
-        .where(
-            # Late, or taken while open by a verification that lost the race to decide.
-            _UNJUDGED_OR_LATE,
-            tasks.c.state == TaskState.COMPLETED.value,
-            shards.c.state == ShardState.DONE.value,
-        )
-        .order_by(tasks.c.id)
-        .limit(limit)
-    )
-    if task_ids is not None:
-        query = query.where(tasks.c.id.in_(list(task_ids)))
-    found = (await conn.execute(query)).all()
-    return [LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in found]
-
-
-async def judge_late(
-    conn: AsyncConnection, task_id: int, *, agrees: bool, trust: TrustSettings, now: float
-) -> None:
-    changed = await conn.execute(
-        update(tasks)
-        .where(
-            tasks.c.id == task_id,
-            _UNJUDGED_OR_LATE,
-            tasks.c.state == TaskState.COMPLETED.value,
-        )
-        .values(outcome="valid" if agrees else "invalid")
-    )
-    if changed.rowcount == 1:
-        # It counts for its node's trust, as any check does; the shard's work was
-        # credited with its decision, and is not paid for twice.
-        verdict: ResultVerdict = "valid" if agrees else "invalid"
-        await ledger.apply_verdicts(
-            conn, [(task_id, verdict)], settings=trust, now=now, credit=False
-        )
-
-
 async def _valid_already(conn: AsyncConnection, task_ids: Sequence[int]) -> set[int]:
     """Those of these tasks judged valid before (their shard was reopened for a check)."""
     if not task_ids:
@@ -396,3 +286,189 @@ async def mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> 
         await conn.execute(
             update(tasks).where(tasks.c.id.in_(list(task_ids))).values(outcome=outcome)
         )
+
+
+class Verification(Role):
+    """What the verifier reads and decides: shards with results to judge, their decisions,
+    late results, and the checks that follow a caught lie (`store.verification`)."""
+
+    @read
+    async def shards_to_verify(self, conn: AsyncConnection, *, limit: int) -> list[int]:
+        query = (
+            select(tasks.c.shard_id)
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(
+                shards.c.state == ShardState.OPEN.value,
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.outcome.is_(None),
+            )
+            .distinct()
+            .limit(limit)
+        )
+        return list((await conn.execute(query)).scalars().all())
+
+    @read
+    async def shards_for_verify(
+        self, conn: AsyncConnection, shard_ids: Sequence[int]
+    ) -> dict[int, ShardForVerify]:
+        """Each shard with its job and its results not found invalid, with their nodes' trust."""
+        trust = self.trust
+        ids = sorted(set(shard_ids))
+        if not ids:
+            return {}
+        shard_rows = (await conn.execute(select(shards).where(shards.c.id.in_(ids)))).all()
+        if not shard_rows:
+            return {}
+        job_of: dict[int, JobRecord] = {}
+        for job_id in sorted({row.job_id for row in shard_rows}):
+            job = await rows.job(conn, job_id, with_counts=False)
+            assert job is not None
+            job_of[job_id] = job
+        found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
+        live_query = (
+            select(tasks.c.shard_id, func.count().label("n"))
+            .where(tasks.c.shard_id.in_(ids), tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)))
+            .group_by(tasks.c.shard_id)
+        )
+        live = {row.shard_id: row.n for row in (await conn.execute(live_query)).all()}
+        by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
+        for r in found:
+            by_shard[r.shard_id].append(
+                ShardResult(
+                    task_id=r.id,
+                    node_id=r.node_id,
+                    output_hash=r.output_hash,
+                    output_size=r.output_size,
+                    outcome=r.outcome,
+                    trust=(
+                        ledger.trust_of(r)
+                        if r.valid_total is not None
+                        else trust_rules.new_trust(trust)
+                    ),
+                )
+            )
+        return {
+            row.id: ShardForVerify(
+                shard=rows.shard(row, live=live.get(row.id, 0)),
+                job=job_of[row.job_id],
+                results=by_shard[row.id],
+            )
+            for row in shard_rows
+        }
+
+    @read
+    async def late_results(
+        self, conn: AsyncConnection, *, limit: int, task_ids: Sequence[int] | None = None
+    ) -> list[LateResult]:
+        """Results stored after their shard was decided, not yet judged (of `task_ids` only,
+        if given), oldest first."""
+        query = (
+            select(
+                tasks.c.id,
+                tasks.c.node_id,
+                tasks.c.output_hash,
+                tasks.c.job_id,
+                shards.c.output_hash.label("canonical_hash"),
+            )
+            .join(shards, shards.c.id == tasks.c.shard_id)
+            .where(
+                # Late, or taken while open by a verification that lost the race to decide.
+                _UNJUDGED_OR_LATE,
+                tasks.c.state == TaskState.COMPLETED.value,
+                shards.c.state == ShardState.DONE.value,
+            )
+            .order_by(tasks.c.id)
+            .limit(limit)
+        )
+        if task_ids is not None:
+            query = query.where(tasks.c.id.in_(list(task_ids)))
+        found = (await conn.execute(query)).all()
+        return [
+            LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in found
+        ]
+
+    @write(retry_conflicts=True)
+    async def judge_late(
+        self, conn: AsyncConnection, task_id: int, *, agrees: bool, now: float
+    ) -> None:
+        trust = self.trust
+        changed = await conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.id == task_id,
+                _UNJUDGED_OR_LATE,
+                tasks.c.state == TaskState.COMPLETED.value,
+            )
+            .values(outcome="valid" if agrees else "invalid")
+        )
+        if changed.rowcount == 1:
+            # It counts for its node's trust, as any check does; the shard's work was
+            # credited with its decision, and is not paid for twice.
+            verdict: ResultVerdict = "valid" if agrees else "invalid"
+            await ledger.apply_verdicts(
+                conn, [(task_id, verdict)], settings=trust, now=now, credit=False
+            )
+
+    async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None:
+        """`shards_for_verify` of one shard."""
+        return (await self.shards_for_verify([shard_id])).get(shard_id)
+
+    async def decide_shard(
+        self,
+        shard_id: int,
+        *,
+        canonical_task_id: int | None,
+        valid: Sequence[int],
+        invalid: Sequence[int],
+        fail_reason: str | None,
+        now: float,
+    ) -> DecisionOutcome:
+        """`decide_shards` of one decision."""
+        decision = ShardDecision(shard_id, canonical_task_id, valid, invalid, fail_reason)
+        return (await self.decide_shards([decision], now=now))[0]
+
+    @retry_conflicts
+    async def decide_shards(
+        self, decisions: Sequence[ShardDecision], *, now: float
+    ) -> list[DecisionOutcome]:
+        """Record the verifier's decisions in one transaction: shards still open take them,
+        their results get their verdicts, trust and credit their delta (`decide`)."""
+        if not decisions:
+            return []
+        async with self.db.tx() as conn:
+            decided = await decide(conn, decisions, trust=self.trust, now=now)
+        # Counted after the commit: when two processes decide a job's last two shards at
+        # once, the later commit then sees both (inside the transactions neither would).
+        open_left: dict[int, int] = {}
+        if decided.won:
+            async with self.db.read() as conn:
+                job_ids = [decided.job_of[shard_id] for shard_id in decided.won]
+                open_left = await open_shards_left(conn, job_ids)
+        return outcomes(decisions, decided, open_left)
+
+    @write(retry_conflicts=True)
+    async def suspect(self, conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> None:
+        """Results run alone and disputed: their nodes lose their standing until judged."""
+        for task_id in sorted(set(task_ids)):  # one lock order (by task, not node)
+            await ledger.suspect(conn, task_id, settings=self.trust, now=now)
+
+    @write(retry_conflicts=True)
+    async def flag_colluders(
+        self, conn: AsyncConnection, groups: Sequence[Sequence[int]], *, now: float
+    ) -> list[int]:
+        """Flag the accounts whose nodes agreed on wrong results (`store/collusion.py`)."""
+        return await collusion.flag_colluders(
+            conn, groups, flag_after=self.trust.collusion_flag_after, now=now
+        )
+
+    @read
+    async def unvouched_alone(self, conn: AsyncConnection, job_id: int) -> list[int]:
+        """The job's shards decided by one node that no check has vouched for yet."""
+        return await audit.unvouched_alone(conn, job_id)
+
+    @write(retry_conflicts=True)
+    async def audit(
+        self, conn: AsyncConnection, shard_ids: Sequence[int], *, now: float
+    ) -> list[ReadyTask]:
+        """Reopen shards decided alone for a spot check (`store/audit.py`)."""
+        return await audit.audit(conn, shard_ids, now=now)

@@ -1,23 +1,23 @@
 """SQL of the web dashboard: password accounts, browser sessions, tokens, teams, admin.
 
-Module functions over an `AsyncConnection`, like store/ledger.py. `DashboardSql` (mixed
-into `SqlStore`) runs any of them, or of store/stats.py and store/uploads.py, in a read
-or a write transaction: `await store.web_read(stats.leaderboard, "accounts", ...)`, so
+Module functions over an `AsyncConnection`, like store/ledger.py. The `store.web` role
+runs any of them, or of store/stats.py and store/uploads.py, in a read or a write
+transaction: `await store.web.web_read(stats.leaderboard, "accounts", ...)`, so
 the dashboard names what it wants without holding a connection or writing SQL.
 """
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
+from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
 
 from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState
+from idlegrid.store import database
 from idlegrid.store.base import AccountExists, NodeTrust
 from idlegrid.store.nodes import list_trust
 from idlegrid.store.schema import (
@@ -43,32 +43,9 @@ class Conflict(ValueError):
     """A write lost a race for a unique name (an account, an email, a team)."""
 
 
-class DashboardStore(Protocol):
-    """What the dashboard needs of a store: a function of this package run in a transaction."""
-
-    async def web_read(
-        self,
-        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
-        /,
-        *a: P.args,
-        **k: P.kwargs,
-    ) -> R: ...
-    async def web_write(
-        self,
-        fn: Callable[Concatenate[AsyncConnection, P], Awaitable[R]],
-        /,
-        *a: P.args,
-        **k: P.kwargs,
-    ) -> R: ...
-
-
-class DashboardSql:
-    """The dashboard's two methods of `SqlStore`."""
-
-    if TYPE_CHECKING:  # provided by SqlStore
-
-        def _tx(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
-        def _read(self) -> contextlib.AbstractAsyncContextManager[AsyncConnection]: ...
+class Web(database.Role):
+    """The dashboard's way into the store (`store.web`): a function of this package (or of
+    store/stats.py, store/uploads.py) run in a read or a write transaction."""
 
     async def web_read(
         self,
@@ -78,7 +55,7 @@ class DashboardSql:
         **k: P.kwargs,
     ) -> R:
         """`fn(connection, ...)` on a read connection (no write lock on SQLite)."""
-        async with self._read() as conn:
+        async with self.db.read() as conn:
             return await fn(conn, *a, **k)
 
     async def web_write(
@@ -93,7 +70,7 @@ class DashboardSql:
         A unique key another transaction took meanwhile raises `Conflict` (rolled back).
         """
         try:
-            async with self._tx() as conn:
+            async with self.db.tx() as conn:
                 return await fn(conn, *a, **k)
         except IntegrityError as exc:
             raise Conflict("taken a moment ago; try another name") from exc

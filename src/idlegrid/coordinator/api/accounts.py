@@ -64,17 +64,17 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
     if body.account and body.account != token.account_name:
         if not token.is_admin:
             raise ApiError(403, "forbidden", "only admins can make tokens for other accounts")
-        account = await grid.store.get_account(body.account)
+        account = await grid.store.accounts.get_account(body.account)
         if account is None:
             try:
-                account = await grid.store.create_account(
+                account = await grid.store.accounts.create_account(
                     body.account,
                     is_admin=False,
                     now=grid.clock(),
                     role="volunteer" if body.kind == "node" else "researcher",
                 )
             except AccountExists:  # made a moment ago by a concurrent request
-                account = await grid.store.get_account(body.account)
+                account = await grid.store.accounts.get_account(body.account)
                 assert account is not None
         account_id, account_name = account.id, account.name
     try:
@@ -82,7 +82,7 @@ async def create_token(body: TokenCreate, token: Researcher, grid: GridDep) -> T
     except QuotaExceeded as exc:
         raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     secret = new_token(body.kind)
-    token_id = await grid.store.add_token(
+    token_id = await grid.store.accounts.add_token(
         account_id,
         kind=body.kind,
         token_hash=hash_token(secret),
@@ -109,7 +109,7 @@ async def list_tokens(
 ) -> list[TokenListed]:
     """Your tokens (never their secrets); admins may ask for one account or all of them."""
     account_id = await _token_scope(grid, token, account, all_accounts)
-    found = await grid.store.list_tokens(account_id, include_revoked=revoked)
+    found = await grid.store.accounts.list_tokens(account_id, include_revoked=revoked)
     return [TokenListed(**vars(record)) for record in found]
 
 
@@ -118,7 +118,9 @@ async def revoke_token(token_id: ObjectId, token: Researcher, grid: GridDep) -> 
     """Revoke a token of yours (admins: anyone's). A node already connected with it keeps
     its connection until it drops; it cannot connect again."""
     account_id = None if token.is_admin else token.account_id
-    revoked = await grid.store.revoke_token(token_id, account_id=account_id, now=grid.clock())
+    revoked = await grid.store.accounts.revoke_token(
+        token_id, account_id=account_id, now=grid.clock()
+    )
     if revoked is None:
         raise ApiError(404, "not_found", f"no live token {token_id}")
     return TokenListed(**vars(revoked))
@@ -134,7 +136,7 @@ async def _token_scope(
         raise ApiError(403, "forbidden", "only admins can list other accounts' tokens")
     if all_accounts:
         return None
-    found = await grid.store.get_account(account or "")
+    found = await grid.store.accounts.get_account(account or "")
     if found is None:
         raise ApiError(404, "not_found", f"no account {account!r}")
     return found.id
@@ -143,7 +145,7 @@ async def _token_scope(
 @router.get("/me", tags=["accounts"])
 async def me(token: Caller, grid: GridDep) -> dict[str, Any]:
     """Who this token belongs to, with the account's credit and standing."""
-    account = await grid.store.account_by_id(token.account_id)
+    account = await grid.store.accounts.account_by_id(token.account_id)
     assert account is not None  # a valid token's account exists
     return {
         "account": token.account_name,
@@ -158,7 +160,7 @@ async def me(token: Caller, grid: GridDep) -> dict[str, Any]:
 @router.get("/nodes", response_model=list[NodeOut], tags=["nodes"])
 async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     """Your nodes (all nodes for admins) with hardware, benchmark and uptime."""
-    nodes = await grid.store.list_nodes(None if token.is_admin else token.account_id)
+    nodes = await grid.store.nodes.list_nodes(None if token.is_admin else token.account_id)
     # Connected to this process or, with several coordinators, to another one.
     connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
     now = grid.clock()
@@ -172,7 +174,7 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
 @router.get("/nodes/{node_id}/trust", tags=["nodes"])
 async def node_trust(node_id: ObjectId, token: Researcher, grid: GridDep) -> list[dict[str, Any]]:
     """A node's trust per kind and backend: streak, totals, quota, credibility."""
-    mine = await grid.store.list_nodes(None if token.is_admin else token.account_id)
+    mine = await grid.store.nodes.list_nodes(None if token.is_admin else token.account_id)
     if node_id not in {node.id for node in mine}:
         raise ApiError(404, "not_found", f"no node {node_id}")
     return [
@@ -190,5 +192,5 @@ async def node_trust(node_id: ObjectId, token: Researcher, grid: GridDep) -> lis
             "credibility": round(trust_policy.credibility(row.trust, grid.trust), 6),
             "runs_alone": trust_policy.is_trusted(row.trust, grid.trust),
         }
-        for row in await grid.store.node_trust(node_id)
+        for row in await grid.store.nodes.node_trust(node_id)
     ]

@@ -65,7 +65,7 @@ async def put_blob(
             )
             raise ApiError(413, "quota_exceeded", message) from None
         raise ApiError(exc.status, "invalid_blob", exc.message) from None
-    await grid.store.add_blob_owner(blob_hash, token.account_id, size=size, now=now)
+    await grid.store.blob_owners.add_blob_owner(blob_hash, token.account_id, size=size, now=now)
     return BlobOut(hash=blob_hash, size=size)
 
 

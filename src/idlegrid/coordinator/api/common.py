@@ -64,7 +64,7 @@ async def caller(
             f"{failures.limit} in {failures.window_s:g} s); try again in {wait_s:.0f} s",
             headers={"Retry-After": str(math.ceil(wait_s))},
         )
-    token = await grid_of(request).store.find_token(hash_token(authorization[7:].strip()))
+    token = await grid_of(request).store.accounts.find_token(hash_token(authorization[7:].strip()))
     if token is None:
         failures.failed(address)
         raise ApiError(401, "unauthorized", "unknown or revoked token")

@@ -134,7 +134,7 @@ async def list_jobs(
     offset: Annotated[int, Query(ge=0, le=MAX_ID)] = 0,
 ) -> list[JobOut]:
     """Your jobs, newest first."""
-    jobs = await grid.store.list_jobs(token.account_id, limit=limit, offset=offset)
+    jobs = await grid.store.jobs.list_jobs(token.account_id, limit=limit, offset=offset)
     return [await job_out(grid, job, with_shards=False) for job in jobs]
 
 
@@ -244,7 +244,7 @@ def _no_result(job: JobRecord) -> str:
 
 
 async def own_job(grid: Grid, token: TokenInfo, job_id: int) -> JobRecord:
-    job = await grid.store.get_job(job_id)
+    job = await grid.store.jobs.get_job(job_id)
     # Another researcher's job is indistinguishable from a missing one.
     if job is None or (job.account_id != token.account_id and not token.is_admin):
         raise ApiError(404, "not_found", f"no job {job_id}")

@@ -86,7 +86,7 @@ async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     waiting_for: list[str] = []
     if with_shards:
         progress = task_progress(grid)
-        shard_list = [shard_out(s, progress) for s in await grid.store.list_shards(job.id)]
+        shard_list = [shard_out(s, progress) for s in await grid.store.jobs.list_shards(job.id)]
         waiting_for = await grid.waiting_for(job)
     done = job.shard_counts.get("done", 0)
     return JobOut(
