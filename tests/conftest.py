@@ -1,6 +1,8 @@
 """Shared fixtures: the backends (a real SqlStore on a temporary SQLite file or in its own
-PostgreSQL schema; brokers in-process or in Redis under their own key prefix), and the
-coordinator app under starlette's TestClient with its lifespan running.
+PostgreSQL schema; brokers in-process or in Redis under their own key prefix), the
+coordinator app under starlette's TestClient with its lifespan running, and one fixture
+for each kind of grid (tests/grids.py): a `Grid` in process, an embedded grid of real
+processes, a production grid of two coordinator processes on PostgreSQL and Redis.
 
 PostgreSQL and Redis tests use the services named by IDLEGRID_TEST_POSTGRES_URL and
 IDLEGRID_TEST_REDIS_URL (default: the local ones). When one is unreachable its tests are
@@ -10,10 +12,11 @@ skipped with the reason, except under CI=true, where they fail.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,9 +25,12 @@ from typing import Any
 import httpx
 import pytest
 from fastapi.testclient import TestClient
+from grids import grid_in_process, local_grid
 
 from idlegrid.app import create_app
 from idlegrid.broker import Broker, MemoryBroker
+from idlegrid.coordinator.grid import Grid
+from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import sql_url
 from idlegrid.store.sql import SqlStore
@@ -129,19 +135,20 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     """A fresh key prefix for one test; its keys are deleted afterwards."""
     prefix = f"idlegrid-test:{uuid.uuid4().hex[:12]}:"
     yield prefix
+    off_loop(delete_keys(redis_url, prefix))
 
-    async def delete_keys() -> None:
-        import redis.asyncio as redis
 
-        client = redis.Redis.from_url(redis_url)
-        try:
-            keys = [key async for key in client.scan_iter(match=prefix + "*")]
-            if keys:
-                await client.delete(*keys)
-        finally:
-            await client.aclose()
+async def delete_keys(url: str, prefix: str) -> int:
+    """Delete every key under `prefix` (what a Redis restart without persistence does to
+    a grid's keys); how many there were."""
+    import redis.asyncio as redis
 
-    off_loop(delete_keys())
+    client = redis.Redis.from_url(url)
+    try:
+        keys = [key async for key in client.scan_iter(match=prefix + "*")]
+        return int(await client.delete(*keys)) if keys else 0
+    finally:
+        await client.aclose()
 
 
 # -- store --------------------------------------------------------------------------------
@@ -260,3 +267,65 @@ def api(settings: CoordinatorSettings) -> Iterator[Api]:
     with TestClient(create_app(settings)) as client:
         admin_token = settings.admin_token_file.read_text().strip()
         yield Api(client=client, settings=settings, admin_token=admin_token)
+
+
+# -- grids ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def in_process_grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Callable[..., Grid]]:
+    """Make coordinator `Grid`s on the test's store (`grids.grid_in_process`, with the
+    same arguments less the store and folder); each is closed after the test, with the
+    broker made for it."""
+    made: list[tuple[Grid, bool]] = []
+
+    def make(settings: CoordinatorSettings | None = None, **options: Any) -> Grid:
+        grid = grid_in_process(store, tmp_path, settings, **options)
+        made.append((grid, "broker" not in options))
+        return grid
+
+    yield make
+    for grid, own_broker in reversed(made):
+        await grid.aclose()
+        if own_broker:
+            await grid.broker.close()
+
+
+@pytest.fixture
+def embedded_grid(tmp_path: Path) -> Iterator[Callable[..., LocalGrid]]:
+    """Start embedded grids of real processes (SQLite, the in-process broker):
+    `embedded_grid(**options)` takes `grids.local_grid`'s options and returns the grid
+    started; every process it started is stopped after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(root: Path = tmp_path, **options: Any) -> LocalGrid:
+            return stack.enter_context(local_grid(root, **options))
+
+        yield start
+
+
+@pytest.fixture
+def production_grid(
+    tmp_path: Path, postgres_url: str, pg_schema: str, redis_url: str, redis_prefix: str
+) -> Iterator[Callable[..., LocalGrid]]:
+    """Start production grids: `coordinators` (default 2) `idlegrid serve` processes on
+    this test's PostgreSQL schema and its own Redis key prefix (or the `redis` and
+    `redis_prefix` given), backups off (these tests count tasks), other options as
+    `grids.local_grid`'s. Everything started is stopped after the test."""
+    with contextlib.ExitStack() as stack:
+
+        def start(*, coordinators: int = 2, **options: Any) -> LocalGrid:
+            options = {
+                "redis": redis_url,
+                "redis_prefix": redis_prefix,
+                "backups": False,
+                **options,
+            }
+            grid = stack.enter_context(
+                local_grid(tmp_path, database=postgres_url, database_schema=pg_schema, **options)
+            )
+            for _ in range(coordinators - 1):
+                grid.add_coordinator()
+            return grid
+
+        yield start

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvicorn
 from click.testing import CliRunner, Result
+from grids import serving_in_thread
 
-from idlegrid.app import create_app
 from idlegrid.cli.main import main
 from idlegrid.settings import CoordinatorSettings
 
@@ -35,22 +34,8 @@ def live(tmp_path: Path) -> Iterator[Live]:
     settings = CoordinatorSettings(
         data_dir=tmp_path / "coordinator", monitor_interval_s=3600.0, distinct_networks=False
     )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(create_app(settings), log_level="warning", lifespan="on")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started
-    try:
-        token = settings.admin_token_file.read_text().strip()
-        yield Live(f"http://127.0.0.1:{sock.getsockname()[1]}", token)
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serving_in_thread(settings) as url:
+        yield Live(url, settings.admin_token_file.read_text().strip())
 
 
 def _dead_url() -> str:

@@ -12,7 +12,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,11 +28,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def grid(tmp_path: Path) -> Iterator[LocalGrid]:
-    with LocalGrid(
-        tmp_path, heartbeat_s=0.5, node_timeout_s=3.0, min_lease_s=60.0, replication=1
-    ) as local:
-        yield local
+def grid(embedded_grid: Callable[..., LocalGrid]) -> LocalGrid:
+    return embedded_grid()
 
 
 def _expected_sleep_result(tasks: int) -> list[dict[str, object]]:
@@ -98,18 +95,10 @@ def test_worker_killed_mid_task_is_reassigned(grid: LocalGrid) -> None:
 
 
 @pytest.fixture
-def grid_without_backups(tmp_path: Path) -> Iterator[LocalGrid]:
+def grid_without_backups(embedded_grid: Callable[..., LocalGrid]) -> LocalGrid:
     """`grid`, without speculative copies: a task held across a restart looks like a
     straggler, and its backup would be a second valid result the test counts as a repeat."""
-    with LocalGrid(
-        tmp_path,
-        heartbeat_s=0.5,
-        node_timeout_s=3.0,
-        min_lease_s=60.0,
-        replication=1,
-        extra_env={"IDLEGRID_BACKUPS": "false"},
-    ) as local:
-        yield local
+    return embedded_grid(backups=False)
 
 
 def test_coordinator_killed_mid_job_finishes_every_shard_once(

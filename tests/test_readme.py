@@ -12,11 +12,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from idlegrid.devtools.localgrid import LocalGrid
 
@@ -120,11 +120,9 @@ def test_the_quickstart_credits_alice_not_admin(tmp_path: Path) -> None:
             client.submit("sleep", params={"tasks": 1, "seconds": 0.1}, replication=1).wait(
                 timeout=60
             )
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline:
-                if any(n["name"] == "w" for n in client.nodes()):
-                    break
-                time.sleep(0.1)
+            wait_until(
+                lambda: any(n["name"] == "w" for n in client.nodes()), "node w", timeout_s=10
+            )
         alice = grid.create_token(account="alice")["token"]
         from idlegrid.client import Client
 

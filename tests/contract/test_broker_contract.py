@@ -163,7 +163,7 @@ async def test_a_lease_has_one_holder_until_it_runs_out(broker: Broker) -> None:
     assert not await broker.hold_lease("monitor", "b", ttl_s=0.3)
     assert await broker.hold_lease("monitor", "a", ttl_s=0.3)  # renewed by its holder
     assert await broker.hold_lease("other", "b", ttl_s=0.3)  # leases are by name
-    await asyncio.sleep(0.5)
+    await asyncio.sleep(0.5)  # a lease runs out on the clock: its time must pass
     assert await broker.hold_lease("monitor", "b", ttl_s=5)  # a's ran out
     assert not await broker.hold_lease("monitor", "a", ttl_s=5)
 

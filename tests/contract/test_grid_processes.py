@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 from conftest import Database
+from grids import grid_in_process
 from helpers import FakeNode, eventually, fake_node
 
-from idlegrid.blobs.files import BlobStore
 from idlegrid.broker import Broker, MemoryBroker
 from idlegrid.coordinator import monitor, peers
 from idlegrid.coordinator.grid import Grid
@@ -59,9 +59,8 @@ async def pair(
         distinct_accounts=False,  # the pair's nodes share one account and address
         distinct_networks=False,
     )
-    blobs = BlobStore(tmp_path / "blobs", max_bytes=1 << 20)
     grids = [
-        Grid(settings=settings, store=s, broker=b, blobs=blobs)
+        grid_in_process(s, tmp_path, settings, broker=b)
         for s, b in ((store, broker), (second_store, second_broker))
     ]
     monitors = [Monitor(grid) for grid in grids]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from helpers import fake_node
+import pytest
+from helpers import eventually, fake_node
 
 from idlegrid import protocol
 from idlegrid.coordinator.fleet import Fleet
@@ -76,10 +77,11 @@ async def test_a_stale_snapshot_is_served_while_one_refresh_runs(store: SqlStore
         assert await asyncio.wait_for(fleet.unmet(GPU, "sleep"), 1.0) is not None
     assert counting.reads == 2
     counting.gate.set()
-    for _ in range(100):
-        if await fleet.unmet(GPU, "sleep") is None:
-            break
-        await asyncio.sleep(0.01)
+
+    async def gpu_node_seen() -> bool:
+        return await fleet.unmet(GPU, "sleep") is None
+
+    await eventually(gpu_node_seen, "the refreshed copy", poll_s=0.01)
     assert await fleet.unmet(GPU, "sleep") is None
     assert sorted(n.record.name for n in await fleet.nodes()) == ["cpu-node", "gpu-node"]
     await fleet.aclose()
@@ -99,7 +101,9 @@ async def test_a_node_registering_here_counts_at_once(store: SqlStore) -> None:
     await fleet.aclose()
 
 
-async def test_a_failed_refresh_keeps_the_last_copy(store: SqlStore) -> None:
+async def test_a_failed_refresh_keeps_the_last_copy(
+    store: SqlStore, caplog: pytest.LogCaptureFixture
+) -> None:
     account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
     await fake_node(store, account, "cpu-node", now=1000.0)
     counting, clock = CountingStore(store), Clock()
@@ -112,6 +116,7 @@ async def test_a_failed_refresh_keeps_the_last_copy(store: SqlStore) -> None:
     counting.list_nodes = broken  # type: ignore[method-assign]
     clock.now += 11
     assert len(await fleet.nodes()) == 1
-    await asyncio.sleep(0.05)  # the refresh fails in the background, logged
+    # The refresh fails in the background, logged.
+    await eventually(lambda: "reading the fleet failed" in caplog.text, "the failure logged")
     assert len(await fleet.nodes()) == 1
     await fleet.aclose()

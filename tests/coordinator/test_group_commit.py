@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
 from helpers import FakeNode, fake_node
 
 from idlegrid import protocol
-from idlegrid.blobs.files import BlobStore
-from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.result_path import ResultsClosed
 from idlegrid.kinds.noop import OUTPUT
-from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.sql import SqlStore
 
 T0 = 1_000_000.0
 
@@ -42,16 +37,8 @@ class Node(FakeNode):
 
 
 @pytest.fixture
-async def grid(store: SqlStore, tmp_path: Path) -> Iterator[Grid]:  # type: ignore[misc]
-    grid = Grid(
-        settings=CoordinatorSettings(data_dir=tmp_path / "coordinator"),
-        store=store,
-        broker=MemoryBroker(),
-        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
-        clock=lambda: T0,
-    )
-    yield grid
-    await grid.aclose()
+def grid(in_process_grid: Callable[..., Grid]) -> Grid:
+    return in_process_grid(clock=lambda: T0, max_blob_bytes=1 << 30)
 
 
 async def _node(grid: Grid, account_id: int, key: str, tasks: int) -> Node:
@@ -129,7 +116,7 @@ def _slow_commits(grid: Grid, monkeypatch: pytest.MonkeyPatch) -> None:
     async def slow() -> AsyncIterator[None]:
         async with batch():
             yield
-            await asyncio.sleep(0.05)
+            await asyncio.sleep(0.05)  # the slow commit is the point: a sleep stands for it
 
     monkeypatch.setattr(grid.store.db, "batch", slow)
 
@@ -181,7 +168,9 @@ async def test_closing_the_grid_stores_the_results_it_took_and_refuses_later_one
         asyncio.create_task(grid.accept_results(node.session, node.results_for(grid)))
         for node in (first, second)
     ]
-    await asyncio.sleep(0)  # both taken: queued for the group commit, or storing
+    # One turn of the loop, no more: both taken (queued for the group commit, or storing)
+    # and not stored yet; any longer wait could let them finish before aclose.
+    await asyncio.sleep(0)
     await grid.aclose()
     assert all(task.done() for task in storing)  # aclose waited for them
     receipts = [task.result() for task in storing]

@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+from helpers import eventually
 
 from idlegrid.coordinator.heap import NO_AUTOMATIC_FULL_PASS, HeapKeeper
 
@@ -64,7 +65,9 @@ def test_run_unfreezes_when_stopped() -> None:
     async def main() -> None:
         stopping = asyncio.Event()
         task = asyncio.create_task(keeper.run(stopping))
-        await asyncio.sleep(0.2)
+        await eventually(
+            lambda: gc.get_freeze_count() > 0 and keeper.full_passes >= 1, "a freeze, a full pass"
+        )
         assert gc.get_freeze_count() > 0
         stopping.set()
         await task
@@ -81,7 +84,7 @@ def test_run_owns_the_full_passes_while_it_runs() -> None:
     async def main() -> None:
         stopping = asyncio.Event()
         task = asyncio.create_task(keeper.run(stopping))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: gc.get_threshold()[2] == NO_AUTOMATIC_FULL_PASS, "the keeper")
         young, middle, full = gc.get_threshold()
         # The young passes run as before; no automatic full pass comes between the
         # keeper's own.

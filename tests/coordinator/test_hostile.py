@@ -133,7 +133,7 @@ async def _big_frame_before_hello(url: str) -> tuple[int | None, int]:
             while sent < BIG_FRAME and not ws.transport.is_closing():
                 ws.transport.write(MIB_OF_X)
                 sent += len(MIB_OF_X)
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # pacing: a MiB at a time is the attack
             await asyncio.wait_for(ws.recv(), 30)
         except (websockets.ConnectionClosed, ConnectionError):
             pass
@@ -159,7 +159,7 @@ async def _half_request(host: str, port: int) -> float:
     writer.write(b"GET /v1/nodes/ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\n")
     try:
         for _ in range(30):
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.5)  # pacing: the slow header lines are the attack
             writer.write(b"X-Slow: 1\r\n")
             await writer.drain()
             if reader.at_eof():

@@ -11,8 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -42,34 +41,16 @@ def _lease_holder_pid(redis_url: str, prefix: str) -> int | None:
 
 
 @pytest.fixture
-def make_grid(
-    tmp_path: Path, postgres_url: str, pg_schema: str, redis_url: str, redis_prefix: str
-) -> Iterator[Callable[..., LocalGrid]]:
-    grids: list[LocalGrid] = []
+def make_grid(production_grid: Callable[..., LocalGrid]) -> Callable[..., LocalGrid]:
+    """One coordinator of a production grid (the test adds the second), with a short
+    leader lease and `env` on top."""
 
     def make(**env: str) -> LocalGrid:
-        local = LocalGrid(
-            tmp_path,
-            heartbeat_s=0.5,
-            node_timeout_s=3.0,
-            min_lease_s=60.0,
-            database=postgres_url,
-            database_schema=pg_schema,
-            redis=redis_url,
-            redis_prefix=redis_prefix,
-            replication=1,
-            extra_env={
-                "IDLEGRID_BACKUPS": "false",
-                "IDLEGRID_LEADER_LEASE_S": str(LEASE_S),
-                **env,
-            },
+        return production_grid(
+            coordinators=1, extra_env={"IDLEGRID_LEADER_LEASE_S": str(LEASE_S), **env}
         )
-        grids.append(local.__enter__())
-        return local
 
-    yield make
-    for local in grids:
-        local.__exit__(None, None, None)
+    return make
 
 
 def test_the_leader_dies_and_another_process_leads_within_a_few_seconds(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import math
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -22,13 +22,10 @@ from helpers import NODE_WS, FakeNode, SocketNode, fake_node
 from pydantic import ValidationError
 
 from idlegrid import protocol
-from idlegrid.blobs.files import BlobStore
-from idlegrid.broker import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.leases import lease_for
 from idlegrid.kinds.sleep import _digest
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.sql import SqlStore
 
 T0 = 1_000_000.0
 SETTINGS = CoordinatorSettings(min_lease_s=10.0, max_lease_s=1000.0, lease_slack=4.0)
@@ -119,7 +116,7 @@ def clock() -> Clock:
 
 
 @pytest.fixture
-async def grid(store: SqlStore, tmp_path: Path, clock: Clock) -> AsyncIterator[Grid]:
+def grid(in_process_grid: Callable[..., Grid], tmp_path: Path, clock: Clock) -> Grid:
     settings = CoordinatorSettings(
         data_dir=tmp_path,
         min_lease_s=10.0,
@@ -129,17 +126,7 @@ async def grid(store: SqlStore, tmp_path: Path, clock: Clock) -> AsyncIterator[G
         distinct_networks=False,
         backups=False,
     )
-    broker = MemoryBroker()
-    grid = Grid(
-        settings=settings,
-        store=store,
-        broker=broker,
-        blobs=BlobStore(tmp_path / "blobs", max_bytes=2**20),
-        clock=clock,
-    )
-    yield grid
-    await grid.aclose()
-    await broker.close()
+    return in_process_grid(settings, clock=clock)
 
 
 async def _node(grid: Grid, *, benchmark: protocol.Benchmark | None = None) -> FakeNode:

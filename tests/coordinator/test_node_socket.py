@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import Api, bearer, sha
-from helpers import NODE_WS, SocketNode
+from helpers import NODE_WS, SocketNode, wait_until
 from starlette.websockets import WebSocketDisconnect
 
 from idlegrid.kinds.sleep import _digest
@@ -525,6 +525,7 @@ def test_long_poll_holds_progress_back_but_not_the_end(
     node.ready(free_slots=3)
     assigns = [node.expect("assign") for _ in range(3)]
     url = f"/v1/jobs/{job['id']}?wait_s=30&shards=false"
+    watch = api.client.app.state.grid.context.job_watch  # type: ignore[attr-defined]
 
     def poll(results: list[dict[str, Any]]) -> tuple[dict[str, Any], float]:
         answer: list[Any] = []
@@ -533,7 +534,7 @@ def test_long_poll_holds_progress_back_but_not_the_end(
         )
         started = time.monotonic()
         poller.start()
-        time.sleep(0.05)
+        wait_until(lambda: watch.waiting() == 1, "the long poll to wait", poll_s=0.01)
         for assign in results:
             node.result(assign["task_id"], _digest(assign["shard_index"]))
             node.expect("result_ack", task_id=assign["task_id"], status="accepted")

@@ -11,13 +11,14 @@ import json
 import shutil
 import socket
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import off_loop
+from conftest import delete_keys, off_loop
+from grids import query_of, spread_workers
 from helpers import wait_until
 
 from idlegrid.devtools.localgrid import LocalGrid
@@ -33,44 +34,15 @@ FINISH_S = 45.0
 
 
 @pytest.fixture
-def grid(
-    tmp_path: Path, postgres_url: str, pg_schema: str, redis_url: str, redis_prefix: str
-) -> Iterator[LocalGrid]:
-    with LocalGrid(
-        tmp_path,
-        heartbeat_s=0.5,
-        node_timeout_s=3.0,
-        min_lease_s=MIN_LEASE_S,
-        database=postgres_url,
-        database_schema=pg_schema,
-        redis=redis_url,
-        redis_prefix=redis_prefix,
-        replication=1,
-        # Exactly one task per shard is what these tests count: no speculative copies.
-        extra_env={"IDLEGRID_BACKUPS": "false"},
-    ) as local:
-        second = local.add_coordinator()
-        # Half the workers prefer the first coordinator, half the second; each fails over.
-        for i in range(WORKERS):
-            servers = [local.url, second] if i % 2 == 0 else [second, local.url]
-            local.start_worker(f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers)
-        local.wait_for_nodes(WORKERS)
-        yield local
+def grid(production_grid: Callable[..., LocalGrid]) -> LocalGrid:
+    grid = production_grid(min_lease_s=MIN_LEASE_S)
+    # Half the workers prefer the first coordinator, half the second; each fails over.
+    spread_workers(grid, WORKERS, kinds="sleep", benchmark=False, slots=2)
+    return grid
 
 
 def _query(grid: LocalGrid, sql: str) -> list[Any]:
-    async def run() -> list[Any]:
-        import asyncpg
-
-        conn = await asyncpg.connect(
-            grid.database, server_settings={"search_path": grid.database_schema}
-        )
-        try:
-            return list(await conn.fetch(sql))
-        finally:
-            await conn.close()
-
-    return list(off_loop(run()))
+    return query_of(grid)(sql)
 
 
 def _assert_every_shard_counted_once(grid: LocalGrid, shards: int) -> None:
@@ -141,7 +113,7 @@ def test_redis_losing_everything_mid_job_loses_no_task(
             lambda: 2 <= job.info()["shards_done"] < tasks - 10, "partial progress", timeout_s=60
         )
         # What a Redis restart without persistence does to this grid: every key gone.
-        assert off_loop(_delete_keys(redis_url, redis_prefix)) > 0
+        assert off_loop(delete_keys(redis_url, redis_prefix)) > 0
         info = job.wait(timeout=FINISH_S)
         assert job.result() == _expected(tasks)
     assert info["state"] == "completed"
@@ -155,17 +127,6 @@ def _grid_connected(url: str) -> int:
     text = httpx.get(f"{url}/metrics", timeout=10).text
     [line] = [ln for ln in text.splitlines() if ln.startswith("idlegrid_grid_connected_nodes ")]
     return int(float(line.split()[1]))
-
-
-async def _delete_keys(url: str, prefix: str) -> int:
-    import redis.asyncio as redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        keys = [key async for key in client.scan_iter(match=prefix + "*")]
-        return int(await client.delete(*keys)) if keys else 0
-    finally:
-        await client.aclose()
 
 
 async def _count_keys(url: str, pattern: str) -> int:
@@ -274,39 +235,26 @@ def _lost_subscriptions(log: Path) -> int:
 
 
 def test_a_redis_restart_mid_job_loses_no_task(
-    tmp_path: Path, postgres_url: str, pg_schema: str, private_redis: Any
+    private_redis: Any, production_grid: Callable[..., LocalGrid]
 ) -> None:
-    with LocalGrid(
-        tmp_path,
-        heartbeat_s=0.5,
-        node_timeout_s=3.0,
-        min_lease_s=MIN_LEASE_S,
-        replication=1,
-        database=postgres_url,
-        database_schema=pg_schema,
-        redis=private_redis.url,
-        redis_prefix="idlegrid:",
-    ) as grid:
-        second = grid.add_coordinator()
-        for i, servers in enumerate(([grid.url, second], [second, grid.url])):
-            grid.start_worker(f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers)
-        grid.wait_for_nodes(2)
-        tasks = 30
-        with grid.client() as client:
-            job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.3})
-            wait_until(
-                lambda: 2 <= job.info()["shards_done"] < tasks - 10, "progress", timeout_s=60
-            )
-            logs = [grid.root / "coordinator.log", grid.root / "coordinator-2.log"]
-            before = {log: _lost_subscriptions(log) for log in logs}
-            private_redis.stop()  # SIGKILL: everything in it is gone
-            wait_until(
-                lambda: all(_lost_subscriptions(log) > n for log, n in before.items()),
-                "both coordinators to lose Redis",
-            )
-            private_redis.start()
-            info = job.wait(timeout=FINISH_S)
-            assert job.result() == _expected(tasks)
-        assert info["state"] == "completed"
-        _assert_every_shard_counted_once(grid, tasks)
-        wait_until(lambda: _grid_connected(grid.url) == 2, "connections rebuilt", timeout_s=20)
+    grid = production_grid(
+        min_lease_s=MIN_LEASE_S, backups=True, redis=private_redis.url, redis_prefix="idlegrid:"
+    )
+    spread_workers(grid, 2, kinds="sleep", benchmark=False, slots=2)
+    tasks = 30
+    with grid.client() as client:
+        job = client.submit("sleep", params={"tasks": tasks, "seconds": 0.3})
+        wait_until(lambda: 2 <= job.info()["shards_done"] < tasks - 10, "progress", timeout_s=60)
+        logs = [grid.root / "coordinator.log", grid.root / "coordinator-2.log"]
+        before = {log: _lost_subscriptions(log) for log in logs}
+        private_redis.stop()  # SIGKILL: everything in it is gone
+        wait_until(
+            lambda: all(_lost_subscriptions(log) > n for log, n in before.items()),
+            "both coordinators to lose Redis",
+        )
+        private_redis.start()
+        info = job.wait(timeout=FINISH_S)
+        assert job.result() == _expected(tasks)
+    assert info["state"] == "completed"
+    _assert_every_shard_counted_once(grid, tasks)
+    wait_until(lambda: _grid_connected(grid.url) == 2, "connections rebuilt", timeout_s=20)

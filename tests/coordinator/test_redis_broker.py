@@ -56,7 +56,8 @@ async def test_a_disconnect_after_a_heartbeat_lands_after_its_write(
     """The reader was cancelled mid-heartbeat (its connection closed): the write still
     lands before the release, so the node is not left connected to this process."""
     heartbeat = asyncio.create_task(redis_broker.node_seen(4, 5.0, owner="a"))
-    await asyncio.sleep(0)  # the write is under way
+    # One turn of the loop: the write is under way, not done (nothing to wait on between).
+    await asyncio.sleep(0)
     heartbeat.cancel()
     await redis_broker.node_disconnected(4, "a")
     assert await redis_broker.connections() == {}

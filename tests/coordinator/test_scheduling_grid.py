@@ -6,7 +6,7 @@ grid's own claim path; the nodes are sessions whose sent messages the test reads
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -16,16 +16,13 @@ from conftest import Api, bearer
 from helpers import NODE_WS, FakeNode, SocketNode, fake_node
 
 from idlegrid import protocol
-from idlegrid.blobs.files import BlobStore
-from idlegrid.broker import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds.sleep import _digest
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.sql import SqlStore
 
 
 @pytest.fixture
-async def grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Grid]:
+def grid(in_process_grid: Callable[..., Grid], tmp_path: Path) -> Grid:
     # Scheduling one replica at a time; test_verification.py covers replicas and accounts.
     settings = CoordinatorSettings(
         data_dir=tmp_path,
@@ -35,16 +32,7 @@ async def grid(store: SqlStore, tmp_path: Path) -> AsyncIterator[Grid]:
         distinct_accounts=False,
         distinct_networks=False,
     )
-    broker = MemoryBroker()
-    grid = Grid(
-        settings=settings,
-        store=store,
-        broker=broker,
-        blobs=BlobStore(tmp_path / "blobs", max_bytes=2**20),
-    )
-    yield grid
-    await grid.aclose()
-    await broker.close()
+    return in_process_grid(settings)
 
 
 async def _account(grid: Grid, name: str) -> int:

@@ -15,7 +15,6 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -125,15 +124,6 @@ class Watched:
 
 def _page(browser: Any, grid: LocalGrid, **context: Any) -> Watched:
     return Watched(browser.new_context(**context).new_page(), grid.url)
-
-
-def _wait(predicate: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.3)
-    raise TimeoutError(what)
 
 
 def test_a_volunteer_signs_up_adds_a_node_and_earns_credit(browser: Any, grid: LocalGrid) -> None:

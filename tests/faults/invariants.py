@@ -10,50 +10,16 @@ tasks judged so, its errors are its tasks that failed or expired for good.
 from __future__ import annotations
 
 import math
-import sqlite3
-from collections.abc import Callable
-from typing import Any
 
-from conftest import off_loop
+from grids import Query, query_of
 
-from idlegrid.devtools.localgrid import LocalGrid
-
-Query = Callable[[str], list[dict[str, Any]]]
+__all__ = ["Query", "all_judged", "assert_exactly_once", "errors", "query_of", "shards_done"]
 
 # Results stored but not judged yet: the monitor judges them within a pass or two.
 UNJUDGED = (
     "SELECT COUNT(*) AS n FROM tasks WHERE state = 'completed' "
     "AND (outcome IS NULL OR outcome = 'late')"
 )
-
-
-def query_of(grid: LocalGrid) -> Query:
-    """Run SQL on the grid's store (its SQLite file, or its PostgreSQL schema)."""
-    if not grid.database:
-        path = grid.data_dir / "idlegrid.db"
-
-        def sqlite_query(sql: str) -> list[dict[str, Any]]:
-            conn = sqlite3.connect(path, timeout=30)
-            conn.row_factory = sqlite3.Row
-            try:
-                return [dict(row) for row in conn.execute(sql).fetchall()]
-            finally:
-                conn.close()
-
-        return sqlite_query
-
-    async def fetch(sql: str) -> list[dict[str, Any]]:
-        import asyncpg
-
-        conn = await asyncpg.connect(
-            grid.database, server_settings={"search_path": grid.database_schema}
-        )
-        try:
-            return [dict(row) for row in await conn.fetch(sql)]
-        finally:
-            await conn.close()
-
-    return lambda sql: list(off_loop(fetch(sql)))
 
 
 def shards_done(query: Query) -> int:

@@ -13,11 +13,11 @@ silent by the coordinator they are not connected to.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
-from conftest import off_loop
+from conftest import delete_keys, off_loop
+from grids import spread_workers
 from helpers import wait_until
 from invariants import all_judged, assert_exactly_once, errors, query_of, shards_done
 
@@ -32,31 +32,12 @@ WORKERS = 3  # replicas of a shard go to distinct accounts: one each
 
 
 @pytest.fixture
-def grid(
-    tmp_path: Path, postgres_url: str, pg_schema: str, redis_url: str, redis_prefix: str
-) -> Iterator[LocalGrid]:
-    with LocalGrid(
-        tmp_path,
-        heartbeat_s=0.5,
-        node_timeout_s=3.0,
-        min_lease_s=60.0,
-        database=postgres_url,
-        database_schema=pg_schema,
-        redis=redis_url,
-        redis_prefix=redis_prefix,
-        replication=3,
-        backoff_max_s=2.0,
-        extra_env={"IDLEGRID_BACKUPS": "false"},
-    ) as local:
-        second = local.add_coordinator()
-        for i in range(WORKERS):
-            servers = [local.url, second] if i % 2 == 0 else [second, local.url]
-            local.start_worker(
-                f"w{i}", kinds="sleep", benchmark=False, slots=2, servers=servers,
-                extra=("--prefetch", "2"),
-            )  # fmt: skip
-        local.wait_for_nodes(WORKERS)
-        yield local
+def grid(production_grid: Callable[..., LocalGrid]) -> LocalGrid:
+    grid = production_grid(replication=3, backoff_max_s=2.0)
+    spread_workers(
+        grid, WORKERS, kinds="sleep", benchmark=False, slots=2, extra=("--prefetch", "2")
+    )
+    return grid
 
 
 def _job_through(grid: LocalGrid, fault: Callable[[], None], *, jobs_before: int, url: str) -> None:
@@ -84,21 +65,10 @@ def test_redis_flushed_then_one_coordinator_of_two_killed(
 ) -> None:
     # One grid for both faults (starting one costs more than a job): each in a job.
     def flush() -> None:
-        assert off_loop(_delete_keys(redis_url, redis_prefix)) > 0
+        assert off_loop(delete_keys(redis_url, redis_prefix)) > 0
 
     _job_through(grid, flush, jobs_before=0, url=grid.url)
     # The first one (most likely the leader: it started first): the other takes over the
     # grid-wide passes once its lease runs out, and the first one's workers fail over.
     survivor = grid.urls[1]
     _job_through(grid, grid.kill_coordinator, jobs_before=1, url=survivor)
-
-
-async def _delete_keys(url: str, prefix: str) -> int:
-    import redis.asyncio as redis
-
-    client = redis.Redis.from_url(url)
-    try:
-        keys = [key async for key in client.scan_iter(match=prefix + "*")]
-        return int(await client.delete(*keys)) if keys else 0
-    finally:
-        await client.aclose()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from helpers import wait_until
@@ -26,44 +26,37 @@ SHARDS = 400
 WORKERS = 4
 
 
-def test_half_the_workers_killed_mid_job(tmp_path: Path) -> None:
-    with LocalGrid(
-        tmp_path,
-        heartbeat_s=0.5,
-        node_timeout_s=3.0,
-        min_lease_s=60.0,
-        replication=1,
-        extra_env={"IDLEGRID_BACKUPS": "false"},
-    ) as grid:
-        workers = [
-            grid.start_worker(
-                f"w{i}", kinds="sleep", benchmark=False, slots=2, extra=("--prefetch", "4")
-            )
-            for i in range(WORKERS)
-        ]
-        grid.wait_for_nodes(WORKERS)
-        query = query_of(grid)
-        with grid.client() as client:
-            job = client.submit("sleep", params={"tasks": SHARDS, "seconds": 0.01})
-            victims = [f"w{i}" for i in range(WORKERS // 2)]
-            # Killed while they hold tasks (on a loaded machine a worker may still be
-            # between its tasks, or not have asked for any yet, when a quarter is done).
-            wait_until(
-                lambda: shards_done(query) >= SHARDS // 4 and _all_hold_tasks(query, victims),
-                "progress, with tasks held by the workers to kill",
-                timeout_s=300,
-            )
-            for proc in workers[: WORKERS // 2]:
-                os.kill(proc.pid, signal.SIGKILL)
-            assert shards_done(query) < SHARDS, "the job finished before the kill"
-            info = client.job(job.id).wait(timeout=300)
-            assert info["state"] == "completed"
-            assert client.job(job.id).result() == [json.loads(_digest(i)) for i in range(SHARDS)]
-        wait_until(lambda: all_judged(query), "late results judged", timeout_s=30)
-        assert_exactly_once(query, shards=SHARDS)
-        # The killed workers held tasks: those expired, each one error of its node.
-        expired = query("SELECT COUNT(*) AS n FROM tasks WHERE state = 'expired'")[0]["n"]
-        assert expired > 0 and errors(query) == expired
+def test_half_the_workers_killed_mid_job(embedded_grid: Callable[..., LocalGrid]) -> None:
+    grid = embedded_grid(backups=False)
+    workers = [
+        grid.start_worker(
+            f"w{i}", kinds="sleep", benchmark=False, slots=2, extra=("--prefetch", "4")
+        )
+        for i in range(WORKERS)
+    ]
+    grid.wait_for_nodes(WORKERS)
+    query = query_of(grid)
+    with grid.client() as client:
+        job = client.submit("sleep", params={"tasks": SHARDS, "seconds": 0.01})
+        victims = [f"w{i}" for i in range(WORKERS // 2)]
+        # Killed while they hold tasks (on a loaded machine a worker may still be
+        # between its tasks, or not have asked for any yet, when a quarter is done).
+        wait_until(
+            lambda: shards_done(query) >= SHARDS // 4 and _all_hold_tasks(query, victims),
+            "progress, with tasks held by the workers to kill",
+            timeout_s=300,
+        )
+        for proc in workers[: WORKERS // 2]:
+            os.kill(proc.pid, signal.SIGKILL)
+        assert shards_done(query) < SHARDS, "the job finished before the kill"
+        info = client.job(job.id).wait(timeout=300)
+        assert info["state"] == "completed"
+        assert client.job(job.id).result() == [json.loads(_digest(i)) for i in range(SHARDS)]
+    wait_until(lambda: all_judged(query), "late results judged", timeout_s=30)
+    assert_exactly_once(query, shards=SHARDS)
+    # The killed workers held tasks: those expired, each one error of its node.
+    expired = query("SELECT COUNT(*) AS n FROM tasks WHERE state = 'expired'")[0]["n"]
+    assert expired > 0 and errors(query) == expired
 
 
 def _all_hold_tasks(query: Query, names: list[str]) -> bool:

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -12,9 +11,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 import pytest
-import uvicorn
+from grids import serving
+from helpers import eventually
 
-from idlegrid.app import create_app
 from idlegrid.client import Client, IdlegridError
 from idlegrid.kinds.onnx.data import Preprocess, decode_batch, load_images, zip_files
 from idlegrid.kinds.onnx.examples import IMAGENET_PREPROCESS, conv_net, images, mlp
@@ -34,21 +33,8 @@ async def coordinator(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
         distinct_accounts=False,
         distinct_networks=False,
     )
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), lifespan="on", log_level="warning")
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not serving.done(), "the coordinator did not start"
-        await asyncio.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}", settings.admin_token_file.read_text()
-    finally:
-        server.should_exit = True
-        await serving
-        sock.close()
+    async with serving(settings) as url:
+        yield url, settings.admin_token_file.read_text()
 
 
 def _profile() -> HardwareProfile:
@@ -77,13 +63,13 @@ async def _worker(client: Client, url: str, state: Path, **settings: Any) -> Wor
 
 
 async def _wait(job: Any, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
-    info: dict[str, Any] = {}
-    for _ in range(1200):  # a minute
-        info = await asyncio.to_thread(job.info)
-        if done(info):
-            return dict(info)
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"job did not get there: {info}")
+    """The job's info once `done` says so (within a minute)."""
+
+    async def there() -> dict[str, Any] | None:
+        info = dict(await asyncio.to_thread(job.info))
+        return info if done(info) else None
+
+    return await eventually(there, "the job to get there", timeout_s=60, poll_s=0.05)
 
 
 def _ended(info: dict[str, Any]) -> bool:
@@ -181,7 +167,7 @@ async def test_a_node_without_onnx_runtime_never_gets_the_kind(
         job = await asyncio.to_thread(client.submit_onnx, mlp(), rows, replication=1)
         info = await _wait(job, lambda i: bool(i["waiting_for"]))
         assert "does not offer kind onnx-infer" in info["waiting_for"][0], info
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # time to prove the job stays queued: a wait would not end
         assert (await asyncio.to_thread(job.info))["state"] == "queued"
         assert plain.completed == 0
     finally:

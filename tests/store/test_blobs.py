@@ -177,7 +177,7 @@ def test_put_many_stores_each_in_order_a_few_at_a_time(
 
     def slow_put(blob: bytes) -> str:  # the last write is still going when one fails
         if blob.startswith(b"z"):
-            time.sleep(0.3)
+            time.sleep(0.3)  # a slow write is what the test needs
         return put(blob)
 
     monkeypatch.setattr(store, "put", slow_put)

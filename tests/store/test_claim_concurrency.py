@@ -118,7 +118,7 @@ async def _setup(stores: list[SqlStore], rng: random.Random, *, backups: bool) -
 async def _requester(run: Run, rng: random.Random, which: int) -> None:
     """One node asking for work: one (soon stale) look at the queue, a few claims from it."""
     node_id = rng.choice(run.node_ids)
-    await asyncio.sleep(rng.random() * 0.05)
+    await asyncio.sleep(rng.random() * 0.05)  # a random start: the interleaving under test
     ready = await run.call(which, "claims.ready_tasks", limit=40)
     held: list[Assignment] = []
     for task in rng.sample(ready, min(CLAIMS_EACH, len(ready))):
@@ -188,7 +188,7 @@ async def _checker(run: Run, done: asyncio.Event, *, extra: int) -> int:
     while not done.is_set():
         await _check(run, extra=extra)
         checks += 1
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.02)  # pacing: the checker looks again and again, not in a spin
     return checks
 
 

@@ -9,13 +9,12 @@ SQLite and PostgreSQL.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 from helpers import fake_node
 from sqlalchemy import select
 
-from idlegrid.blobs.files import BlobStore
-from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.monitor import Monitor
@@ -171,7 +170,7 @@ async def test_run_alone_gives_back_the_attempts_of_the_replicas_it_cancelled(
 
 
 async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be_back(
-    store: SqlStore, tmp_path: Path
+    store: SqlStore, tmp_path: Path, in_process_grid: Callable[..., Grid]
 ) -> None:
     now = [T0]
     settings = CoordinatorSettings(
@@ -184,13 +183,7 @@ async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be
         default_replication=1,
     )
     assert settings.restart_grace_s == 16.0  # the longest backoff, then a node timeout
-    grid = Grid(
-        settings=settings,
-        store=store,
-        broker=MemoryBroker(),
-        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 20),
-        clock=lambda: now[0],
-    )
+    grid = in_process_grid(settings, clock=lambda: now[0])
     alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     away = await fake_node(store, alice.id, "away", now=T0)
     back = await fake_node(store, alice.id, "back", now=T0)
@@ -230,12 +223,8 @@ async def test_a_restarted_coordinator_expires_nothing_before_its_workers_can_be
 # -- claims for a connection that is gone --------------------------------------------------
 
 
-async def _grid(store: SqlStore, tmp_path: Path) -> Grid:
-    settings = CoordinatorSettings(
-        data_dir=tmp_path, monitor_interval_s=3600.0, default_replication=1
-    )
-    blobs = BlobStore(tmp_path / "blobs", max_bytes=1 << 20)
-    return Grid(settings=settings, store=store, broker=MemoryBroker(), blobs=blobs)
+def _settings(tmp_path: Path) -> CoordinatorSettings:
+    return CoordinatorSettings(data_dir=tmp_path, monitor_interval_s=3600.0, default_replication=1)
 
 
 async def _shard_tasks(store: SqlStore) -> list[tuple[str, int | None]]:
@@ -245,9 +234,9 @@ async def _shard_tasks(store: SqlStore) -> list[tuple[str, int | None]]:
 
 
 async def test_claims_made_while_the_connection_closed_are_released_at_once(
-    store: SqlStore, tmp_path: Path
+    store: SqlStore, tmp_path: Path, in_process_grid: Callable[..., Grid]
 ) -> None:
-    grid = await _grid(store, tmp_path)
+    grid = in_process_grid(_settings(tmp_path))
     alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await fake_node(store, alice.id, "leaving", now=T0)
     await grid.submit_job(
@@ -282,9 +271,9 @@ async def test_claims_made_while_the_connection_closed_are_released_at_once(
 
 
 async def test_claims_that_cannot_be_sent_are_released_at_once(
-    store: SqlStore, tmp_path: Path
+    store: SqlStore, tmp_path: Path, in_process_grid: Callable[..., Grid]
 ) -> None:
-    grid = await _grid(store, tmp_path)
+    grid = in_process_grid(_settings(tmp_path))
     alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
     node = await fake_node(store, alice.id, "broken", now=T0, slots=2)
 

@@ -20,6 +20,7 @@ from idlegrid.states import (
     IllegalTransition,
     JobState,
     NodeState,
+    ShardState,
     TaskState,
     TrainingRoundState,
     UploadState,
@@ -224,10 +225,15 @@ def test_a_state_rows_are_only_created_in_is_no_target(table: Table, target: enu
 
 
 def test_a_state_of_another_lifecycle_raises() -> None:
+    move(tasks, TaskState.CANCELLED)  # checked and cached: "cancelled" for tasks is legal
+    move(shards, ShardState.CANCELLED, sources=[ShardState.OPEN])
+    # StrEnums of two lifecycles compare equal by value; the check must still tell them apart.
     with pytest.raises(IllegalTransition, match="tasks rows are TaskState"):
         move(tasks, JobState.CANCELLED)
     with pytest.raises(IllegalTransition, match="has no lifecycle"):
         move(tasks.alias("other"), TaskState.CANCELLED)
+    with pytest.raises(IllegalTransition, match="ShardState"):
+        move(training_rounds, TrainingRoundState.CLOSED, sources=[ShardState.OPEN])
 
 
 def test_the_state_is_the_target_not_a_value() -> None:

@@ -121,17 +121,32 @@ async def test_a_statement_is_one_crossing(
         assert crossings == 3
 
 
+def _holding(gate: threading.Event, held: threading.Event) -> Callable[[], bool]:
+    """Work that holds the database thread until `gate` opens, and says so in `held`."""
+
+    def hold() -> bool:
+        held.set()
+        return gate.wait()
+
+    return hold
+
+
+def _queued(connection: Connection) -> int:
+    """Calls waiting for the database thread."""
+    return connection._link.jobs.qsize()
+
+
 async def test_a_cancelled_statement_leaves_the_connection_usable(engine: AsyncEngine) -> None:
     async with engine.connect() as conn:
         raw = await conn.get_raw_connection()
         driver = raw.driver_connection
         assert isinstance(driver, Connection)
-        gate = threading.Event()
+        gate, held = threading.Event(), threading.Event()
         # Hold the database thread so the next statement waits in its queue.
-        blocked = asyncio.create_task(driver.call(gate.wait))
-        await asyncio.sleep(0)
+        blocked = asyncio.create_task(driver.call(_holding(gate, held)))
+        await eventually(held.is_set, "the database thread to be held")
         waiting = asyncio.create_task(conn.execute(text("SELECT 1")))
-        await asyncio.sleep(0.05)
+        await eventually(lambda: _queued(driver) == 1, "the statement to queue")
         waiting.cancel()
         gate.set()
         with pytest.raises(asyncio.CancelledError):
@@ -157,7 +172,7 @@ async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
 
     async def one(value: int) -> int:
         async with engine.connect() as conn:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.01)  # held a moment, so that the others need connections too
             return int((await conn.execute(text(f"SELECT {value}"))).scalar_one())
 
     assert await asyncio.gather(*(one(i) for i in range(4))) == [0, 1, 2, 3]
@@ -189,11 +204,11 @@ async def test_the_store_still_runs_on_aiosqlite(tmp_path: Path) -> None:
 async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
     before = len(driver_threads())
     connection = await Connection.open(str(tmp_path / "c.db"))
-    gate = threading.Event()
-    busy = asyncio.create_task(connection.call(gate.wait))
-    await asyncio.sleep(0)
+    gate, held = threading.Event(), threading.Event()
+    busy = asyncio.create_task(connection.call(_holding(gate, held)))
+    await eventually(held.is_set, "the database thread to be held")
     closing = asyncio.create_task(connection.close())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: _queued(connection) == 1, "the close to queue")
     closing.cancel()
     gate.set()
     with pytest.raises(asyncio.CancelledError):
@@ -212,7 +227,7 @@ async def test_connections_nobody_closed_end_their_threads_when_collected(
 
         async def one(value: int) -> None:
             async with engine.connect() as conn:
-                await asyncio.sleep(0.01)
+                await asyncio.sleep(0.01)  # held a moment, so that the others need connections
                 await conn.execute(text(f"SELECT {value}"))
 
         await asyncio.gather(*(one(i) for i in range(3)))

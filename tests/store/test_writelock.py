@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from helpers import eventually
 
 from idlegrid.store.writelock import WriteLock, urgent
 
@@ -16,14 +17,14 @@ async def _order(lock: WriteLock, waiters: list[tuple[str, bool]]) -> list[str]:
     async def wait(name: str, is_urgent: bool) -> None:
         await lock.acquire(is_urgent=is_urgent)
         got.append(name)
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # held across a turn of the loop, as a real holder does
         lock.release()
 
     await lock.acquire()
     tasks = []
     for name, is_urgent in waiters:
         tasks.append(asyncio.create_task(wait(name, is_urgent)))
-        await asyncio.sleep(0)  # queued in this order
+        await eventually(lambda: sum(lock.waiting) == len(tasks), "queued in this order")
     lock.release()
     await asyncio.gather(*tasks)
     assert not lock.locked()
@@ -64,7 +65,7 @@ async def test_urgent_context_marks_acquires_made_inside() -> None:
 
     await lock.acquire()
     tasks = [asyncio.create_task(commit()), asyncio.create_task(claim())]
-    await asyncio.sleep(0)
+    await eventually(lambda: lock.waiting == (1, 1), "both to queue")
     lock.release()
     await asyncio.gather(*tasks)
     assert got == ["claim", "commit"]
@@ -75,9 +76,9 @@ async def test_a_cancelled_waiter_neither_holds_nor_loses_the_lock() -> None:
     await lock.acquire()
     cancelled = asyncio.create_task(lock.acquire(is_urgent=True))
     after = asyncio.create_task(lock.acquire())
-    await asyncio.sleep(0)
+    await eventually(lambda: lock.waiting == (1, 1), "both to queue")
     cancelled.cancel()
-    await asyncio.sleep(0)
+    await eventually(cancelled.done, "the cancellation")
     lock.release()
     await after  # the lock went to the next waiter
     assert lock.locked()
@@ -90,7 +91,7 @@ async def test_handed_the_lock_while_being_cancelled_passes_it_on() -> None:
     await lock.acquire()
     first = asyncio.create_task(lock.acquire())
     second = asyncio.create_task(lock.acquire())
-    await asyncio.sleep(0)
+    await eventually(lambda: lock.waiting == (0, 2), "both to queue")
     lock.release()  # ownership passes to `first`...
     first.cancel()  # ...which is cancelled before it runs
     with pytest.raises(asyncio.CancelledError):

@@ -4,11 +4,11 @@ run ends: the inner loop on its own, and `diloco-train` in a real worker process
 from __future__ import annotations
 
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import wait_until
 
 from idlegrid.kinds.diloco import char_corpus as corpus
 from idlegrid.kinds.diloco.data import TokenData
@@ -109,11 +109,9 @@ def test_a_diloco_task_killed_mid_round_resumes_from_its_checkpoint(tmp_path: Pa
             job = client.submit(
                 "diloco-train", inputs={"dataset": corpus_dataset_blob()}, params=params
             )
-            deadline = time.monotonic() + 120
-            while not list(checkpoints.glob(f"*/{FILE}")):
-                assert time.monotonic() < deadline, "no checkpoint was written"
-                time.sleep(0.1)
-            (saved,) = list(checkpoints.glob(f"*/{FILE}"))
+            (saved,) = wait_until(
+                lambda: list(checkpoints.glob(f"*/{FILE}")), "a checkpoint", timeout_s=120
+            )
             with np.load(saved) as content:
                 assert 0 < int(content["step"]) < 400
             worker.send_signal(signal.SIGKILL)  # mid-round, mid-task

@@ -8,7 +8,7 @@ a worker daemon does, and hands the result to `Grid.accept_result`.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,8 +20,6 @@ from helpers import FakeNode, fake_node
 from pydantic import ValidationError
 
 from idlegrid import protocol
-from idlegrid.blobs.files import BlobStore
-from idlegrid.broker.memory import MemoryBroker
 from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds import RunContext, get_kind
 from idlegrid.kinds.diloco import kind as diloco
@@ -155,18 +153,11 @@ class Harness:
 
 
 @pytest.fixture
-async def harness(store: SqlStore, tmp_path: Path) -> Iterator[Harness]:  # type: ignore[misc]
+async def harness(store: SqlStore, in_process_grid: Callable[..., Grid]) -> Harness:
     now = [T0]
-    grid = Grid(
-        settings=CoordinatorSettings(data_dir=tmp_path / "coordinator"),
-        store=store,
-        broker=MemoryBroker(),
-        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
-        clock=lambda: now[0],
-    )
+    grid = in_process_grid(clock=lambda: now[0], max_blob_bytes=1 << 30)
     account = await store.accounts.create_account("alice", is_admin=False, now=T0)
-    yield Harness(grid, now, account.id)
-    await grid.aclose()
+    return Harness(grid, now, account.id)
 
 
 async def test_a_job_trains_round_after_round_and_its_eval_loss_falls(

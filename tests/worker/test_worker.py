@@ -126,7 +126,7 @@ async def _let_it_block() -> None:
     """Run the loop until every task started so far is waiting on something: these calls
     take no time of their own before they wait."""
     for _ in range(10):
-        await asyncio.sleep(0)
+        await asyncio.sleep(0)  # turns of the loop: what blocks shows no state to wait on
 
 
 async def test_blob_calls_wait_for_the_next_session_not_a_backoff_step(

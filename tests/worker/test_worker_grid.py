@@ -6,7 +6,6 @@ uploading an output blob twice, and times its heartbeats by their acknowledgemen
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,11 +13,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from grids import serving
 from helpers import eventually
 from pydantic import BaseModel
 
-from idlegrid.app import create_app
 from idlegrid.protocol import HardwareProfile
 from idlegrid.settings import CoordinatorSettings, WorkerSettings
 from idlegrid.worker.daemon import Worker
@@ -28,21 +26,8 @@ from idlegrid.worker.daemon import Worker
 async def coordinator(tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
     """(URL, admin token) of a coordinator served in this process."""
     settings = CoordinatorSettings(data_dir=tmp_path / "coordinator", heartbeat_interval_s=0.1)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), lifespan="on", log_level="warning")
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    await eventually(lambda: server.started or serving.done(), "the coordinator to start")
-    assert server.started, "the coordinator did not start"
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
+    async with serving(settings) as url:
         yield url, settings.admin_token_file.read_text().strip()
-    finally:
-        server.should_exit = True
-        await serving
-        sock.close()
 
 
 async def _finished(http: httpx.AsyncClient, job_id: int) -> dict[str, Any]:

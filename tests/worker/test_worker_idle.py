@@ -20,9 +20,9 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+from grids import serving
+from helpers import eventually, wait_until
 
-from idlegrid.app import create_app
 from idlegrid.kinds.sleep import hash_chain
 from idlegrid.protocol import HardwareProfile
 from idlegrid.settings import CoordinatorSettings, WorkerSettings
@@ -48,26 +48,12 @@ class FakeProbe:
 @pytest.fixture
 async def grid(tmp_path: Path) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
     settings = CoordinatorSettings(data_dir=tmp_path / "coordinator", heartbeat_interval_s=0.5)
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), lifespan="on", log_level="warning")
-    )
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    serving = asyncio.create_task(server.serve(sockets=[sock]))
-    while not server.started:
-        assert not serving.done(), "the coordinator did not start"
-        await asyncio.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    admin = settings.admin_token_file.read_text().strip()
-    try:
+    async with serving(settings) as url:
+        admin = settings.admin_token_file.read_text().strip()
         async with httpx.AsyncClient(
             base_url=url, headers={"Authorization": f"Bearer {admin}"}, timeout=30
         ) as http:
             yield url, http
-    finally:
-        server.should_exit = True
-        await serving
-        sock.close()
 
 
 async def _worker(
@@ -92,23 +78,13 @@ async def _worker(
     return worker
 
 
-async def _until(check: Callable[[], Any], within_s: float, what: str) -> Any:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 async def _time_to_stop(host: TaskHost, started: float) -> float:
     """Seconds from `started` until the process is suspended and its CPU time stops
     growing (two readings 0.1 s apart; the time of the second is not counted). Both: on a
     loaded machine a running process can go 0.1 s without a turn on a core."""
     before = host.cpu_seconds()
     while True:
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.1)  # the sampling interval: CPU time is measured across it
         now = host.cpu_seconds()
         if now - before < 0.005 and host.suspended:
             return time.monotonic() - started - 0.1
@@ -117,12 +93,11 @@ async def _time_to_stop(host: TaskHost, started: float) -> float:
 
 
 async def _finish_and_verify(http: httpx.AsyncClient, job_id: int) -> None:
-    info = {}
-    for _ in range(600):
-        info = (await http.get(f"/v1/jobs/{job_id}")).json()
-        if info["state"] not in ("queued", "running"):
-            break
-        await asyncio.sleep(0.05)
+    async def ended() -> dict[str, Any] | None:
+        info: dict[str, Any] = (await http.get(f"/v1/jobs/{job_id}")).json()
+        return info if info["state"] not in ("queued", "running") else None
+
+    info = await eventually(ended, f"job {job_id} to end", timeout_s=30, poll_s=0.05)
     assert info["state"] == "completed", info
     (result,) = (await http.get(f"/v1/jobs/{job_id}/result")).json()
     assert result["chain"] == hash_chain(result["index"], HASHES)
@@ -149,8 +124,12 @@ async def _steps_aside_and_resumes(
             )
         ).json()
         host = worker.hosts[0]
-        task = await _until(lambda: next(iter(worker.running.values()), None), 30, "a task")
-        await _until(lambda: task.progress > 0.02 and host.cpu_seconds() > 0.05, 30, "computing")
+        task = await eventually(
+            lambda: next(iter(worker.running.values()), None), "a task", timeout_s=30
+        )
+        await eventually(
+            lambda: task.progress > 0.02 and host.cpu_seconds() > 0.05, "computing", timeout_s=30
+        )
         started = time.monotonic()
         await make_active()
         elapsed = await _time_to_stop(host, started)
@@ -158,12 +137,13 @@ async def _steps_aside_and_resumes(
         assert elapsed < STEP_ASIDE_S, f"stepped aside after {elapsed:.2f} s"
         paused = [m for m in sent if getattr(m, "type", "") == "status" and m.state == "paused"]
         assert paused and "user active" in paused[-1].reason
+
         # The coordinator shows the node's reason beside its other figures.
-        for _ in range(100):
+        async def paused_node() -> dict[str, Any] | None:
             (node,) = (await http.get("/v1/nodes")).json()
-            if node["activity"].startswith("paused"):
-                break
-            await asyncio.sleep(0.05)
+            return dict(node) if node["activity"].startswith("paused") else None
+
+        node = await eventually(paused_node, "the node shown paused", poll_s=0.05)
         assert "user active" in node["activity"], node
         # The task is suspended, not lost: after the threshold it resumes and completes.
         await _finish_and_verify(http, job["id"])
@@ -207,16 +187,23 @@ def xvfb() -> Any:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
+        # Connecting before the server listens leaks xlib's sockets: wait until it does.
         socket_file = Path(f"/tmp/.X11-unix/X{number}")
-        for _ in range(200):  # connecting before the server listens leaks xlib's sockets
-            if socket_file.exists():
-                break
-            time.sleep(0.05)
-        time.sleep(0.2)
+        wait_until(lambda: _accepts(socket_file), "Xvfb to listen", timeout_s=10, poll_s=0.05)
         yield display
     finally:
         server.terminate()
         server.wait(10)
+
+
+def _accepts(path: Path) -> bool:
+    """Whether a server listens on the Unix socket `path`."""
+    with socket.socket(socket.AF_UNIX) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return False
+    return True
 
 
 def _xdotool(display: str, *args: str) -> None:
@@ -229,11 +216,11 @@ def test_xscreensaver_reads_the_idle_time_and_input_resets_it(xvfb: str) -> None
         # The server's idle clock starts when it is ready, which a loaded machine delays
         # past the socket's appearance: count from an input of our own.
         _xdotool(xvfb, "mousemove", "10", "10")
-        time.sleep(1.2)
+        time.sleep(1.2)  # idle time passing is what the probe must read
         assert probe.idle_seconds() >= 1.0
         _xdotool(xvfb, "mousemove", "100", "100")
         assert probe.idle_seconds() < 0.5
-        time.sleep(0.6)
+        time.sleep(0.6)  # idle again for a while, so that the key's reset shows
         _xdotool(xvfb, "key", "a")
         assert probe.idle_seconds() < 0.5
     finally:

@@ -35,6 +35,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import wait_until
 from test_worker_idle import _steps_aside_and_resumes, _worker, grid  # noqa: F401
 
 from idlegrid.worker.idle import default_probes
@@ -56,16 +57,6 @@ def _need(missing: list[str], packages: str) -> None:
         if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
             pytest.fail(f"CI must install the Debian packages {packages} (missing {missing})")
         pytest.skip(f"needs {missing} (Debian packages {packages})")
-
-
-def _until(check: Any, within_s: float, what: str) -> Any:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.01)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _reading(probe: Any) -> float | None:
@@ -116,10 +107,10 @@ def sway(tmp_path: Path) -> Iterator[dict[str, str]]:
     log = (tmp_path / "sway.log").open("wb")
     server = subprocess.Popen(command, env=env, stdout=log, stderr=log)
     try:
-        found = _until(
+        found = wait_until(
             lambda: server.poll() is None and [p for p in runtime.glob("wayland-*")
                                                if not p.name.endswith(".lock")],
-            20, "sway's socket",
+            "sway's socket", timeout_s=20, poll_s=0.01,
         )  # fmt: skip
         assert server.poll() is None, (tmp_path / "sway.log").read_text()
         yield {"XDG_RUNTIME_DIR": str(runtime), "WAYLAND_DISPLAY": found[0].name}
@@ -149,14 +140,18 @@ def test_under_sway_the_probe_goes_idle_and_a_key_makes_it_active(
             probe.idle_seconds()
         assert probe.protocol in (EXT_IDLE, KDE_IDLE)
         # Nobody touches the seat: the notification comes after its 1 s timeout.
-        idle = _until(lambda: _reading(probe), 5, "the compositor's idle notification")
+        idle = wait_until(
+            lambda: _reading(probe), "the compositor's idle notification", timeout_s=5, poll_s=0.01
+        )
         assert idle >= NOTIFY_TIMEOUT_MS / 1000
-        time.sleep(0.5)
+        time.sleep(0.5)  # time passing is what the reading must show
         assert (_reading(probe) or 0) >= 1.4
         _wtype(sway, "a")
-        _until(lambda: _reading(probe) == 0.0, 2, "the probe to see the key")
+        wait_until(
+            lambda: _reading(probe) == 0.0, "the probe to see the key", timeout_s=2, poll_s=0.01
+        )
         # Quiet again for a second: idle again, counted from the key.
-        idle = _until(lambda: _reading(probe), 5, "idle after the key")
+        idle = wait_until(lambda: _reading(probe), "idle after the key", timeout_s=5, poll_s=0.01)
         assert 1.0 <= idle < 1.5
     finally:
         probe.close()
@@ -327,24 +322,39 @@ def test_ext_idle_notify_is_preferred_and_followed(
         assert asked["timeout"] == 300
         assert peer.bound[asked["seat"]] == "wl_seat"
         # No event within the timeout: the seat is in use.
-        assert _until(lambda: _reading(probe) is not None, 2, "the first window") is True
+        assert (
+            wait_until(
+                lambda: _reading(probe) is not None, "the first window", timeout_s=2, poll_s=0.01
+            )
+            is True
+        )
         assert _reading(probe) == 0.0
         peer.event(asked, "idled")
-        idle = _until(lambda: _reading(probe), 2, "idled")
+        idle = wait_until(lambda: _reading(probe), "idled", timeout_s=2, poll_s=0.01)
         assert 0.3 <= idle < 0.5
-        time.sleep(0.2)
+        time.sleep(0.2)  # time passing is what the reading must show
         assert 0.5 <= (_reading(probe) or 0) < 0.7
         peer.event(asked, "resumed")
-        _until(lambda: _reading(probe) == 0.0, 2, "resumed")
+        wait_until(lambda: _reading(probe) == 0.0, "resumed", timeout_s=2, poll_s=0.01)
         # The compositor goes away: the next reading reconnects and asks again.
         with_shutdown(asked["conn"])
-        _until(lambda: probe._connection is None, 2, "the probe to see the disconnect")
+        wait_until(
+            lambda: probe._connection is None,
+            "the probe to see the disconnect",
+            timeout_s=2,
+            poll_s=0.01,
+        )
         with pytest.raises(ProbeUnavailable, match="first idle notification"):
             probe.idle_seconds()
         _, again = peer.wait_notifications(2)
         assert again["request"] == "get_idle_notification"
         peer.event(again, "idled")
-        assert _until(lambda: _reading(probe), 2, "idled after reconnecting") >= 0.3
+        assert (
+            wait_until(
+                lambda: _reading(probe), "idled after reconnecting", timeout_s=2, poll_s=0.01
+            )
+            >= 0.3
+        )
     finally:
         probe.close()
         peer.close()
@@ -377,7 +387,12 @@ def test_a_protocol_error_is_reported_and_not_asked_again_at_once(
         # wl_display.error(object, code, message): the core protocol's event 0 on object 1.
         body = struct.pack("=II", asked["id"], 3) + _string("timeout out of range")
         peer.send(asked["conn"], 1, 0, body)
-        _until(lambda: probe._connection is None, 2, "the probe to see the error")
+        wait_until(
+            lambda: probe._connection is None,
+            "the probe to see the error",
+            timeout_s=2,
+            poll_s=0.01,
+        )
         for _ in range(2):
             with pytest.raises(ProbeUnavailable, match="refused us: protocol error 3: timeout"):
                 probe.idle_seconds()
@@ -399,7 +414,9 @@ def session_bus(tmp_path: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        _until(lambda: (tmp_path / "bus").exists(), 10, "dbus-daemon's socket")
+        wait_until(
+            lambda: (tmp_path / "bus").exists(), "dbus-daemon's socket", timeout_s=10, poll_s=0.01
+        )
         yield address
     finally:
         daemon.terminate()

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from helpers import eventually
 
 from idlegrid import protocol
 from idlegrid.settings import WorkerSettings
@@ -162,10 +163,7 @@ async def test_a_task_process_that_dies_fails_its_task_and_a_new_one_runs_the_ne
         running = asyncio.create_task(
             host.run(_spec(1, hashes=50_000_000), fetch=_no_fetch, progress=lambda f: None)
         )
-        for _ in range(300):
-            if host.cpu_seconds() > 0.05:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: host.cpu_seconds() > 0.05, "the task to compute", timeout_s=30)
         assert host.pid is not None
         os.kill(host.pid, 9)  # a kind that crashed the interpreter, or the OOM killer
         with pytest.raises(TaskFailed, match="died"):
@@ -245,10 +243,7 @@ async def test_a_task_over_the_memory_cap_is_killed_and_fails(tmp_path: Path) ->
         running = asyncio.create_task(
             host.run(_spec(1, hashes=50_000_000), fetch=_no_fetch, progress=lambda f: None)
         )
-        for _ in range(300):
-            if host.cpu_seconds() > 0.05:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: host.cpu_seconds() > 0.05, "the task to compute", timeout_s=30)
         worker.governor.enforce_memory(Limits(memory_percent=100))
         assert host.alive()  # under the cap: left alone
         worker.governor._memory_total = 100 * 2**20  # a 100 MB machine: the cap is 1 MB

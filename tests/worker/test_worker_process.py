@@ -9,12 +9,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
+from helpers import wait_until
 
 from idlegrid.devtools.localgrid import LocalGrid
 
@@ -35,14 +36,12 @@ def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _until(check: Callable[[], Any], within_s: float, what: str) -> Any:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+def _heard(log: Path) -> int:
+    """How many stop signals the worker has answered (its log says so for each)."""
+    text = log.read_text()
+    return text.count("finishing the running tasks, then stopping") + text.count(
+        "giving the running tasks back to the coordinator and stopping"
+    )
 
 
 def _running_task(state_dir: Path) -> dict[str, Any] | None:
@@ -89,7 +88,7 @@ def test_ctrl_c_finishes_the_running_task_then_stops(grid: LocalGrid) -> None:
     worker, state_dir = _start(grid, "w")
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": 1, "seconds": 3.0}, replication=1)
-        _until(lambda: _running_task(state_dir), 60, "the task to start")
+        wait_until(lambda: _running_task(state_dir), "the task to start", timeout_s=60)
         # As a terminal sends it: to the whole process group, task processes too.
         os.killpg(worker.pid, signal.SIGINT)
         assert worker.wait(60) == 0
@@ -109,12 +108,13 @@ def test_the_task_is_given_back_and_the_worker_stops_at_once(
     worker, state_dir = _start(grid, "w")
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": 1, "seconds": 600.0}, replication=1)
-        _until(lambda: _running_task(state_dir), 60, "the task to start")
+        wait_until(lambda: _running_task(state_dir), "the task to start", timeout_s=60)
         task_processes = psutil.Process(worker.pid).children(recursive=True)
         assert task_processes
-        for number in signals:  # Ctrl-C as a terminal sends it: to the process group
+        log = grid.root / "w.log"
+        for said, number in enumerate(signals, 1):  # Ctrl-C as a terminal sends it: to the group
             os.killpg(worker.pid, number) if number == signal.SIGINT else worker.send_signal(number)
-            time.sleep(0.5)
+            wait_until(lambda n=said: _heard(log) >= n, "the worker to answer the signal")
         started = time.monotonic()
         assert worker.wait(30) == 0
         assert time.monotonic() - started < 10, "the worker did not stop at once"
@@ -128,6 +128,6 @@ def test_the_task_is_given_back_and_the_worker_stops_at_once(
             (shard,) = job.info(shards=True)["shards"]
             return shard if shard["attempts"] == 2 else None
 
-        assert _until(retried, 10, "the shard's next attempt")["state"] == "open"
+        assert wait_until(retried, "the shard's next attempt", timeout_s=10)["state"] == "open"
     log = (grid.root / "w.log").read_text()
     assert "given back: the worker was stopped" in log and "Traceback" not in log

@@ -103,17 +103,32 @@ def in_state(table: Table, *states: enum.Enum) -> ColumnElement[bool]:
     return table.c.state.in_([literal(value) for value in sorted(s.value for s in states)])
 
 
-@functools.cache
 def _checked_sources(
     table: Table, to: enum.Enum, sources: frozenset[enum.Enum] | None
 ) -> tuple[enum.Enum, ...]:
-    """The sources of a move, each checked legal (cached: claims build one a call)."""
+    """The sources of a move, each checked legal (cached: claims build one a call).
+
+    The cache is keyed by each state's lifecycle as well as its value: the states are
+    StrEnums, so `JobState.CANCELLED == TaskState.CANCELLED` (both "cancelled"), and a
+    key of the states alone would let a move checked for one lifecycle pass for another.
+    """
+    typed = None if sources is None else frozenset((type(s), s) for s in sources)
+    return _checked_typed(table, type(to), to, typed)
+
+
+@functools.cache
+def _checked_typed(
+    table: Table,
+    to_type: type[enum.Enum],
+    to: enum.Enum,
+    sources: frozenset[tuple[type[enum.Enum], enum.Enum]] | None,
+) -> tuple[enum.Enum, ...]:
     lifecycle = LIFECYCLES.get(table)
     if lifecycle is None:
         raise IllegalTransition(f"{table.name} has no lifecycle")
-    if type(to) is not lifecycle:
+    if to_type is not lifecycle:
         raise IllegalTransition(f"{table.name} rows are {lifecycle.__name__}, not {to!r}")
-    expected = sources_of(to) if sources is None else sources
+    expected = tuple(sources_of(to)) if sources is None else tuple(s for _, s in sources)
     if not expected:
         raise IllegalTransition(f"{lifecycle.__name__}: no state moves to {to.value}")
     for source in expected:
