@@ -2,7 +2,7 @@
 
     PYTHONPATH=src .venv/bin/python benchmarks/presence_write.py [--nodes 10000] [--chunk 500]
 
-Registers `--nodes` nodes in a fresh SQLite store, then runs `SqlStore.touch_nodes` for
+Registers `--nodes` nodes in a fresh SQLite store, then runs `store.nodes.touch_nodes` for
 all of them three times (what the monitor's presence pass does every 10 s) while a
 ticker on the same event loop measures how late it runs. `--chunk 0` writes all rows in
 one statement (executemany), as before the chunks. Last line:
