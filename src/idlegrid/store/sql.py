@@ -3,25 +3,23 @@
 Each role is one module and one class over the shared `Database` (store/database.py:
 engine, migrations, transactions, batches): `store.accounts`, `store.nodes`,
 `store.jobs`, `store.claims`, `store.scheduling`, `store.results`, `store.rounds`,
-`store.web`, `store.blob_owners`, `store.usage`. An operation is written once, as a
-method of its role that holds its SQL; callers write `store.jobs.create_job(...)`.
-`SqlStore` composes the roles and runs batches; it still holds the verifier's
-operations below.
+`store.web`, `store.blob_owners`, `store.usage`, `store.verification`. An operation is
+written once, as a method of its role that holds its SQL; callers write
+`store.jobs.create_job(...)`. `SqlStore` composes the roles and runs batches.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idlegrid.store.accounts import Accounts
 from idlegrid.store.blob_owners import BlobOwners
 from idlegrid.store.claims import Claims
-from idlegrid.store.database import Database, retrying
+from idlegrid.store.database import Database
 from idlegrid.store.jobs import Jobs
 from idlegrid.store.nodes import Nodes
 from idlegrid.store.results import Results
@@ -32,21 +30,7 @@ from idlegrid.store.verification import Verification
 from idlegrid.store.web import Web
 from idlegrid.verification.trust import TrustSettings
 
-P = ParamSpec("P")
 R = TypeVar("R")
-
-
-def _retry_conflicts(
-    method: Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]],
-) -> Callable[Concatenate[SqlStore, P], Coroutine[Any, Any, R]]:
-    """Run a one-transaction method again when PostgreSQL aborted it for a deadlock
-    (`database.retrying`; inside a batch the batch raises instead)."""
-
-    @functools.wraps(method)
-    async def wrapper(self: SqlStore, *args: P.args, **kwargs: P.kwargs) -> R:
-        return await retrying(lambda: method(self, *args, **kwargs))
-
-    return wrapper
 
 
 class SqlStore:
