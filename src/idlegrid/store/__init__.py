@@ -4,8 +4,8 @@
 `store.results`, `store.rounds`, `store.web`, `store.blob_owners`, `store.usage` and
 `store.verification` each live in one module (a `Role` over the shared `Database` of
 store/database.py); each operation is one method there that holds its SQL and runs in
-one transaction, or in the running `store.batch()`. `Store` names the one implementation in annotations;
-`open_store` makes it for a database URL.
+one transaction, or in the running `store.batch()`. `Store` names the one implementation
+in annotations; `open_store` makes it for a database URL.
 """
 
 from __future__ import annotations
