@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from browser import chromium_page
@@ -10,6 +12,14 @@ from browser import chromium_page
 from idlegrid import dashboard
 
 SCRIPT = Path(dashboard.__file__).parent / "static" / "dashboard.js"
+
+
+@pytest.fixture(scope="module")
+def page() -> Iterator[Any]:
+    """One browser for the table: the dashboard's script loaded into a blank page."""
+    with chromium_page(locale="en-US") as opened:
+        opened.set_content(f"<html><body><script>{SCRIPT.read_text()}</script></body></html>")
+        yield opened
 
 
 @pytest.mark.parametrize(
@@ -21,12 +31,12 @@ SCRIPT = Path(dashboard.__file__).parent / "static" / "dashboard.js"
         ([0.0, 0.25, 0.5], 0.25, ["0.00", "0.25", "0.50"]),
     ],
 )
-def test_tick_labels_never_repeat(splits: list[float], step: float, labels: list[str]) -> None:
-    with chromium_page(locale="en-US") as page:
-        page.set_content(f"<html><body><script>{SCRIPT.read_text()}</script></body></html>")
-        shown = page.evaluate(
-            "([splits, step]) => window.idlegridCharts.tickLabels(null, splits, 1, 50, step)",
-            [splits, step],
-        )
+def test_tick_labels_never_repeat(
+    page: Any, splits: list[float], step: float, labels: list[str]
+) -> None:
+    shown = page.evaluate(
+        "([splits, step]) => window.idlegridCharts.tickLabels(null, splits, 1, 50, step)",
+        [splits, step],
+    )
     assert shown == labels
     assert len(set(shown)) == len(shown)

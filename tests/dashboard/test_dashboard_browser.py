@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from browser import missing
 
 from idlegrid.devtools.localgrid import LocalGrid
 
@@ -39,20 +40,14 @@ PASSWORD = "a long enough passphrase"
 QUOTA_BYTES = 4 * 1024 * 1024  # each account's uploads, so a test can go over it
 
 
-def _missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
-        pytest.fail(f"{reason}; CI=true requires it (apt-get install chromium chromium-driver)")
-    pytest.skip(f"{reason}: apt-get install chromium chromium-driver, pip install playwright")
-
-
 @pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
-        _missing(f"no Chromium at {CHROMIUM}")
+        missing(f"no Chromium at {CHROMIUM}")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
-        _missing("the playwright package is not installed")
+        missing("the playwright package is not installed")
     with sync_playwright() as playwright:
         launched = playwright.chromium.launch(executable_path=CHROMIUM, args=ARGS)
         try:

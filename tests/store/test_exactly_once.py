@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helpers import fake_node
 from sqlalchemy import select
+from store_helpers import _node
 
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.grid import Grid
@@ -35,21 +36,6 @@ from idlegrid.store.sql import SqlStore
 T0 = 1_000_000.0
 LEASE = 100.0
 OUT = hashlib.sha256(b"out").hexdigest()
-
-
-async def _node(store: SqlStore, account: AccountRecord, key: str) -> NodeRecord:
-    return await store.nodes.register_node(
-        account.id,
-        key,
-        name=key,
-        worker_version="0.1.0",
-        hardware={"cpu_cores": 4},
-        benchmark={"matmul_gflops": 10.0},
-        kinds=["sleep"],
-        slots=2,
-        address="127.0.0.1",
-        now=T0,
-    )
 
 
 def _job(account: AccountRecord, *, replication: int = 1) -> NewJob:

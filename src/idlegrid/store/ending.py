@@ -16,7 +16,7 @@ from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
 from idlegrid.store import rows
 from idlegrid.store.base import HeldTask, NodeTask
 from idlegrid.store.lifecycle import move
-from idlegrid.store.schema import shards, tasks
+from idlegrid.store.schema import jobs, shards, tasks
 
 LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 OPEN_JOB = rows.states(JobState.QUEUED, JobState.RUNNING)
@@ -24,6 +24,18 @@ _CANCELLABLE = (TaskState.READY, TaskState.ASSIGNED)
 # Expired tasks are told to stop too (their node may still run them), but stay expired:
 # an error of their node, which only a result that still comes takes back.
 _TO_STOP = rows.states(TaskState.READY, TaskState.ASSIGNED, TaskState.EXPIRED)
+
+
+def complete(job_id: int, *, result_hash: str, result_size: int, now: float) -> Update:
+    """The job completed with its result (a job still queued or running)."""
+    return move(
+        jobs,
+        JobState.COMPLETED,
+        jobs.c.id == job_id,
+        result_hash=result_hash,
+        result_size=result_size,
+        finished_at=now,
+    )
 
 
 def end_open_shards(where: Any, to: ShardState, *, now: float) -> Update:

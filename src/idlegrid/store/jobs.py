@@ -15,7 +15,7 @@ from idlegrid.store import rows
 from idlegrid.store.base import CreatedJob, JobRecord, NewJob, NodeTask, ShardRecord, StateCounts
 from idlegrid.store.blob_owners import add_job_blobs
 from idlegrid.store.database import Role, read, write
-from idlegrid.store.ending import LIVE, OPEN_JOB, cancel_live, end_open_shards
+from idlegrid.store.ending import LIVE, OPEN_JOB, cancel_live, complete, end_open_shards
 from idlegrid.store.lifecycle import move
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks
@@ -147,14 +147,7 @@ class Jobs(Role):
         self, conn: AsyncConnection, job_id: int, *, result_hash: str, result_size: int, now: float
     ) -> bool:
         changed = await conn.execute(
-            move(
-                jobs,
-                JobState.COMPLETED,
-                jobs.c.id == job_id,
-                result_hash=result_hash,
-                result_size=result_size,
-                finished_at=now,
-            )
+            complete(job_id, result_hash=result_hash, result_size=result_size, now=now)
         )
         return changed.rowcount == 1
 

@@ -28,7 +28,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.store.blob_owners import add_job_blobs
 from idlegrid.store.database import Role, read, write
-from idlegrid.store.ending import cancel_live, end_open_shards
+from idlegrid.store.ending import cancel_live, complete, end_open_shards
 from idlegrid.store.lifecycle import move
 from idlegrid.store.replenish import replenish
 from idlegrid.store.schema import jobs, shards, tasks, training_rounds
@@ -107,14 +107,7 @@ class TrainingRounds(Role):
         )
         to_cancel = await cancel_live(conn, tasks.c.job_id == job_id, now=now)
         completed = await conn.execute(
-            move(
-                jobs,
-                JobState.COMPLETED,
-                jobs.c.id == job_id,
-                result_hash=result_hash,
-                result_size=result_size,
-                finished_at=now,
-            )
+            complete(job_id, result_hash=result_hash, result_size=result_size, now=now)
         )
         return TrainingFinish(won=completed.rowcount == 1, to_cancel=to_cancel)
 
