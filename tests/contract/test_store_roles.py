@@ -76,6 +76,22 @@ async def test_accounts_and_tokens(store: SqlStore) -> None:
     assert root is not None and root.is_admin and root.kind == "api"
 
 
+async def test_live_token_hashes_page_through_live_tokens_in_id_order(store: SqlStore) -> None:
+    alice = await _account(store)
+    ids = [
+        await store.accounts.add_token(
+            alice.id, kind="api", token_hash=_hash(f"t{i}"), prefix="igr_", label="", now=T0
+        )
+        for i in range(5)
+    ]
+    await store.accounts.revoke_token(ids[1], account_id=None, now=T0 + 1)
+    first = await store.accounts.live_token_hashes(after_id=0, limit=2)
+    assert first == [(ids[0], _hash("t0")), (ids[2], _hash("t2"))]  # the revoked one skipped
+    rest = await store.accounts.live_token_hashes(after_id=ids[2], limit=10)
+    assert rest == [(ids[3], _hash("t3")), (ids[4], _hash("t4"))]
+    assert await store.accounts.live_token_hashes(after_id=ids[4], limit=10) == []
+
+
 # -- store.nodes --------------------------------------------------------------------------
 
 
@@ -881,3 +897,56 @@ async def test_task_states_in_the_database_are_enum_values(store: SqlStore) -> N
         await conn.execute(update(tasks).values(created_at=T0))
         states = {row[0] for row in (await conn.execute(select(tasks.c.state))).all()}
     assert states == {TaskState.READY.value}
+
+
+# -- store.node_control --------------------------------------------------------------------
+
+
+async def test_node_settings_keep_the_later_edit_per_setting(store: SqlStore) -> None:
+    from idlegrid.store.node_control import SettingRow
+
+    alice = await _account(store)
+    node = await _node(store, alice)
+
+    def row(name: str, value: object, source: str, at: float) -> SettingRow:
+        return SettingRow(name=name, value=value, source=source, by="alice", at=at)
+
+    put = store.node_control.put_settings
+    assert await put(node.id, [row("cpu_percent", 50.0, "web", T0), row("windows", "", "web", T0)])
+    # An older local edit loses; a newer one wins; at the same time the web wins.
+    assert await put(node.id, [row("cpu_percent", 80.0, "local", T0 - 1)]) == []
+    assert await put(node.id, [row("windows", "18:00-08:00", "local", T0 + 1)]) == ["windows"]
+    assert await put(node.id, [row("windows", "09:00-17:00", "web", T0 + 1)]) == ["windows"]
+    assert await put(node.id, [row("windows", "00:00-24:00", "local", T0 + 1)]) == []
+    # A node's configuration (never changed) comes at 0: its latest report is kept.
+    assert await put(node.id, [row("cpu_mode", "idle", "local", 0.0)]) == ["cpu_mode"]
+    assert await put(node.id, [row("cpu_mode", "always", "local", 0.0)]) == ["cpu_mode"]
+    stored = (await store.node_control.settings_of([node.id]))[node.id]
+    assert stored["cpu_percent"].value == 50.0 and stored["cpu_percent"].source == "web"
+    assert stored["windows"].value == "09:00-17:00" and stored["windows"].at == T0 + 1
+    assert stored["cpu_mode"].value == "always"
+    assert (await store.node_control.settings_of([])) == {}
+
+    await store.node_control.record_activity(node.id, now=T0, state="paused", reason="busy")
+    await store.node_control.record_activity(node.id, now=T0 + 1, settings_error="no")
+    activity = (await store.node_control.activity_of([node.id]))[node.id]
+    assert (activity.state, activity.reason, activity.settings_error) == ("paused", "busy", "no")
+    assert (await store.node_control.node(node.id)) == node
+    assert await store.node_control.node(node.id + 1000) is None
+
+
+async def test_held_back_nodes_are_the_paused_and_throttled_ones(store: SqlStore) -> None:
+    from idlegrid.store.node_control import HeldBack
+
+    alice = await _account(store)
+    nodes = [await _node(store, alice, key=f"n{i}") for i in range(4)]
+    said = [("paused", "paused: busy"), ("running", "running: idle"), ("throttled", "in use")]
+    for node, (state, reason) in zip(nodes, said, strict=False):
+        await store.node_control.record_activity(node.id, now=T0, state=state, reason=reason)
+    await store.node_control.record_activity(nodes[3].id, now=T0, settings_error="no")
+    assert await store.node_control.held_back() == [
+        HeldBack(nodes[0].id, "n0", "paused", "paused: busy"),
+        HeldBack(nodes[2].id, "n2", "throttled", "in use"),
+    ]
+    many = [node.id for node in nodes] + list(range(10_000, 11_000))  # over one statement
+    assert sorted(await store.node_control.activity_of(many)) == [node.id for node in nodes]

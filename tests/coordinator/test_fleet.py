@@ -94,9 +94,12 @@ async def test_a_node_registering_here_counts_at_once(store: SqlStore) -> None:
     fleet = Fleet(counting, clock=Clock(), ttl_s=10.0)  # type: ignore[arg-type]
     assert await fleet.unmet(GPU, "sleep") is not None
     assert [a for _, a, _ in await fleet.able("sleep")] == [account]
-    fleet.saw(await _gpu_node(store, account, "gpu-node"))
+    assert await fleet.able("sleep", GPU) == []  # it cannot run such a shard
+    gpu = await _gpu_node(store, account, "gpu-node")
+    fleet.saw(gpu)
     assert await fleet.unmet(GPU, "sleep") is None
     assert len(await fleet.able("sleep")) == 2
+    assert [n for n, _, _ in await fleet.able("sleep", GPU)] == [gpu.id]
     assert counting.reads == 1
     await fleet.aclose()
 
@@ -120,3 +123,21 @@ async def test_a_failed_refresh_keeps_the_last_copy(
     await eventually(lambda: "reading the fleet failed" in caplog.text, "the failure logged")
     assert len(await fleet.nodes()) == 1
     await fleet.aclose()
+
+
+async def test_a_profile_a_newer_coordinator_stored_is_still_matched(store: SqlStore) -> None:
+    """Coordinators of two releases share the database while one is upgraded: fields of a
+    newer minor in a stored profile are ignored; a profile this version cannot read is
+    matched against nothing."""
+    from dataclasses import replace
+
+    from idlegrid.coordinator.fleet import fleet_node
+
+    account = (await store.accounts.create_account("alice", is_admin=False, now=1000.0)).id
+    record = await _gpu_node(store, account, "gpu-node")
+    newer = {**record.hardware, "npus": [{"name": "x"}]}
+    newer["gpus"] = [{**record.hardware["gpus"][0], "pcie_gen": 5}]
+    view = fleet_node(replace(record, hardware=newer, benchmark={"matmul_gflops": 9.0, "x": 1}))
+    assert view.view is not None and "cuda" in view.view.backends
+    broken = fleet_node(replace(record, hardware={**record.hardware, "memory_mb": "lots"}))
+    assert broken.view is None

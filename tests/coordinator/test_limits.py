@@ -17,6 +17,7 @@ from helpers import NODE_WS, SocketNode
 from starlette.testclient import TestClient, WebSocketDenialResponse
 from starlette.websockets import WebSocketDisconnect
 
+from idlegrid import protocol
 from idlegrid.app import create_app
 from idlegrid.coordinator.guard import AddressList, AuthFailures, PendingSockets, pending_refusal
 from idlegrid.settings import CoordinatorSettings
@@ -143,6 +144,28 @@ def test_after_hello_frames_may_be_as_large_as_the_frame_limit(limited: Any) -> 
         assert _closed_with(node) == 1009
 
 
+def test_a_newer_minors_unknown_fields_count_against_the_frame_limits(limited: Any) -> None:
+    """Ignored fields are no way around the limits: a frame over them ends the socket."""
+    api = limited(hello_max_bytes=4096, max_frame_bytes=16 * 1024)
+    newer = protocol.PROTOCOL_MINOR + 1
+    with contextlib.ExitStack() as stack:
+        node = _node(api, stack)
+        hello = {"type": "hello", "minor": newer, "token": node.token, "node_key": "node-key-1",
+                 "worker_version": "9", "hardware": {}, "benchmark": {}, "slots": 1,
+                 "kinds": ["sleep"]}  # fmt: skip
+        node.ws.send_text(json.dumps({**hello, "pad": "x" * 5000}))
+        assert "4096-byte limit" in node.expect_error("malformed")
+        assert _closed_with(node) == 1009
+        node = _node(api, stack)
+        node.ws.send_text(json.dumps({**hello, "pad": "x" * 3000}))  # under it: ignored
+        node.expect("welcome")
+        node.ws.send_text(json.dumps({"type": "heartbeat", "seq": 2, "pad": "x" * 10_000}))
+        node.expect("heartbeat_ack", seq=2)
+        node.ws.send_text(json.dumps({"type": "heartbeat", "seq": 3, "pad": "x" * 17_000}))
+        assert "16384-byte limit" in node.expect_error("malformed")
+        assert _closed_with(node) == 1009
+
+
 def test_the_hello_deadline_counts_from_the_opening(limited: Any) -> None:
     api = limited(hello_timeout_s=1.0)
     with contextlib.ExitStack() as stack:
@@ -180,14 +203,19 @@ def test_unknown_tokens_are_rate_limited_per_address(limited: Any) -> None:
         node = _node(api, stack, token="ign_guess")
         node.hello()
         node.expect_error("unauthorized")
-    response = api.client.get("/v1/me", headers=api.admin)  # even a good token now
+    response = api.client.get("/v1/me", headers=bearer("igr_guess"))
     assert response.status_code == 429
     assert response.json()["error"] == "rate_limited"
     assert "auth_failures_per_address 3" in response.json()["message"]
     assert 590 <= int(response.headers["retry-after"]) <= 600
-    with pytest.raises(WebSocketDenialResponse) as denied:
-        api.client.websocket_connect(NODE_WS).__enter__()
-    assert denied.value.status_code == 429
+    with contextlib.ExitStack() as stack:  # a node's unknown token: refused at its hello
+        node = _node(api, stack, token="ign_guess")
+        node.hello()
+        assert "auth_failures_per_address 3" in node.expect_error("unauthorized")
+    # A token that exists is let in from the same address all the while.
+    assert api.client.get("/v1/me", headers=api.admin).status_code == 200
+    with contextlib.ExitStack() as stack:
+        _node(api, stack).join()
 
 
 def test_metrics_need_an_admin_token_or_an_allowed_address(api: Api) -> None:

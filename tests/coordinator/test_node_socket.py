@@ -15,6 +15,7 @@ from conftest import Api, bearer, sha
 from helpers import NODE_WS, SocketNode, wait_until
 from starlette.websockets import WebSocketDisconnect
 
+from idlegrid import protocol
 from idlegrid.kinds.sleep import _digest
 
 
@@ -162,6 +163,72 @@ def test_connected_node_is_listed(api: Api, connect: Any) -> None:
     ]
     other = bearer(api.token(account="alice"))
     assert api.client.get("/v1/nodes", headers=other).json() == []
+
+
+# -- protocol versions ----------------------------------------------------------------------
+
+
+def _hello_frame(node: SocketNode, **fields: Any) -> dict[str, Any]:
+    hello = {"type": "hello", "token": node.token, "node_key": "node-key-1",
+             "worker_version": "0.9.0", "hardware": {"cpu_cores": 2, "memory_mb": 4096},
+             "benchmark": {}, "slots": 1, "kinds": ["sleep"]}  # fmt: skip
+    return {**hello, **fields}
+
+
+def test_a_worker_of_another_major_version_is_refused_naming_both(api: Api, connect: Any) -> None:
+    node = connect()
+    node.send(**_hello_frame(node, v=2, minor=0, quantum=True))
+    refusal = node.expect_error("version")
+    assert "protocol version 2" in refusal and f"speaks {protocol.PROTOCOL_VERSION} (1." in refusal
+    with pytest.raises(WebSocketDisconnect) as closed:
+        node.recv()
+    assert closed.value.code == 4426
+    assert api.client.get("/v1/nodes", headers=api.admin).json() == []
+
+
+def test_a_1_0_worker_is_welcomed_with_what_it_knows(connect: Any) -> None:
+    node = connect()
+    welcome = node.join()  # a hello without `minor`: a 1.0 worker, strict about fields
+    assert "minor" not in welcome
+    current = connect()
+    current.send(**_hello_frame(current, node_key="node-key-2", minor=protocol.PROTOCOL_MINOR))
+    assert current.expect("welcome")["minor"] == protocol.PROTOCOL_MINOR
+
+
+def test_a_newer_workers_optional_fields_are_ignored(
+    api: Api, connect: Any, researcher: str
+) -> None:
+    newer = protocol.PROTOCOL_MINOR + 1
+    node = connect()
+    node.send(**_hello_frame(node, minor=newer, energy_source="solar",
+                             hardware={"cpu_cores": 2, "memory_mb": 4096, "npus": []}))  # fmt: skip
+    assert node.expect("welcome")["minor"] == protocol.PROTOCOL_MINOR
+    [listed] = api.client.get("/v1/nodes", headers=api.admin).json()
+    assert listed["hardware"]["cpu_cores"] == 2 and "npus" not in listed["hardware"]
+    job = api.submit(researcher, kind="sleep", params={"tasks": 1})
+    node.send(type="ready", free_slots=1, free_npu_slots=1)
+    assign = node.expect("assign", job_id=job["id"])
+    output = _digest(assign["shard_index"])
+    node.send(type="result", task_id=assign["task_id"], output=node.upload(output),
+              output_size=len(output), elapsed_s=0.01, joules=3.5)  # fmt: skip
+    node.expect("result_ack", task_id=assign["task_id"], status="accepted")
+    # Malformed stays malformed: a wrong type, a value out of range, an unknown type.
+    for frame, code in [({"type": "ready", "free_slots": "one"}, "malformed"),
+                        ({"type": "ready", "free_slots": -1, "x": 1}, "malformed"),
+                        ({"type": "teleport", "x": 1}, "unknown_type")]:  # fmt: skip
+        node.send(**frame)
+        node.expect_error(code)
+    assert _job(api, researcher, job["id"])["state"] == "completed"
+
+
+def test_an_unknown_field_from_a_worker_of_this_minor_is_malformed(connect: Any) -> None:
+    node = connect()
+    node.send(**_hello_frame(node, minor=protocol.PROTOCOL_MINOR))
+    node.expect("welcome")
+    node.send(type="ready", free_slots=1, free_npu_slots=1)
+    assert "free_npu_slots" in node.expect_error("malformed")
+    node.ready()
+    node.sync()  # the connection goes on
 
 
 # -- after hello ----------------------------------------------------------------------------

@@ -32,6 +32,7 @@ from idlegrid.kinds.base import (
     RoundWeights,
     RunContext,
     ShardSpec,
+    Swarm,
     TaskKind,
     Verdict,
 )
@@ -103,7 +104,9 @@ class CountRounds(RoundHooks):
     def __init__(self) -> None:
         self.jobs: list[CountJob] = []
 
-    def job(self, params: KindParams, inputs: Mapping[str, bytes]) -> RoundJob:
+    def job(
+        self, params: KindParams, inputs: Mapping[str, bytes], *, swarm: Swarm | None = None
+    ) -> RoundJob:
         assert isinstance(params, CountParams) and inputs == {"start": b"go"}
         self.jobs.append(CountJob(params))
         return self.jobs[-1]

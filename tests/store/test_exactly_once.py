@@ -14,6 +14,7 @@ from pathlib import Path
 
 from helpers import fake_node
 from sqlalchemy import select
+from store_helpers import _job as _sharded_job
 from store_helpers import _node
 
 from idlegrid.coordinator import peers
@@ -30,8 +31,9 @@ from idlegrid.store.base import (
     NodeRecord,
     ShardDecision,
 )
-from idlegrid.store.schema import shards, tasks
+from idlegrid.store.schema import node_quota, shards, tasks
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification.trust import TrustSettings
 
 T0 = 1_000_000.0
 LEASE = 100.0
@@ -135,6 +137,162 @@ async def test_an_expired_task_that_delivers_is_no_error_and_a_late_copy_earns_n
     assert await _credit(store, slow) == 0 and await _credit(store, fast) == canonical.credit
 
 
+async def test_a_result_a_coordinator_restart_made_late_is_paid(store: SqlStore) -> None:
+    """Leased before a coordinator start, returned within its lease plus that start's
+    grace: paid though its shard was decided (the late rule). A late copy outside that
+    window is not (the test above)."""
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    slow, fast = await _node(store, alice, "slow"), await _node(store, alice, "fast")
+    _, [ready] = await store.jobs.create_job(_job(alice), now=T0)
+    await _claim(store, ready.task_id, slow, now=T0)
+    await store.verification.record_start("restarted", now=T0 + 50, grace_s=30.0)
+    await store.results.expire_overdue(now=T0 + LEASE + 1)
+    [replacement], _, _ = await store.scheduling.replenish(now=T0 + LEASE + 1)
+    await _claim(store, replacement.task_id, fast, now=T0 + LEASE + 2)
+    await store.results.accept_result(
+        replacement.task_id, fast.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 110
+    )
+    await store.verification.decide_shards(
+        [ShardDecision(ready.shard_id, replacement.task_id, [replacement.task_id], [], None)],
+        now=T0 + 111,
+    )
+    # Its lease ended at T0 + 100; with the start's 30 s of grace it may come until 130.
+    receipt = await store.results.accept_result(
+        ready.task_id, slow.id, output_hash=OUT, output_size=3, elapsed_s=9, now=T0 + 125
+    )
+    assert receipt.status == "late"
+    await store.verification.judge_late(ready.task_id, agrees=True, now=T0 + 126)
+    late = await _task(store, ready.task_id)
+    assert late.outcome == "valid" and late.credit > 0
+    assert await _credit(store, slow) == late.credit
+    # Judged again (another process's pass), it is not paid twice.
+    await store.verification.judge_late(ready.task_id, agrees=True, now=T0 + 127)
+    assert await _credit(store, slow) == late.credit
+
+
+async def test_a_disputed_result_is_paid_nothing_while_its_dispute_is_open(
+    store: SqlStore,
+) -> None:
+    """Paid (here: accepted unchecked), then disputed by a check: its credit is taken back
+    and it is unpaid again, so the decision pays it if it is found valid."""
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    node = await _node(store, alice, "lone")
+    _, [ready] = await store.jobs.create_job(_job(alice), now=T0)
+    await _claim(store, ready.task_id, node, now=T0)
+    await store.results.accept_result(
+        ready.task_id, node.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 10
+    )
+    await store.verification.decide_shards(
+        [ShardDecision(ready.shard_id, ready.task_id, [ready.task_id], [], None)], now=T0 + 11
+    )
+    paid = (await _task(store, ready.task_id)).credit
+    assert paid > 0 and await _credit(store, node) == paid
+    await store.verification.suspect([ready.task_id], now=T0 + 20)
+    assert (await _task(store, ready.task_id)).credit is None
+    assert await _credit(store, node) == 0.0
+    account = await store.accounts.get_account("alice")
+    assert account is not None and account.credit.total == 0.0
+
+
+async def test_a_lone_result_decided_after_a_later_check_of_its_node_is_paid(
+    store: SqlStore,
+) -> None:
+    """Results judged out of order (a coordinator restarted, or two decide at once): a
+    shard a node ran alone, decided after a check the node passed later, is paid by that
+    check, and the job's audit, which reads the payment, has nothing left to check."""
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    bob = await store.accounts.create_account("bob", is_admin=False, now=T0)
+    lone, other = await _node(store, alice, "lone"), await _node(store, bob, "other")
+    job, ready = await store.jobs.create_job(
+        _sharded_job(alice, shards=2, replication=2, min_quorum=2), now=T0
+    )
+    first, second = sorted({r.shard_id for r in ready})
+    [alone, dropped] = [r for r in ready if r.shard_id == first]
+    checked = [r for r in ready if r.shard_id == second]
+    await _claim(store, alone.task_id, lone, now=T0)
+    assert await store.claims.run_alone(first, alone.task_id, spot_check=False) == [dropped.task_id]
+    for replica, node in zip(checked, (lone, other), strict=True):
+        await _claim(store, replica.task_id, node, now=T0 + 1)
+    results = [(alone.task_id, lone), (checked[0].task_id, lone), (checked[1].task_id, other)]
+    for at, (task_id, node) in enumerate(results):
+        await store.results.accept_result(
+            task_id, node.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 10 + at
+        )
+    # The check (finished after the lone result) is decided first...
+    check = [r.task_id for r in checked]
+    await store.verification.decide_shards(
+        [ShardDecision(second, check[0], check, [], None)], now=T0 + 20
+    )
+    assert (await _task(store, alone.task_id)).credit is None  # not decided yet
+    # ...then the lone result: the check vouches for it.
+    await store.verification.decide_shards(
+        [ShardDecision(first, alone.task_id, [alone.task_id], [], None)], now=T0 + 21
+    )
+    paid = (await _task(store, alone.task_id)).credit
+    assert paid is not None and paid > 0
+    assert await store.verification.unvouched_alone(job.id) == []
+    earned = sum([(await _task(store, t)).credit for t in (alone.task_id, check[0])])
+    assert await _credit(store, lone) == earned
+
+
+async def test_a_lone_result_no_check_vouched_for_holds_its_job_for_an_audit(
+    store: SqlStore,
+) -> None:
+    """Unpaid, a lone result is what the job's audit checks before the job is released."""
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    lone = await _node(store, alice, "lone")
+    job, ready = await store.jobs.create_job(
+        _sharded_job(alice, shards=1, replication=2, min_quorum=2), now=T0
+    )
+    await _claim(store, ready[0].task_id, lone, now=T0)
+    await store.claims.run_alone(ready[0].shard_id, ready[0].task_id, spot_check=False)
+    await store.results.accept_result(
+        ready[0].task_id, lone.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 10
+    )
+    await store.verification.decide_shards(
+        [ShardDecision(ready[0].shard_id, ready[0].task_id, [ready[0].task_id], [], None)],
+        now=T0 + 11,
+    )
+    assert (await _task(store, ready[0].task_id)).credit is None
+    assert await store.verification.unvouched_alone(job.id) == [ready[0].shard_id]
+
+
+async def test_a_backup_copy_is_a_claim_in_its_nodes_daily_quota(store: SqlStore) -> None:
+    store.trust = TrustSettings(initial_daily_quota=1)
+    alice = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    holders = [await _node(store, alice, f"holder-{i}") for i in range(2)]
+    idle = await _node(store, alice, "idle")
+    _, ready = await store.jobs.create_job(_sharded_job(alice, shards=2), now=T0)
+    for task, holder in zip(ready, holders, strict=True):
+        await _claim(store, task.task_id, holder, now=T0)
+    backup = await store.scheduling.add_backup_task(
+        ready[0].shard_id, idle.id, lease_deadline=T0 + LEASE, now=T0 + 1, backend="cpu"
+    )
+    assert backup is not None
+    assert ((await _task(store, backup.task_id)).backend, await _used(store, idle)) == ("cpu", 1)
+    # Its quota used up, the node gets no copy of the other straggler.
+    assert (
+        await store.scheduling.add_backup_task(
+            ready[1].shard_id, idle.id, lease_deadline=T0 + LEASE, now=T0 + 2, backend="cpu"
+        )
+        is None
+    )
+    assert await _used(store, idle) == 1
+
+
+async def _used(store: SqlStore, node: NodeRecord) -> int:
+    """The node's count in its daily quota of sleep on the CPU (the day of T0)."""
+    async with store.engine.connect() as conn:
+        found = await conn.execute(
+            select(node_quota.c.used).where(
+                node_quota.c.node_id == node.id,
+                node_quota.c.kind == "sleep",
+                node_quota.c.backend == "cpu",
+            )
+        )
+        return int(found.scalar_one_or_none() or 0)
+
+
 async def test_run_alone_gives_back_the_attempts_of_the_replicas_it_cancelled(
     store: SqlStore,
 ) -> None:
@@ -233,8 +391,8 @@ async def test_claims_made_while_the_connection_closed_are_released_at_once(
     node.session.requested = 1
     claim = grid.dispatcher._claim
 
-    async def claim_then_leave(session):  # type: ignore[no-untyped-def]
-        claimed = await claim(session)
+    async def claim_then_leave(session, **options):  # type: ignore[no-untyped-def]
+        claimed = await claim(session, **options)
         grid.hub.remove(session)  # e.g. it moved to another coordinator meanwhile
         return claimed
 

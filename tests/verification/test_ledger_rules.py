@@ -169,6 +169,20 @@ def test_run_alone_then_vouched_for_is_paid_once() -> None:
     assert paid(ledger.credit_delta([check], {1: "valid"}, [again])) == {1: (PRICE, "valid")}
 
 
+def test_a_lone_result_decided_after_its_nodes_later_check_is_vouched_for() -> None:
+    """Judged out of order: the check the node passed before this decision speaks for it."""
+    lone = result(7, mode="alone", finished_at=50.0)
+    assert ledger.accepted_alone([lone, result(8, node=2)], {7: "unchecked", 8: "unchecked"}) == {
+        1: 50.0
+    }
+    on_record = {1: 100.0}  # the store's read: its check finished at 100
+    assert ledger.vouch_horizons([lone], {7: "unchecked"}, on_record) == {1: 100.0}
+    delta = ledger.credit_delta([lone], {7: "unchecked"}, [lone], checks_on_record=on_record)
+    assert paid(delta) == {7: (PRICE, "vouched")}
+    # Without one, it waits (the audit checks it before its job is released).
+    assert paid(ledger.credit_delta([lone], {7: "unchecked"}, [lone])) == {}
+
+
 def test_run_alone_paid_then_disputed_has_its_credit_taken_back() -> None:
     lone = result(7, node=4, account=40, mode="alone", credit=PRICE)
     changes, delta = settle([lone], {7: "invalid"})
@@ -281,11 +295,15 @@ def test_one_trust_group_per_node_kind_and_backend_in_result_order() -> None:
 
 
 def test_a_shard_reopened_for_a_check_counts_only_what_changed() -> None:
-    """Its earlier valid results vote again: counted already, unless found invalid now."""
+    """Its earlier results vote again: accepted unchecked before, one found valid now
+    passed a check (its streak grows, its results do not), one found invalid counts so."""
     found = [result(1, node=1), result(2, node=2), result(3, node=3)]
     verdicts: dict[int, ResultVerdict] = {1: "valid", 2: "invalid", 3: "valid"}
     changes, delta = settle(found, verdicts, trust_counted=[1, 2])
-    assert [(c.node_id, c.caught) for c in changes] == [(2, True), (3, False)]
+    assert [(c.node_id, c.caught) for c in changes] == [(1, False), (2, True), (3, False)]
+    checked = changes[0]
+    assert checked.after.consecutive_valid == checked.before.consecutive_valid + 1
+    assert checked.after.valid_total == checked.before.valid_total
     assert set(paid(delta)) == {1, 3}  # credit is once per task anyway (credit None here)
 
 

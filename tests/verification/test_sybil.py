@@ -60,6 +60,7 @@ def test_the_shortfall_names_the_axis_that_binds_and_its_fix() -> None:
     assert "can hold 1 replica(s)" in reason
     assert "submit with replication=1" in reason
     assert "IDLEGRID_DISTINCT_NETWORKS=false" in reason
+    assert "idlegrid serve --replica-networks shared" in reason
     assert "account of their own" not in reason and "more node" not in reason
     shared = [(1, "a"), (1, "b"), (1, "c")]
     reason = replication_shortfall(3, shared, distinct_accounts=True, distinct_networks=True)

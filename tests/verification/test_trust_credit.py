@@ -237,3 +237,29 @@ def test_same_result_twice_from_one_task_counts_once() -> None:
     # The store records one result per task; a duplicate send never reaches the verifier.
     results = [(1, b"a")]
     assert verifier.decide(results, _same, min_quorum=2).canonical is None
+
+
+@pytest.mark.parametrize(
+    ("assigned", "finished", "deadline", "starts", "paid"),
+    [
+        (0.0, 120.0, 100.0, [(50.0, 30.0)], True),  # a start during the lease; within grace
+        (0.0, 131.0, 100.0, [(50.0, 30.0)], False),  # past lease + grace
+        (0.0, 90.0, 100.0, [], False),  # no start: late for its own reasons
+        (60.0, 90.0, 100.0, [(50.0, 30.0)], False),  # leased after the start
+        (0.0, 40.0, 100.0, [(50.0, 30.0)], False),  # returned before the start
+        (None, 40.0, 100.0, [(20.0, 30.0)], False),  # never leased
+    ],
+)
+def test_a_late_result_is_paid_when_a_coordinator_start_made_it_late(
+    assigned: float | None,
+    finished: float,
+    deadline: float,
+    starts: list[tuple[float, float]],
+    paid: bool,
+) -> None:
+    assert (
+        credit.late_result_paid(
+            assigned_at=assigned, finished_at=finished, lease_deadline=deadline, starts=starts
+        )
+        == paid
+    )

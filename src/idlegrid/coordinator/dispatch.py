@@ -9,10 +9,11 @@ adaptive replication may let a trusted node's first replica run alone.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from idlegrid import protocol
@@ -53,7 +54,11 @@ class Dispatcher:
                 return 0  # a pass over the hub's sessions may come just after it left
             await measure(self._ctx, session)  # its leases follow what it was measured at
             # The node's whole request in one transaction: one commit, not one per task.
-            claimed = await self._ctx.store.run_batch(functools.partial(self._claim, session))
+            # A retried batch starts again from the GPU slots the node said were free.
+            gpu_free = session.gpu_free
+            claimed = await self._ctx.store.run_batch(
+                functools.partial(self._claim, session, gpu_free=gpu_free)
+            )
             if session.closed:
                 # It left while the claims were written: it will never hear of them.
                 await self._release(session, claimed, why="its connection closed")
@@ -62,9 +67,21 @@ class Dispatcher:
                 session.live.add(assignment.task_id)
                 session.shard_of[assignment.task_id] = assignment.shard_id
                 session.requested -= 1
-            unsent = await _send_assigns(session, claimed)
+            unsent = await _send_assigns(session, claimed, self._needs_gpu)
             await self._release(session, unsent, why="its assignment could not be sent")
         return len(claimed) - len(unsent)
+
+    def _needs_gpu(self, assignment: Assignment) -> bool:
+        try:
+            plan = self._plans.loaded(assignment.job_id)
+        except KeyError:  # a job that ended meanwhile: its task is cancelled anyway
+            return False
+        return scheduler.needs_gpu(plan.requirements)
+
+    def _took_slots(self, session: NodeSession, claimed: Sequence[Assignment]) -> None:
+        """Claims that need a GPU take the node's free GPU slots (it said how many)."""
+        if session.gpu_free is not None:
+            session.gpu_free -= sum(1 for a in claimed if self._needs_gpu(a))
 
     async def _release(
         self, session: NodeSession, claimed: Sequence[Assignment], *, why: str
@@ -82,12 +99,13 @@ class Dispatcher:
             log.info("node %s: %d claim(s) released: %s", session.node_id, len(released), why)
             await self._leases.replenish()
 
-    async def _claim(self, session: NodeSession) -> list[Assignment]:
+    async def _claim(self, session: NodeSession, *, gpu_free: int | None) -> list[Assignment]:
         """Claim what the node wants: many at once while it can, then one by one.
 
         Candidates another transaction was claiming (skipped, not waited for) are passed
         over for the rest of this fill: each round either claims or passes over some.
         """
+        session.gpu_free = gpu_free
         wanted = session.wants
         claimed: list[Assignment] = []
         passed: set[int] = set()
@@ -98,6 +116,7 @@ class Dispatcher:
             many = await self._claim_many(session, wanted - len(claimed), passed, slots=slots)
             if many:
                 claimed += many
+                self._took_slots(session, many)
                 continue
             if many is not None:
                 continue  # others took every one it picked: pick again, without them
@@ -108,6 +127,7 @@ class Dispatcher:
             if assignment is None:
                 break
             claimed.append(assignment)
+            self._took_slots(session, [assignment])
         return claimed
 
     async def fill_waiting(self) -> None:
@@ -143,16 +163,18 @@ class Dispatcher:
         if wanted < 1 or time.monotonic() < session.idle_until:
             return None
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now, passed=passed, slots=slots)
+        by_id, ranked, plans = await self._ranked(session, now=now, passed=passed, slots=slots)
         if not ranked:
             return None
         kind = ranked[0].kind
-        plan = self._plans.loaded(ranked[0].job_id)
+        plan = plans[ranked[0].job_id]
         if not plan.kind.buffered:
             wanted = min(wanted, slots)  # `_ranked` left it out when no slot is free
+        if session.gpu_free is not None and scheduler.needs_gpu(plan.requirements):
+            wanted = min(wanted, session.gpu_free)  # one a GPU slot
         picked: list[int] = []
         for candidate in ranked:
-            if self._plans.loaded(candidate.job_id).replication != 1 or candidate.kind != kind:
+            if plans[candidate.job_id].replication != 1 or candidate.kind != kind:
                 break
             picked.append(candidate.task_id)
             if len(picked) == wanted:
@@ -171,7 +193,8 @@ class Dispatcher:
             _back_off(session, claimed)
             return None
         for claim in claimed:
-            self._note_claim(session, claim, by_id[claim.task_id], now=now)
+            entry = by_id[claim.task_id]
+            self._note_claim(session, claim, entry, plans[entry.job_id], now=now)
         await self._drop_from_queue(picked, claimed)
         passed.update(picked)
         return claimed
@@ -192,8 +215,10 @@ class Dispatcher:
 
     async def _ranked(
         self, session: NodeSession, *, now: float, passed: set[int], slots: int
-    ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate]]:
-        """The queue's candidates this node can run, best first, and the entries by id.
+    ) -> tuple[dict[int, ReadyTask], Sequence[scheduler.Candidate], dict[int, JobPlan]]:
+        """The queue's candidates this node can run, best first, the entries by id, and
+        the plans of their jobs (held here: a job that ends meanwhile drops its plan
+        from `Plans`, and its claim then fails in the store as GONE).
 
         Entries of jobs that ended leave the queue on the way. Left out: those this fill
         passed over, those another claim of this process is taking now, and, with no
@@ -202,7 +227,7 @@ class Dispatcher:
         entries = await self._matcher.entries(CANDIDATES_PER_CLAIM)
         skip = passed | self._matcher.in_flight
         entries = [entry for entry in entries if entry.task_id not in skip]
-        candidates = []
+        candidates, plans = [], {}
         for entry in entries:
             plan = await self._plans.get(entry.job_id)
             if plan is None:
@@ -210,17 +235,23 @@ class Dispatcher:
                 continue
             if slots < 1 and not plan.kind.buffered:
                 continue
+            plans[entry.job_id] = plan
             candidates.append(self._matcher.candidate(entry, plan, now=now))
         view = session.view_now(reliability=node_reliability(session))
         ranked = scheduler.rank(view, candidates, now=now, weights=self._matcher.weights)
         by_id = {entry.task_id: entry for entry in entries}
         # Replicas that check a caught node's work first, whatever the score (stable).
-        return by_id, sorted(ranked, key=lambda c: not by_id[c.task_id].urgent)
+        return by_id, sorted(ranked, key=lambda c: not by_id[c.task_id].urgent), plans
 
     def _note_claim(
-        self, session: NodeSession, claim: Assignment, entry: ReadyTask, *, now: float
+        self,
+        session: NodeSession,
+        claim: Assignment,
+        entry: ReadyTask,
+        plan: JobPlan,
+        *,
+        now: float,
     ) -> None:
-        plan = self._plans.loaded(entry.job_id)
         self._matcher.claimed(session, claim, plan, entry.cost_flops, now=now)
         session.reliability = trust_policy.credibility(claim.trust, self._ctx.settings.trust)
 
@@ -230,11 +261,11 @@ class Dispatcher:
         if time.monotonic() < session.idle_until:
             return None  # its quota is used up, or it is suspended: ask again later
         now = self._ctx.clock()
-        by_id, ranked = await self._ranked(session, now=now, passed=passed, slots=slots)
+        by_id, ranked, plans = await self._ranked(session, now=now, passed=passed, slots=slots)
         claimer = _claimer(session)
         for candidate in ranked:
             entry = by_id[candidate.task_id]
-            plan = self._plans.loaded(entry.job_id)
+            plan = plans[entry.job_id]
             # Not marked in flight: a replica's claim may fail for this node alone (one
             # replica per node, account and network), and another node must still try it.
             claim = await self._ctx.store.claims.claim_task(
@@ -244,11 +275,18 @@ class Dispatcher:
                 now=now,
                 lease_deadline=now + lease_seconds(self._ctx.settings, session, entry),
                 distinct=self._distinct if plan.replication > 1 else None,
+                check_build_wait_s=(
+                    self._ctx.settings.check_build_wait_s
+                    if plan.kind.checks and plan.kind.names_builds
+                    else None
+                ),
             )
             if claim is ClaimMiss.CONFLICT:
                 passed.add(entry.task_id)
             if isinstance(claim, Assignment):
-                self._note_claim(session, claim, entry, now=now)
+                if plan.kind.checks:
+                    claim = await self._role(claim, by_build=plan.kind.names_builds)
+                self._note_claim(session, claim, entry, plan, now=now)
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
                 with unless_broker_away("discarding a claimed task"):
@@ -263,6 +301,16 @@ class Dispatcher:
                 return None
         return None
 
+    async def _role(self, claim: Assignment, *, by_build: bool) -> Assignment:
+        """A claim of a shard verified by checks: the check of its output, if it has one."""
+        target = await self._ctx.store.claims.assign_check(
+            claim.shard_id, claim.task_id, by_build=by_build
+        )
+        if target is None:
+            return claim
+        self._ctx.counters.verified["check_tasks"] += 1
+        return dataclasses.replace(claim, check_hash=target[0], check_size=target[1])
+
     async def _maybe_alone(self, plan: JobPlan, claim: Assignment) -> None:
         """Adaptive replication: a trusted node's first replica may run unreplicated.
 
@@ -270,12 +318,14 @@ class Dispatcher:
         shard is handed out; a share of such shards keeps one replica for a spot check by
         a second trusted node. The node is not told: it cannot cheat only when alone.
         """
-        if plan.replication < 2 or not claim.first_replica:
+        if plan.replication < 2 or not claim.first_replica or claim.check_hash:
             return
         trust, draw = self._ctx.settings.trust, self._ctx.random
         if not trust_policy.may_run_alone(claim.trust, trust, draw=draw.random()):
             return
         spot = trust_policy.needs_spot_check(trust, draw=draw.random())
+        if spot and plan.kind.checks:
+            return  # spot-checked as every shard of such a kind is: one check after it
         checkers = trust_policy.spot_checkers(trust, draw=draw.random())
         dropped = await self._ctx.store.claims.run_alone(
             claim.shard_id, claim.task_id, spot_check=spot, checkers=checkers
@@ -296,14 +346,17 @@ def _claimer(session: NodeSession) -> Claimer:
         account_id=session.account_id,
         network=session.network,
         backend=session.backend,
+        build=session.llama_build,
     )
 
 
-async def _send_assigns(session: NodeSession, claimed: Sequence[Assignment]) -> list[Assignment]:
+async def _send_assigns(
+    session: NodeSession, claimed: Sequence[Assignment], needs_gpu: Callable[[Assignment], bool]
+) -> list[Assignment]:
     """Send each claim to its node; return those it did not get (all after a failure)."""
     for sent, assignment in enumerate(claimed):
         try:
-            message = _assign_message(assignment)
+            message = _assign_message(assignment, gpu=needs_gpu(assignment))
         except (ValueError, OverflowError, OSError) as exc:  # a deadline no clock can show
             log.error("task %s: no assignment message: %s", assignment.task_id, exc)
             return list(claimed[sent:])
@@ -312,8 +365,9 @@ async def _send_assigns(session: NodeSession, claimed: Sequence[Assignment]) -> 
     return []
 
 
-def _assign_message(assignment: Assignment) -> protocol.Assign:
+def _assign_message(assignment: Assignment, *, gpu: bool = False) -> protocol.Assign:
     return protocol.Assign(
+        gpu=gpu,
         task_id=assignment.task_id,
         job_id=assignment.job_id,
         shard_index=assignment.shard_index,
@@ -321,4 +375,9 @@ def _assign_message(assignment: Assignment) -> protocol.Assign:
         params=assignment.params,
         input=protocol.BlobRef(hash=assignment.input_hash, size=assignment.input_size),
         lease_deadline=datetime.fromtimestamp(assignment.lease_deadline, UTC),
+        check=(
+            protocol.BlobRef(hash=assignment.check_hash, size=assignment.check_size)
+            if assignment.check_hash
+            else None
+        ),
     )

@@ -42,11 +42,17 @@ class FleetNode:
 
 def fleet_node(record: NodeRecord) -> FleetNode:
     try:
-        hardware = protocol.HardwareProfile.model_validate(record.hardware)
-        bench = protocol.Benchmark.model_validate(record.benchmark)
+        hardware = protocol.read_stored(protocol.HardwareProfile, record.hardware)
+        bench = protocol.read_stored(protocol.Benchmark, record.benchmark)
     except ValueError:
         return FleetNode(record, None)
-    return FleetNode(record, node_view(record.id, record.kinds, hardware, bench))
+    return FleetNode(
+        record, node_view(record.id, record.kinds, hardware, bench, account_id=record.account_id)
+    )
+
+
+def _meets(node: FleetNode, kind: str, requirements: Requirements) -> bool:
+    return node.view is not None and not scheduler.unmet_needs(node.view, kind, requirements)
 
 
 def _parse_all(records: list[NodeRecord], previous: dict[int, FleetNode]) -> dict[int, FleetNode]:
@@ -107,15 +113,21 @@ class Fleet:
             self._answers[key] = scheduler.unmet(requirements, kind, views)
         return self._answers[key]  # type: ignore[return-value]
 
-    async def able(self, kind: str) -> list[tuple[int, int, str]]:
-        """(node id, account id, network) of each unsuspended node that offers `kind`."""
+    async def able(
+        self, kind: str, requirements: Requirements | None = None
+    ) -> list[tuple[int, int, str]]:
+        """(node id, account id, network) of each unsuspended node that offers `kind`,
+        and meets `requirements` where they are given (`scheduler.unmet_needs`: a node
+        whose profile cannot be read meets none)."""
         nodes = await self.nodes()
-        key = ("able", kind)
+        key = ("able", kind, requirements)
         if key not in self._answers:
             self._answers[key] = [
                 (n.record.id, n.record.account_id, n.record.network)
                 for n in nodes
-                if kind in n.record.kinds and n.record.suspended_at is None
+                if kind in n.record.kinds
+                and n.record.suspended_at is None
+                and (requirements is None or _meets(n, kind, requirements))
             ]
         return self._answers[key]  # type: ignore[return-value]
 

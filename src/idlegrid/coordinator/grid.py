@@ -39,14 +39,17 @@ from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.intake import Intake, JobInputError
 from idlegrid.coordinator.leases import Leases, lease_for, lease_seconds
 from idlegrid.coordinator.matching import Matcher, Shares, node_reliability
+from idlegrid.coordinator.node_control import NodeControl, NodeNotFound, SettingRefused
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
+from idlegrid.coordinator.stalemate import Stalemates
 from idlegrid.coordinator.verifier import Verifier
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store
 from idlegrid.store.base import (
     JobRecord,
+    NodeRecord,
     NodeTask,
     ReadyTask,
     RegistrationLimits,
@@ -54,7 +57,7 @@ from idlegrid.store.base import (
 )
 from idlegrid.verification.trust import TrustSettings
 
-__all__ = ["CHANNEL", "Grid", "JobInputError", "JobPlan"]
+__all__ = ["CHANNEL", "Grid", "JobInputError", "JobPlan", "NodeNotFound", "SettingRefused"]
 
 
 class Grid:
@@ -100,9 +103,14 @@ class Grid:
         self.verification = Verifier(
             ctx, fanout=self.fanout, plans=self.plans, rounds=self.rounds, leases=self.leases
         )
+        self.stalemates = Stalemates(
+            ctx, fleet=self.fleet, plans=self.plans, verifier=self.verification
+        )
         self.results = ResultPath(
             ctx, plans=self.plans, verification=self.verification, leases=self.leases
         )
+        # The volunteer's settings of each node, from the dashboard to its socket.
+        self.node_control = NodeControl(ctx)
         self.registration_limits = RegistrationLimits(
             max_nodes_per_account=settings.max_nodes_per_account,
             per_account_per_hour=settings.node_registrations_per_account_per_hour,
@@ -185,6 +193,9 @@ class Grid:
             max_total_results=max_total_results,
         )
 
+    async def resubmit_job(self, job: JobRecord) -> JobRecord:
+        return await self.intake.resubmit(job)
+
     async def plan(self, job_id: int) -> JobPlan | None:
         return await self.plans.get(job_id)
 
@@ -193,7 +204,7 @@ class Grid:
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words ([] if nothing)."""
-        return await self.intake.waiting_for(job)
+        return await self.intake.waiting_for(job) + await self.stalemates.waiting_for(job)
 
     async def cancel_job(self, job_id: int) -> None:
         await self.intake.cancel_job(job_id)
@@ -253,6 +264,22 @@ class Grid:
 
     async def assemble(self, job_id: int) -> None:
         await self.verification.assemble(job_id)
+
+    async def settle_stalled(self) -> int:
+        return await self.stalemates.settle()
+
+    # -- the volunteer's nodes -----------------------------------------------------------
+
+    async def node_for(self, node_id: int, *, account_id: int, admin: bool) -> NodeRecord:
+        """The node if `account_id` owns it or `admin`; NodeNotFound otherwise."""
+        return await self.node_control.node_for(node_id, account_id=account_id, admin=admin)
+
+    async def change_node_settings(
+        self, node: NodeRecord, values: dict[str, Any], *, by: str
+    ) -> list[str]:
+        """Store settings set on the web and send them to the node (SettingRefused: none
+        is stored); the names that changed."""
+        return await self.node_control.change(node, values, by=by)
 
     # -- fan-out -------------------------------------------------------------------------
 

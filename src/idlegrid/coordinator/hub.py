@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel
 
 from idlegrid import protocol
-from idlegrid.policy.scheduler import NodeView
+from idlegrid.policy.scheduler import GPU_BACKENDS, NodeView
 
 log = logging.getLogger(__name__)
 
@@ -27,10 +27,13 @@ def node_view(
     kinds: Iterable[str],
     hardware: protocol.HardwareProfile,
     benchmark: protocol.Benchmark,
+    *,
+    account_id: int = 0,
 ) -> NodeView:
     """What the scheduler knows of a node, from what it said in its hello."""
     return NodeView(
         node_id=node_id,
+        account_id=account_id,
         kinds=frozenset(kinds),
         backends=hardware.backends,
         memory_mb=hardware.memory_mb,
@@ -59,7 +62,12 @@ class NodeSession:
     # backend it computes on (trust is kept per kind and backend).
     network: str = ""
     backend: str = "cpu"
+    # Its llama.cpp build as its hello said ("" without llama.cpp): checks of llm-generate
+    # outputs go to nodes of the build the output's node reported.
+    llama_build: str = ""
     prefetch: int = 0  # tasks it buffers beyond its slots
+    # The minor version of the protocol its hello said: what it is sent, how it is read.
+    protocol_minor: int = 0
     live: set[int] = field(default_factory=set)
     # No claims before this time (time.monotonic): its quota is used up or it is
     # suspended, so asking the store again at every new task would be wasted work.
@@ -67,12 +75,17 @@ class NodeSession:
     # Its credibility (verification.trust) as of its last claim: the scheduler's reliability.
     reliability: float | None = None
     requested: int = 0
+    # Of what it asked for, free GPU slots: tasks that need a GPU go only there (None:
+    # an older worker that does not say; its hardware alone decides).
+    gpu_free: int | None = None
     # The owner's machine is in use (the worker's `status`): its tasks are suspended.
+    # Its reason, and whether it runs throttled, are in the store (`node_control`).
     paused: bool = False
-    status_reason: str = ""
     # Progress of running tasks by shard id (from heartbeats), and each task's shard.
     progress: dict[int, float] = field(default_factory=dict)
     shard_of: dict[int, int] = field(default_factory=dict)
+    # The device each running task is on (from heartbeats), by task id.
+    device_of: dict[int, str] = field(default_factory=dict)
     # FLOP/s per kind the coordinator measured of the node (its leases), read from the
     # store at time.monotonic() `measured_at` (leases.measure).
     measured_flops: dict[str, float] = field(default_factory=dict)
@@ -106,9 +119,15 @@ class NodeSession:
             self.held_blobs.popitem(last=False)
 
     def view_now(self, *, reliability: float) -> NodeView:
-        """The node's view with what changes while it is connected."""
+        """The node's view with what changes while it is connected: with no GPU slot
+        free, a node without GPUs (tasks that need one wait for a GPU slot)."""
+        view = self.view
+        if self.gpu_free is not None and self.gpu_free < 1:
+            view = dataclasses.replace(
+                view, backends=view.backends - GPU_BACKENDS, accelerator_memory_mb=0
+            )
         return dataclasses.replace(
-            self.view,
+            view,
             reliability=reliability,
             on_time=self.on_time,
             held_blobs=frozenset(self.held_blobs),
@@ -116,6 +135,7 @@ class NodeSession:
 
     def forget_task(self, task_id: int) -> None:
         self.live.discard(task_id)
+        self.device_of.pop(task_id, None)
         shard_id = self.shard_of.pop(task_id, None)
         if shard_id is not None:
             self.progress.pop(shard_id, None)
@@ -124,7 +144,7 @@ class NodeSession:
         """Send one message; False when the connection is gone."""
         try:
             async with self.send_lock:
-                await self.send_text(message.model_dump_json())
+                await self.send_text(protocol.encode(message, peer_minor=self.protocol_minor))
             return True
         except Exception as exc:  # a dead socket raises many kinds of errors
             log.info("send to node %s failed: %s", self.node_id, exc)

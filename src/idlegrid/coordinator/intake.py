@@ -17,7 +17,8 @@ from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import KindParams, ShardSpec, TaskKind, get_kind
-from idlegrid.policy import sybil
+from idlegrid.kinds.base import Pool
+from idlegrid.policy import availability, sybil
 from idlegrid.store.base import JobRecord, NewJob, NewShard
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,9 @@ class Intake:
         kind = get_kind(kind_name)
         parsed = kind.parse_params(params)
         self._check_inputs(kind, inputs)
+        pool = kind.pool(parsed)
+        if pool is not None:
+            parsed = kind.with_pool(parsed, await self._admit_pool(pool, replication))
         limited = await quotas.check_new_job(self._ctx.store, self._ctx.settings, account_id)
         parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs, limited)
         shards = [
@@ -87,6 +91,8 @@ class Intake:
                 max_attempts=max_total_results or max(settings.max_attempts, replication + 2),
                 priority=priority,
                 shards=shards,
+                # Verified by checks: its output first; the check once there is one.
+                first_target=1 if kind.checks else None,
             ),
             now=self._ctx.clock(),
         )
@@ -98,12 +104,94 @@ class Intake:
         )
         return record
 
+    async def resubmit(self, job: JobRecord) -> JobRecord:
+        """A new job of an ended job's shards that did not complete (failed, or ended with
+        it), as they were split: same kind, params and replication, nothing run again
+        that was done. Training jobs run in rounds and are submitted whole."""
+        if job.state.value in ("queued", "running", "completed"):
+            raise JobInputError(
+                f"job {job.id} is {job.state.value}; only a failed or cancelled job's "
+                "shards can be resubmitted"
+            )
+        kind = get_kind(job.kind)
+        if self._rounds.drives(kind):
+            raise JobInputError(f"job {job.id} is a training job; submit it again whole")
+        limited = await quotas.check_new_job(self._ctx.store, self._ctx.settings, job.account_id)
+        shards = [
+            NewShard(
+                index=s.index,
+                input_hash=s.input_hash,
+                input_size=self._ctx.blobs.size(s.input_hash),
+                items=s.items,
+                cost_flops=s.cost_flops,
+            )
+            for s in await self._ctx.store.jobs.list_shards(job.id)
+            if s.state.value != "done"
+        ]
+        if not shards:
+            raise JobInputError(f"job {job.id} has no shard left to run")
+        if limited:
+            quotas.check_shards(self._ctx.settings, len(shards))
+        record, ready = await self._ctx.store.jobs.create_job(
+            NewJob(
+                account_id=job.account_id,
+                kind=job.kind,
+                params=job.params,
+                inputs=dict(job.inputs),
+                replication=job.replication,
+                min_quorum=1 if job.replication == 1 else 2,
+                max_attempts=job.max_attempts,
+                priority=job.priority,
+                shards=shards,
+            ),
+            now=self._ctx.clock(),
+        )
+        await self._fanout.enqueue(ready)
+        log.info("job %s: %d shards of job %s resubmitted", record.id, len(shards), job.id)
+        return record
+
+    async def _admit_pool(self, pool: Pool, replication: int | None) -> frozenset[int]:
+        """The account ids of a job's pool; JobInputError if the pool cannot hold it."""
+        if pool.needs_swarm and not self._rounds.swarm_peers:
+            raise JobInputError(
+                "this coordinator runs no bootstrap DHT peer (yet), so no peer-to-peer job: "
+                "install idlegrid[p2p] where it runs and start `idlegrid serve` with --p2p "
+                "auto or on (its log says when the peer is up)"
+            )
+        if replication is not None and replication > 1:
+            raise JobInputError("a pool's members average each shard once: replication must be 1")
+        store = self._ctx.store
+        ids: set[int] = set()
+        unknown = []
+        for name in pool.accounts:
+            account = await store.accounts.get_account(name)
+            if account is None:
+                unknown.append(name)
+            else:
+                ids.add(account.id)
+        if unknown:
+            raise JobInputError(f"pool: no account named {', '.join(map(repr, unknown))}")
+        if pool.team is not None:
+            members = await store.accounts.team_account_ids(pool.team)
+            if members is None:
+                raise JobInputError(f"pool: no team named {pool.team!r}")
+            ids.update(members)
+        able = [n for n, account, _ in await self._fleet.able(pool.capability) if account in ids]
+        if len(able) < pool.members:
+            raise JobInputError(
+                f"pool: the job needs {pool.members} nodes at once, and its accounts have "
+                f"{len(able)} registered node(s) that can average peer to peer "
+                f"(offering {pool.capability!r}: idlegrid[p2p] on Linux or macOS)"
+            )
+        return frozenset(ids)
+
     def _check_inputs(self, kind: TaskKind, inputs: Mapping[str, str]) -> None:
         missing = set(kind.input_names) - set(inputs)
-        extra = set(inputs) - set(kind.input_names)
+        extra = set(inputs) - set(kind.input_names) - set(kind.optional_inputs)
         if missing or extra:
+            optional = f" (optional: {list(kind.optional_inputs)})" if kind.optional_inputs else ""
             raise JobInputError(
-                f"kind {kind.name!r} takes inputs {list(kind.input_names)}; "
+                f"kind {kind.name!r} takes inputs {list(kind.input_names)}{optional}; "
                 f"missing {sorted(missing)}, unexpected {sorted(extra)}"
             )
         for name, blob_hash in inputs.items():
@@ -131,14 +219,13 @@ class Intake:
             return []
         ctx = self._ctx
         reasons = await self._matcher.waiting_for(job, fleet=self._fleet)
+        connected = set(await ctx.broker.connections()) | {s.node_id for s in ctx.hub.sessions()}
+        able_nodes = [row for row in await self._fleet.able(job.kind) if row[0] in connected]
+        ids = {row[0] for row in able_nodes}
+        reasons += availability.held_back(job.kind, len(ids), await self._held_back(ids))
         if job.replication <= 1:
             return reasons
-        connected = set(await ctx.broker.connections()) | {s.node_id for s in ctx.hub.sessions()}
-        able = [
-            (account_id, network)
-            for node_id, account_id, network in await self._fleet.able(job.kind)
-            if node_id in connected
-        ]
+        able = [(account_id, network) for _, account_id, network in able_nodes]
         shortfall = sybil.replication_shortfall(
             job.replication,
             able,
@@ -146,6 +233,18 @@ class Intake:
             distinct_networks=ctx.settings.distinct_networks,
         )
         return reasons + ([shortfall] if shortfall else [])
+
+    async def _held_back(self, ids: set[int]) -> list[availability.NodeState]:
+        """The paused and throttled nodes among `ids`, as their workers last said: read
+        from the store, so every coordinator process knows what a node told any one."""
+        return [
+            availability.NodeState(
+                node.node_id, node.name, node.state == "paused", node.state == "throttled",
+                node.reason,
+            )
+            for node in await self._ctx.store.node_control.held_back()
+            if node.node_id in ids
+        ]  # fmt: skip
 
     async def cancel_job(self, job_id: int) -> None:
         held = await self._ctx.store.jobs.cancel_job(job_id, now=self._ctx.clock())

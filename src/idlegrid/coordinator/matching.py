@@ -57,7 +57,7 @@ def weights_from(settings: CoordinatorSettings) -> scheduler.Weights:
 def holder_view(benchmark: dict[str, object]) -> scheduler.NodeView:
     """Enough of a node, from its stored benchmark, to estimate its run times."""
     try:
-        parsed = protocol.Benchmark.model_validate(benchmark)
+        parsed = protocol.read_stored(protocol.Benchmark, benchmark)
     except ValueError:
         parsed = protocol.Benchmark()
     return node_view(0, (), protocol.HardwareProfile(), parsed)
@@ -212,7 +212,11 @@ class Matcher:
             measured_flops=session.measured_flops.get(pick.kind),
         )
         assignment = await self._ctx.store.scheduling.add_backup_task(
-            pick.shard_id, session.node_id, lease_deadline=now + lease, now=now
+            pick.shard_id,
+            session.node_id,
+            lease_deadline=now + lease,
+            now=now,
+            backend=session.backend,
         )
         at, rows = self._running
         self._running = (at, [row for row in rows if row.shard_id != pick.shard_id])

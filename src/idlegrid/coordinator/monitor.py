@@ -23,6 +23,7 @@ from idlegrid.devtools import faults
 log = logging.getLogger(__name__)
 
 SYNC_INTERVAL_S = 30.0
+STALEMATE_INTERVAL_S = 5.0
 SYNC_LIMIT = 10_000
 RESUBSCRIBE_S = 1.0
 
@@ -72,6 +73,13 @@ async def finish_pending(grid: Grid) -> None:
     for job_id in await grid.store.jobs.jobs_to_assemble():
         await grid.assemble(job_id)
     await grid.judge_late()
+
+
+async def settle_stalled(grid: Grid) -> None:
+    """Shards no node can add a result to: decided on their evidence, or failed
+    (`coordinator/stalemate.py`). It reads the open shards that have results and a ready
+    replica nobody holds, so it runs every STALEMATE_INTERVAL_S, not every pass."""
+    await grid.settle_stalled()
 
 
 async def top_up(grid: Grid) -> None:
@@ -160,6 +168,9 @@ class Monitor:
             asyncio.create_task(self._loop(sync_queue, SYNC_INTERVAL_S, lead=True), name="sync"),
             # Its first pass runs at start: shards a crash left short get their tasks.
             asyncio.create_task(self._loop(top_up, SYNC_INTERVAL_S, lead=True), name="top-up"),
+            asyncio.create_task(
+                self._loop(settle_stalled, STALEMATE_INTERVAL_S, lead=True), name="stalemates"
+            ),
             asyncio.create_task(self._listen(), name="listen"),
         ]
         settings = self.grid.settings
@@ -183,6 +194,10 @@ class Monitor:
         # back by then reclaims what it holds (nodes.py, `_reconcile`), and the nodes
         # not heard from by then go offline at the first pass after it.
         self.grace_until = now + self.grid.settings.restart_grace_s
+        # Results this start makes late are paid (`verification.credit.late_result_paid`).
+        await self.grid.store.verification.record_start(
+            self.grid.process_id, now=now, grace_s=self.grid.settings.restart_grace_s
+        )
         for node in await self.grid.store.nodes.list_nodes():
             if node.state == "online":
                 await self.grid.broker.node_seen(node.id, now)

@@ -24,9 +24,10 @@ from idlegrid import protocol
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.guard import Guard
+from idlegrid.coordinator.guard import Guard, RateLimited
 from idlegrid.coordinator.hub import NodeSession, node_view
-from idlegrid.kinds import KINDS
+from idlegrid.devtools import faults
+from idlegrid.kinds import CAPABILITIES, KINDS
 from idlegrid.policy.sybil import network_of
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import NodeRecord, RegistrationRefused, ResultReceipt
@@ -36,6 +37,8 @@ log = logging.getLogger(__name__)
 CLOSE_UNAUTHORIZED = 4401
 CLOSE_POLICY = 1008
 CLOSE_TOO_BIG = 1009
+# A hello of another major version of the protocol (as HTTP's 426 Upgrade Required).
+CLOSE_VERSION = 4426
 # Result messages of one node being stored at once; reading its next frames waits beyond.
 RESULTS_IN_FLIGHT = 32
 # The ASGI scope extension through which the server (coordinator/serving.py) lets this
@@ -65,8 +68,9 @@ async def node_socket(websocket: WebSocket, grid: Grid, guard: Guard) -> None:
             if hello is not None:
                 session = await _register(websocket, grid, guard, hello, address)
         finally:
-            guard.pending.release(address)
+            guard.pending.release(address)  # past its hello (or gone): no longer pending
         if session is not None:
+            await grid.node_control.push(session.node_id)  # what was set while it was away
             await _serve(websocket, grid, session)
     except WebSocketDisconnect:
         pass
@@ -81,10 +85,10 @@ async def node_socket(websocket: WebSocket, grid: Grid, guard: Guard) -> None:
 
 def _refusal(guard: Guard, address: str) -> str | None:
     """Why a new socket from `address` is refused before it is accepted; None: accept.
-    Admitted, it counts as pending until `guard.pending.release`."""
-    wait_s = guard.auth.retry_after_s(address)
-    if wait_s > 0:
-        return f"too many failed authentications from this address; try again in {wait_s:.0f} s"
+    Admitted, it counts as pending until `guard.pending.release`.
+
+    An address past its failed-authentication limit is still accepted: its hello's token
+    decides (`Guard.authenticate`), so a valid node behind it is not locked out."""
     return guard.pending.admit(address)
 
 
@@ -143,6 +147,10 @@ async def _await_hello(
                 msg = protocol.parse_node_message(text)
             except protocol.ProtocolError as exc:
                 await _error(websocket, exc.code, exc.message)
+                if exc.code == "version" and exc.message_type == "hello":
+                    # A worker of another major version: nothing it says can be read.
+                    await websocket.close(code=CLOSE_VERSION)
+                    return None
                 continue
             if isinstance(msg, protocol.Hello):
                 return msg
@@ -164,14 +172,16 @@ def _raise_frame_limit(websocket: WebSocket, limit: int) -> None:
 async def _register(
     websocket: WebSocket, grid: Grid, guard: Guard, hello: protocol.Hello, address: str
 ) -> NodeSession | None:
-    token = await grid.store.accounts.find_token(hash_token(hello.token))
-    if token is None:
-        guard.auth.failed(address)
+    try:
+        token = await guard.authenticate(address, hash_token(hello.token), grid.store.accounts)
+    except RateLimited as exc:
+        await _refuse(websocket, str(exc))
+        return None
     if token is None or token.kind != "node":
         await _refuse(websocket, "a valid node token is required")
         return None
     now = grid.clock()
-    kinds = sorted(set(hello.kinds) & set(KINDS))
+    kinds = sorted(set(hello.kinds) & (set(KINDS) | CAPABILITIES))
     network = network_of(
         address,
         v4_prefix=grid.settings.network_prefix_v4,
@@ -210,7 +220,10 @@ async def _register(
             credit=node.credit.total,
         )
     )
-    log.info("node %s (%s) connected: %d slots, kinds %s", node.id, hello.name, hello.slots, kinds)
+    log.info(
+        "node %s (%s) connected: protocol %d.%d, %d slots, kinds %s",
+        node.id, hello.name, hello.v, hello.minor, hello.slots, kinds,
+    )  # fmt: skip
     return session
 
 
@@ -230,7 +243,8 @@ def _session_of(
         name=node.name,
         slots=hello.slots,
         prefetch=hello.prefetch,
-        view=node_view(node.id, kinds, hello.hardware, hello.benchmark),
+        protocol_minor=hello.minor,
+        view=node_view(node.id, kinds, hello.hardware, hello.benchmark, account_id=node.account_id),
         kind_rates=dict(hello.benchmark.kind_rates),
         send_text=websocket.send_text,
         close=websocket.close,
@@ -239,6 +253,7 @@ def _session_of(
         backend=(
             hello.benchmark.backend if hello.benchmark.backend in hello.hardware.backends else "cpu"
         ),
+        llama_build=hello.hardware.llama.build if hello.hardware.llama else "",
     )
 
 
@@ -272,7 +287,7 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
             if text is None:
                 continue
             try:
-                msg = protocol.parse_node_message(text)
+                msg = protocol.parse_node_message(text, peer_minor=session.protocol_minor)
             except protocol.ProtocolError as exc:
                 await peers.heard_from(grid.context, session)
                 await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
@@ -319,13 +334,20 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
                 for p in running
                 if p.task_id in session.shard_of
             }
+            session.device_of = {
+                p.task_id: p.device for p in running if p.device and p.task_id in session.shard_of
+            }
             await session.send(protocol.HeartbeatAck(seq=seq, sent_at=sent_at))
         case protocol.Status(state=state, reason=reason):
-            session.paused, session.status_reason = state == "paused", reason
+            # Stored for every process (waiting_for, the dashboard); kept here for claims.
+            session.paused = state == "paused"
             session.requested = 0 if session.paused else session.requested
             log.info("node %s %s: %s", session.node_id, state, reason)
-        case protocol.Ready(free_slots=free):
-            session.requested = free
+            await grid.node_control.status(session, msg)
+        case protocol.SettingsReport():
+            await grid.node_control.reported(session, msg)
+        case protocol.Ready(free_slots=free, free_gpu_slots=gpu_free):
+            session.requested, session.gpu_free = free, gpu_free
             await grid.fill(session)
         case protocol.Result():
             await _take_results(grid, session, [msg])
@@ -343,6 +365,7 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
 
 async def _take_results(grid: Grid, session: NodeSession, results: list[protocol.Result]) -> None:
     """A batch in one transaction; if that fails, each result on its own."""
+    faults.point("coordinator-result-received")  # a crash before the result is stored
     try:
         receipts = await grid.accept_results(session, results)
     except Exception:

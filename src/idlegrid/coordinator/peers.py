@@ -4,7 +4,8 @@ Each process has its own hub of node WebSockets. The broker records which proces
 each node's connection (with every message the node sends) and carries what the
 processes tell each other on the `grid` channel (`publish`): a cancel for a node held
 elsewhere, "work" when tasks entered the shared queue, "connected" when a node connected
-(an older session of it elsewhere is stale), "job_ended" (drop cached plans). Messages are
+(an older session of it elsewhere is stale), "job_ended" (drop cached plans), "settings"
+(a node's settings changed: the process holding it sends them). Messages are
 best effort; the monitor's passes make up for a lost one. With the in-process broker
 there is one process and these messages only come back to it.
 """
@@ -17,6 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from idlegrid.coordinator import node_control
 from idlegrid.coordinator.context import CHANNEL, Context
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.coordinator.plans import Plans
@@ -45,7 +47,10 @@ async def attach(ctx: Context, session: NodeSession) -> None:
     """A node connected here: replace its older session, here or in another process."""
     old = ctx.hub.add(session)
     if old is not None:
-        await old.close()
+        # Its socket may be gone already (the node reconnects because it lost it): closing
+        # a dead socket raises, and must not refuse the new one.
+        with contextlib.suppress(Exception):
+            await old.close()
     with unless_broker_away(f"node {session.node_id} connecting"):
         await ctx.broker.node_seen(session.node_id, ctx.clock(), owner=ctx.process_id)
         await publish(ctx, {"type": "connected", "node_id": session.node_id})
@@ -92,6 +97,8 @@ async def on_message(ctx: Context, plans: Plans, message: dict[str, Any]) -> Non
                 log.info("node %s moved to another coordinator", stale.node_id)
                 ctx.hub.remove(stale)
                 await stale.close()
+        case "settings":  # changed on the dashboard served by another process
+            await node_control.send_stored(ctx, int(message["node_id"]))
         case "job_ended":
             plans.forget(int(message["job_id"]))
             ctx.job_watch.changed([int(message["job_id"])])

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,15 +44,27 @@ from typing import Any
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.plans import Plans
+from idlegrid.coordinator.round_records import (
+    done_shard,
+    finite,
+    hopeless,
+    is_open,
+    late_updates,
+    published_chain,
+    round_indexes,
+    round_row,
+    train_indexes,
+    unapplied,
+)
 from idlegrid.kinds.base import (
-    Published,
     RoundClose,
     RoundJob,
     RoundWeights,
     ShardSpec,
+    Swarm,
     TaskKind,
 )
-from idlegrid.states import TERMINAL_JOB_STATES, ShardState, TrainingRoundState
+from idlegrid.states import TERMINAL_JOB_STATES, TrainingRoundState
 from idlegrid.store.base import JobRecord, NewRound, NewShard, RoundRecord, ShardRecord
 from idlegrid.training.schedule import Close, close_decision, finish_decision
 
@@ -77,6 +88,14 @@ class RoundDriver:
         self._matcher = matcher
         self._jobs: dict[int, RoundJob] = {}
         self._locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        # The bootstrap DHT peer's addresses (`idlegrid serve` with the p2p extra): where
+        # members of peer-to-peer rounds meet. Empty: no peer-to-peer rounds here.
+        self.swarm_peers: tuple[str, ...] = ()
+
+    def set_swarm_peers(self, peers: tuple[str, ...]) -> None:
+        """The bootstrap DHT peer is up (or given): its addresses go into new rounds."""
+        self.swarm_peers = peers
+        self._jobs.clear()  # set up again with them on next use
 
     @staticmethod
     def drives(kind: TaskKind) -> bool:
@@ -115,7 +134,7 @@ class RoundDriver:
         training = await self._training(job.id)
         records = await self._ctx.store.rounds.training_rounds(job.id)
         shards = {s.index: s for s in await self._ctx.store.jobs.list_shards(job.id)}
-        rows = [_round_out(r, shards, training) for r in records]
+        rows = [round_row(r, shards, training) for r in records]
         return {
             "job_id": job.id,
             "state": job.state.value,
@@ -155,12 +174,12 @@ class RoundDriver:
         if current.final:
             # Earlier rounds' evaluations still running are waited for (or the timer).
             pending = [r.eval_shard for r in records if r.eval_shard is not None
-                       and _is_open(shards, r.eval_shard)]  # fmt: skip
+                       and is_open(shards, r.eval_shard)]  # fmt: skip
             evaluated = not pending
             if finish_decision(evaluated=evaluated, timer_expired=expired):
                 await self._finish(job_id, current, shards)
             return
-        done = [s for i in _train_indexes(current) if (s := _done(shards, i)) is not None]
+        done = [s for i in train_indexes(current) if (s := done_shard(shards, i)) is not None]
         late: list[ShardRecord] = []
         too_stale: list[ShardRecord] = []
         if training.plan.asynchronous:
@@ -195,18 +214,18 @@ class RoundDriver:
         stored = await asyncio.to_thread(self._save, closed.weights)
         update_hash = await asyncio.to_thread(self._ctx.blobs.put, closed.update)
         specs = await asyncio.to_thread(
-            training.shards, closed.weights, published=_published(records, update_hash),
+            training.shards, closed.weights, published=published_chain(records, update_hash),
             keyframe=stored.checkpoint_hash, final=final,
         )  # fmt: skip
         now = self._ctx.clock()
-        traffic = await self._ctx.store.rounds.round_traffic(job_id, _indexes(current))
+        traffic = await self._ctx.store.rounds.round_traffic(job_id, round_indexes(current))
         evaluation = await asyncio.to_thread(
-            self._evaluation, training, _done(shards, current.eval_shard)
+            self._evaluation, training, done_shard(shards, current.eval_shard)
         )
         if evaluation is not None:  # finished already: its fetches count here
             fetched += evaluation[1]
         metrics = {
-            "train_loss": _finite(closed.train_loss),
+            "train_loss": finite(closed.train_loss),
             "updates": len(done),
             "closed_by": why.value,
             "bytes_up": traffic.output_bytes,
@@ -216,8 +235,9 @@ class RoundDriver:
             "max_suspicion": closed.max_suspicion,
             "applied": [shard.index for shard in done],
             "stale_applied": closed.stale_applied,
+            **closed.notes,
         }
-        open_left = [i for i in _train_indexes(current) if _is_open(shards, i)]
+        open_left = [i for i in train_indexes(current) if is_open(shards, i)]
         if training.plan.asynchronous:
             # The closed round's tasks no node started are cancelled: started now, they would
             # train from weights already a round old. Those running go on (their updates
@@ -263,10 +283,10 @@ class RoundDriver:
         self, job_id: int, final: RoundRecord, shards: dict[int, ShardRecord]
     ) -> None:
         now = self._ctx.clock()
-        traffic = await self._ctx.store.rounds.round_traffic(job_id, _indexes(final))
+        traffic = await self._ctx.store.rounds.round_traffic(job_id, round_indexes(final))
         training = await self._training(job_id)
         evaluation = await asyncio.to_thread(
-            self._evaluation, training, _done(shards, final.eval_shard)
+            self._evaluation, training, done_shard(shards, final.eval_shard)
         )
         records = await self._ctx.store.rounds.training_rounds(job_id)
         metrics = {
@@ -296,7 +316,7 @@ class RoundDriver:
         """Store the held-out loss of every round whose evaluation came in (even late)."""
         training = await self._training(job_id)
         for record in records:
-            shard = _done(shards, record.eval_shard)
+            shard = done_shard(shards, record.eval_shard)
             if record.final or shard is None or "eval_loss" in record.metrics:
                 continue
             evaluation = await asyncio.to_thread(self._evaluation, training, shard)
@@ -400,131 +420,10 @@ class RoundDriver:
             job = await self._ctx.store.jobs.get_job(job_id)
             assert plan is not None and job is not None and plan.kind.rounds is not None
             inputs = await asyncio.to_thread(self._read_inputs, job.inputs)
-            found = plan.kind.rounds.job(plan.params, inputs)
+            swarm = Swarm(job_id, self.swarm_peers)
+            found = plan.kind.rounds.job(plan.params, inputs, swarm=swarm)
             self._jobs[job_id] = found
         return found
 
     def _read_inputs(self, blobs: dict[str, str]) -> dict[str, bytes]:
         return {name: self._ctx.blobs.read(blob_hash) for name, blob_hash in blobs.items()}
-
-
-# -- pure helpers ----------------------------------------------------------------------------
-
-
-def _train_indexes(record: RoundRecord) -> range:
-    return range(record.first_shard, record.first_shard + record.train_shards)
-
-
-def _indexes(record: RoundRecord) -> list[int]:
-    extra = [] if record.eval_shard is None else [record.eval_shard]
-    return [*_train_indexes(record), *extra]
-
-
-def _done(shards: dict[int, ShardRecord], index: int | None) -> ShardRecord | None:
-    shard = None if index is None else shards.get(index)
-    return shard if shard is not None and shard.state == ShardState.DONE else None
-
-
-def _is_open(shards: dict[int, ShardRecord], index: int) -> bool:
-    shard = shards.get(index)
-    return shard is not None and shard.state == ShardState.OPEN
-
-
-def _published(records: Sequence[RoundRecord], update_hash: str) -> list[Published]:
-    """Every update published, oldest first, ending at the one to the new weights."""
-    published = [
-        Published(before.round, before.weights_digest, after.update_hash)
-        for before, after in zip(records, records[1:], strict=False)
-        if after.update_hash is not None
-    ]
-    current = records[-1]
-    return [*published, Published(current.round, current.weights_digest, update_hash)]
-
-
-def _taken(records: Sequence[RoundRecord]) -> set[int]:
-    """Training shards some close already aggregated or dropped."""
-    taken: set[int] = set()
-    for record in records:
-        taken.update(record.metrics.get("applied", []))
-        taken.update(record.metrics.get("dropped", []))
-    return taken
-
-
-def unapplied(records: Sequence[RoundRecord], shards: dict[int, ShardRecord]) -> list[int]:
-    """Training shards of closed rounds that are done or still open, yet in no close."""
-    taken = _taken(records)
-    return [
-        i
-        for record in records[:-1]
-        for i in _train_indexes(record)
-        if i not in taken and (_done(shards, i) is not None or _is_open(shards, i))
-    ]
-
-
-def late_updates(
-    records: Sequence[RoundRecord], shards: dict[int, ShardRecord], max_staleness: int
-) -> tuple[list[ShardRecord], list[ShardRecord]]:
-    """Decided updates of earlier rounds that no close took yet: (usable, too stale).
-
-    An update of round r is usable in the round open now (t) if t - r <= max_staleness.
-    """
-    current, taken = records[-1], _taken(records)
-    usable: list[ShardRecord] = []
-    too_stale: list[ShardRecord] = []
-    for record in records[:-1]:
-        for i in _train_indexes(record):
-            shard = _done(shards, i)
-            if shard is None or i in taken:
-                continue
-            fresh_enough = current.round - record.round <= max_staleness
-            (usable if fresh_enough else too_stale).append(shard)
-    return usable, too_stale
-
-
-def hopeless(
-    records: Sequence[RoundRecord],
-    shards: dict[int, ShardRecord],
-    next_round: int,
-    max_staleness: int,
-) -> list[int]:
-    """Open training shards that could only arrive past max_staleness: cancel them."""
-    return [
-        i
-        for record in records
-        if next_round - record.round > max_staleness
-        for i in _train_indexes(record)
-        if _is_open(shards, i)
-    ]
-
-
-def _finite(value: float) -> float | None:
-    return float(value) if math.isfinite(value) else None
-
-
-def _round_out(
-    record: RoundRecord, shards: dict[int, ShardRecord], training: RoundJob
-) -> dict[str, Any]:
-    metrics = record.metrics
-    row: dict[str, Any] = {
-        "round": record.round,
-        "state": record.state.value,
-        "final": record.final,
-        "train_loss": metrics.get("train_loss"),
-        "eval_loss": metrics.get("eval_loss"),
-        "updates": metrics.get("updates"),
-        "bytes_up": metrics.get("bytes_up"),
-        "bytes_down": metrics.get("bytes_down"),
-        "round_time_s": metrics.get("round_time_s"),
-        "nodes": len(metrics.get("nodes", [])),
-        "closed_by": metrics.get("closed_by"),
-        # The largest distance of an update to the round's aggregate (poisoning shows here).
-        "max_suspicion": metrics.get("max_suspicion"),
-        "stale_applied": metrics.get("stale_applied"),
-        "stale_dropped": metrics.get("stale_dropped"),
-        "weights_digest": record.weights_digest,
-        "checkpoint": record.checkpoint_hash,
-    }
-    if record.state == TrainingRoundState.OPEN:
-        row["updates"] = sum(1 for i in _train_indexes(record) if _done(shards, i) is not None)
-        row["updates_needed"] = 0 if record.final else training.plan.min_updates
-    return row

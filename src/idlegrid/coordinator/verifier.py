@@ -24,12 +24,16 @@ from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
-from idlegrid.verification import judging
+from idlegrid.verification import checking, judging
+from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.quorum import Decision
 
 log = logging.getLogger(__name__)
 
 INLINE_BYTES = 64 * 1024  # see compute
+# A check verdict is a few hundred bytes; a larger output of a generation task is read as
+# a generation without being parsed.
+CHECK_VERDICT_BYTES = 4096
 T = TypeVar("T")
 
 
@@ -71,6 +75,12 @@ class Verifier:
             plan = await self._plans.get(item.job.id)
             assert plan is not None
             decided.append((item, plan, await self._decide(item, plan)))
+        await self.record(decided)
+
+    async def record(self, decided: Sequence[tuple[ShardForVerify, JobPlan, Decision]]) -> None:
+        """Write decisions (one transaction), then what follows: cancels, escalations,
+        assembly; a shard failed by its decision fails its job, naming the shard."""
+        store = self._ctx.store
         outcomes = await store.verification.decide_shards(
             [
                 ShardDecision(
@@ -90,7 +100,10 @@ class Verifier:
             await store.after_commit(
                 functools.partial(self._shard_decided, item.shard.id, outcome, decision)
             )
-            if outcome.job_done or (outcome.decided and self._rounds.drives(plan.kind)):
+            rounds = self._rounds.drives(plan.kind)  # its round closes without the shard
+            if outcome.decided and decision.fail_reason is not None and not rounds:
+                await self._fail_job(item, decision.fail_reason)
+            elif outcome.job_done or (outcome.decided and rounds):
                 to_assemble[item.job.id] = None
             elif not outcome.decided:
                 await self._undecided(item, plan, decision)
@@ -102,11 +115,22 @@ class Verifier:
         if short:
             await self._leases.replenish()
 
+    async def _fail_job(self, found: ShardForVerify, reason: str) -> None:
+        """A shard failed: its job fails with it, its other live tasks are cancelled."""
+        job_id = found.job.id
+        error = f"shard {found.shard.index} failed: {reason}"
+        held = await self._ctx.store.jobs.fail_job(job_id, error=error, now=self._ctx.clock())
+        log.warning("job %s failed: %s", job_id, error)
+        await self._fanout.send_cancels(held, reason=f"job {job_id} failed")
+        await self._fanout.job_ended(job_id)
+
     async def _decide(self, found: ShardForVerify, plan: JobPlan) -> Decision:
         terms = _terms(found, plan)
         if judging.waits(terms, len(found.results)):
             return Decision(canonical=None, valid=(), invalid=())
         blobs = self._ctx.blobs
+        if _checked(found, plan):
+            return self._decide_checked(found, plan)
         votes = [judging.Vote(r.task_id, blobs.read(r.output_hash), r.trust) for r in found.results]
         return await compute(
             judging.decide,
@@ -117,9 +141,39 @@ class Verifier:
             size=sum(len(vote.output) for vote in votes),
         )
 
+    def _decide_checked(self, found: ShardForVerify, plan: JobPlan) -> Decision:
+        """A shard verified by check tasks (`verification.checking`): the kind reads each
+        check's verdict (small outputs: no thread)."""
+        settings, blobs, kind = self._ctx.settings.trust, self._ctx.blobs, plan.kind
+        votes = [
+            checking.CheckedVote(
+                task_id=r.task_id,
+                output_hash=r.output_hash,
+                checks=r.checks_hash,
+                verdict=kind.check_verdict(blobs.read(r.output_hash))
+                if r.checks_hash is not None or r.output_size < CHECK_VERDICT_BYTES
+                else None,
+                credibility=trust_rules.credibility(r.trust, settings),
+                build=r.build if kind.names_builds else None,
+                claimed_build=(
+                    kind.claimed_build(blobs.read(r.output_hash))
+                    if kind.names_builds and r.checks_hash is None
+                    else None
+                ),
+            )
+            for r in found.results
+        ]
+        outcome = checking.decide(votes)
+        counters = self._ctx.counters.verified
+        counters["checks_passed" if outcome.decision.canonical else "checks_pending"] += 1
+        return outcome.decision
+
     async def _undecided(self, found: ShardForVerify, plan: JobPlan, decision: Decision) -> None:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
+        if _checked(found, plan):  # one more task: the check it waits for, or a new output
+            await store.claims.raise_target(shard.id, results_seen=len(found.results))
+            return
         then = judging.follow_up(_terms(found, plan), len(found.results), decision)
         if then.suspects:
             await store.verification.suspect(then.suspects, now=self._ctx.clock())
@@ -231,6 +285,12 @@ class Verifier:
             [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
         )
         return blobs.put(result), len(result)
+
+
+def _checked(found: ShardForVerify, plan: JobPlan) -> bool:
+    """Whether the shard is verified by check tasks: not when its job asked for one result
+    (replication 1, no verification) or a trusted node ran it alone."""
+    return plan.kind.checks and plan.replication > 1 and found.shard.mode != "alone"
 
 
 def _terms(found: ShardForVerify, plan: JobPlan) -> judging.ShardTerms:

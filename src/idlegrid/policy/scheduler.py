@@ -70,6 +70,8 @@ class NodeView:
     on_time: float = 0.5
     # Blob hashes the node holds (downloaded, or the inputs of tasks it was given).
     held_blobs: frozenset[str] = frozenset()
+    # The account that owns it (a job may take only nodes of named accounts).
+    account_id: int = 0
 
 
 @dataclass(frozen=True)
@@ -141,7 +143,16 @@ def unmet_needs(node: NodeView, kind: str, needs: Requirements) -> list[str]:
         reasons.append(f"has no ONNX execution provider of {_names(needs.onnx_providers)}")
     if needs.min_onnx_opset and (node.onnx_opset or 0) < needs.min_onnx_opset:
         reasons.append(f"has no ONNX Runtime that loads opset {needs.min_onnx_opset}")
+    if needs.offers - node.kinds:
+        reasons.append(f"does not offer {_names(needs.offers - node.kinds)}")
+    if needs.accounts and node.account_id not in needs.accounts:
+        reasons.append("is not in the job's pool of accounts")
     return reasons
+
+
+def needs_gpu(needs: Requirements) -> bool:
+    """Whether a task can run only on a GPU: it asks for one, or names GPU backends only."""
+    return needs.accelerator or bool(needs.backends and not needs.backends - GPU_BACKENDS)
 
 
 def can_run(node: NodeView, candidate: Candidate) -> bool:

@@ -72,7 +72,8 @@ def _fixes(replication: int, usable: int, limits: dict[str, int]) -> str:
     if limits.get("networks", replication) < replication:
         fixes.append(
             "if these nodes share one network you trust (a lab, an office, one machine), "
-            "the coordinator's operator sets IDLEGRID_DISTINCT_NETWORKS=false "
-            '(docs/verification.md, "Credit and Sybil limits")'
+            "the coordinator's operator restarts it with `idlegrid serve --replica-networks "
+            "shared` (IDLEGRID_DISTINCT_NETWORKS=false; docs/operations.md, "
+            '"Replicas and networks")'
         )
     return "; or ".join(fixes)

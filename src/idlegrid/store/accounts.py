@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.store import rows
 from idlegrid.store.base import AccountExists, AccountRecord, TokenInfo, TokenRecord
 from idlegrid.store.database import Role, read, write
-from idlegrid.store.schema import accounts, tokens
+from idlegrid.store.schema import accounts, teams, tokens
 
 
 def _listing() -> Any:
@@ -56,6 +56,15 @@ class Accounts(Role):
     async def account_by_id(self, conn: AsyncConnection, account_id: int) -> AccountRecord | None:
         row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).first()
         return rows.account(row) if row else None
+
+    @read
+    async def team_account_ids(self, conn: AsyncConnection, team: str) -> list[int] | None:
+        """The ids of a team's member accounts now; None if no team has that name."""
+        team_id = (await conn.execute(select(teams.c.id).where(teams.c.name == team))).scalar()
+        if team_id is None:
+            return None
+        query = select(accounts.c.id).where(accounts.c.team_id == team_id).order_by(accounts.c.id)
+        return [int(i) for i in (await conn.execute(query)).scalars().all()]
 
     @read
     async def count_accounts(self, conn: AsyncConnection) -> int:
@@ -108,6 +117,20 @@ class Accounts(Role):
             kind=row.kind,
             is_admin=row.is_admin,
         )
+
+    @read
+    async def live_token_hashes(
+        self, conn: AsyncConnection, *, after_id: int, limit: int
+    ) -> list[tuple[int, str]]:
+        """(id, hash) of live tokens with ids above `after_id`, in id order, at most `limit`:
+        how a coordinator process learns, in pages, the tokens that exist."""
+        query = (
+            select(tokens.c.id, tokens.c.token_hash)
+            .where(tokens.c.id > after_id, tokens.c.revoked_at.is_(None))
+            .order_by(tokens.c.id)
+            .limit(limit)
+        )
+        return [(row.id, row.token_hash) for row in (await conn.execute(query)).all()]
 
     @read
     async def list_tokens(

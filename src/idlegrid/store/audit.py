@@ -2,9 +2,9 @@
 
 A shard decided by one trusted node alone had no second opinion. Before a job
 completes, each node that decided shards of it alone must have passed a check since its
-latest one (`unvouched_alone`): a result that agreed with another node's. If it has not,
-that shard gets a spot check by a trusted node first (`audit`); the job completes when
-the check agrees, and if it disagrees the node's lone shards are replicated again
+latest one (`unvouched_alone`: its result is still unpaid). If it has not, that shard
+gets a spot check by a trusted node first (`audit`); the job completes when the check
+agrees, and if it disagrees the node's lone shards are replicated again
 (`store.recheck`). Functions over an open connection, in the caller's transaction.
 """
 
@@ -22,16 +22,23 @@ from idlegrid.store.base import ReadyTask
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
 
-# Made once (see claims.OTHER): the results of a shard that agreed with each other.
-_AGREEING = tasks.alias("agreeing")
+# A shard decided alone whose result no check has paid for yet.
+_UNPAID_ALONE = (
+    shards.c.mode == "alone",
+    shards.c.state == ShardState.DONE.value,
+    tasks.c.credit.is_(None),
+)
 
 
 async def unvouched_alone(conn: AsyncConnection, job_id: int) -> list[int]:
-    """Per node that decided shards of this job alone, its latest such shard, if the
-    node has passed no check since (a result of its that agreed with another node's).
+    """Per node that decided shards of this job alone, its latest such shard whose
+    result is still unpaid: no check of the node has vouched for it yet.
 
-    An earlier lone result is vouched for by any later check: the node cannot tell
-    which of its shards run alone, nor which result will be checked.
+    A lone result is paid once its node passes a check that finished after it
+    (`verification.ledger.vouch_horizons`): the node cannot tell which of its shards run
+    alone, nor which result will be checked. So an unpaid one is exactly one no check
+    has vouched for, and the job waits for its audit; the check that passes it vouches
+    for the node's earlier lone results too.
     """
     latest = (
         await conn.execute(
@@ -40,53 +47,28 @@ async def unvouched_alone(conn: AsyncConnection, job_id: int) -> list[int]:
                 func.max(tasks.c.finished_at).label("finished_at"),
             )
             .join(shards, shards.c.canonical_task_id == tasks.c.id)
-            .where(
-                shards.c.job_id == job_id,
-                shards.c.mode == "alone",
-                shards.c.state == ShardState.DONE.value,
-            )
+            .where(*_UNPAID_ALONE, shards.c.job_id == job_id)
             .group_by(tasks.c.node_id)
         )
     ).all()
     found = []
     for node_id, finished_at in latest:
-        if not await _checked_since(conn, node_id, finished_at):
-            shard_id = (
-                await conn.execute(
-                    select(shards.c.id)
-                    .join(tasks, tasks.c.id == shards.c.canonical_task_id)
-                    .where(
-                        shards.c.job_id == job_id,
-                        shards.c.mode == "alone",
-                        tasks.c.node_id == node_id,
-                        tasks.c.finished_at == finished_at,
-                    )
-                    .limit(1)
+        shard_id = (
+            await conn.execute(
+                select(shards.c.id)
+                .join(tasks, tasks.c.id == shards.c.canonical_task_id)
+                .where(
+                    *_UNPAID_ALONE,
+                    shards.c.job_id == job_id,
+                    tasks.c.node_id == node_id,
+                    tasks.c.finished_at == finished_at,
                 )
-            ).scalar_one()
-            found.append(shard_id)
-    return found
-
-
-async def _checked_since(conn: AsyncConnection, node_id: int, since: float) -> bool:
-    """Whether a result of this node that finished at `since` or later agreed with
-    another node's (valid in a shard with two valid results or more)."""
-    agreed = (
-        select(func.count())
-        .where(_AGREEING.c.shard_id == tasks.c.shard_id, _AGREEING.c.outcome == "valid")
-        .scalar_subquery()
-    )
-    query = (
-        select(tasks.c.id)
-        .where(
-            tasks.c.node_id == node_id,
-            tasks.c.outcome == "valid",
-            tasks.c.finished_at >= since,
-            agreed >= 2,
-        )
-        .limit(1)
-    )
-    return (await conn.execute(query)).first() is not None
+                .order_by(shards.c.id)
+                .limit(1)
+            )
+        ).scalar_one()
+        found.append(shard_id)
+    return sorted(found)
 
 
 async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:

@@ -127,6 +127,9 @@ class NewJob:
     max_attempts: int
     priority: int
     shards: Sequence[NewShard]
+    # Results each shard asks for at first, if not `replication` (a kind verified by
+    # checks asks for its output first; the verifier asks for its check after).
+    first_target: int | None = None
 
 
 @dataclass(frozen=True)
@@ -196,6 +199,8 @@ class Claimer:
     account_id: int
     network: str
     backend: str
+    # Its llama.cpp build as it reported it ("": none): recorded on the task it claims.
+    build: str = ""
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,9 @@ class Assignment:
     # replica of its shard to be handed out (then it may run alone, see `run_alone`).
     trust: Trust = Trust()
     first_replica: bool = False
+    # A check task (kinds verified by checks): the output it checks, and its size.
+    check_hash: str | None = None
+    check_size: int = 0
 
 
 class ClaimMiss(enum.Enum):
@@ -280,6 +288,10 @@ class ShardResult:
     output_size: int
     outcome: str | None
     trust: Trust = Trust()
+    # A check task's result: the output it checked (kinds verified by checks).
+    checks_hash: str | None = None
+    # The build its node reported when it claimed the task (kinds that name builds).
+    build: str | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +310,34 @@ class ShardForVerify:
     shard: ShardRecord
     job: JobRecord
     results: list[ShardResult]
+
+
+@dataclass(frozen=True)
+class ShardReplica:
+    """A task of a shard that bars others from its node (and, if it ran, from its
+    account and network): `verification.stalemate.Replica` as the store reads it."""
+
+    node_id: int
+    account_id: int | None
+    network: str | None
+    ran: bool
+    # An expired replica whose node may still send its result late: until when it is
+    # waited for (`verification.stalemate.late_until`); None for any other.
+    late_until: float | None = None
+
+
+@dataclass(frozen=True)
+class StalledShard:
+    """An open shard with results, a ready replica and none held: perhaps no node can
+    run that replica (`verification.stalemate`)."""
+
+    shard_id: int
+    job_id: int
+    index: int
+    kind: str
+    replicas: list[ShardReplica]
+    # Its ready replicas are all spot checks, for trusted nodes only.
+    checks_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -73,7 +73,8 @@ class BlobOwners(Role):
         named = exists().where(
             job_blobs.c.blob_hash == blob_hash, tasks.c.job_id == job_blobs.c.job_id, mine
         )
-        return await self._any(or_(payload, named))
+        checked = exists().where(tasks.c.checks_hash == blob_hash, mine)  # a check task's
+        return await self._any(or_(payload, named, checked))
 
     async def holds_tasks(self, account_id: int, *, since: float) -> bool:
         """The account's nodes hold a task now, or held one until `since`."""

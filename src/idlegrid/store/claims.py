@@ -15,7 +15,7 @@ from sqlalchemy import case, exists, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import ledger, rows
+from idlegrid.store import check_routing, ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
 from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import in_state, move
@@ -29,6 +29,9 @@ from idlegrid.verification.trust import TrustSettings
 OTHER = tasks.alias("other")
 _RAN = rows.states(TaskState.ASSIGNED, TaskState.EXPIRED, TaskState.COMPLETED)
 _CLAIMABLE = (TaskState.READY,)
+# The failure reason of a claim given back before its node heard of it: it counts
+# neither as an attempt of its shard nor in the node's daily quota.
+RELEASED = "released: the node never heard of it"
 
 
 async def standing(
@@ -55,6 +58,7 @@ def held_by(claimer: Claimer, now: float) -> dict[str, Any]:
         account_id=claimer.account_id,
         network=claimer.network,
         backend=claimer.backend,
+        build=claimer.build or None,
         assigned_at=now,
     )
 
@@ -130,8 +134,13 @@ class Claims(Role):
         lease_deadline: float,
         distinct: Distinct | None,
         now: float,
+        check_build_wait_s: float | None = None,
     ) -> Assignment | ClaimMiss:
-        """Hand a ready task to a node, atomically; `distinct` None: replication 1."""
+        """Hand a ready task to a node, atomically; `distinct` None: replication 1.
+
+        `check_build_wait_s` (a kind whose checks count only on the output's build): not
+        while the shard's check waits for a node of another build (`check_routing`).
+        """
         found = await standing(conn, claimer, kind, trust=self.trust, now=now)
         if isinstance(found, ClaimMiss):
             return found
@@ -153,6 +162,10 @@ class Claims(Role):
             free = free.with_for_update(skip_locked=True, key_share=True)
             where.append(tasks.c.id.in_(free.scalar_subquery()))
         where += distinct_from(claimer, distinct)
+        if check_build_wait_s is not None:
+            where.append(
+                check_routing.waits_for_its_build(claimer.build, wait_s=check_build_wait_s, now=now)
+            )
         if not trust_policy.is_trusted(found.trust, self.trust):
             where.append(tasks.c.trusted_only.is_(False))
         claimed = await conn.execute(
@@ -170,9 +183,7 @@ class Claims(Role):
                 await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
             ).scalar_one_or_none()
             return ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
-        await ledger.use_quota(
-            conn, claimer.node_id, kind, claimer.backend, used=found.quota_used_today, now=now
-        )
+        await ledger.use_quota(conn, claimer.node_id, kind, claimer.backend, now=now)
         [row] = await assigned(conn, [task_id], now=now)
         others_out = (
             await conn.execute(
@@ -243,7 +254,6 @@ class Claims(Role):
                     claimer.node_id,
                     kind,
                     claimer.backend,
-                    used=found.quota_used_today,
                     count=len(claimed),
                     now=now,
                 )
@@ -275,6 +285,7 @@ class Claims(Role):
                         tasks.c.node_id == node_id,
                         sources=[TaskState.ASSIGNED],
                         finished_at=now,
+                        failure_reason=RELEASED,
                     ).returning(tasks.c.id, tasks.c.shard_id, tasks.c.backend, tasks.c.job_id)
                 )
             ).all()
@@ -449,3 +460,21 @@ class Claims(Role):
             .values(target=shards.c.target + 1)
         )
         return changed.rowcount == 1
+
+    @write
+    async def assign_check(
+        self, conn: AsyncConnection, shard_id: int, task_id: int, *, by_build: bool = False
+    ) -> tuple[str, int] | None:
+        """Make a task just claimed of a shard verified by checks the check of the shard's
+        earliest output not found invalid (its hash and size); None: it has none, so the
+        task makes the output. `by_build`: outputs only other builds checked are set
+        aside (`check_routing`)."""
+        row = (
+            await conn.execute(check_routing.check_target(shard_id, task_id, by_build=by_build))
+        ).first()
+        if row is None:
+            return None
+        await conn.execute(
+            update(tasks).where(tasks.c.id == task_id).values(checks_hash=row.output_hash)
+        )
+        return str(row.output_hash), int(row.output_size or 0)

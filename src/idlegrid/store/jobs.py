@@ -54,7 +54,7 @@ async def insert_job(conn: AsyncConnection, job: NewJob, *, now: float) -> int:
                 item_count=s.items,
                 cost_flops=s.cost_flops,
                 attempts=0,
-                target=job.replication,
+                target=job.first_target or job.replication,
                 quorum=job.min_quorum,
             )
             for s in job.shards

@@ -9,13 +9,14 @@ the credit it grants commit together or not at all.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import bindparam, case, select, update
+from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from idlegrid.states import TaskState
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
@@ -98,19 +99,31 @@ async def use_quota(
     kind: str,
     backend: str,
     *,
-    used: int,
     now: float,
     count: int = 1,
 ) -> None:
-    """Count claims against today's quota: `used` (read in the same transaction) + count."""
+    """Count `count` claims against today's quota, as one atomic increment.
+
+    Not "the count read earlier, plus one": two claims of one node in transactions that
+    overlap (PostgreSQL's READ COMMITTED; a node's claims can run concurrently) would
+    both read the same count and one claim would be lost from it. The row is reset when
+    its day is past.
+    """
     dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
+    today = day_of(now)
     statement = dialect.insert(node_quota).values(
-        node_id=node_id, kind=kind, backend=backend, day=day_of(now), used=used + count
+        node_id=node_id, kind=kind, backend=backend, day=today, used=count
     )
     await conn.execute(
         statement.on_conflict_do_update(
             index_elements=["node_id", "kind", "backend"],
-            set_={"day": statement.excluded.day, "used": statement.excluded.used},
+            set_={
+                "day": statement.excluded.day,
+                "used": case(
+                    (node_quota.c.day == statement.excluded.day, node_quota.c.used + count),
+                    else_=statement.excluded.used,
+                ),
+            },
         )
     )
 
@@ -160,8 +173,14 @@ async def apply_verdicts(
         await _change_trust(conn, group, settings=settings, now=now)
     # After the trust changes: a node caught here had its lone shards replicated again
     # (store.recheck), and no check vouches for those any more.
-    vouched = await _vouched(conn, rules.vouch_horizons(found, verdict_of))
-    await write_credit(conn, rules.credit_delta(found, verdict_of, vouched, credit=credit), now=now)
+    # Read after the trust rows are locked: a check of the same node decided at once by
+    # another process has committed by now, and is seen (or sees this decision).
+    on_record = await checks_on_record(conn, rules.accepted_alone(found, verdict_of))
+    vouched = await _vouched(conn, rules.vouch_horizons(found, verdict_of, on_record))
+    delta = rules.credit_delta(
+        found, verdict_of, vouched, credit=credit, checks_on_record=on_record
+    )
+    await write_credit(conn, delta, now=now)
 
 
 async def write_credit(conn: AsyncConnection, delta: rules.CreditDelta, *, now: float) -> None:
@@ -239,6 +258,37 @@ async def _judged(
     ]
 
 
+# Made once (see claims.OTHER): the results of a shard that agreed with each other.
+_AGREEING = tasks.alias("agreeing")
+
+
+async def checks_on_record(conn: AsyncConnection, since: Mapping[int, float]) -> dict[int, float]:
+    """Per node, when its latest recorded check at or after `since[node]` finished: a
+    result of its that agreed with another node's (valid, in a shard with two valid
+    results or more). Nodes without one are absent."""
+    agreed = (
+        select(func.count())
+        .where(_AGREEING.c.shard_id == tasks.c.shard_id, _AGREEING.c.outcome == "valid")
+        .scalar_subquery()
+    )
+    found: dict[int, float] = {}
+    for node_id, earliest in since.items():
+        latest = (
+            await conn.execute(
+                select(func.max(tasks.c.finished_at)).where(
+                    tasks.c.node_id == node_id,
+                    tasks.c.state == TaskState.COMPLETED.value,
+                    tasks.c.outcome == "valid",
+                    tasks.c.finished_at >= earliest,
+                    agreed >= 2,
+                )
+            )
+        ).scalar()
+        if latest is not None:
+            found[node_id] = float(latest)
+    return found
+
+
 async def _vouched(conn: AsyncConnection, horizons: dict[int, float]) -> list[rules.JudgedResult]:
     """Results these nodes decided alone up to their horizons (`rules.vouch_horizons`),
     accepted and unpaid: the candidates `rules.credit_delta` pays (`rules.vouched_for`)."""
@@ -268,6 +318,20 @@ async def _take_back(
     for g in taken_back:
         await totals.grant(conn, "nodes", g.node_id, g.amount, now=now)
         await totals.grant(conn, "accounts", g.account_id, g.amount, now=now)
+
+
+async def hold_credit(conn: AsyncConnection, task_id: int, *, now: float) -> None:
+    """A result run alone and now disputed is paid nothing while its dispute is open:
+    credit it was paid (vouched for since) is taken back, and the task is unpaid again,
+    so the shard's decision pays it if it is found valid, and nothing vouches for it
+    meanwhile (its shard is no longer run alone)."""
+    found = await _judged(conn, tasks.c.id == task_id, tasks.c.credit > 0.0)
+    amount = found[0].credit if found else None
+    if not found or amount is None:
+        return
+    await conn.execute(update(tasks).where(tasks.c.id == task_id).values(credit=None))
+    await totals.grant(conn, "nodes", found[0].node_id, -amount, now=now)
+    await totals.grant(conn, "accounts", found[0].account_id, -amount, now=now)
 
 
 async def withdraw_errors(
@@ -364,6 +428,7 @@ async def suspect(
         node_id=row.node_id, kind=row.kind, backend=backend, events=("suspected",)
     )
     await _change_trust(conn, group, settings=settings, now=now)
+    await hold_credit(conn, task_id, now=now)
     return await recheck.recheck_node(
         conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
     )

@@ -181,8 +181,10 @@ def _round_is(job_id: int, round_number: int) -> Any:
 
 
 async def _name_round_blobs(conn: AsyncConnection, job_id: int, new: NewRound) -> None:
-    """The round's weights and update: its tasks' nodes fetch them (`blob_access`)."""
-    await add_job_blobs(conn, job_id, [new.checkpoint_hash, new.update_hash or ""])
+    """The round's weights, update and optimizer state: its tasks' nodes fetch them
+    (`blob_access`; peer-to-peer members fetch the optimizer state when they lack it)."""
+    blobs = [new.checkpoint_hash, new.update_hash or "", new.momentum_hash]
+    await add_job_blobs(conn, job_id, blobs)
 
 
 async def _close(

@@ -17,8 +17,9 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
-from idlegrid.store import rows
-from idlegrid.store.base import Assignment, ReadyTask, Replenished, RunningTask
+from idlegrid.store import ledger, rows
+from idlegrid.store.base import Assignment, Claimer, ClaimMiss, ReadyTask, Replenished, RunningTask
+from idlegrid.store.claims import held_by, standing
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.replenish import replenish as top_up
 from idlegrid.store.schema import jobs, nodes, shards, tasks
@@ -129,11 +130,14 @@ class Scheduling(Role):
         *,
         lease_deadline: float,
         now: float,
+        backend: str = "cpu",
     ) -> Assignment | None:
-        """Give `node_id` one extra (speculative) task of an open shard, already claimed.
+        """Give `node_id` one extra (speculative) task of an open shard, already claimed,
+        on `backend`: a claim like any other, in the node's daily quota of the kind.
 
         None when the shard is decided, already has a backup or a ready task, is out of
-        attempts (`max_attempts`), or the node already holds or held a task of it.
+        attempts (`max_attempts`), the node already holds or held a task of it, or it
+        may claim nothing now (suspended, or its quota used up).
         """
         shard_query = select(shards).where(shards.c.id == shard_id)
         if not self.db.is_sqlite:
@@ -165,11 +169,15 @@ class Scheduling(Role):
             return None
         node = (
             await conn.execute(
-                select(nodes.c.account_id, nodes.c.network, nodes.c.suspended_at).where(
-                    nodes.c.id == node_id
-                )
+                select(nodes.c.account_id, nodes.c.network).where(nodes.c.id == node_id)
             )
         ).one()
+        claimer = Claimer(
+            node_id=node_id, account_id=node.account_id, network=node.network, backend=backend
+        )
+        found = await standing(conn, claimer, job.kind, trust=self.trust, now=now)
+        if isinstance(found, ClaimMiss):
+            return None
         same_account = (
             await conn.execute(
                 select(func.count()).where(
@@ -181,21 +189,19 @@ class Scheduling(Role):
         ).scalar_one()
         # Backups keep the replica rules: never a suspended node, never a second replica of
         # one account (networks are the caller's setting; accounts always count here).
-        if node.suspended_at is not None or (job.replication > 1 and same_account):
+        if job.replication > 1 and same_account:
             return None
         inserted = await conn.execute(
             insert(tasks).values(
                 shard_id=shard_id,
                 job_id=job.id,
-                node_id=node_id,
-                account_id=node.account_id,
-                network=node.network,
                 state=TaskState.ASSIGNED.value,
                 created_at=now,
-                assigned_at=now,
                 lease_deadline=lease_deadline,
+                **held_by(claimer, now),
             )
         )
+        await ledger.use_quota(conn, node_id, job.kind, backend, now=now)
         await conn.execute(
             update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
         )

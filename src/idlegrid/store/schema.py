@@ -187,8 +187,13 @@ tasks = Table(
     Column("account_id", Integer, nullable=True),
     Column("network", String(64), nullable=True),
     Column("backend", String(20), nullable=True),
+    # Its node's llama.cpp build as the node reported it (llm-generate): a check of its
+    # output goes to a node of that build (store.claims), and the output must name it.
+    Column("build", String(500), nullable=True),
     # Only a trusted node may claim it (the spot check of a shard run alone).
     Column("trusted_only", Boolean, nullable=False, default=False, server_default=false()),
+    # A check task (kinds verified by checks): the output it checks. NULL: it makes one.
+    Column("checks_hash", String(64), nullable=True),
     Column("credit", Double, nullable=True),
     Index("ix_tasks_state_lease", "state", "lease_deadline"),
     Index("ix_tasks_shard", "shard_id"),
@@ -218,6 +223,17 @@ node_trust = Table(
 # Tasks a node claimed on `day` (days since the epoch, UTC), per kind and backend: its
 # daily quota's count. Apart from node_trust, so a claim (which counts) and a verdict
 # (which changes trust) of one node never wait for each other's row lock.
+# Each start of a coordinator process, with its restart grace: a result that a start
+# made late is paid by the late rule (`verification.credit.late_result_paid`).
+coordinator_starts = Table(
+    "coordinator_starts",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("process_id", String(120), nullable=False),
+    Column("started_at", Double, nullable=False),
+    Column("grace_s", Double, nullable=False),
+    Index("ix_coordinator_starts_started", "started_at"),
+)
 node_quota = Table(
     "node_quota",
     metadata,
@@ -343,4 +359,34 @@ job_blobs = Table(
     Column("job_id", Integer, ForeignKey("jobs.id"), primary_key=True),
     Column("blob_hash", String(64), primary_key=True),
     Index("ix_job_blobs_hash", "blob_hash"),
+)
+
+# -- the volunteer's settings of each node, and what the node last said it does ----------
+
+# One row per node and setting changed on the dashboard or reported by the node: the
+# later change wins (worker/remote_settings.py), so each row says where and when.
+node_settings = Table(
+    "node_settings",
+    metadata,
+    Column("node_id", Integer, ForeignKey("nodes.id"), primary_key=True),
+    Column("name", String(40), primary_key=True),
+    Column("value", JSON, nullable=False),
+    Column("source", String(8), nullable=False),  # web | local
+    Column("changed_by", String(100), nullable=False, default=""),
+    Column("changed_at", Double, nullable=False),
+)
+
+# What a node last said of itself: running or paused and why, its device, and why it
+# could not apply the settings it was sent (empty: it applied them).
+node_activity = Table(
+    "node_activity",
+    metadata,
+    Column("node_id", Integer, ForeignKey("nodes.id"), primary_key=True),
+    Column("state", String(16), nullable=False, default=""),
+    Column("reason", String(300), nullable=False, default=""),
+    Column("device", String(40), nullable=False, default=""),
+    Column("settings_error", String(500), nullable=False, default=""),
+    Column("updated_at", Double, nullable=False),
+    # Each device as the node last said (protocol.DeviceStatus dicts); None: not said.
+    Column("devices", JSON, nullable=True),
 )

@@ -3,7 +3,8 @@
 Each role is one module and one class over the shared `Database` (store/database.py:
 engine, migrations, transactions, batches): `store.accounts`, `store.nodes`,
 `store.jobs`, `store.claims`, `store.scheduling`, `store.results`, `store.rounds`,
-`store.web`, `store.blob_owners`, `store.usage`, `store.verification`. An operation is
+`store.web`, `store.blob_owners`, `store.usage`, `store.verification`,
+`store.node_control`. An operation is
 written once, as a method of its role that holds its SQL; callers write
 `store.jobs.create_job(...)`. `SqlStore` composes the roles and runs batches.
 """
@@ -21,6 +22,7 @@ from idlegrid.store.blob_owners import BlobOwners
 from idlegrid.store.claims import Claims
 from idlegrid.store.database import Database
 from idlegrid.store.jobs import Jobs
+from idlegrid.store.node_control import NodeControl
 from idlegrid.store.nodes import Nodes
 from idlegrid.store.results import Results
 from idlegrid.store.rounds import TrainingRounds
@@ -57,6 +59,7 @@ class SqlStore:
         self.serial_commits = self.db.serial_commits
         self.accounts = Accounts(self.db)
         self.nodes = Nodes(self.db)
+        self.node_control = NodeControl(self.db)
         self.jobs = Jobs(self.db)
         self.claims = Claims(self.db)
         self.scheduling = Scheduling(self.db)

@@ -17,7 +17,16 @@ from idlegrid.states import UploadState
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import uploads
 
-Purpose = Literal["texts", "dataset", "weights", "onnx-model", "model-inputs"]
+Purpose = Literal[
+    "texts",
+    "dataset",
+    "weights",
+    "onnx-model",
+    "model-inputs",
+    "gguf-model",
+    "prompts",
+    "model-folder",
+]
 PURPOSES: tuple[Purpose, ...] = ("texts", "dataset", "weights")
 
 

@@ -19,7 +19,7 @@ from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState, TaskState
-from idlegrid.store import audit, collusion, ending, ledger, rows
+from idlegrid.store import audit, collusion, ending, ledger, rows, stalemate, starts
 from idlegrid.store.base import (
     DecisionOutcome,
     JobRecord,
@@ -29,6 +29,7 @@ from idlegrid.store.base import (
     ShardDecision,
     ShardForVerify,
     ShardResult,
+    StalledShard,
 )
 from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import check_moved, move
@@ -49,6 +50,8 @@ _RESULTS_WITH_TRUST = (
         tasks.c.output_hash,
         tasks.c.output_size,
         tasks.c.outcome,
+        tasks.c.checks_hash,
+        tasks.c.build,
         node_trust.c.consecutive_valid,
         node_trust.c.valid_total,
         node_trust.c.invalid_total,
@@ -340,6 +343,8 @@ class Verification(Role):
                     output_hash=r.output_hash,
                     output_size=r.output_size,
                     outcome=r.outcome,
+                    checks_hash=r.checks_hash,
+                    build=r.build,
                     trust=(
                         ledger.trust_of(r)
                         if r.valid_total is not None
@@ -355,6 +360,27 @@ class Verification(Role):
             )
             for row in shard_rows
         }
+
+    @read
+    async def stalled_shards(
+        self, conn: AsyncConnection, *, limit: int, job_ids: Sequence[int] | None = None
+    ) -> list[StalledShard]:
+        """Open shards with results whose ready replica nobody holds (`store/stalemate.py`)."""
+        return await stalemate.stalled_shards(conn, limit=limit, job_ids=job_ids)
+
+    @read
+    async def trusted_among(
+        self, conn: AsyncConnection, node_ids: Sequence[int], kind: str
+    ) -> bool:
+        """Whether one of these nodes may take a spot check of `kind` (it is trusted)."""
+        return await stalemate.trusted_among(
+            conn, node_ids, kind, adaptive_after=self.trust.adaptive_after
+        )
+
+    @write
+    async def open_checks(self, conn: AsyncConnection, shard_id: int) -> int:
+        """Let any node take a stalled shard's spot checks (`store/stalemate.py`)."""
+        return await stalemate.open_checks(conn, shard_id)
 
     @read
     async def late_results(
@@ -403,11 +429,20 @@ class Verification(Role):
         )
         if changed.rowcount == 1:
             # It counts for its node's trust, as any check does; the shard's work was
-            # credited with its decision, and is not paid for twice.
+            # credited with its decision, and is paid again only if a coordinator start
+            # made this result late (`verification.credit.late_result_paid`).
             verdict: ResultVerdict = "valid" if agrees else "invalid"
+            paid = agrees and await starts.made_late(conn, task_id)
             await ledger.apply_verdicts(
-                conn, [(task_id, verdict)], settings=trust, now=now, credit=False
+                conn, [(task_id, verdict)], settings=trust, now=now, credit=paid
             )
+
+    @write
+    async def record_start(
+        self, conn: AsyncConnection, process_id: str, *, now: float, grace_s: float
+    ) -> None:
+        """A coordinator process started, with this restart grace (the late rule's)."""
+        await starts.record_start(conn, process_id, started_at=now, grace_s=grace_s)
 
     async def shard_for_verify(self, shard_id: int) -> ShardForVerify | None:
         """`shards_for_verify` of one shard."""

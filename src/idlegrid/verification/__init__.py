@@ -14,4 +14,5 @@ writes what they return, the coordinator does the I/O around them.
 - `ledger`: the delta of a set of verdicts: trust changes, credit grants and take-backs.
 - `recheck`: what a node caught lying sent back to full replication.
 - `collusion`: accounts wrong together, the same way, often enough to be flagged.
+- `stalemate`: a shard no eligible node is left for, decided on its evidence or failed.
 """

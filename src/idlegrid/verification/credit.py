@@ -8,6 +8,7 @@ shard from the kind's `cost_flops`, which it computed itself when splitting the 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 COBBLESTONES_PER_GFLOPS_DAY = 200.0
@@ -18,6 +19,31 @@ WEEK_S = 7 * SECONDS_PER_DAY
 def credit_for(cost_flops: float) -> float:
     """Credit for one validated result of a shard estimated at `cost_flops`."""
     return max(0.0, cost_flops) / 1e9 / SECONDS_PER_DAY * COBBLESTONES_PER_GFLOPS_DAY
+
+
+def late_result_paid(
+    *,
+    assigned_at: float | None,
+    finished_at: float | None,
+    lease_deadline: float | None,
+    starts: Sequence[tuple[float, float]],
+) -> bool:
+    """Whether a valid result stored after its shard was decided is paid (the late rule).
+
+    The work of a shard is paid with its decision, once per agreeing replica. A result
+    that comes after that is paid too when its lateness was the coordinator's doing: a
+    coordinator (re)started while the task was leased (`starts`: (started_at, grace_s) of
+    each start), and the result came within the task's lease plus that start's grace.
+    A volunteer cannot tell a restart of ours from a fault of theirs (BOINC pays a valid
+    late result). Any other late result (a slow node, a backup copy that lost the race,
+    a lease that ran out) is judged for trust and paid nothing: its shard's work was paid.
+    """
+    if assigned_at is None or finished_at is None or lease_deadline is None:
+        return False
+    return any(
+        assigned_at < started <= finished_at and finished_at <= lease_deadline + grace_s
+        for started, grace_s in starts
+    )
 
 
 @dataclass(frozen=True)

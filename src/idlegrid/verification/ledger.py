@@ -22,8 +22,9 @@ from idlegrid.verification.trust import Trust, TrustSettings
 
 # What changes a node's trust: a verdict on one of its results, an error charged at
 # expiry taken back (the task delivered after all), or a spot check of a result it ran
-# alone that disagreed (suspected until the quorum says who lied).
-TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected"]
+# alone that disagreed (suspected until the quorum says who lied), or a result accepted
+# unchecked (run alone) that a later check of its shard found valid.
+TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected", "checked"]
 
 # Why a task is paid: it agreed with another node's result ("valid"); it was accepted
 # without a second opinion in a shard not run alone ("unchecked": replication 1); it was
@@ -107,17 +108,21 @@ def trust_groups(
 
     One trust read and write per group however many verdicts it got (a batch of results
     from one node is the common case); the events keep the results' order. A result in
-    `trust_counted` (a shard reopened for a check voted again) counts only if it is now
-    found invalid: its node's trust counted its valid verdict already.
+    `trust_counted` (a shard decided alone, reopened for a check, voted again) was
+    counted as accepted unchecked: found valid now, it passed a check, which lengthens
+    its node's streak ("checked") but is not a second result; found invalid, it counts so.
     """
     events: dict[tuple[int, str, str], list[TrustEvent]] = {}
     account_of: dict[tuple[int, str, str], int] = {}
     for result in results:
         verdict = verdict_of[result.task_id]
+        event: TrustEvent = verdict
         if result.task_id in trust_counted and verdict != "invalid":
-            continue
+            if verdict != "valid":
+                continue
+            event = "checked"
         key = (result.node_id, result.kind, result.backend)
-        events.setdefault(key, []).append(verdict)
+        events.setdefault(key, []).append(event)
         account_of.setdefault(key, result.account_id)
     return [
         TrustGroup(
@@ -146,6 +151,8 @@ def step(trust: Trust, event: TrustEvent, settings: TrustSettings) -> Trust:
             return trust_rules.after_error_withdrawn(trust)
         case "suspected":
             return trust_rules.after_suspected(trust)
+        case "checked":
+            return trust_rules.after_checked_later(trust)
 
 
 def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> TrustChange:
@@ -165,20 +172,43 @@ def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> T
 
 
 def vouch_horizons(
-    results: Sequence[JudgedResult], verdict_of: Mapping[int, ResultVerdict]
+    results: Sequence[JudgedResult],
+    verdict_of: Mapping[int, ResultVerdict],
+    checks_on_record: Mapping[int, float] | None = None,
 ) -> dict[int, float]:
-    """Per node that passed a check here (a valid verdict), when its latest one finished:
-    the results it decided alone up to then are vouched for, in node order.
+    """Per node that passed a check here (a valid verdict), or that has a lone result
+    accepted here and passed a check before (`checks_on_record`: node -> when its latest
+    recorded check finished), when its latest check finished: the results it decided
+    alone up to then are vouched for, in node order.
 
     The node cannot tell which of its shards run alone, nor which result will be checked,
-    so a check it passes speaks for its lone results before it (as in BOINC).
+    so a check it passes speaks for its lone results before it (as in BOINC), whichever
+    of the two was judged first: a lone result decided after a later check of its node
+    (results are judged out of order after a coordinator's restart, or by two
+    coordinators at once) is vouched for by that check too.
     """
     last_check: dict[int, float] = {}
     for result in results:
         if verdict_of[result.task_id] == "valid":
             finished = result.finished_at or 0.0
             last_check[result.node_id] = max(last_check.get(result.node_id, 0.0), finished)
+    for node_id, finished in (checks_on_record or {}).items():
+        last_check[node_id] = max(last_check.get(node_id, finished), finished)
     return dict(sorted(last_check.items()))
+
+
+def accepted_alone(
+    results: Iterable[JudgedResult], verdict_of: Mapping[int, ResultVerdict]
+) -> dict[int, float]:
+    """Per node with a result decided alone here (pending until a check vouches for it),
+    when its earliest such result finished, in node order: the store reads the checks
+    each node passed since (`vouch_horizons`' `checks_on_record`)."""
+    since: dict[int, float] = {}
+    for r in results:
+        if r.mode == "alone" and verdict_of[r.task_id] in ("valid", "unchecked"):
+            finished = r.finished_at or 0.0
+            since[r.node_id] = min(since.get(r.node_id, finished), finished)
+    return dict(sorted(since.items()))
 
 
 def vouched_for(result: JudgedResult, horizons: Mapping[int, float]) -> bool:
@@ -198,6 +228,7 @@ def credit_delta(
     vouched: Iterable[JudgedResult] = (),
     *,
     credit: bool = True,
+    checks_on_record: Mapping[int, float] | None = None,
 ) -> CreditDelta:
     """The payment rule: who is paid how much, and whose credit is taken back.
 
@@ -206,7 +237,8 @@ def credit_delta(
     never paid again. A valid result is paid; so is one accepted unchecked in a shard not
     run alone (replication 1). A result decided alone is pending until its node passes
     a check after it (`vouched`: the node's accepted, unpaid lone results, read up to
-    `vouch_horizons`; those `vouched_for` are paid). `credit` False: a result
+    `vouch_horizons`, with the checks its nodes passed before, `checks_on_record`;
+    those `vouched_for` are paid). `credit` False: a result
     that came after its shard was decided and credited is paid for nothing (the work is
     paid once), though it still vouches for its node's earlier lone results. A result
     found invalid that was paid (accepted alone, then rechecked) has its credit taken back.
@@ -221,7 +253,7 @@ def credit_delta(
         verdict = verdict_of[result.task_id]
         if verdict == "valid" or (verdict == "unchecked" and result.mode != "alone"):
             paying[result.task_id] = (result, verdict)
-    horizons = vouch_horizons(results, verdict_of)
+    horizons = vouch_horizons(results, verdict_of, checks_on_record)
     for result in vouched:
         if vouched_for(result, horizons) and (credit or result.task_id not in verdict_of):
             paying.setdefault(result.task_id, (result, "vouched"))

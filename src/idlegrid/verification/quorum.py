@@ -59,21 +59,19 @@ def decide(
     voters = [(task_id, output) for task_id, output in results if cred[task_id] > 0.0]
     if not voters:
         return Decision(canonical=None, valid=(), invalid=())
-    groups = _groups(voters, compare)
+    found = groups(voters, compare)
     disputed = any(
         compare(voters[g[0]][1], voters[h[0]][1]) == Verdict.DISAGREE
-        for g in groups
-        for h in groups
+        for g in found
+        for h in found
         if g is not h
     )
     if disputed:
         cred = {task: min(c, dispute_credibility) for task, c in cred.items()}
-    posterior = group_posteriors([[voters[i][0] for i in g] for g in groups], cred)
-    ranked = sorted(
-        range(len(groups)), key=lambda g: (-len(groups[g]), -posterior[g], groups[g][0])
-    )
-    best = groups[ranked[0]]
-    rival = max((len(set(groups[g]) - set(best)) for g in ranked[1:]), default=0)
+    posterior = group_posteriors([[voters[i][0] for i in g] for g in found], cred)
+    ranked = sorted(range(len(found)), key=lambda g: (-len(found[g]), -posterior[g], found[g][0]))
+    best = found[ranked[0]]
+    rival = max((len(set(found[g]) - set(best)) for g in ranked[1:]), default=0)
     if (
         len(best) < min_quorum
         or (rival and len(best) - rival < dispute_margin)
@@ -81,7 +79,7 @@ def decide(
     ):
         suspects = _suspects(voters, best, compare) if disputed and len(best) > rival else ()
         return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
-    return _decided(results, voters, best, compare)
+    return decided(results, voters, best, compare)
 
 
 def _suspects(
@@ -96,13 +94,14 @@ def _suspects(
     )
 
 
-def _decided(
+def decided(
     results: Sequence[tuple[int, bytes]],
     voters: Sequence[tuple[int, bytes]],
     best: Sequence[int],
     compare: Callable[[bytes, bytes], Verdict],
 ) -> Decision:
-    """The decision where the group `best` (indices into `voters`) won."""
+    """The decision where the group `best` (indices into `voters`) won: its earliest
+    member canonical, its members valid, results that disagree with it invalid."""
     canonical_task, canonical_output = voters[best[0]]
     winners = {voters[j][0] for j in best}
     # A non-voter that agrees is neither: it checked nobody (judged later as late).
@@ -114,17 +113,18 @@ def _decided(
     valid = tuple(task_id for task_id, _ in results if task_id in winners)
     wrong = [(task_id, output) for task_id, output in results if task_id in invalid]
     colluding = tuple(
-        tuple(wrong[i][0] for i in group) for group in _groups(wrong, compare) if len(group) > 1
+        tuple(wrong[i][0] for i in group) for group in groups(wrong, compare) if len(group) > 1
     )
     return Decision(canonical=canonical_task, valid=valid, invalid=invalid, colluding=colluding)
 
 
-def _groups(
+def groups(
     results: Sequence[tuple[int, bytes]], compare: Callable[[bytes, bytes], Verdict]
 ) -> list[list[int]]:
-    """Indices of results agreeing with each result, deduplicated, members sorted."""
+    """Groups of agreeing results: the indices of the results agreeing with each result,
+    deduplicated, members sorted."""
     seen: set[tuple[int, ...]] = set()
-    groups = []
+    found = []
     for i, (_, output) in enumerate(results):
         members = [i] + [
             j
@@ -134,8 +134,8 @@ def _groups(
         key = tuple(sorted(members))
         if key not in seen:
             seen.add(key)
-            groups.append(list(key))
-    return groups
+            found.append(list(key))
+    return found
 
 
 def group_posteriors(

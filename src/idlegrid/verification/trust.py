@@ -119,6 +119,12 @@ def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
     )
 
 
+def after_checked_later(trust: Trust) -> Trust:
+    """A result accepted unchecked (run alone) passed a check since (its shard was
+    reopened and another node agreed): one more check passed, not one more result."""
+    return dataclasses.replace(trust, consecutive_valid=trust.consecutive_valid + 1)
+
+
 def after_error(trust: Trust) -> Trust:
     """The node reported a failure, returned a structurally wrong output, or missed its
     deadline. That is unreliability, counted in the error rate (which the scheduler

@@ -164,9 +164,15 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     # Connected to this process or, with several coordinators, to another one.
     connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
     now = grid.clock()
-    activity = {s.node_id: s.status_reason for s in grid.hub.sessions()}
+    # What each connected node said last, to whichever process holds its socket.
+    said = await grid.store.node_control.activity_of([n.id for n in nodes if n.id in connected])
     return [
-        node_out(node, online=node.id in connected, now=now, activity=activity.get(node.id, ""))
+        node_out(
+            node,
+            online=node.id in connected,
+            now=now,
+            activity=said[node.id].reason if node.id in said else "",
+        )
         for node in nodes
     ]
 
@@ -194,3 +200,14 @@ async def node_trust(node_id: ObjectId, token: Researcher, grid: GridDep) -> lis
         }
         for row in await grid.store.nodes.node_trust(node_id)
     ]
+
+
+@router.get("/nodes/{node_id}/credit", tags=["nodes"])
+async def node_credit(node_id: ObjectId, token: Caller, grid: GridDep) -> dict[str, Any]:
+    """A node's credit for validated work, as the dashboard shows it; for its worker's
+    local page (the node token of its account), its owner, or an admin."""
+    nodes = await grid.store.nodes.list_nodes(None if token.is_admin else token.account_id)
+    node = next((n for n in nodes if n.id == node_id), None)
+    if node is None:
+        raise ApiError(404, "not_found", f"no node {node_id}")
+    return {"node_id": node_id, **credit_out(node.credit, grid.clock())}

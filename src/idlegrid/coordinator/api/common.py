@@ -3,7 +3,6 @@ token, the grid, and the router the route modules register on."""
 
 from __future__ import annotations
 
-import math
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Path, Request
@@ -12,7 +11,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
-from idlegrid.coordinator.guard import Guard
+from idlegrid.coordinator.guard import Guard, RateLimited
 from idlegrid.protocol import MAX_ID, SHA256_PATTERN
 from idlegrid.store.base import (
     TokenInfo,
@@ -50,23 +49,21 @@ async def caller(
     """Whoever holds the bearer token (researcher or node).
 
     Unknown tokens count against the caller's address: past `auth_failures_per_address`
-    in `auth_failure_window_s` it gets 429 whatever token it sends."""
+    in `auth_failure_window_s` an unknown token from it gets 429 without a lookup; a
+    token that exists is still let in (`Guard.authenticate`)."""
     if not authorization or not authorization.lower().startswith("bearer "):
         raise ApiError(401, "unauthorized", "missing 'Authorization: Bearer <token>' header")
-    failures = guard_of(request).auth
     address = request.client.host if request.client else ""
-    wait_s = failures.retry_after_s(address)
-    if wait_s > 0:
-        raise ApiError(
-            429,
-            "rate_limited",
-            f"too many unknown tokens from this address (auth_failures_per_address "
-            f"{failures.limit} in {failures.window_s:g} s); try again in {wait_s:.0f} s",
-            headers={"Retry-After": str(math.ceil(wait_s))},
+    token_hash = hash_token(authorization[7:].strip())
+    try:
+        token = await guard_of(request).authenticate(
+            address, token_hash, grid_of(request).store.accounts
         )
-    token = await grid_of(request).store.accounts.find_token(hash_token(authorization[7:].strip()))
+    except RateLimited as exc:
+        raise ApiError(
+            429, "rate_limited", str(exc), headers={"Retry-After": exc.retry_after}
+        ) from None
     if token is None:
-        failures.failed(address)
         raise ApiError(401, "unauthorized", "unknown or revoked token")
     return token
 

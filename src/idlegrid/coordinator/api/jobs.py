@@ -200,6 +200,27 @@ async def cancel_job(job_id: JobId, token: Researcher, grid: GridDep) -> JobOut:
     return await job_out(grid, await own_job(grid, token, job_id), with_shards=False)
 
 
+@router.post(
+    "/jobs/{job_id}/resubmit",
+    status_code=201,
+    response_model=JobOut,
+    tags=["jobs"],
+    responses=errors_of(422),
+)
+async def resubmit_job(job_id: JobId, token: Researcher, grid: GridDep) -> JobOut:
+    """Submit again only the shards of a failed (or cancelled) job that did not complete:
+    a new job of those shards, as they were split, with the same kind, params and
+    replication. Its result holds those shards' rows, in their order."""
+    job = await own_job(grid, token, job_id)
+    try:
+        new = await grid.resubmit_job(job)
+    except JobInputError as exc:
+        raise ApiError(422, "invalid_input", str(exc)) from None
+    except QuotaExceeded as exc:
+        raise ApiError(exc.status, "quota_exceeded", exc.message) from None
+    return await job_out(grid, new, with_shards=False)
+
+
 @router.get(
     "/jobs/{job_id}/result",
     tags=["jobs"],

@@ -23,6 +23,9 @@ class ShardOut(BaseModel):
     attempts: int
     live_tasks: int
     progress: float
+    error: str | None = Field(
+        default=None, description="why the shard failed (None unless it failed)"
+    )
 
 
 class JobOut(BaseModel):
@@ -77,7 +80,7 @@ class NodeOut(BaseModel):
     recent_average_credit: float
     suspended: bool
     # What the node's idle policy said last ("paused: user active 12 s ago"); "" when it
-    # is not connected to this coordinator process.
+    # is not connected.
     activity: str = ""
 
 
@@ -132,6 +135,7 @@ def shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
         attempts=shard.attempts,
         live_tasks=shard.live_tasks,
         progress=fraction if fraction else progress.get(shard.id, 0.0),
+        error=shard.error,
     )
 
 

@@ -1,0 +1,372 @@
+"""Kinds verified by a check task on another node, not by replicas (`TaskKind.checks`).
+
+A toy kind defined here: a shard's output is its payload in capitals; a check task gets
+that claimed output (`RunContext.check`) and says whether it is right. Through the
+in-process grid, on SQLite and PostgreSQL: an honest output is checked once and counts;
+a lie is failed by two checkers, made again by an honest node and checked; a lying
+checker is outvoted. The coordinator knows the kind by its hooks alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import FakeNode, fake_node
+from sqlalchemy import select
+
+from idlegrid import protocol
+from idlegrid.blobs.files import BlobStore
+from idlegrid.broker.memory import MemoryBroker
+from idlegrid.coordinator.grid import Grid
+from idlegrid.kinds import KINDS, get_kind
+from idlegrid.kinds.base import KindParams, RunContext, ShardSpec, TaskKind, Verdict
+from idlegrid.settings import CoordinatorSettings
+from idlegrid.store.schema import tasks
+from idlegrid.store.sql import SqlStore
+
+NAME = "toy-check"
+T0 = 1_000_000.0
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+class CapitalsKind(TaskKind):
+    name = NAME
+    params_model = KindParams
+    input_names = ("lines",)
+    checks = True
+    default_replication = 2
+
+    def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
+        lines = inputs["lines"].split()
+        return [ShardSpec(i, line, 1, 1e6) for i, line in enumerate(lines)]
+
+    def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
+        if ctx.check is None:
+            return payload.upper()
+        verdict = {"claimed": sha(ctx.check), "passed": ctx.check == payload.upper()}
+        return json.dumps({"check": verdict}).encode()
+
+    def check_verdict(self, output: bytes) -> tuple[str, bool] | None:
+        if not output.startswith(b'{"check"'):
+            return None
+        found = json.loads(output)["check"]
+        return found["claimed"], found["passed"]
+
+    def compare(self, a: bytes, b: bytes, params: KindParams) -> Verdict:
+        first, second = self.check_verdict(a), self.check_verdict(b)
+        if first is None and second is None:
+            return Verdict.AGREE if a == b else Verdict.INCONCLUSIVE
+        if first is not None and second is not None:
+            return Verdict.AGREE if first == second else Verdict.INCONCLUSIVE
+        check, output = (first, b) if first is not None else (second, a)
+        assert check is not None
+        if check[0] != sha(output):
+            return Verdict.INCONCLUSIVE
+        return Verdict.AGREE if check[1] else Verdict.DISAGREE
+
+    def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
+        return b" ".join(outputs)
+
+
+@pytest.fixture
+async def grid(store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Grid]:
+    monkeypatch.setitem(KINDS, NAME, CapitalsKind())
+    grid = Grid(
+        settings=CoordinatorSettings(data_dir=tmp_path / "coordinator"),
+        store=store,
+        broker=MemoryBroker(),
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
+        clock=lambda: T0,
+    )
+    yield grid
+    await grid.aclose()
+
+
+async def _nodes(grid: Grid, store: SqlStore, names: Sequence[str]) -> dict[str, FakeNode]:
+    nodes = {}
+    for i, name in enumerate(names):
+        account = await store.accounts.create_account(f"volunteer-{name}", is_admin=False, now=T0)
+        node = await fake_node(store, account.id, name, now=T0, kinds=[NAME], address=f"10.0.{i}.1")
+        grid.hub.add(node.session)
+        nodes[name] = node
+    return nodes
+
+
+async def _work(grid: Grid, node: FakeNode, *, lie: bool = False) -> dict[str, Any] | None:
+    """Take one task as a node's `ready` does, run the kind (or lie), send the result."""
+    before = len(node.assigned())
+    node.session.requested = 1
+    await grid.fill(node.session)
+    if len(node.assigned()) == before:
+        return None
+    assign = node.assigned()[-1]
+    kind = get_kind(NAME)
+    check = grid.blobs.read(assign["check"]["hash"]) if assign.get("check") else None
+    payload = grid.blobs.read(assign["input"]["hash"])
+    output = kind.run(payload, KindParams(), RunContext(check=check))
+    if lie:
+        output = payload.lower() if check is None else output.replace(b"true", b"false")
+    message = protocol.Result(task_id=assign["task_id"], output=grid.blobs.put(output),
+                              output_size=len(output), elapsed_s=0.1)  # fmt: skip
+    await grid.accept_result(node.session, message)
+    return assign
+
+
+async def _submit(grid: Grid, store: SqlStore, lines: bytes) -> int:
+    researcher = await store.accounts.create_account("alice", is_admin=False, now=T0)
+    job = await grid.submit_job(
+        account_id=researcher.id, kind_name=NAME, inputs={"lines": grid.blobs.put(lines)},
+        params={}, replication=None, priority=0,
+    )  # fmt: skip
+    return job.id
+
+
+async def test_an_output_is_checked_once_on_another_node_and_counts(
+    grid: Grid, store: SqlStore
+) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["a", "b"])
+    made = await _work(grid, nodes["a"])
+    assert made is not None and made.get("check") is None  # the output first, alone
+    assert await _work(grid, nodes["a"]) is None  # its check never goes to the same node
+    checked = await _work(grid, nodes["b"])
+    assert checked is not None and checked["check"]["hash"] == sha(b"ABC")
+    # The checking node may read the claimed output it was given, no other node may.
+    accounts = {name: n.session.account_id for name, n in nodes.items()}
+    assert await store.blob_owners.tasks_name(accounts["b"], sha(b"ABC"), since=T0 - 60)
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "completed"
+    assert grid.blobs.read(job.result_hash or "") == b"ABC"
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["a"] > 0 and credit["b"] > 0
+
+
+async def test_a_lie_fails_two_checks_and_an_honest_node_makes_it_again(
+    grid: Grid, store: SqlStore
+) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["liar", "c1", "c2", "honest", "c3"])
+    lie = await _work(grid, nodes["liar"], lie=True)
+    assert lie is not None
+    first = await _work(grid, nodes["c1"])
+    assert first is not None and first["check"]["hash"] == sha(b"abc")
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state != "completed"  # one failed check: confirmed first
+    second = await _work(grid, nodes["c2"])
+    assert second is not None and second["check"]["hash"] == sha(b"abc")
+    remade = await _work(grid, nodes["honest"])
+    assert remade is not None and remade.get("check") is None  # the lie is out: made again
+    final = await _work(grid, nodes["c3"])
+    assert final is not None and final["check"]["hash"] == sha(b"ABC")
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "completed"
+    assert grid.blobs.read(job.result_hash or "") == b"ABC"
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["liar"] == 0.0 and credit["honest"] > 0 and credit["c3"] > 0
+    assert credit["c1"] > 0 and credit["c2"] > 0  # the checks that caught the lie
+
+
+async def test_a_lying_checker_is_outvoted(grid: Grid, store: SqlStore) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["maker", "liar", "c1", "c2"])
+    await _work(grid, nodes["maker"])
+    await _work(grid, nodes["liar"], lie=True)  # fails an honest output
+    await _work(grid, nodes["c1"])  # 1 : 1, another check
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "running"
+    await _work(grid, nodes["c2"])
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "completed"  # 2 : 1 for the output
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["liar"] == 0.0 and credit["maker"] > 0 and credit["c1"] > 0
+
+
+async def test_replication_one_takes_the_output_unchecked(grid: Grid, store: SqlStore) -> None:
+    researcher = await store.accounts.create_account("rita", is_admin=False, now=T0)
+    job = await grid.submit_job(
+        account_id=researcher.id, kind_name=NAME, inputs={"lines": grid.blobs.put(b"abc")},
+        params={}, replication=1, priority=0,
+    )  # fmt: skip
+    nodes = await _nodes(grid, store, ["solo"])
+    assert await _work(grid, nodes["solo"]) is not None
+    assert await _work(grid, nodes["solo"]) is None  # no check: nothing more to do
+    done = await store.jobs.get_job(job.id)
+    assert done is not None and done.state == "completed"
+
+
+# -- outputs that name their build: checks go to that build, and only they can pass ------
+
+BUILT = "toy-build-check"
+WAIT_S = 300.0
+
+
+class BuildKind(CapitalsKind):
+    """The toy kind, with an output that names its build; a "near" output (a cheat
+    within other builds' noise) passes every check but one on the build it names."""
+
+    name = BUILT
+    names_builds = True
+
+    def claimed_build(self, output: bytes) -> str:
+        return str(json.loads(output)["build"])
+
+
+@pytest.fixture
+async def built_grid(
+    store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[Grid, list[float]]]:
+    monkeypatch.setitem(KINDS, BUILT, BuildKind())
+    now = [T0]
+    grid = Grid(
+        settings=CoordinatorSettings(data_dir=tmp_path / "coordinator", check_build_wait_s=WAIT_S),
+        store=store,
+        broker=MemoryBroker(),
+        blobs=BlobStore(tmp_path / "blobs", max_bytes=1 << 30),
+        clock=lambda: now[0],
+    )
+    yield grid, now
+    await grid.aclose()
+
+
+async def _built_nodes(
+    grid: Grid, store: SqlStore, builds: Mapping[str, str], now: float
+) -> dict[str, FakeNode]:
+    nodes = {}
+    for i, (name, build) in enumerate(builds.items()):
+        account = await store.accounts.create_account(f"volunteer-{name}", is_admin=False, now=now)
+        node = await fake_node(
+            store, account.id, name, now=now, kinds=[BUILT], address=f"10.1.{i}.1"
+        )
+        node.session.llama_build = build
+        grid.hub.add(node.session)
+        nodes[name] = node
+    return nodes
+
+
+async def _built_work(
+    grid: Grid, node: FakeNode, *, near: bool = False, names: str | None = None
+) -> dict[str, Any] | None:
+    """One task on a node of the build its session reported: an output naming `names`
+    (default that build), or a check that fails a "near" output only on its own build."""
+    before = len(node.assigned())
+    node.session.requested = 1
+    await grid.fill(node.session)
+    if len(node.assigned()) == before:
+        return None
+    assign = node.assigned()[-1]
+    payload = grid.blobs.read(assign["input"]["hash"])
+    build = node.session.llama_build
+    if assign.get("check"):
+        claimed = json.loads(grid.blobs.read(assign["check"]["hash"]))
+        right = claimed["text"] == payload.upper().decode()
+        passed = right and not (claimed["near"] and claimed["build"] == build)
+        output = json.dumps({"check": {"claimed": assign["check"]["hash"], "passed": passed}})
+    else:
+        named = build if names is None else names
+        output = json.dumps({"text": payload.upper().decode(), "build": named, "near": near})
+    data = output.encode()
+    message = protocol.Result(task_id=assign["task_id"], output=grid.blobs.put(data),
+                              output_size=len(data), elapsed_s=0.1)  # fmt: skip
+    await grid.accept_result(node.session, message)
+    return assign
+
+
+async def _submit_built(grid: Grid, store: SqlStore, now: float) -> int:
+    researcher = await store.accounts.create_account("bob", is_admin=False, now=now)
+    job = await grid.submit_job(
+        account_id=researcher.id, kind_name=BUILT, inputs={"lines": grid.blobs.put(b"abc")},
+        params={}, replication=None, priority=0,
+    )  # fmt: skip
+    return job.id
+
+
+async def _state(store: SqlStore, job_id: int) -> str:
+    job = await store.jobs.get_job(job_id)
+    assert job is not None
+    return job.state
+
+
+async def test_a_check_waits_for_a_node_of_the_outputs_build(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    nodes = await _built_nodes(grid, store, {"maker": "A", "other": "B", "peer": "A"}, now[0])
+    assert await _built_work(grid, nodes["maker"], near=True) is not None
+    now[0] += WAIT_S - 1
+    assert await _built_work(grid, nodes["other"]) is None  # waits for build A
+    checked = await _built_work(grid, nodes["peer"])
+    assert checked is not None and checked.get("check")
+    assert await _state(store, job_id) == "running"  # the near cheat failed on its build
+
+
+async def test_an_honest_output_passes_its_own_builds_check(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    nodes = await _built_nodes(grid, store, {"maker": "A", "other": "B", "peer": "A"}, now[0])
+    await _built_work(grid, nodes["maker"])
+    assert await _built_work(grid, nodes["other"]) is None
+    assert await _built_work(grid, nodes["peer"]) is not None
+    assert await _state(store, job_id) == "completed"
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["maker"] > 0 and credit["peer"] > 0 and credit["other"] == 0.0
+
+
+async def test_other_builds_check_after_the_wait_but_cannot_pass_it(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    """A build no other node has: two other builds' checks pass the near cheat after the
+    wait, which is not accepted; it is set aside and made again on a checkable build."""
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    builds = {"unique": "X", "b1": "B", "c1": "C", "b2": "B", "b3": "B"}
+    nodes = await _built_nodes(grid, store, builds, now[0])
+    await _built_work(grid, nodes["unique"], near=True)
+    assert await _built_work(grid, nodes["b1"]) is None
+    now[0] += WAIT_S + 1
+    first = await _built_work(grid, nodes["b1"])
+    assert first is not None and first.get("check")
+    assert await _state(store, job_id) == "running"  # a pass from build B proves nothing
+    assert await _built_work(grid, nodes["c1"]) is None  # a fresh wait after each result
+    now[0] += WAIT_S + 1
+    second = await _built_work(grid, nodes["c1"])
+    assert second is not None and second.get("check")
+    assert await _state(store, job_id) == "running"
+    remade = await _built_work(grid, nodes["b2"])
+    assert remade is not None and not remade.get("check")  # set aside: made again
+    final = await _built_work(grid, nodes["b3"])
+    assert final is not None and final["check"]["hash"] != first["check"]["hash"]
+    assert await _state(store, job_id) == "completed"
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["unique"] == 0.0 and credit["b2"] > 0 and credit["b3"] > 0
+
+
+async def test_an_output_naming_another_build_than_its_node_is_invalid(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    """A node that reported build A cannot have its output checked as build B's."""
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    nodes = await _built_nodes(grid, store, {"liar": "A", "b": "B", "honest": "B"}, now[0])
+    lie = await _built_work(grid, nodes["liar"], near=True, names="B")
+    assert lie is not None
+    remade = await _built_work(grid, nodes["honest"])
+    assert remade is not None and not remade.get("check")  # the lie is out: made again
+    assert await _built_work(grid, nodes["b"]) is not None
+    assert await _state(store, job_id) == "completed"
+    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+    assert credit["liar"] == 0.0
+    async with store.engine.connect() as conn:
+        found = select(tasks.c.outcome, tasks.c.build).where(tasks.c.id == lie["task_id"])
+        row = (await conn.execute(found)).one()
+    assert tuple(row) == ("invalid", "A")  # its node's build, as it reported it

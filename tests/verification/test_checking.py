@@ -1,0 +1,181 @@
+"""The rule that judges shards verified by check tasks (verification.checking), by table."""
+
+from __future__ import annotations
+
+import pytest
+
+from idlegrid.verification.checking import CheckedVote, decide
+
+G1, G2 = "a" * 64, "b" * 64
+
+
+def gen(task_id: int, output: str = G1) -> CheckedVote:
+    return CheckedVote(task_id=task_id, output_hash=output, checks=None, verdict=None)
+
+
+def check(task_id: int, of: str, passed: bool, *, says: str | None = None, cred: float = 1.0):
+    claimed = of if says is None else says
+    return CheckedVote(
+        task_id=task_id,
+        output_hash=f"{task_id:064d}",
+        checks=of,
+        verdict=(claimed, passed),
+        credibility=cred,
+    )
+
+
+CASES = [
+    # votes, canonical, valid, invalid, more
+    ("output alone waits for its check", [gen(1)], None, (), (), True),
+    ("a passed check decides", [gen(1), check(2, G1, True)], 1, (1, 2), (), False),
+    ("one failed check waits for a second", [gen(1), check(2, G1, False)], None, (), (), True),
+    (
+        "two failed checks make the output a lie",
+        [gen(1), check(2, G1, False), check(3, G1, False)],
+        None,
+        (),
+        (1,),
+        True,
+    ),
+    (
+        "a lying checker is outvoted",
+        [gen(1), check(2, G1, False), check(3, G1, True), check(4, G1, True)],
+        1,
+        (1, 3, 4),
+        (2,),
+        False,
+    ),
+    (
+        "a tie asks for another check",
+        [gen(1), check(2, G1, False), check(3, G1, True)],
+        None,
+        (),
+        (),
+        True,
+    ),
+    (
+        "a check that passed a lie is invalid with it",
+        [gen(1), check(2, G1, True), check(3, G1, False), check(4, G1, False), check(5, G1, False)],
+        None,
+        (),
+        (1, 2),
+        True,
+    ),
+    (
+        "a check of another output is misplaced",
+        [gen(1), check(2, G1, True, says=G2)],
+        None,
+        (),
+        (2,),
+        True,
+    ),
+    (
+        "a generation task that answered with a verdict is misplaced",
+        [CheckedVote(task_id=1, output_hash=G1, checks=None, verdict=(G2, True))],
+        None,
+        (),
+        (1,),
+        True,
+    ),
+    (
+        "a check task that answered with an output is misplaced",
+        [gen(1), CheckedVote(task_id=2, output_hash=G2, checks=G1, verdict=None)],
+        None,
+        (),
+        (2,),
+        True,
+    ),
+    (
+        "a suspended checker does not count",
+        [gen(1), check(2, G1, True, cred=0.0)],
+        None,
+        (),
+        (),
+        True,
+    ),
+    (
+        "a new output after a lie is checked on its own; the lie's checks are valid",
+        [check(2, G1, False), check(3, G1, False), gen(4, G2), check(5, G2, True)],
+        4,
+        (2, 3, 4, 5),
+        (),
+        False,
+    ),
+    (
+        "the checks that caught a lie are valid with the decision",
+        [gen(1), check(2, G1, False), check(3, G1, False), gen(4, G2), check(5, G2, True)],
+        4,
+        (2, 3, 4, 5),
+        (1,),
+        False,
+    ),
+]
+
+
+def built(task_id: int, build: str, *, names: str | None = None, output: str = G1) -> CheckedVote:
+    """A generation of a kind that names builds: its node reported `build`, its output
+    names `names` (default the same)."""
+    return CheckedVote(
+        task_id=task_id,
+        output_hash=output,
+        checks=None,
+        verdict=None,
+        build=build,
+        claimed_build=build if names is None else names,
+    )
+
+
+def check_on(task_id: int, of: str, passed: bool, build: str) -> CheckedVote:
+    return CheckedVote(
+        task_id=task_id,
+        output_hash=f"{task_id:064d}",
+        checks=of,
+        verdict=(of, passed),
+        build=build,
+    )
+
+
+BUILD_CASES = [
+    # votes, canonical, valid, invalid, more
+    ("a pass on the output's build decides", [built(1, "A"), check_on(2, G1, True, "A")],
+     1, (1, 2), (), False),
+    ("a pass from another build does not", [built(1, "A"), check_on(2, G1, True, "B")],
+     None, (), (), True),
+    ("two passes from other builds do not either",
+     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "C")],
+     None, (), (), True),
+    ("a pass on its build after one from another: both valid",
+     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "A")],
+     1, (1, 2, 3), (), False),
+    ("failed checks count from any build",
+     [built(1, "A"), check_on(2, G1, False, "B"), check_on(3, G1, False, "C")],
+     None, (), (1,), True),
+    ("a lie: its own build's passes invalid, other builds' unjudged",
+     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "A"),
+      check_on(4, G1, False, "A"), check_on(5, G1, False, "C"), check_on(6, G1, False, "A")],
+     None, (), (1, 3), True),
+    ("one failed check on its build against one pass from another: another check",
+     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, False, "A")],
+     None, (), (), True),
+    ("an output naming another build than its node reported is invalid",
+     [built(1, "A", names="B"), check_on(2, G1, True, "B")], None, (), (1,), True),
+    ("a node that reported no build gets no pass",
+     [built(1, ""), check_on(2, G1, True, "")], None, (), (), True),
+    ("an output set aside is passed over for the next",
+     [built(1, "X"), check_on(2, G1, True, "B"), check_on(3, G1, True, "C"),
+      built(4, "A", output=G2), check_on(5, G2, True, "A")],
+     4, (4, 5), (), False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("votes", "canonical", "valid", "invalid", "more"),
+    [case[1:] for case in CASES + BUILD_CASES],
+    ids=[case[0] for case in CASES + BUILD_CASES],
+)
+def test_decide(votes, canonical, valid, invalid, more) -> None:
+    outcome = decide(votes)
+    assert outcome.decision.canonical == canonical
+    assert outcome.decision.valid == valid
+    assert outcome.decision.invalid == invalid
+    assert outcome.more is more
