@@ -417,7 +417,8 @@ def run_scenario(
             for spec, log in zip(specs, logs, strict=True)
         ]
         try:
-            grid.wait_for_nodes(nodes, timeout=120)
+            # Generous: on a loaded machine 20 workers take minutes to import and connect.
+            grid.wait_for_nodes(nodes, timeout=600)
             with grid.client() as client:
                 started = time.perf_counter()
                 job = client.submit(

@@ -11,6 +11,12 @@ must stay above every honest row and below every cheat (on a log scale, about mi
 
     .venv/bin/python benchmarks/calibrate_embed.py --texts 256
     .venv/bin/python benchmarks/calibrate_embed.py --texts 256 --device cuda   # a GPU row
+    /work/venv-openvino/bin/python benchmarks/calibrate_embed.py --texts 256 --only onnx
+
+The `kind.run, onnx on ...` row is the kind's ONNX runtime on the best execution
+provider installed; run the script from an environment with another ONNX Runtime build
+(onnxruntime-openvino replaces the `onnxruntime` module, so it has an environment of its
+own, with idlegrid's source on PYTHONPATH) for that provider's row.
 
 A GPU (or MPS) node: run the second line there and add its `device=...` rows to the
 table in docs/verification.md; if an honest row comes within 10x of the threshold,
@@ -136,6 +142,7 @@ def variants(
         "unsorted batches of 32": (True, with_model(model, batch_size=32, sort=False)),
         "float64 arithmetic": (True, with_model(double())),
         "kind.run (threads=2)": (True, lambda: _kind_run(texts)),
+        f"kind.run, onnx on {_onnx_provider()}": (True, lambda: _kind_run(texts, runtime="onnx")),
         "noise sigma=1e-4": (False, noisy(1e-4)),
         "noise sigma=1e-3": (False, noisy(1e-3)),
         "noise 1e-3 relative": (False, noisy(1e-3, relative=True)),
@@ -151,13 +158,22 @@ def variants(
     }
 
 
-def _kind_run(texts: list[str]) -> np.ndarray:
+def _kind_run(texts: list[str], runtime: str = "torch") -> np.ndarray:
     torch.set_num_threads(2)
     payload = json.dumps({"offset": 0, "texts": texts}).encode()
-    out = EmbedTextKind().run(payload, EmbedTextParams(), RunContext())
+    params = EmbedTextParams(runtime=runtime)  # type: ignore[arg-type]
+    out = EmbedTextKind().run(payload, params, RunContext())
     from idlegrid.kinds.embed_text.kind import parse_embeddings
 
     return parse_embeddings(out)
+
+
+def _onnx_provider() -> str:
+    """The execution provider the kind's ONNX runtime takes here (the best one installed:
+    in an environment with onnxruntime-openvino, OpenVINO)."""
+    from idlegrid.kinds.onnx.runtime import available_providers, choose_providers
+
+    return choose_providers(available_providers())[0]
 
 
 def main() -> None:
@@ -166,11 +182,16 @@ def main() -> None:
     parser.add_argument(
         "--device", default=None, help="also run honestly on this torch device (cuda, mps)"
     )
+    parser.add_argument(
+        "--only", nargs="+", default=None, help="run only the variants whose names contain these"
+    )
     args = parser.parse_args()
     texts = stdlib_paragraphs(args.texts)
     kind, params = EmbedTextKind(), EmbedTextParams()
     runs = variants(texts, args.device)
     reference = runs.pop("reference")[1]()
+    if args.only:
+        runs = {name: run for name, run in runs.items() if any(s in name for s in args.only)}
     ref_bytes = embeddings_to_npy(reference)
     honest_floor, cheat_ceiling, closest_cheat = 1.0, 0.0, 0.0
     wrong: list[str] = []

@@ -28,6 +28,21 @@ def test_sketch_is_linear_and_the_same_everywhere() -> None:
     assert verify.sketch(a).shape == (verify.SKETCH_SIZE,)
 
 
+def test_a_sketch_drawn_in_parts_is_the_one_drawn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Workers of different versions must agree: the map is still the one int64 draw.
+    monkeypatch.setattr(verify, "_SKETCH_PART", 1000)
+    verify._sketch_map.cache_clear()
+    vector = np.random.default_rng(2).standard_normal(2_501).astype(np.float32)
+    rng = np.random.default_rng([verify._SKETCH_SEED, vector.size, verify.SKETCH_SIZE])
+    buckets = rng.integers(0, verify.SKETCH_SIZE, size=vector.size)
+    signs = rng.integers(0, 2, size=vector.size).astype(np.float64) * 2 - 1
+    whole = np.bincount(buckets, weights=signs * vector, minlength=verify.SKETCH_SIZE)
+    try:
+        assert np.allclose(verify.sketch(vector), whole.astype(np.float32), rtol=1e-6, atol=1e-6)
+    finally:
+        verify._sketch_map.cache_clear()
+
+
 @pytest.mark.parametrize(
     ("a", "b", "agree"),
     [(1.0, 1.001, True), (1.0, 1.02, False), (0.0, 0.005, True), (1.0, float("nan"), False)],

@@ -12,6 +12,7 @@ import errno
 import httpx
 
 from idlegrid.client import IdlegridError, Unreachable
+from idlegrid.training.hf_folder import ModelError
 
 _HINTS = {
     401: "check the token (IDLEGRID_TOKEN or --token): it may be mistyped or revoked",
@@ -33,6 +34,8 @@ def explain(exc: BaseException, *, server: str = "") -> str | None:
         return f"cannot reach {url}: {exc or type(exc).__name__}"
     if isinstance(exc, OSError):
         return _os_error(exc)
+    if isinstance(exc, ModelError):
+        return str(exc)
     return None
 
 

@@ -112,6 +112,23 @@ def main(debug: bool) -> None:
 )
 @click.option("--min-lease", type=float, default=None, help="Shortest task lease, seconds.")
 @click.option("--max-blob-mb", type=float, default=None, help="Largest upload, MiB.")
+@click.option(
+    "--replica-networks",
+    type=click.Choice(["distinct", "address", "shared"]),
+    envvar="IDLEGRID_REPLICA_NETWORKS",
+    default=None,
+    help="How strictly a shard's replicas must come from different networks: distinct "
+    "(default; IPv4 /24, IPv6 /48), address (each address its own: a lab), shared (no "
+    "rule: one machine or one NAT). docs/operations.md, 'Replicas and networks'.",
+)
+@click.option(
+    "--p2p",
+    type=click.Choice(["auto", "on", "off"]),
+    default=None,
+    help="Bootstrap DHT peer for peer-to-peer training (the p2p extra); default auto, "
+    "or IDLEGRID_P2P.",
+)
+@click.option("--p2p-port", type=int, default=None, help="Port of the bootstrap DHT peer.")
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     data_dir: Path,
@@ -125,6 +142,9 @@ def serve(
     node_timeout: float | None,
     min_lease: float | None,
     max_blob_mb: float | None,
+    replica_networks: str | None,
+    p2p: str | None,
+    p2p_port: int | None,
     log_level: str,
 ) -> None:
     """Run the coordinator: the REST API and the node WebSocket.
@@ -136,7 +156,7 @@ def serve(
 
     from idlegrid.app import create_app
     from idlegrid.coordinator.serving import uvicorn_config
-    from idlegrid.settings import CoordinatorSettings
+    from idlegrid.settings import REPLICA_NETWORKS, CoordinatorSettings
 
     _setup_logging(log_level)
     settings = CoordinatorSettings.from_env(
@@ -151,6 +171,9 @@ def serve(
         node_timeout_s=node_timeout,
         min_lease_s=min_lease,
         max_blob_bytes=int(max_blob_mb * 1024 * 1024) if max_blob_mb else None,
+        **(REPLICA_NETWORKS[replica_networks] if replica_networks else {}),
+        p2p=p2p or os.environ.get("IDLEGRID_P2P") or "auto",
+        p2p_port=p2p_port,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -162,8 +185,24 @@ def serve(
     click.echo(
         f"admin token: {settings.admin_token_file} (read it with: cat {settings.admin_token_file})"
     )
+    click.echo(f"replicas of a shard: {replica_rule(settings)}")
     sys.stdout.flush()
     _run_profiled(lambda: server.run(sockets=[sock]), os.environ.get("IDLEGRID_PROFILE", ""))
+
+
+def replica_rule(settings: Any) -> str:
+    """The replica rule a coordinator keeps, in words, with the setting that changes it."""
+    if not settings.distinct_networks:
+        networks = "any networks (--replica-networks shared)"
+    elif settings.network_prefix_v4 >= 32 and settings.network_prefix_v6 >= 128:
+        networks = "distinct addresses (--replica-networks address)"
+    else:
+        networks = (
+            f"distinct networks (IPv4 /{settings.network_prefix_v4}, IPv6 "
+            f"/{settings.network_prefix_v6}); one network: --replica-networks shared"
+        )
+    accounts = "distinct accounts" if settings.distinct_accounts else "any accounts"
+    return f"distinct nodes, {accounts}, {networks}"
 
 
 def _run_profiled(run: Any, path: str) -> None:
@@ -306,9 +345,22 @@ def web_account(
 # -- worker ---------------------------------------------------------------------------------
 
 
-from idlegrid.worker.commands import worker  # noqa: E402  (its own module: a command group)
+from idlegrid.worker.commands import (  # noqa: E402  (its own module: a command group)
+    DEFAULT_STATE_DIR,
+    state_dir_option,
+    worker,
+)
 
 main.add_command(worker)
+
+
+@main.command(name="app")
+@state_dir_option
+def app_window(state_dir: Path | None) -> None:
+    """Open the local worker's control page in a native window (the desktop's app)."""
+    from idlegrid.worker.window import open_window
+
+    open_window(state_dir or DEFAULT_STATE_DIR)
 
 
 # -- researcher and admin commands (cli_researcher.py) --------------------------------------
@@ -320,12 +372,15 @@ for _command in COMMANDS:
 @main.command()
 @click.option(
     "--kind",
-    type=click.Choice(["embed-text", "onnx-infer"]),
+    type=click.Choice(["embed-text", "onnx-infer", "llm-generate"]),
     default="embed-text",
     show_default=True,
     help="embed-text: paragraphs through all-MiniLM-L6-v2; onnx-infer: images through a "
-    "small convolutional network on ONNX Runtime.",
+    "small convolutional network on ONNX Runtime; llm-generate: chat prompts through "
+    "SmolLM2-135M on llama.cpp, each shard checked by a prefill on another node.",
 )
+@click.option("--prompts", default=36, show_default=True, help="Prompts (llm-generate).")
+@click.option("--max-tokens", default=32, show_default=True, help="Per prompt (llm-generate).")
 @click.option("--texts", default=2000, show_default=True, help="Texts to embed.")
 @click.option("--images", default=500, show_default=True, help="Images (onnx-infer).")
 @click.option(
@@ -342,6 +397,8 @@ def demo(
     kind: str,
     texts: int,
     images: int,
+    prompts: int,
+    max_tokens: int,
     workers: int,
     replication: int,
     shard_size: int,
@@ -354,10 +411,15 @@ def demo(
     library's docstrings and checks every vector against a local reference (cosine >=
     0.999); onnx-infer runs drawn images (PNG and JPEG files) through a convolutional
     network and checks every row against ONNX Runtime run here. Both print the
-    throughput and stop everything they started.
+    throughput and stop everything they started. llm-generate prints tokens per second,
+    the check's cost against the generation's, and the credit each node earned.
     """
     from idlegrid.devtools.demo import run_demo, run_onnx_demo
 
+    if kind == "llm-generate":
+        from idlegrid.devtools.llm_demo import run_llm_demo
+
+        sys.exit(run_llm_demo(prompts=prompts, workers=workers, max_tokens=max_tokens, keep=keep))
     if kind == "onnx-infer":
         sys.exit(
             run_onnx_demo(

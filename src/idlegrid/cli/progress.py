@@ -44,11 +44,14 @@ class JobProgress:
         job_id: int,
         *,
         metrics: Metrics | None = None,
+        tokens: Callable[[], tuple[int, int]] | None = None,
         stream: IO[str] | None = None,
     ) -> None:
-        """`metrics`: how to read a training job's rounds (None: not a training job)."""
+        """`metrics`: how to read a training job's rounds (None: not a training job);
+        `tokens`: how to read a generation job's tokens done and in all."""
         self.job_id = job_id
         self.metrics = metrics
+        self.tokens = tokens
         self.stream = stream if stream is not None else sys.stderr
         self.console = Console(file=self.stream)
         self.live = self.console.is_terminal or self.console.is_jupyter
@@ -70,7 +73,9 @@ class JobProgress:
 
     def update(self, info: dict[str, Any]) -> None:
         state, note = info["state"], waiting_note(info)
-        if self.metrics is None:
+        if self.tokens is not None:
+            (done, total), unit, extra, round_part = self.tokens(), "tokens", "", None
+        elif self.metrics is None:
             done, total, unit, extra = info["shards_done"], info["shards_total"], "shards", ""
             round_part = None
         else:

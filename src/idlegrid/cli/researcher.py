@@ -76,9 +76,22 @@ def _console() -> Any:
 @click.option(
     "--output",
     "-o",
-    type=click.Path(path_type=Path, dir_okay=False),
+    type=click.Path(path_type=Path),
     default=None,
-    help="Save the result here (waits for it).",
+    help="Save the result here (waits for it); with --model, the trained model's folder.",
+)
+@click.option(
+    "--model",
+    "model_source",
+    type=click.Path(path_type=Path, exists=True),
+    default=None,
+    help="diloco-train: a Hugging Face folder or a .gguf file to train (hf-causal-lm).",
+)
+@click.option(
+    "--text",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="diloco-train with --model: a UTF-8 text file, tokenized with the model's tokenizer.",
 )
 @server_option
 @token_option
@@ -90,6 +103,8 @@ def submit(
     priority: int,
     wait: bool | None,
     output: Path | None,
+    model_source: Path | None,
+    text: Path | None,
     server: str,
     token: str,
 ) -> None:
@@ -103,12 +118,19 @@ def submit(
         -p 'preprocess={"crop": [224, 224], "resize": 256, "mean": [0.485, 0.456, 0.406],
                         "std": [0.229, 0.224, 0.225]}'
 
+    idlegrid submit diloco-train --model SmolLM2/ --text notes.txt -o SmolLM2-tuned/ \
+        -p rounds=4 -p 'model={"lora": {"rank": 8}}'
+
     A folder as onnx-infer's data is its .jpg/.jpeg/.png files, in name order.
     """
     from idlegrid.kinds import UnknownKind, get_kind
 
     if output is not None and wait is False:
         raise click.UsageError("-o/--output saves the result once the job ends: drop --no-wait")
+    if model_source is not None or text is not None:
+        _train(kind, model_source, text, inputs, params, replication, priority, wait, output,
+               server, token)  # fmt: skip
+        return
     try:
         names = get_kind(kind).input_names
     except UnknownKind as exc:
@@ -128,6 +150,38 @@ def submit(
         if output is not None:
             _write(output, job.result_bytes())
             click.echo(f"result saved to {output}")
+
+
+def _train(
+    kind: str,
+    model_source: Path | None,
+    text: Path | None,
+    inputs: tuple[str, ...],
+    params: tuple[str, ...],
+    replication: int | None,
+    priority: int,
+    wait: bool | None,
+    output: Path | None,
+    server: str,
+    token: str,
+) -> None:
+    """`submit diloco-train --model DIR --text FILE`: a researcher's model, saved as a folder."""
+    if kind != "diloco-train" or model_source is None:
+        raise click.UsageError("--model and --text go with diloco-train, --model always")
+    if (text is None) == (not inputs):
+        raise click.UsageError("give the training data once: --text FILE or a dataset file")
+    dataset = text if text is not None else Path(inputs[0].partition("=")[2] or inputs[0])
+    client = _client(server, token)
+    job = client.train(model_source, dataset=dataset, params=_parse_params(params),
+                       replication=replication, priority=priority)  # fmt: skip
+    click.echo(f"job {job.id} submitted")
+    for warning in job.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if wait or output is not None:
+        _wait(job)
+        if output is not None:
+            job.save(output)
+            click.echo(f"model saved to {output}/")
 
 
 def _wait(job: Any) -> None:
@@ -229,10 +283,24 @@ def jobs(limit: int, as_json: bool, server: str, token: str) -> None:
 @click.argument("job_id", type=int)
 @click.option("--watch", is_flag=True, help="Follow progress until the job ends.")
 @click.option("--cancel", is_flag=True, help="Cancel the job.")
+@click.option(
+    "--resubmit",
+    is_flag=True,
+    help="Submit again only the shards of this failed or cancelled job that did not "
+    "complete, as a new job (shown instead).",
+)
 @json_option
 @server_option
 @token_option
-def job(job_id: int, watch: bool, cancel: bool, as_json: bool, server: str, token: str) -> None:
+def job(
+    job_id: int,
+    watch: bool,
+    cancel: bool,
+    resubmit: bool,
+    as_json: bool,
+    server: str,
+    token: str,
+) -> None:
     """Show one job: state, progress, times, what it waits for, its shards.
 
     --watch follows it until it ends (exit code 1 if it fails or is cancelled).
@@ -243,6 +311,8 @@ def job(job_id: int, watch: bool, cancel: bool, as_json: bool, server: str, toke
     handle = _client(server, token).job(job_id)
     if cancel:
         handle.cancel()
+    if resubmit:
+        handle = handle.resubmit()
     ended_badly = False
     if watch:
         try:
@@ -384,4 +454,6 @@ def token_revoke(token_id: int, server: str, token: str) -> None:
                f"of account {revoked['account']}")  # fmt: skip
 
 
-COMMANDS = (submit, jobs, job, metrics, results, token)
+from idlegrid.cli.model import model  # noqa: E402  (its own module: a command group)
+
+COMMANDS = (submit, jobs, job, metrics, results, token, model)

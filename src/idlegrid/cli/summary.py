@@ -89,6 +89,7 @@ def shard_lines(shards: list[dict[str, Any]]) -> list[str]:
     lines = [
         f"    #{s['index']:<5} {s['state']:<9} {s['items']:>6} items  "
         f"{s['attempts']} attempts  {s['live_tasks']} running  {s['progress']:.0%}"
+        + (f"  {s['error']}" if s.get("error") else "")
         for s in shards[:SHARDS_SHOWN]
     ]
     if len(shards) > SHARDS_SHOWN:

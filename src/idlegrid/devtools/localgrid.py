@@ -40,10 +40,12 @@ class LocalGrid:
         redis_prefix: str = "",
         replication: int | None = None,
         backoff_max_s: float = 2.0,
+        p2p: bool = False,
     ) -> None:
         """`replication`: the coordinator's default replicas per shard (None: its own).
         `backoff_max_s`: the workers' longest wait between reconnect attempts, which the
-        coordinators are told too (their grace after a restart covers it).
+        coordinators are told too (their grace after a restart covers it). `p2p`: the
+        coordinator runs a bootstrap DHT peer for peer-to-peer training (the p2p extra).
 
         Every worker is a volunteer with an account of its own (replicas of a shard go to
         distinct accounts), and all connect from this machine, so "distinct networks"
@@ -60,9 +62,11 @@ class LocalGrid:
             "IDLEGRID_DISTINCT_NETWORKS": "false",
             "IDLEGRID_BACKOFF_MAX_S": str(backoff_max_s),
             "IDLEGRID_WORKER_BACKOFF_MAX_S": str(backoff_max_s),
+            "IDLEGRID_P2P": "auto" if p2p else "off",
             **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
             **(extra_env or {}),
         }
+        self.p2p = p2p
         self.database, self.database_schema = database, database_schema
         self.redis, self.redis_prefix = redis, redis_prefix
         self.backend_args: list[str] = []
@@ -82,6 +86,7 @@ class LocalGrid:
         # More coordinators sharing the database and Redis, by URL (production mode).
         self.others: dict[str, subprocess.Popen[str]] = {}
         self.workers: list[subprocess.Popen[str]] = []
+        self._worker_logs: dict[int, Path] = {}  # by pid
         self.old_coordinators: list[subprocess.Popen[str]] = []
         self._logs: list[IO[str]] = []
 
@@ -101,9 +106,14 @@ class LocalGrid:
     # -- coordinator -------------------------------------------------------------------------
 
     def start_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:
-        """Start (or restart) the coordinator on the same data directory."""
+        """Start (or restart) the coordinator on the same data directory; with `p2p`,
+        wait until its bootstrap DHT peer is up (it starts in the background)."""
+        log = self.root / "coordinator.log"
+        start = log.stat().st_size if log.exists() else 0
         self.coordinator, self.url = self._spawn_coordinator("coordinator.log", port, timeout)
         self.admin_token = (self.data_dir / "admin-token").read_text().strip()
+        if self.p2p:
+            _await_text(log, start, "bootstrap DHT peer at", timeout=300.0)
         return self.url
 
     def add_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:
@@ -221,16 +231,19 @@ class LocalGrid:
         dedicated: bool = True,
         account: str | None = None,
         token: str | None = None,
+        python: str = sys.executable,
     ) -> subprocess.Popen[str]:
         """Start a worker; `servers`: the coordinators it tries in turn (default: the first).
 
         It runs for the volunteer account `account` (default: one named after the worker),
-        or with `token`, a node token made elsewhere (the dashboard's "add a node").
+        or with `token`, a node token made elsewhere (the dashboard's "add a node");
+        `python`: the interpreter that runs it (another environment, e.g. another ONNX
+        Runtime build, which then finds idlegrid through PYTHONPATH).
         """
         server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
         token = token or self.volunteer_token(account or f"volunteer-{name}")
         args = [
-            sys.executable,
+            python,
             "-m",
             "idlegrid",
             "worker",
@@ -263,6 +276,7 @@ class LocalGrid:
             start_new_session=True,
         )
         self.workers.append(proc)
+        self._worker_logs[proc.pid] = self.root / f"{name}.log"
         return proc
 
     def volunteer_token(self, account: str) -> str:
@@ -272,8 +286,9 @@ class LocalGrid:
             self._volunteer_tokens[account] = made["token"]
         return self._volunteer_tokens[account]
 
-    def wait_for_nodes(self, count: int, *, timeout: float = 120.0) -> None:
-        """Block until `count` nodes are connected."""
+    def wait_for_nodes(self, count: int, *, timeout: float = 300.0) -> None:
+        """Block until `count` nodes are connected. Each worker benchmarks itself first:
+        seconds on a quiet machine, minutes on a busy one."""
         deadline = time.monotonic() + timeout
         with self.client() as client:
             while time.monotonic() < deadline:
@@ -281,12 +296,28 @@ class LocalGrid:
                     return
                 self._check_alive()
                 time.sleep(0.2)
-        raise TimeoutError(f"{count} workers did not connect; logs in {self.root}")
+        raise TimeoutError(
+            f"{count} workers did not connect in {timeout:.0f} s; the last lines of their logs:\n"
+            + self._worker_log_tails()
+        )
+
+    def _worker_log_tails(self, lines: int = 3) -> str:
+        """The last `lines` of each worker's log, for an error that outlives the folder."""
+        tails = []
+        for proc in self.workers:
+            # A worker a caller started itself has no log of ours.
+            log = self._worker_logs.get(proc.pid, self.root / f"pid-{proc.pid}.log")
+            text = log.read_text(errors="replace").splitlines() if log.is_file() else []
+            tails.append(f"  {log.stem}: " + (" | ".join(text[-lines:]) or "(nothing logged)"))
+        return "\n".join(tails)
 
     def _check_alive(self) -> None:
         for proc in self.workers:
             if proc.poll() is not None and proc.returncode not in (0, -signal.SIGKILL):
-                raise RuntimeError(f"a worker exited with {proc.returncode}; logs in {self.root}")
+                raise RuntimeError(
+                    f"a worker exited with {proc.returncode}; the last lines of the logs:\n"
+                    + self._worker_log_tails()
+                )
 
     # -- teardown ----------------------------------------------------------------------------
 
@@ -312,6 +343,18 @@ class LocalGrid:
         handle = open(self.root / name, "a")  # noqa: SIM115 - closed in stop()
         self._logs.append(handle)
         return handle
+
+
+def _await_text(path: Path, start: int, text: str, *, timeout: float) -> None:
+    """Block until a log says `text` after byte `start`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with path.open("rb") as handle:
+            handle.seek(start)
+            if text.encode() in handle.read():
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"{path} never said {text!r}")
 
 
 def _drain(source: IO[str] | None, sink: IO[str]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from idlegrid import p2p
 from idlegrid.kinds.base import (
     Cancelled,
     InputError,
@@ -15,6 +16,7 @@ from idlegrid.kinds.base import (
 )
 from idlegrid.kinds.diloco.kind import DilocoKind
 from idlegrid.kinds.embed_text.kind import EmbedTextKind
+from idlegrid.kinds.llm_generate.kind import LlmGenerateKind
 from idlegrid.kinds.noop import NoopKind
 from idlegrid.kinds.onnx.kind import OnnxInferKind
 from idlegrid.kinds.sleep import SleepKind
@@ -25,12 +27,18 @@ KINDS: dict[str, TaskKind] = {
     for kind in (
         DilocoKind(),
         EmbedTextKind(),
+        LlmGenerateKind(),
         NoopKind(),
         OnnxInferKind(),
         SleepKind(),
         VectorsKind(),
     )
 }
+
+
+# What a node may list among its kinds beyond them: abilities some jobs require
+# (`Requirements.offers`): averaging peer to peer.
+CAPABILITIES = frozenset({p2p.CAPABILITY})
 
 
 class UnknownKind(LookupError):
@@ -48,6 +56,7 @@ def get_kind(name: str) -> TaskKind:
 
 
 __all__ = [
+    "CAPABILITIES",
     "KINDS",
     "Cancelled",
     "InputError",

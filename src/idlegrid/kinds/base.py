@@ -21,9 +21,26 @@ from typing import ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
+from idlegrid.blobs.files import input_hash
+
 
 class InputError(ValueError):
     """A researcher's input cannot be used; the message says why (and where)."""
+
+
+def required_input(inputs: Mapping[str, bytes], name: str) -> bytes:
+    """Input `name`; InputError (a 422 at submission) naming it when it is missing."""
+    if name not in inputs:
+        raise InputError(f"missing input {name!r}")
+    return inputs[name]
+
+
+def required_input_hash(inputs: Mapping[str, bytes], name: str) -> str:
+    """Input `name`'s SHA-256 (its store name where it came from there); InputError naming
+    it when it is missing."""
+    if name not in inputs:
+        raise InputError(f"missing input {name!r}")
+    return input_hash(inputs, name)
 
 
 class WrongOutput(InputError):
@@ -65,6 +82,27 @@ class Requirements:
     onnx_providers: frozenset[str] = frozenset()
     # Newest default-domain ONNX opset the node's ONNX Runtime must load; 0: no need.
     min_onnx_opset: int = 0
+    # Capabilities the node must offer beside the kind (listed among its kinds, e.g.
+    # "p2p": it can average peer to peer).
+    offers: frozenset[str] = frozenset()
+    # Only nodes of these accounts (ids) may run the shards; empty: any node.
+    accounts: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class Pool:
+    """The nodes a job's shards may go to, as its researcher named them (peer-to-peer
+    training: only trusted nodes average together). The coordinator resolves the names
+    at submission and refuses the job if the pool cannot hold it."""
+
+    accounts: tuple[str, ...]
+    team: str | None
+    # Nodes the job needs at once (its round's members).
+    members: int
+    # What each node must offer beside the kind (`Requirements.offers`).
+    capability: str
+    # The job needs the coordinator's bootstrap DHT peer (`Swarm.peers`).
+    needs_swarm: bool = True
 
 
 @dataclass(frozen=True)
@@ -94,6 +132,11 @@ class RunContext:
     # long task keeps its checkpoint every `checkpoint_every_s`. None: no checkpoints.
     scratch: Path | None = None
     checkpoint_every_s: float = 60.0
+    # A check task of a kind that verifies by checking (`TaskKind.checks`): the claimed
+    # output it checks. None: the task computes the shard's output.
+    check: bytes | None = None
+    # How a peer-to-peer training round's member joins the network (WorkerSettings).
+    p2p_reachability: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -121,6 +164,15 @@ class RoundPlan:
     def stride(self) -> int:
         """Shard indexes per round: its training shards and its evaluation."""
         return self.workers + 1
+
+
+@dataclass(frozen=True)
+class Swarm:
+    """Where a job's round members may meet to average among themselves."""
+
+    job_id: int
+    # The coordinator's bootstrap DHT peer's addresses; empty: none runs.
+    peers: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -158,6 +210,9 @@ class RoundClose:
     stale_applied: int
     # Bytes the round's tasks fetched beyond their payloads (weights, updates).
     fetched_bytes: int
+    # What else the round's metrics should show (how its members averaged, and why a
+    # round fell back to another way); plain JSON values.
+    notes: Mapping[str, object] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -208,8 +263,11 @@ class RoundHooks(ABC):
     """What a kind whose jobs run in rounds gives the coordinator's round driver."""
 
     @abstractmethod
-    def job(self, params: KindParams, inputs: Mapping[str, bytes]) -> RoundJob:
-        """One job's rounds, from its settings and the bytes of its input blobs."""
+    def job(
+        self, params: KindParams, inputs: Mapping[str, bytes], *, swarm: Swarm | None = None
+    ) -> RoundJob:
+        """One job's rounds, from its settings and the bytes of its input blobs; `swarm`:
+        where its members may average peer to peer (None: nowhere)."""
 
 
 class Cancelled(Exception):
@@ -223,6 +281,8 @@ class TaskKind(ABC):
     params_model: ClassVar[type[KindParams]]
     # Names of the job's input blobs this kind expects, e.g. ("texts",).
     input_names: ClassVar[tuple[str, ...]]
+    # Inputs a job may add, as its settings need them (e.g. a training job's own model).
+    optional_inputs: ClassVar[tuple[str, ...]] = ()
     result_media_type: ClassVar[str] = "application/octet-stream"
     # Replicas per shard when a job does not say; None: the grid's default (3).
     default_replication: ClassVar[int | None] = None
@@ -241,10 +301,33 @@ class TaskKind(ABC):
     # Kinds whose jobs run in rounds (the coordinator's round driver runs them): their
     # hooks. None: a job is its shards from `split`, assembled once all are done.
     rounds: ClassVar[RoundHooks | None] = None
+    # Whether `run` keeps state in its task process that a later task uses (a training
+    # run's optimizer moments): the worker then keeps an idle process instead of ending
+    # it to give its memory back.
+    holds_state: ClassVar[bool] = False
+    # Kinds verified by a check task on another node instead of by replicas (an output
+    # much cheaper to check than to make): a shard's first task makes the output, a later
+    # one checks it (`RunContext.check`) and answers with a verdict (`check_verdict`).
+    checks: ClassVar[bool] = False
+    # Of such kinds, those whose outputs name the build that made them (`claimed_build`)
+    # and whose checks are exact only on that build: a check goes to a node of the build
+    # the output's node reported, and only such a check can pass it (store.check_routing).
+    names_builds: ClassVar[bool] = False
+    # Whether `run` computes faster on a GPU where the node has one (torch, ONNX Runtime,
+    # llama.cpp): the worker places such a task on a free GPU slot before a CPU slot.
+    uses_gpu: ClassVar[bool] = False
 
     def parse_params(self, raw: Mapping[str, object] | None) -> KindParams:
         """Validate a job's settings for this kind (raises pydantic.ValidationError)."""
         return self.params_model.model_validate(dict(raw or {}))
+
+    def pool(self, params: KindParams) -> Pool | None:
+        """The nodes this job is restricted to, by name; None: any node that fits."""
+        return None
+
+    def with_pool(self, params: KindParams, account_ids: frozenset[int]) -> KindParams:
+        """The job's settings with its pool resolved to account ids (at submission)."""
+        return params
 
     def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
         """Settings that follow from the inputs, fixed once at submission and stored with
@@ -281,6 +364,15 @@ class TaskKind(ABC):
     ) -> bytes:
         """`assemble`, for kinds whose shards say where their rows go (payloads in shard order)."""
         return self.assemble(outputs, params)
+
+    def claimed_build(self, output: bytes) -> str:
+        """For a kind that `names_builds`: the build a shard's output names ("" if none)."""
+        return ""
+
+    def check_verdict(self, output: bytes) -> tuple[str, bool] | None:
+        """For a kind that `checks`: (SHA-256 of the claimed output, whether it passed) if
+        `output` is a check task's verdict; None if it is a shard's output."""
+        return None
 
     def check_output(  # noqa: B027 - an optional hook: accepting everything is the default
         self, payload: bytes, output: bytes, params: KindParams

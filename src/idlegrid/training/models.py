@@ -9,6 +9,9 @@ constructors only.
 - `mlp`: fully connected classifier, ReLU between layers.
 - `cnn`: two 3x3 conv + ReLU + 2x2 max-pool stages, then a linear classifier.
 - `transformer-lm`: a small decoder-only (GPT-style, pre-norm) character language model.
+- `hf-causal-lm`: a researcher's Hugging Face causal LM (`hf_models`): its config and
+  initial weights come from the job's `model` input, its module from transformers; with
+  `lora`, the trained parameters are the adapters alone, drawn from the seed.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from idlegrid.training import hf_models
 from idlegrid.training.flat import FlatSpec
+from idlegrid.training.hf_models import HFConfig
 
 if TYPE_CHECKING:
     import torch
@@ -64,14 +69,14 @@ class Param:
 
     name: str
     shape: tuple[int, ...]
-    init: str  # "zeros", "ones" or "normal"
+    init: str  # "zeros", "ones", "normal", or "pretrained" (from the job's model input)
     std: float = 0.0
 
 
 @dataclass(frozen=True)
 class Architecture:
     name: str
-    config: type[_Config]
+    config: type[BaseModel]
     params: Callable[[Any], list[Param]]
     module: Callable[[Any], torch.nn.Module]
     task: str  # "classify" or "language-model"
@@ -133,6 +138,22 @@ def _lm_params(config: LMConfig) -> list[Param]:
     return params + _layer_norm("norm", d) + _linear("head", d, config.vocab, std)
 
 
+def _hf_params(config: HFConfig) -> list[Param]:
+    if not config.config:
+        raise ValueError("hf-causal-lm takes its config from the job's `model` input")
+    if config.lora is None:
+        return [
+            Param(name, shape, "pretrained") for name, shape in hf_models.entries(config.config)
+        ]
+    # peft's A is uniform in +-1/sqrt(fan_in) (std 1/sqrt(3 fan_in)); B starts at zero,
+    # so the adapted model starts as the base model.
+    return [
+        Param(name, shape, "zeros") if name.endswith("lora_B")
+        else Param(name, shape, "normal", 1 / math.sqrt(3 * shape[1]))
+        for name, shape in hf_models.lora_entries(config.config, config.lora)
+    ]  # fmt: skip
+
+
 # -- registry ---------------------------------------------------------------------------
 
 
@@ -156,12 +177,19 @@ def _lm_module(config: LMConfig) -> torch.nn.Module:
     )
 
 
+def _hf_module(config: HFConfig) -> torch.nn.Module:
+    from idlegrid.training import hf_torch
+
+    return hf_torch.build(config, device="cpu")
+
+
 ARCHITECTURES: dict[str, Architecture] = {
     arch.name: arch
     for arch in (
         Architecture("mlp", MLPConfig, _mlp_params, _mlp_module, "classify"),
         Architecture("cnn", CNNConfig, _cnn_params, _cnn_module, "classify"),
         Architecture("transformer-lm", LMConfig, _lm_params, _lm_module, "language-model"),
+        Architecture("hf-causal-lm", HFConfig, _hf_params, _hf_module, "language-model"),
     )
 }
 
@@ -196,6 +224,8 @@ def init_weights(name: str, config: Any, seed: int) -> np.ndarray:
     parts = []
     for param in param_list(name, config):
         count = math.prod(param.shape)
+        if param.init == "pretrained":
+            raise ValueError(f"{name}'s weights come from the job's model input, not a seed")
         if param.init == "normal":
             parts.append(rng.normal(0.0, param.std, size=count).astype(np.float32))
         else:
@@ -205,6 +235,22 @@ def init_weights(name: str, config: Any, seed: int) -> np.ndarray:
 
 def parameter_count(name: str, config: Any) -> int:
     return flat_spec(name, config).size
+
+
+def compute_parameters(name: str, config: Any) -> int:
+    """Parameters a forward pass runs through (a LoRA model's base ones included)."""
+    if isinstance(config, HFConfig):
+        return config.base_parameters()
+    return parameter_count(name, config)
+
+
+def is_language_model(name: str) -> bool:
+    return get_architecture(name).task == "language-model"
+
+
+def seeded(name: str, config: Any) -> bool:
+    """Whether round 0's weights are drawn from the seed (else they are a model input)."""
+    return all(param.init != "pretrained" for param in param_list(name, config))
 
 
 def build_module(name: str, config: Any) -> torch.nn.Module:

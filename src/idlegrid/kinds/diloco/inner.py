@@ -9,17 +9,17 @@ counts and other hardware round differently; `verify` holds the tolerance for th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from idlegrid.kinds.diloco.data import Dataset, TokenData, batches, eval_batches
 from idlegrid.kinds.diloco.task_checkpoint import Checkpointer, InnerProgress
 from idlegrid.kinds.diloco.worker_state import OptimizerState
-from idlegrid.training import models
+from idlegrid.training import hf_torch, models
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +32,10 @@ class InnerSettings(BaseModel):
 
     steps: int = Field(default=100, ge=1, le=100_000, description="H: inner steps per round")
     batch_size: int = Field(default=16, ge=1, le=4096)
+    micro_batch_size: int | None = Field(
+        default=None, ge=1, le=4096,
+        description="examples per forward pass; gradients accumulate over the batch",
+    )  # fmt: skip
     seq_len: int = Field(default=64, ge=1, le=4096, description="tokens per window (LMs)")
     lr: float = Field(default=1e-3, gt=0.0, le=1.0)
     weight_decay: float = Field(default=0.01, ge=0.0, le=1.0)
@@ -61,6 +65,18 @@ class InnerSettings(BaseModel):
     keep_state: bool = Field(
         default=False, description="carry AdamW moments between a node's tasks of one shard"
     )
+
+    @model_validator(mode="after")
+    def _micro_batches_divide(self) -> InnerSettings:
+        if self.micro_batch_size is not None and self.batch_size % self.micro_batch_size:
+            raise ValueError(f"batch_size {self.batch_size} is not a multiple of "
+                             f"micro_batch_size {self.micro_batch_size}")  # fmt: skip
+        return self
+
+    @property
+    def micro_batch(self) -> int:
+        """Examples per forward pass."""
+        return self.micro_batch_size or self.batch_size
 
     @field_validator("ramp")
     @classmethod
@@ -141,6 +157,7 @@ def train_inner(
     on_step: Callable[[int], None] | None = None,
     state: OptimizerState | None = None,
     checkpoint: Checkpointer | None = None,
+    base: Mapping[str, np.ndarray] | None = None,
 ) -> InnerResult:
     """Run `settings.steps` AdamW steps from `weights`; return delta = weights - local.
 
@@ -148,7 +165,8 @@ def train_inner(
     AdamW starts from `state` (moments of an earlier task) if given, else at zero; the
     result carries its state after the last step when `settings.keep_state`. With a
     `checkpoint`, the loop goes on from the progress saved there, if any, and saves its
-    own whenever the checkpointer says it is due.
+    own whenever the checkpointer says it is due. `base`: the frozen weights of a LoRA
+    model (`hf-causal-lm`). A batch runs as micro-batches whose gradients accumulate.
     """
     import torch
 
@@ -156,11 +174,11 @@ def train_inner(
     resumed = checkpoint.load(weights.size) if checkpoint is not None else None
     if resumed is not None and resumed.step >= settings.steps:
         resumed = None  # of a longer task than this one: not ours to continue
-    module = load_module(
-        architecture, config, weights if resumed is None else resumed.local, device
+    module, trained = load_trainable(
+        architecture, config, weights if resumed is None else resumed.local, device, base
     )
     optimizer = torch.optim.AdamW(
-        module.parameters(),
+        trained,
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
@@ -181,22 +199,42 @@ def train_inner(
             continue  # drawn again so that the next batches are the unbroken run's
         for group in optimizer.param_groups:
             group["lr"] = task_lr(settings, step)
-        loss = batch_loss(module, task, inputs, targets, device)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = accumulate(module, task, inputs, targets, device, settings.micro_batch)
         if settings.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(module.parameters(), settings.grad_clip)
+            torch.nn.utils.clip_grad_norm_(trained, settings.grad_clip)
         optimizer.step()
-        losses.append(float(loss.detach()))
+        losses.append(loss)
         if checkpoint is not None and step + 1 < settings.steps and checkpoint.due():
             checkpoint.save(
-                InnerProgress(step + 1, flat_weights(module), _save_state(optimizer), tuple(losses))
+                InnerProgress(step + 1, flat_values(trained), _save_state(optimizer), tuple(losses))
             )
         if on_step is not None:
             on_step(step + 1)
-    delta = weights - flat_weights(module)
+    # In place: one copy of a full model's size fewer at the task's peak.
+    delta = flat_values(trained)
+    np.subtract(weights, delta, out=delta)
     kept = _save_state(optimizer) if settings.keep_state else None
     return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1], kept)
+
+
+def accumulate(
+    module: torch.nn.Module,
+    task: str,
+    inputs: np.ndarray,
+    targets: np.ndarray,
+    device: str,
+    micro_batch: int,
+) -> float:
+    """Backpropagate one batch as micro-batches of `micro_batch` examples; its mean loss."""
+    total = 0.0
+    parts = range(0, len(inputs), micro_batch)
+    for start in parts:
+        end = start + micro_batch
+        loss = batch_loss(module, task, inputs[start:end], targets[start:end], device)
+        (loss / len(parts)).backward()
+        total += float(loss.detach())
+    return total / len(parts)
 
 
 def _load_state(optimizer: torch.optim.Optimizer, state: OptimizerState) -> None:
@@ -246,12 +284,14 @@ def evaluate(
     batch_size: int,
     seq_len: int,
     device: str = "cpu",
+    base: Mapping[str, np.ndarray] | None = None,
 ) -> float:
     """Mean loss of `weights` over a fixed set of evaluation batches of `data`."""
     import torch
 
     check_fits(architecture, config, data, seq_len)
-    module = load_module(architecture, config, weights, device)
+    module, _ = load_trainable(architecture, config, weights, device, base)
+    module.eval()
     task = models.get_architecture(architecture).task
     fixed = eval_batches(data, count=batches, batch_size=batch_size, seq_len=seq_len)
     with torch.no_grad():
@@ -277,10 +317,24 @@ def batch_loss(
 
     x = torch.from_numpy(np.ascontiguousarray(inputs)).to(device)
     y = torch.from_numpy(np.ascontiguousarray(targets)).to(device)
-    logits = module(x)
+    logits = hf_torch.logits(module, x) if getattr(module, "config", None) else module(x)
     if task == "language-model":
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
     return F.cross_entropy(logits, y)
+
+
+def load_trainable(
+    architecture: str,
+    config: Any,
+    weights: np.ndarray,
+    device: str,
+    base: Mapping[str, np.ndarray] | None = None,
+) -> tuple[Any, list[Any]]:
+    """The module holding `weights` and its trained parameters, in the flat order."""
+    if isinstance(config, models.HFConfig):
+        return hf_torch.load(config, weights, device, base)
+    module = load_module(architecture, config, weights, device)
+    return module, list(module.parameters())
 
 
 def load_module(architecture: str, config: Any, weights: np.ndarray, device: str) -> Any:
@@ -303,7 +357,12 @@ def load_module(architecture: str, config: Any, weights: np.ndarray, device: str
 
 def flat_weights(module: torch.nn.Module) -> np.ndarray:
     """A module's parameters as one float32 vector, in parameter order."""
-    parts = [p.detach().cpu().reshape(-1).numpy() for p in module.parameters()]
+    return flat_values(list(module.parameters()))
+
+
+def flat_values(parameters: list[Any]) -> np.ndarray:
+    """Parameters as one float32 vector, in the list's order."""
+    parts = [p.detach().cpu().reshape(-1).numpy() for p in parameters]
     return np.concatenate(parts).astype(np.float32, copy=False)
 
 
@@ -317,6 +376,11 @@ def use_threads(threads: int) -> None:
 
 def check_fits(architecture: str, config: Any, data: Dataset, seq_len: int) -> None:
     """ValueError if the data cannot feed the architecture (ids out of range, sizes)."""
+    if isinstance(config, models.HFConfig):
+        if not isinstance(data, TokenData):
+            raise ValueError(f"{architecture} trains on tokens, not examples")
+        hf_torch.check_tokens(config, int(data.tokens.max()) if len(data) else 0, seq_len)
+        return
     if isinstance(data, TokenData):
         if not isinstance(config, models.LMConfig):
             raise ValueError(f"{architecture} trains on examples with labels, not tokens")

@@ -49,10 +49,12 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from idlegrid import p2p
 from idlegrid.kinds.base import (
     Cancelled,
     InputError,
     KindParams,
+    Pool,
     Requirements,
     RoundHooks,
     RunContext,
@@ -60,14 +62,15 @@ from idlegrid.kinds.base import (
     TaskKind,
     Verdict,
 )
+from idlegrid.kinds.diloco import hf_inputs, tasks
 from idlegrid.kinds.diloco import run as runner
-from idlegrid.kinds.diloco import tasks
-from idlegrid.kinds.diloco.dataset import corpus_dataset_blob, read_dataset, stream_id
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob, stream_id
 from idlegrid.kinds.diloco.inner import use_threads
 from idlegrid.kinds.diloco.params import DilocoParams
 from idlegrid.kinds.diloco.rounds import (
     DilocoRounds,
     checkpoint,
+    eval_shard,
     initial_weights,
     round_task,
     train_flops,
@@ -80,15 +83,19 @@ from idlegrid.training.flat import ContainerError
 
 # The worker process's weights cache and error-feedback residuals, shared by its tasks.
 WORKER_STATE = WorkerState()
+# What a node lists among its kinds when it can average peer to peer (`idlegrid[p2p]`).
+P2P_CAPABILITY = p2p.CAPABILITY
 
 
 class DilocoKind(TaskKind):
     """Train a built-in architecture with DiLoCo: H local steps a task, one update a round."""
 
     name = "diloco-train"
+    uses_gpu = True
     # Training updates are combined by a (robust) aggregation, and two replicas of one
     # shard train the same steps twice: replication is the researcher's choice here.
     default_replication = 1
+    holds_state = True  # WORKER_STATE: moments and local weights kept per shard
     # A round's shards run side by side on as many nodes: none waits in a node's buffer.
     buffered = False
     # A slow shard is the round's timer's and quorum's to handle: a backup copy would add
@@ -96,19 +103,29 @@ class DilocoKind(TaskKind):
     backups = False
     params_model = DilocoParams
     input_names = ("dataset",)
+    # `hf-causal-lm`: the researcher's model (training/hf_folder.py).
+    optional_inputs = ("model",)
     result_media_type = "application/x-safetensors"
     rounds: ClassVar[RoundHooks | None] = DilocoRounds()
 
+    def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
+        assert isinstance(params, DilocoParams)
+        return hf_inputs.derive(params, inputs)
+
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
         assert isinstance(params, DilocoParams)
-        if "dataset" not in inputs:
-            raise InputError("missing input 'dataset' (safetensors)")
-        train, _ = read_dataset(inputs["dataset"])
-        state = closing.initial_state(initial_weights(params))
+        train, held_out = hf_inputs.training_data(params, inputs)
+        state = closing.initial_state(initial_weights(params, inputs))
+        seeded = models.seeded(params.architecture, params.model_settings())
         stream = stream_id(params, inputs["dataset"])
         # Nodes draw round 0's weights from the seed as the coordinator did; the keyframe
         # (stored by the round driver) is the fallback if their numpy draws differently.
         keyframe = hashlib.sha256(checkpoint(params, state)).hexdigest()
+        if params.averaging == "p2p":
+            # Round 0's training shards name their group (the job's id is in its key): the
+            # round driver makes them. Here: round 0's evaluation.
+            return [eval_shard(params, state, held_out, stream=stream, keyframe_blob=keyframe,
+                               init_seed=params.seed if seeded else None)]  # fmt: skip
         return [
             ShardSpec(
                 index=shard,
@@ -120,7 +137,7 @@ class DilocoKind(TaskKind):
                         shard,
                         stream=stream,
                         keyframe_blob=keyframe,
-                        init_seed=params.seed,
+                        init_seed=params.seed if seeded else None,
                     )
                 ),  # fmt: skip
                 items=params.inner.round_steps(0),
@@ -135,11 +152,42 @@ class DilocoKind(TaskKind):
 
     def requirements(self, params: KindParams) -> Requirements:
         assert isinstance(params, DilocoParams)
+        settings = params.model_settings()
+        if isinstance(settings, models.HFConfig) and settings.config:
+            return Requirements(min_memory_mb=hf_inputs.memory_need_mb(params))
         count = models.parameter_count(params.architecture, params.model_settings())
         # Weights, gradients, two AdamW moments, the global copy and the update: ~6 copies;
         # kept moments (`inner.keep_state`) two more; streaming's local weights one more.
         copies = 6 + (2 if params.inner.keep_state else 0) + (params.streaming is not None)
+        if params.averaging == "p2p":
+            # The outer state (momentum, residual), the mean in float64, the next weights;
+            # only nodes of the pool that can average peer to peer.
+            copies += 5
+            pool = params.pool
+            return Requirements(
+                min_memory_mb=256 + math.ceil(4 * copies * count / 2**20),
+                offers=frozenset({P2P_CAPABILITY}),
+                accounts=frozenset(pool.account_ids if pool is not None else ()),
+            )
         return Requirements(min_memory_mb=256 + math.ceil(4 * copies * count / 2**20))
+
+    def pool(self, params: KindParams) -> Pool | None:
+        assert isinstance(params, DilocoParams)
+        if params.averaging != "p2p" or params.pool is None:
+            return None
+        return Pool(
+            accounts=tuple(params.pool.accounts),
+            team=params.pool.team,
+            members=params.workers,
+            capability=P2P_CAPABILITY,
+        )
+
+    def with_pool(self, params: KindParams, account_ids: frozenset[int]) -> KindParams:
+        assert isinstance(params, DilocoParams)
+        if params.pool is None:
+            return params
+        pool = params.pool.model_copy(update={"account_ids": sorted(account_ids)})
+        return params.model_copy(update={"pool": pool})
 
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:
         assert isinstance(params, DilocoParams)
@@ -164,6 +212,7 @@ class DilocoKind(TaskKind):
                 checkpoint=None if ctx.scratch is None else Checkpointer(
                     ctx.scratch, ctx.checkpoint_every_s
                 ),
+                p2p_reachability=ctx.p2p_reachability,
             )  # fmt: skip
         except (ContainerError, tasks.MissingWeights, ValueError) as exc:
             raise InputError(f"task: {exc}") from None
@@ -221,6 +270,8 @@ def output_problem(
     if task.mode == "eval":
         return None
     size = models.parameter_count(params.architecture, params.model_settings())
+    if result.averaging == "p2p":
+        return _p2p_problem(result, size)
     synced = params.synced(task.round)
     if synced is not None:
         size = synced.size  # a streaming task sends its round's fragment alone
@@ -232,6 +283,19 @@ def output_problem(
         return f"update must have {size} values and the sketch {verify.SKETCH_SIZE}"
     if not np.all(np.isfinite(decode(result.update))):
         return "update contains NaN or infinite values"
+    return None
+
+
+def _p2p_problem(result: tasks.TaskResult, size: int) -> str | None:
+    """Why a peer-to-peer member's report cannot be one, or None."""
+    if not result.averaged_digest or not np.isfinite(result.update_norm):
+        return "a p2p report needs the digest of the group's mean and a finite update norm"
+    if result.published is not None:
+        values = decode(result.published)
+        if values.shape != (size,) or not np.all(np.isfinite(values)):
+            return f"the published update must have {size} finite values"
+    if result.outer is not None and result.outer.momentum.shape != (size,):
+        return f"the outer state must have {size} values"
     return None
 
 

@@ -9,6 +9,7 @@ coordinator runs this without torch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
@@ -24,10 +25,13 @@ from idlegrid.kinds.base import (
     RoundPlan,
     RoundWeights,
     ShardSpec,
+    Swarm,
 )
-from idlegrid.kinds.diloco import tasks
-from idlegrid.kinds.diloco.dataset import read_dataset, stream_id
+from idlegrid.kinds.diloco import hf_inputs, p2p_close, tasks
+from idlegrid.kinds.diloco.dataset import stream_id
+from idlegrid.kinds.diloco.p2p_close import outer_known
 from idlegrid.kinds.diloco.params import DilocoParams
+from idlegrid.p2p.group import Group, group_key
 from idlegrid.training import closing, models
 from idlegrid.training.compression import decode, encode_message
 from idlegrid.training.flat import (
@@ -52,9 +56,9 @@ class WeightsName(Protocol):
     def digest(self) -> str: ...
 
 
-def initial_weights(params: DilocoParams) -> np.ndarray:
-    """Round 0's weights, from the seed (numpy: the coordinator needs no torch)."""
-    return models.init_weights(params.architecture, params.model_settings(), params.seed)
+def initial_weights(params: DilocoParams, inputs: Mapping[str, bytes] | None = None) -> np.ndarray:
+    """Round 0's weights, from the seed or a model input (numpy: the coordinator needs no torch)."""
+    return hf_inputs.initial_weights(params, inputs)
 
 
 def round_task(
@@ -67,6 +71,7 @@ def round_task(
     chain: tuple[tasks.Link, ...] = (),
     keyframe_blob: str | None = None,
     init_seed: int | None = None,
+    p2p: P2PRound | None = None,
 ) -> tasks.TaskPayload:
     """The payload of one shard's task in the round `state` starts."""
     return tasks.TaskPayload(
@@ -81,7 +86,18 @@ def round_task(
         chain=chain,
         init_seed=init_seed,
         streaming=params.fragments(),
+        group=None if p2p is None else p2p.group,
+        outer_blob=None if p2p is None else p2p.outer_blob,
+        report_state=False if p2p is None else p2p.report_state,
     )
+
+
+class P2PRound:
+    """What a peer-to-peer round's training payloads add: the group, the coordinator's
+    outer state blob (None: the members hold it) and whether its reporter uploads it."""
+
+    def __init__(self, group: Group, outer_blob: str | None, report_state: bool) -> None:
+        self.group, self.outer_blob, self.report_state = group, outer_blob, report_state
 
 
 def round_shards(
@@ -93,6 +109,9 @@ def round_shards(
     chain: tuple[tasks.Link, ...],
     keyframe_blob: str,
     final: bool,
+    p2p: P2PRound | None = None,
+    init_seed: int | None = None,
+    evaluate: bool = True,
 ) -> list[ShardSpec]:
     """The shards of the round `state` starts: training (unless final) and evaluation.
 
@@ -117,6 +136,8 @@ def round_shards(
                         stream=stream,
                         chain=chain,
                         keyframe_blob=keyframe_blob,
+                        init_seed=init_seed,
+                        p2p=p2p,
                     )
                 ),
                 items=params.inner.round_steps(state.round),
@@ -124,9 +145,9 @@ def round_shards(
             )  # fmt: skip
             for shard in range(params.workers)
         ]
-    if final or state.round % params.eval_every == 0:
+    if evaluate and (final or state.round % params.eval_every == 0):
         specs.append(eval_shard(params, state, held_out, stream=stream, chain=chain,
-                                keyframe_blob=keyframe_blob))  # fmt: skip
+                                keyframe_blob=keyframe_blob, init_seed=init_seed))  # fmt: skip
     return specs
 
 
@@ -158,8 +179,8 @@ def eval_shard(
         init_seed=init_seed,
         streaming=params.fragments(),
     )
-    count = models.parameter_count(params.architecture, params.model_settings())
-    per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
+    count = models.compute_parameters(params.architecture, params.model_settings())
+    per_example = params.inner.seq_len if models.is_language_model(params.architecture) else 1
     flops = 2.0 * count * per_example * params.inner.batch_size * params.eval_batches
     return ShardSpec(
         index=state.round * (params.workers + 1) + params.workers,
@@ -169,15 +190,23 @@ def eval_shard(
     )
 
 
-MOMENTUM_FORMAT = "idlegrid/diloco-momentum"
+MOMENTUM_FORMAT = tasks.MOMENTUM_FORMAT
 
 
-def momentum_blob(state: closing.RoundState) -> bytes:
-    """The outer optimizer's state of a round (momentum, download residual): safetensors."""
+def momentum_blob(state: closing.RoundState, *, from_round: int | None = None) -> bytes:
+    """The outer optimizer's state of a round (momentum, download residual): safetensors.
+
+    `from_round` (peer-to-peer rounds): the members hold the round's state and did not
+    upload it; the blob holds the last one uploaded, of that round, which a
+    coordinator-mode close uses only if no member sends the round's own.
+    """
     arrays = {"momentum": np.asarray(state.momentum, dtype=np.float32)}
     if state.download_residual is not None:
         arrays["download_residual"] = np.asarray(state.download_residual, dtype=np.float32)
-    return pack(arrays, {"format": MOMENTUM_FORMAT, "round": state.round})
+    made = state.round if from_round is None else from_round
+    header = {"format": MOMENTUM_FORMAT, "round": state.round, "known": from_round is None,
+              "from_round": made}  # fmt: skip
+    return pack(arrays, header)
 
 
 def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) -> closing.RoundState:
@@ -194,8 +223,8 @@ def read_state(params: DilocoParams, checkpoint_blob: bytes, momentum: bytes) ->
 
 def train_flops(params: DilocoParams, round_number: int) -> float:
     """Cost of one task of a round: 6 FLOPs per parameter per example-token, its H steps."""
-    count = models.parameter_count(params.architecture, params.model_settings())
-    per_example = params.inner.seq_len if params.architecture == "transformer-lm" else 1
+    count = models.compute_parameters(params.architecture, params.model_settings())
+    per_example = params.inner.seq_len if models.is_language_model(params.architecture) else 1
     steps = params.inner.round_steps(round_number)
     return float(6 * count * per_example * params.inner.batch_size * steps)
 
@@ -214,19 +243,32 @@ def checkpoint(params: DilocoParams, state: closing.RoundState, **metrics: float
 class DilocoRounds(RoundHooks):
     """The round driver's view of `diloco-train`."""
 
-    def job(self, params: KindParams, inputs: Mapping[str, bytes]) -> DilocoRoundJob:
+    def job(
+        self, params: KindParams, inputs: Mapping[str, bytes], *, swarm: Swarm | None = None
+    ) -> DilocoRoundJob:
         assert isinstance(params, DilocoParams)
         dataset = inputs["dataset"]
-        return DilocoRoundJob(params, read_dataset(dataset), stream_id(params, dataset))
+        data = hf_inputs.training_data(params, inputs)
+        return DilocoRoundJob(
+            params, data, stream_id(params, dataset), inputs=inputs, swarm=swarm or Swarm(0)
+        )
 
 
 class DilocoRoundJob(RoundJob):
     """One training job: its settings, its data and the name workers cache it under."""
 
     def __init__(
-        self, params: DilocoParams, data: tuple[tasks.DataRef, tasks.DataRef], stream: str
+        self,
+        params: DilocoParams,
+        data: tuple[tasks.DataRef, tasks.DataRef],
+        stream: str,
+        *,
+        inputs: Mapping[str, bytes] | None = None,
+        swarm: Swarm | None = None,
     ) -> None:
         self.params, self.data, self.stream = params, data, stream
+        self.inputs = inputs  # where round 0's weights are a model input
+        self.swarm = swarm or Swarm(0)
         self.plan = RoundPlan(
             rounds=params.rounds,
             workers=params.workers,
@@ -240,16 +282,58 @@ class DilocoRoundJob(RoundJob):
         )
 
     def initial(self) -> RoundWeights:
-        return self._stored(closing.initial_state(initial_weights(self.params)))
+        return self._stored(closing.initial_state(initial_weights(self.params, self.inputs)))
 
     def first_shards(self, start: RoundWeights, *, keyframe: str) -> list[ShardSpec]:
+        if self.p2p:
+            # Peer to peer, round 0's training shards name their group: they come from
+            # here (the job's id is known), not from `split`.
+            return round_shards(
+                self.params, start, self.data, stream=self.stream, chain=(),
+                keyframe_blob=keyframe, final=False, p2p=self._p2p(start),
+                init_seed=self._init_seed(), evaluate=False,  # `split` made the evaluation
+            )  # fmt: skip
         if not (self.params.eval_every and self.params.rounds):
             return []
         # Round 0's evaluation draws the weights from the seed too (no keyframe fetch).
         return [eval_shard(self.params, start, self.data[1], stream=self.stream,
-                           keyframe_blob=keyframe, init_seed=self.params.seed)]  # fmt: skip
+                           keyframe_blob=keyframe, init_seed=self._init_seed())]  # fmt: skip
+
+    def _init_seed(self) -> int | None:
+        seeded = models.seeded(self.params.architecture, self.params.model_settings())
+        return self.params.seed if seeded else None
+
+    @property
+    def p2p(self) -> bool:
+        return self.params.averaging == "p2p"
+
+    def _p2p(self, weights: RoundWeights) -> P2PRound | None:
+        """A peer-to-peer round's group and outer state; None in coordinator mode, or when
+        no bootstrap DHT peer runs (the round then runs in coordinator mode)."""
+        if not self.p2p or not self.swarm.peers:
+            return None
+        workers = self.params.workers
+        group = Group(
+            key=group_key(self.swarm.job_id, weights.round, self.stream),
+            members=tuple(range(workers)),
+            min_size=max(2, workers // 2 + 1),  # a retry group is a majority
+            timeout_s=self.params.group_timeout_s,
+            peers=self.swarm.peers,
+        )
+        outer_blob = None
+        if weights.round > 0 and outer_known(weights.optimizer):
+            outer_blob = hashlib.sha256(weights.optimizer).hexdigest()
+        after = weights.round + 1
+        # Every N rounds (not after the last: the result is the weights) the reporter
+        # uploads the outer state, so a coordinator-mode fallback never starts from an
+        # outer momentum more than N rounds old.
+        report = after % self.params.checkpoint_every == 0 and after < self.params.rounds
+        return P2PRound(group, outer_blob, report)
 
     def close(self, checkpoint: bytes, optimizer: bytes, outputs: Sequence[bytes]) -> RoundClose:
+        if self.p2p:
+            state = read_state(self.params, checkpoint, optimizer)
+            return p2p_close.close(self.params, state, optimizer, outputs, self._stored_from)
         params = self.params
         state = read_state(params, checkpoint, optimizer)
         updates, fetched = [], 0
@@ -285,16 +369,20 @@ class DilocoRoundJob(RoundJob):
             for update in published[-CHAIN_LENGTH:]
         )
         return round_shards(self.params, weights, self.data, stream=self.stream, chain=chain,
-                            keyframe_blob=keyframe, final=final)  # fmt: skip
+                            keyframe_blob=keyframe, final=final,
+                            p2p=self._p2p(weights))  # fmt: skip
 
     def evaluation(self, output: bytes) -> Evaluation:
         result = tasks.decode_result(output)
         return Evaluation(loss=result.loss_mean, fetched_bytes=result.fetched_bytes)
 
-    def _stored(self, state: closing.RoundState) -> RoundWeights:
+    def _stored_from(self, state: closing.RoundState, from_round: int | None) -> RoundWeights:
+        return self._stored(state, from_round=from_round)
+
+    def _stored(self, state: closing.RoundState, *, from_round: int | None = None) -> RoundWeights:
         return RoundWeights(
             round=state.round,
             digest=state.digest,
             checkpoint=checkpoint(self.params, state),
-            optimizer=momentum_blob(state),
+            optimizer=momentum_blob(state, from_round=from_round),
         )

@@ -7,7 +7,7 @@ only when a task runs.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.training import fragments, models, verify
 from idlegrid.training.compression import Compression, compress
 from idlegrid.training.flat import weights_from_safetensors
+from idlegrid.training.outer import OuterSettings
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class TrainSpec:
     inner: InnerSettings
     upload: Compression
     eval_batches: int = 16
+    # Peer-to-peer rounds: each member takes the outer step itself.
+    outer: OuterSettings = OuterSettings()
+    download: Compression = Compression(method="int8")
 
 
 def run_task(
@@ -43,11 +47,13 @@ def run_task(
     on_step: Callable[[int], None] | None = None,
     fetch: Callable[[str], bytes] | None = None,
     checkpoint: Checkpointer | None = None,
+    p2p_reachability: str = "auto",
 ) -> tasks.TaskResult:
     """Train (or evaluate) one task; remember its weights, residual and moments in `state`.
 
     With a `checkpoint`, a training task goes on from the progress saved there and saves
-    its own as it goes (kinds/diloco/task_checkpoint.py).
+    its own as it goes (kinds/diloco/task_checkpoint.py). `p2p_reachability`: how a
+    peer-to-peer round's member joins the network (p2p/reachability.py).
 
     Raises tasks.MissingWeights if the starting weights cannot be rebuilt, ContainerError
     or ValueError if the task or its data do not fit the model.
@@ -59,7 +65,7 @@ def run_task(
     state.remember_weights(task.target.digest, weights)
     data = tasks.load_data(task.data)
     if task.mode == "eval":
-        return _evaluate(task, spec, weights, data, device)
+        return _evaluate(task, spec, weights, data, device, _base(spec, fetch))
     from idlegrid.kinds.diloco import inner
 
     # The task's place in the run's lr schedule (warmup and decay over all rounds).
@@ -71,10 +77,23 @@ def run_task(
     if task.streaming is not None:
         local = state.local_weights(task.stream, task.shard, task.round)
         start = fragments.starting_weights(task.streaming, task.round, weights, local)
-    trained = inner.train_inner(
-        spec.architecture, spec.config, start, data, settings,
-        seed=task.seed, device=device, on_step=on_step, state=moments, checkpoint=checkpoint,
-    )  # fmt: skip
+    joining = None
+    if task.group is not None:
+        from idlegrid.p2p import averaging
+
+        # It joins the DHT while this member trains.
+        joining = averaging.join(task.group, shard=task.shard,
+                                 reachability_setting=p2p_reachability)  # fmt: skip
+    try:
+        trained = inner.train_inner(
+            spec.architecture, spec.config, start, data, settings,
+            seed=task.seed, device=device, on_step=on_step, state=moments, checkpoint=checkpoint,
+            base=_base(spec, fetch),
+        )  # fmt: skip
+    except BaseException:
+        if joining is not None:
+            joining.close()
+        raise
     if trained.state is not None:
         state.set_optimizer_state(task.stream, task.shard, task.round, trained.state)
     delta, part = trained.delta, slice(None)
@@ -93,6 +112,12 @@ def run_task(
         residual = np.zeros_like(weights) if residual is None else residual.copy()
         residual[part] = kept
     state.set_residual(task.stream, None if kept is None else residual)
+    if joining is not None:
+        from idlegrid.kinds.diloco import member
+
+        losses = (trained.loss_first, trained.loss_mean, trained.loss_last)
+        steps = (spec.outer, spec.download)
+        return member.average_round(task, steps, state, weights, message, losses, fetch, joining)
     return tasks.TaskResult(
         "train", task.round, task.shard, task.seed, task.target.digest,
         trained.loss_first, trained.loss_mean, trained.loss_last,
@@ -101,17 +126,32 @@ def run_task(
 
 
 def _evaluate(
-    task: tasks.TaskPayload, spec: TrainSpec, weights: np.ndarray, data: Dataset, device: str
+    task: tasks.TaskPayload,
+    spec: TrainSpec,
+    weights: np.ndarray,
+    data: Dataset,
+    device: str,
+    base: Mapping[str, np.ndarray] | None,
 ) -> tasks.TaskResult:
     from idlegrid.kinds.diloco import inner
 
     loss = inner.evaluate(
         spec.architecture, spec.config, weights, data, batches=spec.eval_batches,
-        batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len, device=device,
+        batch_size=spec.inner.batch_size, seq_len=spec.inner.seq_len, device=device, base=base,
     )  # fmt: skip
     return tasks.TaskResult(
         "eval", task.round, task.shard, task.seed, task.target.digest, loss, loss, loss
     )
+
+
+def _base(spec: TrainSpec, fetch: Callable[[str], bytes] | None) -> Mapping[str, np.ndarray] | None:
+    """The frozen weights a LoRA model trains on (the job's `model` input), else None."""
+    config = spec.config
+    if not isinstance(config, models.HFConfig) or config.lora is None:
+        return None
+    from idlegrid.training import hf_torch
+
+    return hf_torch.base_weights(config, fetch)
 
 
 def _checkpoint_reader(spec: TrainSpec) -> Callable[[bytes], np.ndarray]:

@@ -31,6 +31,7 @@ import numpy as np
 
 from idlegrid.kinds.diloco import char_corpus as corpus
 from idlegrid.kinds.diloco import data as datasets
+from idlegrid.p2p.group import Group, GroupError
 from idlegrid.training import compression
 from idlegrid.training.flat import ContainerError, digest, pack, unpack
 from idlegrid.training.fragments import Streaming
@@ -38,6 +39,8 @@ from idlegrid.training.outer import apply_update
 
 TASK_FORMAT = "idlegrid/diloco-task"
 RESULT_FORMAT = "idlegrid/diloco-result"
+# The outer optimizer's state of a round (momentum, download residual).
+MOMENTUM_FORMAT = "idlegrid/diloco-momentum"
 VERSION = 1
 Mode = Literal["train", "eval"]
 
@@ -106,6 +109,21 @@ class TaskPayload:
     # Streaming DiLoCo: the fragments (a chain link of round r covers spans[r % P]), the
     # one this round syncs, and the mixing of the one synced last (`training.fragments`).
     streaming: Streaming | None = None
+    # Peer-to-peer averaging (`averaging: "p2p"`): the round's group, the coordinator's
+    # blob of the outer optimizer's state of the target weights (when it holds it), and
+    # whether the member that reports uploads the new state (every N rounds).
+    group: Group | None = None
+    outer_blob: str | None = None
+    report_state: bool = False
+
+
+@dataclass(frozen=True)
+class OuterState:
+    """The outer optimizer's state that goes with the weights of digest `weights_digest`."""
+
+    weights_digest: str
+    momentum: np.ndarray
+    residual: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -123,6 +141,24 @@ class TaskResult:
     # Bytes of blobs the task fetched beyond its payload (published updates, a keyframe):
     # reported by the node for the round's traffic metrics.
     fetched_bytes: int = 0
+    # Peer-to-peer rounds. "p2p": the member averaged with its group (`members`) and
+    # reports the digest of the mean (`averaged_digest`), of the weights after its outer
+    # step (`next_digest`, empty if it holds no outer state) and its own update's norm;
+    # the member that reports also carries the published update (`published`) and, every
+    # N rounds or after the group changed, the new outer state (`outer`). "fallback": no
+    # group formed (`reason`): it carries its own `update` for a coordinator-mode close,
+    # and its outer state if it holds one.
+    averaging: Literal["", "p2p", "fallback"] = ""
+    averaged_digest: str = ""
+    next_digest: str = ""
+    update_norm: float = 0.0
+    members: tuple[int, ...] = ()
+    reason: str = ""
+    published: compression.Message | None = None
+    outer: OuterState | None = None
+    # How the member took part: "public" (a full peer) or "client" (Hivemind's client
+    # mode, behind NAT); "" in coordinator mode.
+    reachability: Literal["", "public", "client"] = ""
 
 
 # -- payload ----------------------------------------------------------------------------
@@ -156,6 +192,9 @@ def encode_task(task: TaskPayload) -> bytes:
         "chain": links,
         "init_seed": task.init_seed,
         "streaming": None if task.streaming is None else task.streaming.to_json(),
+        "group": None if task.group is None else task.group.to_json(),
+        "outer_blob": task.outer_blob,
+        "report_state": task.report_state,
     }
     if isinstance(task.data, CorpusSlice):
         header["data"] = {"source": "corpus", "sha256": corpus.get(task.data.corpus).sha256,
@@ -193,9 +232,14 @@ def decode_task(blob: bytes) -> TaskPayload:
             streaming=None
             if header.get("streaming") is None
             else Streaming.from_json(header["streaming"]),
+            group=None if header.get("group") is None else Group.from_json(header["group"]),
+            outer_blob=None if header.get("outer_blob") is None else str(header["outer_blob"]),
+            report_state=bool(header.get("report_state", False)),
         )
     except ContainerError:
         raise
+    except GroupError as exc:
+        raise ContainerError(f"task group: {exc}") from None
     except (KeyError, TypeError, ValueError) as exc:
         raise ContainerError(f"malformed task header: {exc!r}") from None
 
@@ -338,6 +382,16 @@ def encode_result(result: TaskResult) -> bytes:
         arrays.update(parts)
     if result.sketch is not None:
         arrays["sketch"] = np.asarray(result.sketch, dtype=np.float32)
+    published_meta = None
+    if result.published is not None:
+        published_meta, parts = compression.to_arrays(result.published, "published.")
+        arrays.update(parts)
+    outer_meta = None
+    if result.outer is not None:
+        outer_meta = {"weights_digest": result.outer.weights_digest}
+        arrays["outer.momentum"] = np.asarray(result.outer.momentum, dtype=np.float32)
+        if result.outer.residual is not None:
+            arrays["outer.residual"] = np.asarray(result.outer.residual, dtype=np.float32)
     header = {
         "format": RESULT_FORMAT,
         "version": VERSION,
@@ -351,8 +405,49 @@ def encode_result(result: TaskResult) -> bytes:
         "loss_last": result.loss_last,
         "update": update_meta,
         "fetched_bytes": result.fetched_bytes,
+        "averaging": result.averaging,
+        "averaged_digest": result.averaged_digest,
+        "next_digest": result.next_digest,
+        "update_norm": result.update_norm,
+        "members": list(result.members),
+        "reason": result.reason,
+        "reachability": result.reachability,
+        "published": published_meta,
+        "outer": outer_meta,
     }
     return pack(arrays, header)
+
+
+def _p2p_fields(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The peer-to-peer fields of a result header (absent: a coordinator-mode result)."""
+    averaging = header.get("averaging", "")
+    if averaging not in ("", "p2p", "fallback"):
+        raise ContainerError(f"averaging must be '', 'p2p' or 'fallback', got {averaging!r}")
+    reachability = header.get("reachability", "")
+    if reachability not in ("", "public", "client"):
+        raise ContainerError(f"reachability must be '', 'public' or 'client', got {reachability!r}")
+    published_meta, outer_meta = header.get("published"), header.get("outer")
+    outer = None
+    if outer_meta is not None:
+        momentum, residual = arrays.get("outer.momentum"), arrays.get("outer.residual")
+        if momentum is None or momentum.dtype != np.float32 or momentum.ndim != 1:
+            raise ContainerError("outer.momentum must be a 1-D float32 array")
+        if residual is not None and residual.shape != momentum.shape:
+            raise ContainerError("outer.residual must match outer.momentum")
+        outer = OuterState(str(outer_meta["weights_digest"]), momentum, residual)
+    return {
+        "averaging": averaging,
+        "averaged_digest": str(header.get("averaged_digest", "")),
+        "next_digest": str(header.get("next_digest", "")),
+        "update_norm": float(header.get("update_norm", 0.0)),
+        "members": tuple(int(m) for m in header.get("members", [])),
+        "reason": str(header.get("reason", ""))[:2000],
+        "reachability": reachability,
+        "published": None
+        if published_meta is None
+        else compression.from_arrays(published_meta, arrays, "published."),
+        "outer": outer,
+    }
 
 
 def decode_result(blob: bytes) -> TaskResult:
@@ -377,6 +472,7 @@ def decode_result(blob: bytes) -> TaskResult:
             update=update,
             sketch=sketch,
             fetched_bytes=max(0, int(header.get("fetched_bytes", 0))),
+            **_p2p_fields(header, arrays),
         )
     except ContainerError:
         raise

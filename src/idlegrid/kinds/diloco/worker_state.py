@@ -15,6 +15,11 @@ node without them (new, restarted, or given another shard) starts the moments at
 Streaming DiLoCo (`training.fragments`) keeps each shard's local weights the same way:
 the fragments not synced in a round go on training from them in the next; a node without
 the previous round's local weights of a shard starts from the global ones.
+
+Peer-to-peer rounds (`averaging: "p2p"`) keep the outer optimizer's state of each run
+(its momentum and download residual, with the digest of the weights it goes with): each
+member takes the outer step itself. A node without it gets it from the coordinator when
+the coordinator holds it, or takes part in the round's averaging without stepping.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
+
+from idlegrid.kinds.diloco.tasks import OuterState
 
 
 @dataclass(frozen=True)
@@ -50,6 +57,8 @@ class WorkerState:
         self._optimizers: OrderedDict[tuple[str, int], tuple[int, OptimizerState]] = OrderedDict()
         # (stream, shard) -> (round that made them, local weights), least recently used first.
         self._locals: OrderedDict[tuple[str, int], tuple[int, np.ndarray]] = OrderedDict()
+        # stream -> the outer optimizer's state of a peer-to-peer run (its newest).
+        self._outer: dict[str, OuterState] = {}
         self._lock = threading.Lock()
 
     def weights(self, weights_digest: str) -> np.ndarray | None:
@@ -127,8 +136,22 @@ class WorkerState:
         with self._lock:
             return sorted(shard for (held, shard) in self._optimizers if held == stream)
 
+    def outer_state(self, stream: str, weights_digest: str) -> OuterState | None:
+        """The run's outer state if it goes with these weights, else None."""
+        with self._lock:
+            held = self._outer.get(stream)
+            return held if held is not None and held.weights_digest == weights_digest else None
+
+    def set_outer_state(self, stream: str, state: OuterState | None) -> None:
+        with self._lock:
+            if state is None:
+                self._outer.pop(stream, None)
+            else:
+                self._outer[stream] = state
+
     def clear(self) -> None:
         with self._lock:
+            self._outer.clear()
             self._weights.clear()
             self._residuals.clear()
             self._optimizers.clear()

@@ -78,6 +78,7 @@ class EmbedTextKind(TaskKind):
     """Embed texts with all-MiniLM-L6-v2 (384 dimensions), shard by shard."""
 
     name = "embed-text"
+    uses_gpu = True
     params_model = EmbedTextParams
     input_names = ("texts",)
     result_media_type = "application/x-npy"

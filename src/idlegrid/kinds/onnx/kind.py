@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from idlegrid.blobs import files as blobs
 from idlegrid.kinds.base import (
     InputError,
     KindParams,
@@ -26,6 +25,8 @@ from idlegrid.kinds.base import (
     ShardSpec,
     TaskKind,
     Verdict,
+    required_input,
+    required_input_hash,
 )
 from idlegrid.kinds.onnx import data as onnx_data
 from idlegrid.kinds.onnx.compare import compare_outputs
@@ -46,25 +47,28 @@ class OnnxInferKind(TaskKind):
     """Run an ONNX model over named arrays or images, shard by shard."""
 
     name = "onnx-infer"
+    uses_gpu = True
     params_model = OnnxInferParams
     input_names = ("model", "data")
     result_media_type = "application/x-safetensors"
 
     def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
         assert isinstance(params, OnnxInferParams)
-        digest = _input_hash(inputs, "model")
+        digest = required_input_hash(inputs, "model")
         # A model checked lately is not read again (the store's copy is the same bytes).
-        facts = checked_facts(digest) or inspect_model(_input(inputs, "model"), digest=digest)
+        facts = checked_facts(digest) or inspect_model(
+            required_input(inputs, "model"), digest=digest
+        )
         return params.model_copy(update={"model_facts": facts})
 
     def split(self, inputs: Mapping[str, bytes], params: KindParams) -> list[ShardSpec]:
         assert isinstance(params, OnnxInferParams)
         # The grid calls derive_params just before, which checked the model and replaced
         # whatever model_facts a researcher sent; checking it twice would double the cost.
-        facts = params.model_facts or inspect_model(_input(inputs, "model"))
+        facts = params.model_facts or inspect_model(required_input(inputs, "model"))
         _check_params(facts, params)
-        data = _input(inputs, "data")
-        header = {"model": _input_hash(inputs, "model")}
+        data = required_input(inputs, "data")
+        header = {"model": required_input_hash(inputs, "model")}
         if onnx_data.kind_of(data) in ("zip", "tar"):
             return _image_shards(data, facts, params, header)
         return _array_shards(data, facts, params, header)
@@ -135,18 +139,6 @@ class OnnxInferKind(TaskKind):
 
 
 # -- submission checks -------------------------------------------------------------------
-
-
-def _input(inputs: Mapping[str, bytes], name: str) -> bytes:
-    if name not in inputs:
-        raise InputError(f"missing input {name!r}")
-    return inputs[name]
-
-
-def _input_hash(inputs: Mapping[str, bytes], name: str) -> str:
-    if name not in inputs:
-        raise InputError(f"missing input {name!r}")
-    return blobs.input_hash(inputs, name)
 
 
 def _check_params(facts: ModelFacts, params: OnnxInferParams) -> None:

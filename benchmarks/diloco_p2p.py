@@ -1,0 +1,125 @@
+"""Peer-to-peer averaging (Hivemind) against coordinator mode: bytes, time and loss.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/diloco_p2p.py [--workers 4 --rounds 6]
+        [--inner-steps 20 --width 64 --layers 2] [--timeout 1800] [--group-timeout 120]
+
+One real grid (`LocalGrid`: `idlegrid serve` with its bootstrap DHT peer, K `idlegrid
+worker` processes of one trusted account, over WebSockets and Hivemind's p2p daemon on
+this machine) trains the character transformer on the shipped corpus twice, with the
+same seed: once with `averaging: "p2p"` and once in coordinator mode. Per round and per
+mode it prints:
+
+- coordinator bytes: what the grid's round metrics count through the coordinator (every
+  payload a node fetched, every update or keyframe a task fetched, every result uploaded);
+- per-worker bytes: coordinator mode, the coordinator's bytes / K (all of a worker's
+  traffic goes through it); p2p, the coordinator's bytes / K plus what Hivemind's
+  butterfly all-reduce moves per member, sent and received, computed from the vector's
+  size: 2 (K-1)/K of the float32 vector each way (the fixed-point integers that make the
+  members' means agree bit for bit travel as float32), not measured on the wire;
+- wall time (the round's open to close) and the round's train and held-out losses.
+
+Last line: `coordinator_bytes_ratio: X loss_diff: Y%`: the coordinator's bytes of the
+whole job, coordinator mode over p2p, and the final held-out loss of p2p against
+coordinator mode's (relative difference). Targets: X >= K, |Y| <= 0.1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from idlegrid.devtools.localgrid import LocalGrid
+from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
+from idlegrid.training import models
+
+
+def params(options: argparse.Namespace) -> dict[str, Any]:
+    """The job's settings (coordinator mode); p2p adds its averaging and pool."""
+    return {
+        "model": {"width": options.width, "layers": options.layers, "heads": 2, "context": 64},
+        "inner": {"steps": options.inner_steps, "batch_size": 16, "seq_len": 64, "lr": 0.003},
+        "workers": options.workers,
+        "rounds": options.rounds,
+        "eval_batches": 8,
+        "seed": options.seed,
+    }
+
+
+def run(local: LocalGrid, settings: dict[str, Any], timeout: float) -> dict[str, Any]:
+    started = time.perf_counter()
+    with local.client() as client:
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
+                            params=settings)  # fmt: skip
+        job.wait(timeout=timeout)
+        metrics = job.metrics()
+    if metrics["state"] != "completed":
+        raise RuntimeError(f"job {job.id} ended {metrics['state']}")
+    metrics["wall_s"] = time.perf_counter() - started
+    return dict(metrics)
+
+
+def through(row: dict[str, Any]) -> int:
+    return int((row["bytes_up"] or 0) + (row["bytes_down"] or 0))
+
+
+def report(mode: str, metrics: dict[str, Any], workers: int, allreduce: int) -> None:
+    print(f"{mode}: {metrics['wall_s']:.1f} s for the job")
+    print("  round  coordinator_B  per_worker_B  wall_s  train_loss  eval_loss  averaging")
+    for row in metrics["rounds"]:
+        extra = allreduce if row.get("averaging") == "p2p" else 0
+        per_worker = through(row) // workers + extra
+        train = "-" if row["train_loss"] is None else f"{row['train_loss']:.5f}"
+        held = "-" if row["eval_loss"] is None else f"{row['eval_loss']:.5f}"
+        how = "final" if row["final"] else row.get("averaging") or "coordinator"
+        if row.get("agreeing") is not None and how == "p2p":
+            how += f" ({row['agreeing']} agreeing)"
+        if row.get("fallback_reason"):
+            how += f": {row['fallback_reason'][:100]}"
+        print(f"  {row['round']:5d}  {through(row):13d}  {per_worker:12d}  "
+              f"{row['round_time_s'] or 0:6.1f}  {train:>10}  {held:>9}  {how}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--inner-steps", type=int, default=20)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--group-timeout", type=float, default=120.0,
+                        help="p2p: seconds each averaging attempt waits for its group")  # fmt: skip
+    parser.add_argument("--root", type=Path, default=None, help="keep the grid's files here")
+    options = parser.parse_args()
+    base = params(options)
+    p2p = {**base, "averaging": "p2p", "pool": {"accounts": ["lab"]},
+           "group_timeout_s": options.group_timeout, "round_timeout_s": 600.0}  # fmt: skip
+    config = models.parse_config("transformer-lm", base["model"])
+    size = models.parameter_count("transformer-lm", config)
+    k = options.workers
+    allreduce = int(2 * 2 * (k - 1) / k * 4 * size)  # sent and received, float32
+    with tempfile.TemporaryDirectory() as scratch, LocalGrid(
+        options.root or Path(scratch), heartbeat_s=0.5, node_timeout_s=10.0, min_lease_s=600.0,
+        p2p=True,
+    ) as local:  # fmt: skip
+        for i in range(k):
+            local.start_worker(f"w{i}", kinds="diloco-train", threads=1, benchmark=False,
+                               account="lab")  # fmt: skip
+        local.wait_for_nodes(k)
+        peer = run(local, p2p, options.timeout)
+        coordinated = run(local, base, options.timeout)
+    print(f"{k} workers, {options.rounds} rounds of {options.inner_steps} inner steps, "
+          f"{size} parameters")  # fmt: skip
+    report("p2p", peer, k, allreduce)
+    report("coordinator", coordinated, k, allreduce)
+    ratio = sum(map(through, coordinated["rounds"])) / sum(map(through, peer["rounds"]))
+    mine, theirs = peer["rounds"][-1]["eval_loss"], coordinated["rounds"][-1]["eval_loss"]
+    print(f"coordinator_bytes_ratio: {ratio:.2f} loss_diff: {100 * (mine - theirs) / theirs:.4f}%")
+
+
+if __name__ == "__main__":
+    main()

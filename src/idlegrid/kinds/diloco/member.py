@@ -1,0 +1,112 @@
+"""Worker side of a peer-to-peer round: average with the group, take the outer step.
+
+A member has trained and compressed its pseudo-gradient as in coordinator mode. It then
+
+1. finds the outer optimizer's state of the round's weights: its own (it took the last
+   round's step), the coordinator's blob (round 0's zeros, or a state a member uploaded),
+   or none (it joined late: it averages but does not step this round);
+2. averages the decoded update with its group through Hivemind (`idlegrid.p2p`);
+3. if it holds the outer state, applies the same outer step as every other such member
+   (`training.closing.close_round` on the group's mean: the coordinator's own function),
+   and keeps the new weights and state for the next round;
+4. reports the digest of the mean, its own update's norm and the digest of the new
+   weights; the group's reporter (the lowest shard holding the outer state) adds the
+   published update, which lets the coordinator rebuild the weights bit for bit, and the
+   new outer state every N rounds or when the group was not whole.
+
+If no group formed, or no member of it holds the outer state, it reports its own update
+instead ("fallback"), and the coordinator closes the round in coordinator mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from idlegrid.kinds.diloco import tasks
+from idlegrid.kinds.diloco.worker_state import WorkerState
+from idlegrid.p2p import averaging
+from idlegrid.p2p.group import reporter
+from idlegrid.training import closing, verify
+from idlegrid.training.aggregate import Aggregation
+from idlegrid.training.compression import Compression, Message, decode
+from idlegrid.training.flat import ContainerError, digest, unpack
+from idlegrid.training.outer import OuterSettings
+
+
+def average_round(
+    task: tasks.TaskPayload,
+    steps: tuple[OuterSettings, Compression],
+    state: WorkerState,
+    weights: np.ndarray,
+    own: Message,
+    losses: tuple[float, float, float],
+    fetch: Callable[[str], bytes] | None,
+    joining: averaging.Joining,
+) -> tasks.TaskResult:
+    """One member's round after its inner steps (see the module's steps); `steps`: the
+    job's outer optimizer and download compression; `joining`: its averaging child."""
+    assert task.group is not None
+    own_delta = decode(own)
+    try:
+        outer = outer_state(task, state, weights, fetch)
+    except BaseException:
+        joining.close()
+        raise
+    done = joining.average(own_delta, shard=task.shard, holds_state=outer is not None)
+    base = tasks.TaskResult(
+        "train", task.round, task.shard, task.seed, task.target.digest, *losses,
+        update_norm=float(np.linalg.norm(own_delta)), reachability=done.reachability,
+    )  # fmt: skip
+    lead = reporter(done.members) if done.values is not None else None
+    if done.values is None or lead is None:
+        reason = done.reason or "no member of the group holds the outer optimizer's state"
+        return dataclasses.replace(base, averaging="fallback", reason=reason, update=own,
+                                   sketch=verify.sketch(own_delta), outer=outer)  # fmt: skip
+    mean = done.values
+    result = dataclasses.replace(
+        base, averaging="p2p", averaged_digest=digest(mean), members=tuple(sorted(done.members)),
+        reason="" if done.attempt <= 1 else "averaged on the retry: a member left",
+    )  # fmt: skip
+    if outer is None:
+        return result  # joined late: the next round's weights come from the coordinator
+    closed = closing.close_round(
+        closing.RoundState(task.round, weights, outer.momentum, outer.residual),
+        [closing.Update(mean, task.round, losses[1])],
+        rule=Aggregation(), outer=steps[0], download=steps[1],
+    )  # fmt: skip
+    after = closed.state
+    state.remember_weights(after.digest, after.weights)
+    kept = tasks.OuterState(after.digest, after.momentum, after.download_residual)
+    state.set_outer_state(task.stream, kept)
+    result = dataclasses.replace(result, next_digest=after.digest)
+    if lead != task.shard:
+        return result
+    whole = set(done.members) == set(task.group.members) and all(done.members.values())
+    upload = kept if task.report_state or not whole else None
+    return dataclasses.replace(result, published=closed.message, outer=upload)
+
+
+def outer_state(
+    task: tasks.TaskPayload,
+    state: WorkerState,
+    weights: np.ndarray,
+    fetch: Callable[[str], bytes] | None,
+) -> tasks.OuterState | None:
+    """The outer optimizer's state of the task's weights, if this member can have it."""
+    held = state.outer_state(task.stream, task.target.digest)
+    if held is not None:
+        return held
+    if task.round == 0 and task.init_seed is not None:
+        return tasks.OuterState(task.target.digest, np.zeros_like(weights))
+    if task.outer_blob is None or fetch is None:
+        return None
+    arrays, header = unpack(fetch(task.outer_blob))
+    if header.get("format") != tasks.MOMENTUM_FORMAT or not header.get("known", True):
+        raise ContainerError("the task's outer state blob is not a known momentum blob")
+    momentum = arrays["momentum"]
+    if momentum.shape != weights.shape:
+        raise ContainerError("the task's outer state does not fit its weights")
+    return tasks.OuterState(task.target.digest, momentum, arrays.get("download_residual"))

@@ -1,0 +1,1 @@
+"""The `llm-generate` kind: a GGUF language model over prompts, through llama.cpp."""

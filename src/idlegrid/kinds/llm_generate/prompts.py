@@ -1,0 +1,147 @@
+"""Prompts of an `llm-generate` job: JSON Lines in, rendered text out (on the coordinator).
+
+Each non-blank line is an object: `{"prompt": "..."}` (the text as is) or
+`{"messages": [{"role": ..., "content": ...}, ...]}`, rendered with the model's chat
+template in jinja2's immutable sandbox (a template is the researcher's, so it may not
+reach attributes or callables beyond plain data). An optional `"seed"` (an integer) picks
+the sampler's draws for that prompt; without one a prompt's seed is the job's seed plus
+its line's index among the prompts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from idlegrid.kinds.base import InputError
+
+if TYPE_CHECKING:
+    from idlegrid.kinds.llm_generate.model import GgufFacts
+
+MAX_PROMPTS = 100_000
+MAX_MESSAGES = 256
+MAX_PROMPT_CHARS = 1_000_000
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+_PROBE = [
+    {"role": "system", "content": "You are a test."},
+    {"role": "user", "content": "Hello?"},
+    {"role": "assistant", "content": "Hello."},
+    {"role": "user", "content": "Bye."},
+]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One prompt as the worker sees it: its index in the input, its text and seed."""
+
+    index: int
+    text: str
+    seed: int
+
+
+def parse_prompts(data: bytes, facts: GgufFacts, *, job_seed: int) -> list[Prompt]:
+    """The prompts of a JSON Lines blob, rendered; InputError naming the line at fault."""
+    try:
+        content = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"prompts are not UTF-8 text (byte {exc.start})") from None
+    prompts: list[Prompt] = []
+    for number, line in enumerate(content.splitlines(), start=1):
+        if not line.strip():
+            continue
+        if len(prompts) >= MAX_PROMPTS:
+            raise InputError(f"prompts: more than {MAX_PROMPTS} lines")
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"prompts line {number}: not JSON ({exc.msg})") from None
+        text = _text(record, facts, number)
+        seed = _seed(record, number, default=job_seed + len(prompts))
+        prompts.append(Prompt(index=len(prompts), text=text, seed=seed))
+    if not prompts:
+        raise InputError("prompts: no prompt (every line is blank)")
+    return prompts
+
+
+def _text(record: Any, facts: GgufFacts, number: int) -> str:
+    if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
+        raise InputError(f"prompts line {number}: expected an object with 'prompt' or 'messages'")
+    unknown = set(record) - {"prompt", "messages", "seed"}
+    if unknown:
+        raise InputError(f"prompts line {number}: unknown keys {sorted(unknown)}")
+    if "prompt" in record:
+        text = record["prompt"]
+        if not isinstance(text, str) or not text:
+            raise InputError(f"prompts line {number}: 'prompt' must be a non-empty string")
+    else:
+        text = render_chat(facts, _messages(record["messages"], number), where=f"line {number}")
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InputError(f"prompts line {number}: over {MAX_PROMPT_CHARS} characters")
+    return text
+
+
+def _messages(messages: Any, number: int) -> list[dict[str, str]]:
+    if not isinstance(messages, list) or not 1 <= len(messages) <= MAX_MESSAGES:
+        raise InputError(f"prompts line {number}: 'messages' must be a list of 1 to {MAX_MESSAGES}")
+    checked = []
+    for message in messages:
+        if (
+            not isinstance(message, dict)
+            or set(message) != {"role", "content"}
+            or message["role"] not in ROLES
+            or not isinstance(message["content"], str)
+        ):
+            raise InputError(
+                f"prompts line {number}: each message is {{'role': one of {sorted(ROLES)}, "
+                "'content': a string}"
+            )
+        checked.append({"role": message["role"], "content": message["content"]})
+    return checked
+
+
+def _seed(record: dict[str, Any], number: int, *, default: int) -> int:
+    seed = record.get("seed", default)
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+        raise InputError(f"prompts line {number}: 'seed' must be an integer from 0 to 2^63-1")
+    return seed
+
+
+def render_chat(facts: GgufFacts, messages: list[dict[str, str]], *, where: str) -> str:
+    """`messages` through the model's chat template, in jinja2's sandbox."""
+    if facts.chat_template is None:
+        raise InputError(f"prompts {where}: 'messages' needs a chat template; the model has none")
+    try:
+        return _compiled(facts.chat_template).render(
+            messages=messages,
+            add_generation_prompt=True,
+            bos_token=facts.bos_token,
+            eos_token=facts.eos_token,
+        )
+    except InputError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any error of a template is the researcher's
+        raise InputError(f"prompts {where}: the chat template fails: {exc}") from None
+
+
+def check_template(facts: GgufFacts) -> None:
+    """InputError unless the model's chat template renders a short conversation."""
+    try:
+        render_chat(facts, list(_PROBE), where="check")
+    except InputError as exc:
+        raise InputError(f"model chat template does not render in the sandbox: {exc}") from None
+
+
+def _compiled(template: str) -> Any:
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise InputError(f"the chat template raised: {message}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template)
+    except TemplateError as exc:
+        raise InputError(f"the chat template does not compile: {exc}") from None

@@ -1,0 +1,239 @@
+"""What both sides of `llm-generate` share: its params, a shard's payload and its output.
+
+The kind (on the coordinator) writes payloads and reads outputs; the runtime (on the
+worker) reads payloads and writes outputs; the check reads both. A payload is JSON:
+the model's blob hash, the context size, and the shard's prompts (index in the job,
+rendered text, seed, prompt tokens as counted at submission). An output is JSON: for each
+prompt, the generated text, its token ids, each token's log-probability under the model
+and why it stopped; plus the llama.cpp backend that ran it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
+
+from idlegrid.kinds.base import InputError, KindParams
+from idlegrid.kinds.llm_generate.model import GgufFacts
+from idlegrid.kinds.llm_generate.sampler import Sampling
+
+MAX_TOKENS_CAP = 4096
+MAX_STOPS = 8
+MAX_STOP_CHARS = 64
+
+
+class LlmGenerateParams(KindParams):
+    max_tokens: int = Field(
+        default=128, ge=1, le=MAX_TOKENS_CAP, description="tokens generated per prompt at most"
+    )
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0, description="0: greedy")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0, le=1000, description="0: no cut")
+    stop: tuple[str, ...] = Field(
+        default=(), max_length=MAX_STOPS, description="generation stops before any of these"
+    )
+    seed: int = Field(default=0, ge=0, lt=2**62, description="prompt i's seed: seed + i")
+    token_budget: int = Field(
+        default=8192,
+        ge=16,
+        le=1_000_000,
+        description="prompt tokens plus max_tokens per shard, summed over its prompts",
+    )
+    # Filled in by the coordinator at submission (whatever was sent).
+    model_facts: GgufFacts | None = None
+    n_ctx: int = Field(default=0, ge=0, description="context a shard needs (set at submission)")
+
+    def sampling(self) -> Sampling:
+        return Sampling(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
+
+
+def facts_of(params: LlmGenerateParams) -> GgufFacts:
+    if params.model_facts is None:
+        raise InputError("the job has no model facts (it was not submitted through split)")
+    return params.model_facts
+
+
+def check_stops(stops: tuple[str, ...]) -> None:
+    for stop in stops:
+        if not stop or len(stop) > MAX_STOP_CHARS:
+            raise InputError(f"stop strings must be 1 to {MAX_STOP_CHARS} characters: {stop!r}")
+
+
+@dataclass(frozen=True)
+class PayloadPrompt:
+    index: int
+    text: str
+    seed: int
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Payload:
+    model: str
+    n_ctx: int
+    prompts: list[PayloadPrompt]
+
+
+def write_payload(payload: Payload) -> bytes:
+    return json.dumps(
+        {
+            "model": payload.model,
+            "n_ctx": payload.n_ctx,
+            "prompts": [
+                {"index": p.index, "text": p.text, "seed": p.seed, "tokens": p.prompt_tokens}
+                for p in payload.prompts
+            ],
+        },
+        ensure_ascii=False,
+    ).encode()
+
+
+def read_payload(data: bytes) -> Payload:
+    try:
+        raw = json.loads(data)
+        return Payload(
+            model=str(raw["model"]),
+            n_ctx=int(raw["n_ctx"]),
+            prompts=[
+                PayloadPrompt(int(p["index"]), str(p["text"]), int(p["seed"]), int(p["tokens"]))
+                for p in raw["prompts"]
+            ],
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"shard payload: {exc}") from None
+
+
+Finish = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One prompt's generation: text, token ids, log-probability of each, why it ended."""
+
+    index: int
+    text: str
+    tokens: list[int]
+    logprobs: list[float]
+    finish: Finish
+
+
+@dataclass(frozen=True)
+class Output:
+    completions: list[Completion]
+    backend: str
+    # The llama.cpp build that made it (`runtime.build`): a checker on the same build
+    # reproduces its logits exactly and holds it to the tight margins.
+    build: str = ""
+
+
+def write_output(output: Output) -> bytes:
+    return json.dumps(
+        {
+            "backend": output.backend,
+            "build": output.build,
+            "results": [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "tokens": c.tokens,
+                    "logprobs": [round(lp, 6) for lp in c.logprobs],
+                    "finish": c.finish,
+                }
+                for c in output.completions
+            ],
+        },
+        ensure_ascii=False,
+    ).encode()
+
+
+def read_output(data: bytes) -> Output:
+    """A shard output, parsed and checked for shape; InputError naming what is wrong."""
+    try:
+        raw = json.loads(data)
+        backend = raw["backend"]
+        results = raw["results"]
+        if not isinstance(backend, str) or not isinstance(results, list):
+            raise TypeError("backend and results")
+        build = raw.get("build", "")
+        if not isinstance(build, str):
+            raise TypeError("build")
+        completions = [_completion(r) for r in results]
+        return Output(completions=completions, backend=backend[:100], build=build[:500])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InputError(f"output: {exc}") from None
+
+
+def _completion(raw: Any) -> Completion:
+    tokens, logprobs = raw["tokens"], raw["logprobs"]
+    if not (isinstance(tokens, list) and isinstance(logprobs, list)):
+        raise TypeError("tokens and logprobs must be lists")
+    if len(tokens) != len(logprobs):
+        raise ValueError(f"{len(tokens)} tokens and {len(logprobs)} log-probabilities")
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens):
+        raise TypeError("token ids must be non-negative integers")
+    if not all(isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0 for lp in logprobs):
+        raise ValueError("log-probabilities must be finite and at most 0")
+    if raw["finish"] not in ("stop", "length") or not isinstance(raw["text"], str):
+        raise ValueError("finish must be 'stop' or 'length', text a string")
+    return Completion(
+        index=int(raw["index"]),
+        text=raw["text"],
+        tokens=tokens,
+        logprobs=[float(lp) for lp in logprobs],
+        finish=raw["finish"],
+    )
+
+
+@dataclass(frozen=True)
+class CheckVerdict:
+    """A check task's answer: the claimed output it judged (SHA-256), and how."""
+
+    claimed: str
+    passed: bool
+    reason: str = ""
+    tokens: int = 0
+    greedy_gap: float = 0.0
+    logprob_error: float = 0.0
+    backend: str = ""
+
+
+def write_verdict(verdict: CheckVerdict) -> bytes:
+    return json.dumps(
+        {
+            "check": {
+                "claimed": verdict.claimed,
+                "passed": verdict.passed,
+                "reason": verdict.reason[:500],
+                "tokens": verdict.tokens,
+                "greedy_gap": round(verdict.greedy_gap, 6),
+                "logprob_error": round(verdict.logprob_error, 6),
+                "backend": verdict.backend[:100],
+            }
+        }
+    ).encode()
+
+
+def read_verdict(data: bytes) -> CheckVerdict | None:
+    """A check task's verdict, or None if `data` is not one (a generation, or garbage)."""
+    if not data.startswith(b'{"check"'):
+        return None
+    try:
+        raw = json.loads(data)["check"]
+        claimed, passed = raw["claimed"], raw["passed"]
+        if not isinstance(claimed, str) or len(claimed) != 64 or not isinstance(passed, bool):
+            return None
+        return CheckVerdict(
+            claimed=claimed,
+            passed=passed,
+            reason=str(raw.get("reason", ""))[:500],
+            tokens=int(raw.get("tokens", 0)),
+            greedy_gap=float(raw.get("greedy_gap", 0.0)),
+            logprob_error=float(raw.get("logprob_error", 0.0)),
+            backend=str(raw.get("backend", ""))[:100],
+        )
+    except (ValueError, KeyError, TypeError):
+        return None

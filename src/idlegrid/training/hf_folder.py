@@ -1,0 +1,228 @@
+"""A Hugging Face model folder, and the one `model` blob a training job takes of it.
+
+The folder (`config.json`, `model.safetensors`, optionally `tokenizer.json`) travels as
+one idlegrid safetensors container: the weights as float32 tensors under their names, the
+config and the tokenizer's JSON text in the header. `read_model_blob` is the
+coordinator's check of it (ModelError names what is wrong: a tensor, the config, the
+tokenizer, a limit); `write_folder` turns a job's result back into a folder that
+`transformers.AutoModelForCausalLM.from_pretrained` loads. Numpy and safetensors only
+(bfloat16 is widened by hand: numpy has no such type); `tokenizers` is imported inside
+the functions that parse a tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from idlegrid.training import hf_models
+from idlegrid.training.flat import ContainerError, pack, unpack
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+MODEL_FORMAT = "idlegrid/hf-model"
+# A `dataset` input of UTF-8 text holds its bytes under this name.
+TEXT_ARRAY = "text"
+_DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+
+
+class ModelError(ValueError):
+    """A model that cannot be trained as given; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class HFModel:
+    config: dict[str, Any]
+    weights: dict[str, np.ndarray]  # float32, in the config's parameter order
+    tokenizer: str | None  # tokenizer.json's text
+
+    @property
+    def parameters(self) -> int:
+        return sum(int(w.size) for w in self.weights.values())
+
+
+# -- the folder (client side) -----------------------------------------------------------
+
+
+def read_folder(folder: Path) -> HFModel:
+    """A model folder as saved by transformers; ModelError if a file is missing or bad."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{folder} has no config.json") from None
+    except ValueError as exc:
+        raise ModelError(f"config.json is not JSON: {exc}") from None
+    weights_path = folder / "model.safetensors"
+    if not weights_path.exists():
+        sharded = " (sharded checkpoints: save with one file)" if any(
+            folder.glob("model-*.safetensors")) else ""  # fmt: skip
+        raise ModelError(f"{folder} has no model.safetensors{sharded}")
+    weights = read_safetensors(weights_path.read_bytes())
+    tokenizer_path = folder / "tokenizer.json"
+    tokenizer = tokenizer_path.read_text() if tokenizer_path.exists() else None
+    return HFModel(config, weights, tokenizer)
+
+
+def read_safetensors(data: bytes) -> dict[str, np.ndarray]:
+    """Every tensor of a safetensors file as float32 (F32, F16, F64 or BF16)."""
+    if len(data) < 8:
+        raise ModelError("model.safetensors is too short")
+    (size,) = struct.unpack("<Q", data[:8])
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except ValueError as exc:
+        raise ModelError(f"model.safetensors header is not JSON: {exc}") from None
+    base, tensors = 8 + size, {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        start, stop = (base + int(x) for x in entry["data_offsets"])
+        if stop > len(data):
+            raise ModelError(f"model.safetensors: tensor {name} runs past the end of the file")
+        raw, dtype, shape = data[start:stop], entry["dtype"], tuple(entry["shape"])
+        if dtype == "BF16":
+            widened = np.frombuffer(raw, dtype="<u2").astype(np.uint32) << 16
+            array = widened.view(np.float32)
+        elif dtype in _DTYPES:
+            array = np.frombuffer(raw, dtype=_DTYPES[dtype]).astype(np.float32)
+        else:
+            raise ModelError(f"model.safetensors: tensor {name} is {dtype}, not floating point")
+        if array.size != math.prod(shape):
+            raise ModelError(f"model.safetensors: tensor {name} has the wrong byte length")
+        tensors[name] = array.reshape(shape)
+    return tensors
+
+
+def text_dataset_blob(text: str) -> bytes:
+    """A `dataset` input of raw text, tokenized at submission with the model's tokenizer."""
+    return pack({TEXT_ARRAY: np.frombuffer(text.encode("utf-8"), dtype=np.uint8)}, {})
+
+
+def token_dataset_blob(tokens: np.ndarray) -> bytes:
+    """A `dataset` input of token ids."""
+    return pack({"tokens": np.ascontiguousarray(tokens, dtype=np.int32)}, {})
+
+
+def model_blob(model: HFModel) -> bytes:
+    """The `model` input of a training job: weights, config and tokenizer in one file."""
+    header = {"format": MODEL_FORMAT, "config": model.config, "tokenizer": model.tokenizer}
+    weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.weights.items()}
+    return pack(weights, header)
+
+
+# -- the coordinator's check ------------------------------------------------------------
+
+
+def read_model_blob(blob: bytes, *, max_parameters: int) -> HFModel:
+    """The model of a `model` input, checked against its config and the job's limits."""
+    try:
+        arrays, header = unpack(blob)
+    except ContainerError as exc:
+        raise ModelError(f"model: {exc}") from None
+    if header.get("format") != MODEL_FORMAT:
+        raise ModelError(f"model: not a {MODEL_FORMAT} file (build it with idlegrid's SDK "
+                         "or CLI from a Hugging Face folder)")  # fmt: skip
+    try:
+        config = hf_models.check_config(header.get("config"))
+    except ValueError as exc:
+        raise ModelError(f"config.json: {exc}") from None
+    count = hf_models.parameter_count(config)
+    if count > max_parameters:
+        raise ModelError(f"the model has {count:,} parameters, over this job's limit "
+                         f"max_parameters={max_parameters:,}")  # fmt: skip
+    weights = check_weights(arrays, config)
+    tokenizer = header.get("tokenizer")
+    if tokenizer is not None:
+        parse_tokenizer(tokenizer)
+    return HFModel(config, weights, tokenizer)
+
+
+def check_weights(
+    arrays: Mapping[str, np.ndarray], config: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """The tensors in the config's order; ModelError names a missing, extra or bad one."""
+    expected = hf_models.entries(config)
+    names = {name for name, _ in expected}
+    # A tied head may be saved anyway; it is the embedding.
+    extra = sorted(set(arrays) - names - {"lm_head.weight"})
+    if extra:
+        raise ModelError(f"weights: tensor {extra[0]} is not a parameter of this "
+                         f"{config['model_type']} config ({len(extra)} unexpected)")  # fmt: skip
+    ordered = {}
+    for name, shape in expected:
+        if name not in arrays:
+            raise ModelError(f"weights: tensor {name} {shape} is missing")
+        array = arrays[name]
+        if tuple(array.shape) != shape:
+            raise ModelError(f"weights: tensor {name} has shape {tuple(array.shape)}; "
+                             f"the config says {shape}")  # fmt: skip
+        if array.dtype.kind != "f":
+            raise ModelError(f"weights: tensor {name} is {array.dtype}, not floating point")
+        if not np.all(np.isfinite(array)):
+            raise ModelError(f"weights: tensor {name} holds NaN or infinite values")
+        ordered[name] = np.asarray(array, dtype=np.float32)
+    return ordered
+
+
+def parse_tokenizer(text: str) -> Tokenizer:
+    """The `tokenizers` tokenizer of a tokenizer.json; ModelError if it does not parse."""
+    from tokenizers import Tokenizer
+
+    if not isinstance(text, str):
+        raise ModelError("tokenizer.json must be JSON text")
+    try:
+        return Tokenizer.from_str(text)
+    except Exception as exc:  # noqa: BLE001 - the Rust parser raises a bare Exception
+        raise ModelError(f"tokenizer.json does not parse: {exc}") from None
+
+
+def tokenize(tokenizer_json: str, text: str) -> np.ndarray:
+    """Token ids of `text` (line by line, in order), as int32."""
+    tokenizer = parse_tokenizer(tokenizer_json)
+    lines = text.splitlines(keepends=True)
+    ids = [i for encoded in tokenizer.encode_batch(lines, add_special_tokens=False)
+           for i in encoded.ids]  # fmt: skip
+    return np.asarray(ids, dtype=np.int32)
+
+
+# -- the result folder (client side) ----------------------------------------------------
+
+
+def write_folder(
+    folder: Path,
+    config: Mapping[str, Any],
+    weights: Mapping[str, np.ndarray],
+    tokenizer: str | None,
+) -> None:
+    """A folder `AutoModelForCausalLM.from_pretrained` loads: config, weights, tokenizer."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(dict(config), indent=2, default=str))
+    tensors = {name: np.ascontiguousarray(w, dtype=np.float32) for name, w in weights.items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if tokenizer is not None:
+        (folder / "tokenizer.json").write_text(tokenizer)
+
+
+def trained_weights(
+    base: HFModel, named: Mapping[str, np.ndarray], lora: hf_models.LoraSettings | None
+) -> dict[str, np.ndarray]:
+    """The trained model's named weights from a job's result: the result itself, or the
+    base with the LoRA adapters merged in (W + scale * B @ A)."""
+    if lora is None:
+        return {name: named[name] for name, _ in hf_models.entries(base.config)}
+    merged = dict(base.weights)
+    gpt2 = base.config["model_type"] == "gpt2"
+    for module, _, _ in hf_models.lora_targets(base.config, lora):
+        delta = lora.scale * named[f"{module}.lora_B"] @ named[f"{module}.lora_A"]
+        name = f"{module}.weight"
+        merged[name] = merged[name] + (delta.T if gpt2 else delta)
+    return merged
