@@ -77,7 +77,9 @@ def _fake_torch(hip: str | None = None, cuda_count: int = 2, mps: bool = False) 
 
 def test_cuda_and_rocm_gpus_are_read_from_torch() -> None:
     nvidia = hardware._cuda_gpus(_fake_torch())
-    assert nvidia == [Gpu(backend="cuda", name="RTX 4090", memory_mb=24 * 1024)] * 2
+    assert nvidia == [
+        Gpu(index=index, backend="cuda", name="RTX 4090", memory_mb=24 * 1024) for index in (0, 1)
+    ]  # each GPU on its own, with the index of its torch device string
     amd = hardware._cuda_gpus(_fake_torch(hip="6.1"))
     assert [gpu.backend for gpu in amd] == ["rocm", "rocm"]
     assert hardware._cuda_gpus(_fake_torch(cuda_count=0)) == []

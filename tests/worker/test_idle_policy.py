@@ -155,7 +155,24 @@ CASES = [
     ),
     # Finishing: the current tasks go on, no new work.
     (IdleSettings(), read(user_idle_s=900), Controls(finishing=True), R, R, "finishing"),
-]
+    # The GPU: other programs' use of a GPU the worker computes on (a game, another job).
+    (IdleSettings(), read(user_idle_s=900, gpu_other_use=((0, 87.0),)), Controls(), R, P,
+     "running: idle for 15 min (GPU 0 paused: other programs use 87% of GPU 0)"),
+    (IdleSettings(), read(user_idle_s=900, gpu_other_use=((0, 3.0), (1, 40.0))), Controls(),
+     R, P, "other programs use 40% of GPU 1"),
+    (IdleSettings(), read(user_idle_s=900, gpu_other_use=((0, 25.0),)), Controls(), R, R,
+     "running: idle for 15 min"),
+    (IdleSettings(suspend_gpu_usage=90), read(user_idle_s=900, gpu_other_use=((0, 87.0),)),
+     Controls(), R, R, "running: idle for 15 min"),
+    (IdleSettings(suspend_gpu_usage=0), read(user_idle_s=900, gpu_other_use=((0, 100.0),)),
+     Controls(), R, R, "running"),
+    # Already paused for the owner's input: the GPU's own reason does not replace that.
+    (IdleSettings(), read(user_idle_s=12, gpu_other_use=((0, 87.0),)), Controls(), P, P,
+     "paused: user active 12 s ago"),
+    # GPUs only: the CPU's mode never, the GPU computes while it is free.
+    (IdleSettings(cpu_mode=Mode.NEVER), read(user_idle_s=900, gpu_other_use=((0, 0.0),)),
+     Controls(), P, R, "running: idle for 15 min"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("settings", "readings", "controls", "cpu", "gpu", "reason"), CASES)
@@ -168,9 +185,51 @@ def test_decide(
     reason: str,
 ) -> None:
     decision = decide(settings, readings, controls)
-    assert (decision.cpu, decision.gpu) == (cpu, gpu), decision.reason
+    # The GPU column: the busiest GPU the readings name (each GPU steps aside on its own).
+    busiest = max(readings.gpu_other_use, key=lambda pair: pair[1], default=(None, 0.0))[0]
+    on_gpu = decision.gpu if busiest is None else decision.device_action(busiest)
+    assert (decision.cpu, on_gpu) == (cpu, gpu), decision.reason
     assert reason in decision.reason
     assert decision.take_work is not controls.finishing
+
+
+@pytest.mark.parametrize(
+    ("limit", "loads", "actions"),
+    [
+        # Over 25% pauses; it resumes only under 15%, not at 24% or 15%.
+        (25, [20, 26, 24, 20, 15, 14, 20, 25, 26], [R, P, P, P, P, R, R, R, P]),
+        # A load that hovers at the limit turns the worker off once, not at every sample.
+        (25, [26, 24, 26, 24, 26, 24, 26], [P, P, P, P, P, P, P]),
+        # A low limit resumes under half of it (5% -> 2.5%).
+        (5, [6, 3, 2, 6], [P, P, R, P]),
+        # No limit: never paused for other programs.
+        (0, [99, 99], [R, R]),
+    ],
+)
+def test_the_cpu_limit_resumes_under_a_lower_mark(
+    limit: float, loads: list[float], actions: list[Action]
+) -> None:
+    settings = IdleSettings(suspend_cpu_usage=limit)
+    previous = None
+    seen = []
+    for load in loads:
+        previous = decide(
+            settings, read(user_idle_s=900, other_cpu_percent=load), Controls(), previous
+        )
+        seen.append(previous.cpu)
+    assert seen == actions
+
+
+def test_the_lower_mark_outlasts_another_pause_and_says_so() -> None:
+    settings = IdleSettings()
+    busy = decide(settings, read(user_idle_s=900, other_cpu_percent=30), Controls())
+    owner = decide(
+        settings, read(user_idle_s=900, other_cpu_percent=20), Controls(paused=True), busy
+    )
+    assert owner.reason == "paused by the owner" and owner.cpu_busy
+    after = decide(settings, read(user_idle_s=900, other_cpu_percent=20), Controls(), owner)
+    assert after.cpu is P
+    assert after.reason == "paused: other programs use 20% CPU (limit 25%, resumes under 15%)"
 
 
 def test_limits_follow_activity() -> None:
@@ -228,6 +287,7 @@ def test_malformed_windows_name_the_setting(text: str, message: str) -> None:
     [
         ({"idle_after_s": -1}, "idle_after_s"),
         ({"suspend_cpu_usage": 120}, "suspend_cpu_usage"),
+        ({"suspend_gpu_usage": -1}, "suspend_gpu_usage"),
         ({"min_battery_percent": -5}, "min_battery_percent"),
         ({"in_use": Limits(cpu_percent=0)}, "in_use.cpu_percent"),
         ({"idle": Limits(cores=-1)}, "idle.cores"),

@@ -11,6 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from idlegrid import protocol
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker import daemon
 from idlegrid.worker.cache import BlobCache, BlobMismatch
@@ -176,7 +177,6 @@ class _CapturingSocket:
 async def test_a_result_the_coordinator_could_not_store_goes_again_and_a_refused_one_does_not(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from idlegrid import protocol
     from idlegrid.worker import execution
 
     monkeypatch.setattr(execution, "REDELIVER_S", 0.05)
@@ -223,3 +223,69 @@ def test_two_workers_on_one_host_get_different_default_names(tmp_path: Path) -> 
     assert default_name(None) == default_name(DEFAULT_STATE_DIR) == host
     first, second = default_name(tmp_path / "w1"), default_name(tmp_path / "w2")
     assert first == f"{host}-w1" and second == f"{host}-w2"
+
+
+class _OneReply:
+    """A WebSocket stand-in for the hello: it keeps what it is sent and answers once."""
+
+    def __init__(self, reply: dict[str, object]) -> None:
+        self.reply = reply
+        self.sent: list[dict[str, object]] = []
+
+    async def send(self, frame: str) -> None:
+        self.sent.append(json.loads(frame))
+
+    async def recv(self) -> str:
+        return json.dumps(self.reply)
+
+
+WELCOME = {"type": "welcome", "v": 1, "node_id": 3, "heartbeat_interval_s": 15.0,
+           "server_time": "2026-01-02T03:04:05Z"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("reply", "minor"),
+    [(WELCOME, 0),  # a 1.0 coordinator, which says no minor
+     ({**WELCOME, "minor": protocol.PROTOCOL_MINOR}, protocol.PROTOCOL_MINOR),
+     ({**WELCOME, "minor": protocol.PROTOCOL_MINOR + 1, "motd": "hi"},
+      protocol.PROTOCOL_MINOR + 1)],
+)  # fmt: skip
+async def test_the_hello_says_this_minor_and_reads_the_coordinators(
+    tmp_path: Path, reply: dict[str, object], minor: int
+) -> None:
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+    worker.hardware = protocol.HardwareProfile()
+    socket = _OneReply(reply)
+    welcome = await worker._hello(socket, "http://grid")  # type: ignore[arg-type]
+    assert welcome.node_id == 3 and worker._server_minor == minor
+    [hello] = socket.sent
+    assert (hello["v"], hello["minor"]) == (protocol.PROTOCOL_VERSION, protocol.PROTOCOL_MINOR)
+
+
+SPOKEN = f"{protocol.PROTOCOL_VERSION} ({protocol.PROTOCOL_VERSION}.{protocol.PROTOCOL_MINOR})"
+
+
+@pytest.mark.parametrize(
+    ("reply", "versions"),
+    [({**WELCOME, "v": 2, "minor": 0}, ("protocol version 2", f"this worker speaks {SPOKEN}")),
+     ({"type": "error", "v": 1, "code": "version",
+       "message": "this hello is of protocol version 1, and this coordinator speaks 2 (2.0)"},
+      ("protocol version 1", "speaks 2 (2.0)"))],
+)  # fmt: skip
+async def test_a_coordinator_of_another_major_stops_the_worker_with_both_versions(
+    tmp_path: Path, reply: dict[str, object], versions: tuple[str, str]
+) -> None:
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+    worker.hardware = protocol.HardwareProfile()
+    with pytest.raises(daemon.OtherProtocol) as raised:
+        await worker._hello(_OneReply(reply), "http://grid")  # type: ignore[arg-type]
+    said = str(raised.value)
+    assert "http://grid" in said and all(version in said for version in versions), said
+
+
+async def test_an_unreadable_welcome_is_a_connection_to_retry(tmp_path: Path) -> None:
+    worker = Worker(WorkerSettings(token="ign_x", state_dir=tmp_path, kinds=("sleep",)))
+    worker.hardware = protocol.HardwareProfile()
+    with pytest.raises(OSError, match="heartbeat_interval_s"):
+        late = _OneReply({**WELCOME, "heartbeat_interval_s": "soon"})
+        await worker._hello(late, "http://g")  # type: ignore[arg-type]

@@ -55,6 +55,7 @@ async def test_control_page_needs_its_token_and_loopback(tmp_path: Path) -> None
             assert rebinding.status_code == 403
             status = (await http.get("/api/status", headers=auth)).json()
             assert status["state"] == "running" and "counted as idle" in status["reason"]
+            assert status["reason"] == "running: " + status["why"]  # the state said once
             paused = (await http.post("/api/pause", headers=auth)).json()
             assert paused["state"] == "paused" and paused["controls"]["paused"]
             await worker.governor.step()
@@ -77,7 +78,17 @@ async def test_control_page_needs_its_token_and_loopback(tmp_path: Path) -> None
             base_url=page.url, cookies={"idlegrid_control": page.token}
         ) as browser:
             html = await browser.get("/")
-            assert html.status_code == 200 and "idlegrid worker" in html.text
+            assert html.status_code == 200 and "This machine's worker" in html.text
+        # A browser without the token gets a sign-in page, which takes only the right one.
+        async with httpx.AsyncClient(base_url=page.url) as browser:
+            form = await browser.get("/")
+            assert form.status_code == 401 and form.headers["content-type"].startswith("text/html")
+            assert 'action="/signin"' in form.text and str(tmp_path / "worker") in form.text
+            wrong = await browser.post("/signin", data={"token": "nope"})
+            assert wrong.status_code == 401 and "not this worker's control token" in wrong.text
+            right = await browser.post("/signin", data={"token": page.token})
+            assert right.status_code == 303 and "SameSite=Strict" in right.headers["set-cookie"]
+            assert (await browser.get("/api/status")).status_code == 200
         # The owner's choices survive a restart.
         again = _worker(tmp_path)
         assert again.governor.settings.idle.cpu_percent == 40

@@ -72,8 +72,18 @@ def test_the_control_page_in_a_browser(page: Any, tmp_path: Path) -> None:
         ).stdout  # fmt: skip
         address = printed.split("control page: ", 1)[1].strip()
         base = address.split("?", 1)[0]
-        # Without the token the page answers nothing but the refusal.
+        # Without the token the API answers nothing but the refusal, and the page asks
+        # for the token.
         assert httpx.get(base + "api/status").status_code == 401
+        page.goto(base)
+        page.fill("#token", "not the token")
+        page.click("button[type=submit]")
+        expect(page.locator(".error")).to_contain_text("not this worker's control token")
+        token = (state_dir / "control-token").read_text().strip()
+        page.fill("#token", token)
+        page.click("button[type=submit]")
+        expect(page.locator("#state")).to_have_text("running")
+        page.context.clear_cookies()
         page.goto(address)
         assert "token=" not in page.url  # moved into a cookie, out of the history
         expect(page.locator("#state")).to_have_text("running")
@@ -100,9 +110,19 @@ def test_the_control_page_in_a_browser(page: Any, tmp_path: Path) -> None:
             expect(page.locator("#tasks")).to_contain_text("running")
             job.wait(timeout=60)
         expect(page.locator("#tasks")).to_contain_text("no tasks")
-        expect(page.locator("#totals")).to_contain_text("completed 1")
+        expect(page.locator("#completed")).to_have_text("1")
+        # The credit is the coordinator's figure, as the dashboard shows it.
+        with grid.client() as client:
+            (node,) = client.nodes()
+        expect(page.locator("#credit")).to_have_text(f"{node['credit_total']:.2f}")
+        # Each reason once: the badge says the state, the line beside it only why.
+        assert not page.inner_text("#reason").startswith(("running", "paused"))
 
         # Settings: a bad value names itself and changes nothing; good ones are kept.
+        windows = page.locator("input[name=windows]")
+        assert windows.input_value() == "" and "any time" in (
+            windows.get_attribute("placeholder") or ""
+        )
         page.fill("input[name=windows]", "25:00-08:00")
         page.click("form#settings button[type=submit]")
         expect(page.locator("#error")).to_contain_text("windows:")
@@ -112,6 +132,7 @@ def test_the_control_page_in_a_browser(page: Any, tmp_path: Path) -> None:
         page.select_option("select[name=gpu_mode]", "never")
         page.click("form#settings button[type=submit]")
         expect(page.locator("#error")).to_have_text("")
+        expect(page.locator("#saved")).to_contain_text("Saved at")
         settings = _status(state_dir)["settings"]
         assert settings["cpu_percent"] == 40
         assert settings["gpu_mode"] == "never"

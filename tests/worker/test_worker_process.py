@@ -131,3 +131,51 @@ def test_the_task_is_given_back_and_the_worker_stops_at_once(
         assert wait_until(retried, "the shard's next attempt", timeout_s=10)["state"] == "open"
     log = (grid.root / "w.log").read_text()
     assert "given back: the worker was stopped" in log and "Traceback" not in log
+
+
+def test_sigterm_to_the_group_after_embeddings_stops_without_warnings(grid: LocalGrid) -> None:
+    """As `systemctl stop` does: SIGTERM to the daemon and its task processes at once,
+    after a task process made progress bars (tqdm's lock between processes)."""
+    worker = grid.start_worker("e", kinds="embed-text,sleep", benchmark=False)
+    grid.wait_for_nodes(1)
+    with grid.client() as client:
+        client.submit_embeddings(["one text", "another"], replication=1).wait(timeout=300)
+        client.submit("sleep", params={"tasks": 1, "seconds": 600.0}, replication=1)
+        wait_until(lambda: _running_task(grid.root / "e"), "the sleep task to start", timeout_s=60)
+    os.killpg(worker.pid, signal.SIGTERM)
+    assert worker.wait(30) == 0
+    time.sleep(1)  # the resource tracker warns as it ends, after the daemon
+    log = (grid.root / "e.log").read_text()
+    assert "given back: the worker was stopped" in log
+    for bad in ("resource_tracker", "leaked", "Traceback", "Exception ignored"):
+        assert bad not in log, log
+
+
+def test_an_idle_task_process_ends_and_the_next_task_starts_a_new_one(tmp_path: Path) -> None:
+    """What a task process keeps (a model) goes back to the machine once it idles."""
+    with LocalGrid(tmp_path, extra_env={"IDLEGRID_TASK_PROCESS_IDLE_S": "2"}) as grid:
+        worker = grid.start_worker("i", kinds="sleep", benchmark=False)
+        grid.wait_for_nodes(1)
+
+        def task_processes() -> list[psutil.Process]:
+            # The daemon's children less multiprocessing's resource tracker.
+            found = []
+            for child in psutil.Process(worker.pid).children():
+                try:
+                    if "resource_tracker" not in " ".join(child.cmdline()):
+                        found.append(child)
+                except psutil.Error:  # ended meanwhile (a zombie until reaped)
+                    pass
+            return found
+
+        with grid.client() as client:
+            client.submit("sleep", params={"tasks": 1, "seconds": 0.1}, replication=1).wait(
+                timeout=60
+            )
+            (first,) = task_processes()
+            wait_until(lambda: not task_processes(), "the idle task process to end", timeout_s=20)
+            # Ended, and reaped by the daemon (a zombie for the moment between the two).
+            wait_until(lambda: not first.is_running(), "the daemon to reap it", timeout_s=20)
+            job = client.submit("sleep", params={"tasks": 1, "seconds": 0.1}, replication=1)
+            assert job.wait(timeout=60)["state"] == "completed"
+    assert "task process" in (tmp_path / "i.log").read_text()

@@ -6,6 +6,7 @@ import hashlib
 import os
 import tempfile
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -29,6 +30,8 @@ class BlobCache:
         self.root.mkdir(parents=True, exist_ok=True)
         self.hits = 0
         self.misses = 0
+        # Told the size of each blob fetched from the coordinator (the daily cap).
+        self.on_download: Callable[[int], None] | None = None
         held = []
         for path in self.root.iterdir():
             if len(path.name) == 64:
@@ -64,6 +67,8 @@ class BlobCache:
         if hashlib.sha256(data).hexdigest() != blob_hash:
             raise BlobMismatch(f"blob {blob_hash} arrived with other content")
         self._store(blob_hash, data)
+        if self.on_download is not None:
+            self.on_download(len(data))
         return data
 
     def _store(self, blob_hash: str, data: bytes) -> None:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
@@ -24,15 +22,17 @@ from typing import Any
 
 import click
 
-DEFAULT_STATE_DIR = Path.home() / ".idlegrid" / "worker"
-
-state_dir_option = click.option(
-    "--state-dir",
-    type=click.Path(path_type=Path),
-    default=None,
-    envvar="IDLEGRID_STATE_DIR",
-    help="Node identity, blob cache, benchmark, controls (default ~/.idlegrid/worker).",
+from idlegrid.worker import app_commands
+from idlegrid.worker.options import (
+    DEFAULT_STATE_DIR,
+    _node_token,
+    _state_dir,
+    default_name,
+    make_worker,
+    state_dir_option,
 )
+
+__all__ = ["DEFAULT_STATE_DIR", "default_name", "state_dir_option", "worker"]
 
 
 def _policy_options(command: Any) -> Any:
@@ -55,6 +55,9 @@ def _policy_options(command: Any) -> Any:
                      help="RAM tasks may hold while idle, percent (90)."),
         click.option("--suspend-cpu-usage", type=float, default=None,
                      help="Pause while other programs use more CPU than this percent (25)."),
+        click.option("--suspend-gpu-usage", type=float, default=None,
+                     help="Pause GPU work while other programs use more of the GPU than "
+                          "this percent (25)."),
         click.option("--exclusive-app", "exclusive_apps", multiple=True,
                      help="Pause while a program of this name runs (repeat)."),
         click.option("--run-on-battery", is_flag=True, default=None,
@@ -67,8 +70,13 @@ def _policy_options(command: Any) -> Any:
                      help="Pause at or above this CPU temperature, °C."),
         click.option("--idle-probe", "idle_probes", multiple=True,
                      help="Use only this idle probe (repeat; see --show-idle)."),
+        click.option("--daily-download-mb", type=float, default=None,
+                     help="Input MB to download a day; past it, no new work (0: no cap)."),
         click.option("--control-port", type=int, default=None,
                      help="Local control page port (7390; 0: any free; -1: none)."),
+        click.option("--p2p-reachability", type=click.Choice(["auto", "public", "client"]),
+                     default=None, help="Peer-to-peer training: a full peer (public), "
+                     "Hivemind's client mode behind NAT (client), or auto (default)."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)
@@ -143,116 +151,16 @@ def worker(ctx: click.Context, **options: Any) -> None:
     _run_daemon(options)
 
 
-def default_name(state_dir: Path | None) -> str:
-    """The machine's name; with a state directory of its own (a second worker on one
-    host), the machine's name and that directory's, so the dashboard tells them apart."""
-    host = socket.gethostname()
-    if state_dir is None or state_dir.resolve() == DEFAULT_STATE_DIR.resolve():
-        return host
-    return f"{host}-{state_dir.resolve().name}"
-
-
-def _settings(options: dict[str, Any]) -> Any:
-    from idlegrid.settings import WorkerSettings
-
-    servers = tuple(part for s in options["servers"] for part in s.split(",") if part)
-    battery = options["run_on_battery"]
-    return WorkerSettings.from_env(
-        servers=servers,
-        token=options["token"],
-        state_dir=options["state_dir"],
-        name=options["name"] or default_name(options["state_dir"]),
-        slots=options["slots"],
-        prefetch=options["prefetch"],
-        kinds=tuple(k for k in options["kinds"].split(",") if k) or None,
-        device=options["device"] or None,
-        threads=options["threads"] or None,
-        benchmark=options["benchmark"],
-        rebenchmark=options["rebenchmark"],
-        pause_on_battery=None if battery is None else not battery,
-        exclusive_apps=tuple(options["exclusive_apps"]) or None,
-        idle_probes=tuple(options["idle_probes"]) or None,
-        **{
-            name: options[name]
-            for name in (
-                "dedicated",
-                "cpu_mode",
-                "gpu_mode",
-                "idle_after_s",
-                "cpu_cores",
-                "cpu_percent",
-                "in_use_cpu_percent",
-                "memory_percent",
-                "suspend_cpu_usage",
-                "min_battery_percent",
-                "windows",
-                "max_cpu_temp_c",
-                "control_port",
-            )
-        },  # fmt: skip
-    )
-
-
 def _run_daemon(options: dict[str, Any]) -> None:
-    from idlegrid.logs import setup_logging
-    from idlegrid.worker.daemon import NodeRefused, Worker
+    from idlegrid.worker.daemon import NodeRefused, OtherProtocol
 
-    token_file = options.pop("token_file")
-    if not options["token"] and token_file is None:
-        options["token"] = _installed_token(options["state_dir"] or DEFAULT_STATE_DIR)
-    options["token"] = _node_token(options["token"] or "", token_file)
-    setup_logging(options["log_level"])
-    try:
-        node = Worker(_settings(options))
-    except ValueError as exc:  # SettingError too: it names the setting
-        raise click.UsageError(str(exc)) from None
+    node = make_worker(options)
     try:
         asyncio.run(_serve(node))
+    except OtherProtocol as exc:
+        raise click.ClickException(str(exc)) from None
     except NodeRefused as exc:
         raise click.ClickException(f"{exc} (make one: idlegrid token create --node)") from None
-
-
-def _node_token(token: str, token_file: Path | None) -> str:
-    """The node token from the environment (or flag), else from a 0600 file."""
-    if not token and token_file is not None:
-        token = _read_secret(token_file)
-    if not token:
-        hint = ""
-        if os.environ.get("IDLEGRID_TOKEN"):
-            hint = " (IDLEGRID_TOKEN is a researcher's token; a worker reads IDLEGRID_NODE_TOKEN)"
-        raise click.UsageError(
-            "a node token is needed: set IDLEGRID_NODE_TOKEN or pass --token-file FILE"
-            f"{hint}; an admin makes one with: idlegrid token create --node --account NAME"
-        )
-    if token.startswith("igr_"):
-        raise click.UsageError(
-            "that is a researcher token (igr_...): a worker needs a node token (ign_...), "
-            "made with: idlegrid token create --node --account NAME"
-        )
-    return token
-
-
-def _read_secret(path: Path) -> str:
-    """A token file's content; refused when others may read it, as ssh does for keys."""
-    mode = path.stat().st_mode
-    if mode & 0o077:
-        raise click.UsageError(
-            f"{path} is readable by others (mode {mode & 0o777:o}): chmod 600 {path}"
-        )
-    secret = path.read_text().strip()
-    if not secret:
-        raise click.UsageError(f"{path} is empty: it should hold a node token (ign_...)")
-    return secret
-
-
-def _installed_token(state_dir: Path) -> str | None:
-    """The token `idlegrid worker install` kept in the state directory, if any."""
-    from idlegrid.worker.service import TOKEN_FILE
-
-    try:
-        return (state_dir / TOKEN_FILE).read_text().strip() or None
-    except OSError:
-        return None
 
 
 async def _serve(node: Any) -> None:
@@ -314,31 +222,13 @@ def _show_idle(state_dir: Path) -> None:
 # -- talking to the running daemon ----------------------------------------------------------
 
 
-def _state_dir(ctx: click.Context) -> Path:
-    return (ctx.obj or {}).get("state_dir") or DEFAULT_STATE_DIR
-
-
 def _call(state_dir: Path, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
-    import httpx
-
-    from idlegrid.worker.control import ADDRESS_FILE, TOKEN_FILE
+    from idlegrid.worker.local_client import LocalWorker, LocalWorkerError
 
     try:
-        url = json.loads((state_dir / ADDRESS_FILE).read_text())["url"]
-        token = (state_dir / TOKEN_FILE).read_text().strip()
-    except (OSError, ValueError, KeyError):
-        raise click.ClickException(f"no worker has run with state directory {state_dir}") from None
-    try:
-        response = httpx.request(
-            method, url.rstrip("/") + path, json=body,
-            headers={"Authorization": f"Bearer {token}"}, timeout=10,
-        )  # fmt: skip
-    except httpx.TransportError as exc:
-        raise click.ClickException(f"the worker at {url} does not answer: {exc}") from None
-    data = response.json()
-    if response.status_code != 200:
-        raise click.ClickException(data.get("error", response.text))
-    return data
+        return LocalWorker(state_dir).call(method, path, body)
+    except LocalWorkerError as exc:
+        raise click.ClickException(str(exc)) from None
 
 
 def _headline(status: dict[str, Any]) -> str:
@@ -375,11 +265,9 @@ def status(ctx: click.Context, as_json: bool) -> None:
         click.echo(json.dumps(data, indent=2))
         return
     _print_status(data)
-    from idlegrid.worker.control import ADDRESS_FILE, TOKEN_FILE
+    from idlegrid.worker.local_client import LocalWorker
 
-    url = json.loads((state_dir / ADDRESS_FILE).read_text())["url"]
-    token = (state_dir / TOKEN_FILE).read_text().strip()
-    click.echo(f"control page: {url}?token={token}")
+    click.echo(f"control page: {LocalWorker(state_dir).page_url()}")
 
 
 def _action(name: str, help_text: str) -> None:
@@ -453,3 +341,8 @@ def uninstall(system: bool) -> None:
             click.echo(line)
     except service.ServiceError as exc:
         raise click.ClickException(str(exc)) from None
+
+
+# The package's and the desktop's commands, in a module of their own.
+for _command in (app_commands.deliver, app_commands.tray, app_commands.app):
+    worker.add_command(_command)

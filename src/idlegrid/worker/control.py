@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -29,7 +30,8 @@ from urllib.parse import parse_qs, urlsplit
 
 import h11
 
-from idlegrid.worker.control_page import PAGE
+from idlegrid.worker import remote_settings
+from idlegrid.worker.control_page import PAGE, sign_in
 from idlegrid.worker.idle.policy import Action, SettingError
 
 if TYPE_CHECKING:
@@ -55,7 +57,12 @@ class Worker(Protocol):
     benchmark: protocol.Benchmark
     device: str
     credit: float | None
+    settings_error: str
     _online: asyncio.Event
+
+    async def settings_changed(self) -> None: ...
+    def device_statuses(self) -> list[protocol.DeviceStatus]: ...
+    def refresh_credit(self) -> None: ...
 
 
 log = logging.getLogger(__name__)
@@ -67,16 +74,64 @@ MAX_BODY = 64 * 1024
 
 
 def control_token(state_dir: Path) -> str:
-    """The page's token, made once, in a file only its owner can read."""
+    """The page's token, made once, in a file only its owner can read (0600, whatever
+    the umask; one found readable by others is made private again). A state directory
+    with the setgid bit (the Debian package's, group `idlegrid`) shares it with its
+    group (0640), so the desktop user's tray and app window can use the service's page.
+    Written whole or not at all: a crash never leaves an empty token behind."""
     path = state_dir / TOKEN_FILE
-    if path.is_file():
-        return path.read_text().strip()
     state_dir.mkdir(parents=True, exist_ok=True)
+    mode = 0o640 if state_dir.stat().st_mode & stat.S_ISGID else 0o600
+    token = _read_token(path, mode)
+    if token:
+        return token
     token = secrets.token_urlsafe(24)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
+    # An empty file (left by a crash of an older version) is replaced; otherwise a file
+    # that appeared meanwhile (another process made it first) holds.
+    if not write_atomically(path, token + "\n", mode=mode, replace=path.exists()):
+        return _read_token(path, mode) or token
     return token
+
+
+def _read_token(path: Path, mode: int) -> str:
+    """The token in `path` ("" if there is none), its file made no more open than `mode`."""
+    try:
+        token = path.read_text().strip()
+    except FileNotFoundError:
+        return ""
+    info = path.stat()
+    # POSIX only (Windows has no such bits); never another account's file (a reader in
+    # its group must not change it).
+    extra = info.st_mode & 0o077 & ~mode
+    if token and hasattr(os, "getuid") and extra and info.st_uid == os.getuid():
+        os.chmod(path, mode)
+        log.warning("%s was readable by others: made mode %o", path, mode)
+    return token
+
+
+def write_atomically(path: Path, text: str, *, mode: int, replace: bool = True) -> bool:
+    """Write `text` to a new file with `mode`, then move it to `path` in one step, so a
+    reader sees the old file or the new one, never a part. `replace=False` keeps a file
+    that is already there (and returns False)."""
+    scratch = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(scratch, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, mode)  # whatever the umask
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        if replace:
+            os.replace(scratch, path)
+            return True
+        try:
+            os.link(scratch, path)
+        except FileExistsError:
+            return False
+        return True
+    finally:
+        scratch.unlink(missing_ok=True)
 
 
 @dataclass(frozen=True)
@@ -113,7 +168,7 @@ class ControlPage:
             self._server = await asyncio.start_server(self._serve, self.host, 0)
         self.port = self._server.sockets[0].getsockname()[1]
         address = self.worker.settings.state_dir / ADDRESS_FILE
-        address.write_text(json.dumps({"url": self.url, "pid": os.getpid()}))
+        write_atomically(address, json.dumps({"url": self.url, "pid": os.getpid()}), mode=0o644)
         log.info("control page: %s (token in %s)", self.url, self.worker.settings.state_dir)
 
     async def close(self) -> None:
@@ -150,7 +205,7 @@ class ControlPage:
                 request, body = await self._read_request(conn, reader)
                 if request is None:
                     break
-                reply = self._refused(peer, request) or await self._route(request, body)
+                reply = self._refused(peer, request, body) or await self._route(request, body)
                 writer.write(_encode(conn, reply))
                 await writer.drain()
                 if conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
@@ -185,8 +240,9 @@ class ControlPage:
             elif isinstance(event, h11.ConnectionClosed):
                 return None, b""
 
-    def _refused(self, peer: Any, request: h11.Request) -> Reply | None:
-        """403 for anyone but this machine, 401 without the token."""
+    def _refused(self, peer: Any, request: h11.Request, body: bytes) -> Reply | None:
+        """403 for anyone but this machine; without the token, the sign-in page (a
+        browser) or 401; the sign-in form's post."""
         address = peer[0] if isinstance(peer, tuple) else ""
         try:
             loopback = ipaddress.ip_address(address).is_loopback
@@ -199,10 +255,30 @@ class ControlPage:
         if host not in {"127.0.0.1", "localhost", "::1"}:
             return json_reply(403, {"error": f"unexpected Host {host!r}"})
         target = urlsplit(request.target.decode("latin-1"))
+        method = request.method.decode()
+        if method == "POST" and target.path == "/signin":
+            return self._sign_in(body)
         offered = _offered_token(headers, target.query)
         if offered is None or not hmac.compare_digest(offered, self.token):
+            if method == "GET" and not target.path.startswith("/api/"):
+                return self._sign_in_page(401, "A wrong token." if offered else "")
             return json_reply(401, {"error": "a control token is required"})
         return None
+
+    def _sign_in_page(self, status: int, error: str = "") -> Reply:
+        page = sign_in(str(self.worker.settings.state_dir), error)
+        return Reply(status, page.encode(), "text/html; charset=utf-8")
+
+    def _sign_in(self, body: bytes) -> Reply:
+        """The sign-in form's post: the right token becomes the strict same-site cookie."""
+        offered = parse_qs(body.decode("utf-8", "replace")).get("token", [""])[0].strip()
+        if not offered or not hmac.compare_digest(offered.encode(), self.token.encode()):
+            return self._sign_in_page(401, "That is not this worker's control token.")
+        return self._enter()
+
+    def _enter(self) -> Reply:
+        cookie = f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/"
+        return Reply(303, b"", "text/plain", (("Location", "/"), ("Set-Cookie", cookie)))
 
     async def _route(self, request: h11.Request, body: bytes) -> Reply:
         method = request.method.decode()
@@ -210,10 +286,10 @@ class ControlPage:
         path = target.path
         if method == "GET" and path == "/":
             if "token" in parse_qs(target.query):  # keep it in a cookie, off the address bar
-                cookie = f"{COOKIE}={self.token}; HttpOnly; SameSite=Strict; Path=/"
-                return Reply(303, b"", "text/plain", (("Location", "/"), ("Set-Cookie", cookie)))
+                return self._enter()
             return Reply(200, PAGE.encode(), "text/html; charset=utf-8")
         if method == "GET" and path == "/api/status":
+            self.worker.refresh_credit()  # for the next read: the coordinator's figure
             return json_reply(200, status_of(self.worker))
         if method == "POST" and path.startswith("/api/"):
             return await self._act(path.removeprefix("/api/"), body)
@@ -241,6 +317,7 @@ class ControlPage:
         except (SettingError, ValueError, TypeError) as exc:
             return json_reply(400, {"error": str(exc)})
         await governor.step()  # the answer shows the state the action made
+        await self.worker.settings_changed()
         return json_reply(200, status_of(self.worker))
 
 
@@ -287,6 +364,7 @@ def status_of(worker: Worker) -> dict[str, Any]:
     return {
         "state": STATES[governor.action()],
         "reason": decision.reason if decision else "starting",
+        "why": why(decision.reason) if decision else "starting",
         "idle": {"probe": idle.probe, "seconds": idle.idle_s, "detail": idle.detail},
         "controls": {
             "paused": governor.owner.paused,
@@ -300,7 +378,14 @@ def status_of(worker: Worker) -> dict[str, Any]:
             "in_use_cpu_percent": settings.in_use.cpu_percent,
             "windows": governor.owner.overrides.get("windows", worker.settings.windows),
             "idle_after_s": settings.idle_after_s,
+            "paused_gpus": list(settings.paused_gpus),
         },
+        "devices": [device.model_dump() for device in worker.device_statuses()],
+        "sources": {
+            name: stamp.model_dump()
+            for name, stamp in remote_settings.current(governor, worker.settings).items()
+        },
+        "settings_error": worker.settings_error,
         "tasks": [
             {
                 "task_id": task_id,
@@ -308,6 +393,7 @@ def status_of(worker: Worker) -> dict[str, Any]:
                 "job_id": task.assign.job_id,
                 "progress": round(task.progress, 4),
                 "state": _task_state(task, now),
+                "device": task.host.device.label if task.host is not None else "",
             }
             for task_id, task in worker.running.items()
         ],
@@ -319,6 +405,13 @@ def status_of(worker: Worker) -> dict[str, Any]:
         "credit": worker.credit,
         "connected": worker._online.is_set(),
     }
+
+
+def why(reason: str) -> str:
+    """The policy's reason without the state it starts with ("running: idle for 3 h" ->
+    "idle for 3 h"), for beside a badge that says the state."""
+    head, sep, rest = reason.partition(": ")
+    return rest if sep and head in ("running", "paused") else reason
 
 
 def _task_state(task: Any, now: float) -> str:

@@ -28,10 +28,13 @@ import httpx
 import websockets
 from websockets.asyncio.client import ClientConnection, connect
 
-from idlegrid import __version__, protocol
+from idlegrid import __version__, p2p, protocol
 from idlegrid.kinds import KINDS
+from idlegrid.p2p import reachability
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.cache import BlobCache
+from idlegrid.worker.devices import Device, plan_slots
+from idlegrid.worker.downloads import DailyDownloads
 from idlegrid.worker.execution import Execution
 from idlegrid.worker.governor import Governor, idle_settings
 from idlegrid.worker.hardware import cpu_cores
@@ -40,8 +43,9 @@ from idlegrid.worker.idle import IdleSource, default_probes
 from idlegrid.worker.idle.policy import Action
 from idlegrid.worker.idle.system import Sensors
 from idlegrid.worker.outbox import Outbox
-from idlegrid.worker.runner import TaskHost, ignore_interrupts
+from idlegrid.worker.runner import TaskHost, helper_child
 from idlegrid.worker.scratch import ScratchDirs
+from idlegrid.worker.slots import Slots
 from idlegrid.worker.stepping import Stepping
 from idlegrid.worker.transfers import Transfers, backoff_delay
 
@@ -66,13 +70,30 @@ def available_kinds() -> list[str]:
         kinds.append("diloco-train")
     if all(importlib.util.find_spec(m) for m in ("onnxruntime", "PIL")):
         kinds.append("onnx-infer")
+    if importlib.util.find_spec("llama_cpp"):
+        kinds.append("llm-generate")
     return [k for k in kinds if k in KINDS]
 
 
+def p2p_capabilities(kinds: list[str]) -> list[str]:
+    """["p2p"] if this node can average training rounds peer to peer; else [] (and it
+    says why, once: it keeps taking every other kind of work, coordinator-mode rounds too)."""
+    if "diloco-train" not in kinds:
+        return []
+    reason = p2p.unavailable()
+    if reason is not None:
+        log.info("peer-to-peer training rounds: not on this node (%s)", reason)
+        return []
+    return [p2p.CAPABILITY]
+
+
 async def in_child_process(function: Any, *args: Any) -> Any:
-    """`function(*args)` in a fresh (spawned) process, so what it imports stays there."""
+    """`function(*args)` in a fresh (spawned) process, so what it imports stays there;
+    the process ends with the daemon, even a killed one."""
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(1, mp_context=context, initializer=ignore_interrupts) as pool:
+    with ProcessPoolExecutor(
+        1, mp_context=context, initializer=helper_child, initargs=(os.getpid(),)
+    ) as pool:
         return await asyncio.get_running_loop().run_in_executor(pool, function, *args)
 
 
@@ -103,19 +124,24 @@ class Worker(Execution, Stepping, Transfers):
         unknown = [k for k in self.kinds if k not in KINDS]
         if unknown:
             raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
+        # What it offers beside kinds: peer-to-peer averaging (the p2p extra).
+        reachability.check(settings.p2p_reachability)  # a ValueError that names it
+        self.capabilities = p2p_capabilities(self.kinds)
         self.key = node_key(settings.state_dir)
         self.cache = BlobCache(settings.state_dir / "blobs")
+        self.downloads = DailyDownloads(settings.state_dir / "downloads.json")
+        self.cache.on_download = self.downloads.add
         # The cores this process may use (a container's or `taskset`'s share), not the
         # machine's: more threads than cores makes every parallel step wait for a turn.
         threads = settings.threads or max(1, cpu_cores() // settings.slots)
+        # CPU slots until the hardware probe lists the GPUs (`_place_devices`).
         self.hosts = [
             TaskHost(name=f"idlegrid-task-{slot}", threads=threads)
             for slot in range(settings.slots)
         ]
         # Held tasks beyond the slots (the prefetch buffer) wait here for a free process.
-        self._free_hosts: asyncio.Queue[TaskHost] = asyncio.Queue()
-        for host in self.hosts:
-            self._free_hosts.put_nowait(host)
+        self.slots = Slots(self.hosts)
+        self._placed = False
         self.running: dict[int, RunningTask] = {}
         self.outbox = Outbox(settings.state_dir / "outbox")
         if not settings.checkpoint_every_s > 0:
@@ -124,6 +150,7 @@ class Worker(Execution, Stepping, Transfers):
         self.scratch.prune()
         self.sensors, self.governor = self._idle_watch(settings)
         self.credit: float | None = None
+        self.node_id: int | None = None
         self._threads = threads
         self._task_runs: set[asyncio.Task[None]] = set()
         self._ws: ClientConnection | None = None
@@ -138,6 +165,8 @@ class Worker(Execution, Stepping, Transfers):
         self.device = settings.device or "cpu"
         self.completed = 0
         self._heartbeat_seq = 0
+        # The minor version of the protocol that the coordinator's welcome said.
+        self._server_minor = 0
         # Output blobs this connection's coordinator already has: no HEAD for them again.
         self._uploaded: set[str] = set()
         # Blob downloads on their way, by hash: a second fetch of one joins it (transfers).
@@ -169,7 +198,6 @@ class Worker(Execution, Stepping, Transfers):
             policy,
             sensors,
             self.hosts,
-            gpu=(settings.device or "cpu") != "cpu",
             state_dir=settings.state_dir,
             on_change=self._on_policy_change,
         )
@@ -183,10 +211,15 @@ class Worker(Execution, Stepping, Transfers):
 
         # In a child process: listing GPUs and benchmarking import torch (~200 MB), which
         # the daemon itself never needs; only task processes load it.
+        log.info("probing the hardware")
         self.hardware = await in_child_process(hardware.probe, self.settings.state_dir)
         self.device = self.settings.device or hardware.best_device(self.hardware)
-        self.governor.gpu = self.device != "cpu"
+        self._place_devices()
         if self.settings.benchmark:
+            log.info(
+                "benchmarking %s on %s (or reading the result cached in %s)",
+                ", ".join(self.kinds) or "matmul", self.device, self.settings.state_dir,
+            )  # fmt: skip
             self.benchmark = await in_child_process(
                 benchmark.load_or_run,
                 self.settings.state_dir,
@@ -206,6 +239,43 @@ class Worker(Execution, Stepping, Transfers):
             self.benchmark.model_dump(),
         )
 
+    def _place_devices(self) -> None:
+        """One slot per GPU the probe listed, plus the CPU slots (or every slot on the
+        device the settings name): DeviceError names a device this machine lacks."""
+        if self._placed or self.hardware is None:
+            return
+        gpus = self.hardware.gpus
+        devices = plan_slots(gpus, cpu_slots=self.settings.slots, device=self.settings.device)
+        self.governor.gpus = tuple(gpu.index for gpu in gpus)
+        self._placed = True
+        if [host.device for host in self.hosts] != devices:
+            self._new_slots(devices)
+        log.info("slots: %s", ", ".join(host.device.label for host in self.hosts))
+        self._watch_gpus()
+
+    def _new_slots(self, devices: list[Device]) -> None:
+        threads = self.settings.threads or max(1, cpu_cores() // len(devices))
+        self._threads = threads
+        self.hosts[:] = [  # the governor holds this list: it governs the new slots
+            TaskHost(name=f"idlegrid-task-{slot}", threads=threads, device=device)
+            for slot, device in enumerate(devices)
+        ]
+        self.slots.replace(self.hosts)
+
+    def _watch_gpus(self) -> None:
+        """Let the idle policy see other programs' use of the GPUs the slots run on."""
+        from idlegrid.worker import gpus
+
+        on = {host.device.index: host.device.backend for host in self.hosts if host.device.gpu}
+        if not on or self.settings.dedicated:
+            return
+        readers = {backend: gpus.use_reader(backend) for backend in set(on.values())}
+        found = [reader for reader in readers.values() if reader is not None]
+        self.sensors.gpu_devices = tuple(sorted(i for i in on if i is not None))
+        self.sensors.gpu_reader = gpus.combined(found) if found else None
+        if not found:
+            log.info("no reader of other programs' use of the GPUs here")
+
     def stop(self) -> None:
         self._stop.set()
 
@@ -217,6 +287,11 @@ class Worker(Execution, Stepping, Transfers):
         await self._give_back(waiting, "the worker is finishing and did not start it")
         await self._send(protocol.Ready(free_slots=0))  # the coordinator sends no more
         self._stop_if_done()
+
+    def deliver_only(self) -> None:
+        """Take no tasks: deliver what waits in the outbox, then stop (before the worker is
+        removed). Call before `run`."""
+        self._finishing = True
 
     async def give_back_and_stop(self) -> None:
         """Give every held task back to the coordinator at once, then stop (a second
@@ -247,10 +322,12 @@ class Worker(Execution, Stepping, Transfers):
         """Serve until `stop()`: connect, work, reconnect when the connection drops."""
         if self.hardware is None:
             await self.prepare()
+        self._place_devices()
         attempt = 0  # tries since the last connection that got a welcome: sets the backoff
         servers = list(self.settings.servers)
         turn = 0
         governing = asyncio.create_task(self.governor.run(), name="governor")
+        releasing = asyncio.create_task(self._release_idle_hosts(), name="release-idle")
         serving = await self._start_control_page()
         try:
             while not self._stop.is_set():
@@ -278,7 +355,8 @@ class Worker(Execution, Stepping, Transfers):
                     await asyncio.wait_for(self._stop.wait(), delay)
         finally:
             governing.cancel()
-            await asyncio.gather(governing, return_exceptions=True)
+            releasing.cancel()
+            await asyncio.gather(governing, releasing, return_exceptions=True)
             if serving is not None:
                 await serving.close()
             await self._shutdown()
@@ -288,8 +366,8 @@ class Worker(Execution, Stepping, Transfers):
             task.cancel.set()
         for run in list(self._task_runs):
             run.cancel()
-        for host in self.hosts:
-            host.stop()  # a task process ends with its daemon; its task is not reported
+        # A task process ends with its daemon (all asked at once); its task is not reported.
+        await asyncio.gather(*(asyncio.to_thread(host.stop) for host in self.hosts))
         await asyncio.gather(*self._task_runs, return_exceptions=True)
 
     # -- one connection ----------------------------------------------------------------------
@@ -301,7 +379,7 @@ class Worker(Execution, Stepping, Transfers):
             connect(ws_url(server), **WS_OPTIONS) as ws,
         ):
             welcome = await self._hello(ws, server)
-            self.credit = welcome.credit
+            self.credit, self.node_id = welcome.credit, welcome.node_id
             # Blob downloads name the node, so the coordinator knows what it holds.
             http.headers["X-Idlegrid-Node"] = str(welcome.node_id)
             self._welcomed = True
@@ -316,6 +394,7 @@ class Worker(Execution, Stepping, Transfers):
                     self._drop(task_id, "the coordinator does not hold it")
                 await self._deliver_many(list(self.outbox))
                 await self._send_status()
+                await self._report_settings()
                 await self._send_ready()
                 async for frame in ws:
                     await self._on_frame(frame)
@@ -339,29 +418,42 @@ class Worker(Execution, Stepping, Transfers):
             worker_version=__version__,
             hardware=self.hardware,
             benchmark=self.benchmark,
-            slots=self.settings.slots,
+            slots=len(self.hosts),
             prefetch=self.settings.prefetch,
-            kinds=self.kinds,
+            kinds=[*self.kinds, *self.capabilities],
             running=sorted(set(self.running) | set(self.outbox)),
         )
         await ws.send(hello.model_dump_json())
-        reply = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 30))
+        try:
+            reply = protocol.parse_server_message(await asyncio.wait_for(ws.recv(), 30))
+        except protocol.ProtocolError as exc:
+            if exc.code == "version":  # another major version: no retry would help
+                raise OtherProtocol(f"the coordinator at {server}: {exc.message}") from None
+            raise OSError(f"unreadable answer to hello from {server}: {exc.message}") from None
         if isinstance(reply, protocol.Error):
-            raise NodeRefused(f"the coordinator at {server} refused this node: {reply.message}")
+            refused = OtherProtocol if reply.code == "version" else NodeRefused
+            raise refused(f"the coordinator at {server} refused this node: {reply.message}")
         if not isinstance(reply, protocol.Welcome):
             raise OSError(f"expected welcome, got {reply.type}")
+        self._server_minor = reply.minor
+        log.info("the coordinator at %s speaks protocol %d.%d", server, reply.v, reply.minor)
         return reply
 
     async def _heartbeats(self, ws: ClientConnection, interval: float) -> None:
         while True:
             await asyncio.sleep(interval)
             running = [
-                protocol.TaskProgress(task_id=t, progress=r.progress)
+                protocol.TaskProgress(
+                    task_id=t, progress=r.progress, device=r.host.device.label if r.host else ""
+                )
                 for t, r in self.running.items()
             ]
             load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
             self._heartbeat_seq += 1
             await self._give_back_paused()
+            await self._report_devices()
+            if self.capped and not await self._capped():
+                await self._send_ready()  # a new day: work again
             await self._send(
                 protocol.Heartbeat(
                     load=load,
@@ -388,18 +480,36 @@ class Worker(Execution, Stepping, Transfers):
         decision = self.governor.decision
         if decision is None or not decision.take_work or self.governor.action() is Action.PAUSE:
             return  # the owner needs the machine: no new work until the policy says run
-        capacity = self.settings.slots + self.settings.prefetch
+        if await self._capped():
+            return  # today's downloads reached the cap: no new work until tomorrow
+        # The slots whose device may run now (a paused GPU takes no work).
+        open_slots = [host for host in self.hosts if self.governor.may_take(host)]
+        capacity = len(open_slots) + self.settings.prefetch
         free = capacity - len(self.running) - len(self._unreported)
         # With a work buffer, ask when half of it is free, not after every task: every
         # slot still has a task meanwhile, and the coordinator claims them in one go.
-        if free > 0 and (len(self.running) < self.settings.slots or 2 * free >= capacity):
-            await self._send(protocol.Ready(free_slots=free))
+        if free > 0 and (len(self.running) < len(open_slots) or 2 * free >= capacity):
+            gpu_free = self._free_gpu_slots(open_slots)
+            await self._send(protocol.Ready(free_slots=free, free_gpu_slots=gpu_free))
+
+    def _free_gpu_slots(self, open_slots: list[TaskHost]) -> int:
+        """Open GPU slots that no held task needs or runs on (0 without GPU slots, as on
+        a machine whose GPUs `--device cpu` left out)."""
+        gpu_slots = sum(1 for host in open_slots if host.device.gpu)
+        taken = sum(
+            1
+            for task in self.running.values()
+            if task.assign.gpu or (task.host is not None and task.host.device.gpu)
+        )
+        return max(0, gpu_slots - taken)
 
     async def _on_frame(self, frame: str | bytes) -> None:
         try:
-            msg = protocol.parse_server_message(frame)
+            msg = protocol.parse_server_message(frame, peer_minor=self._server_minor)
         except protocol.ProtocolError as exc:
             log.warning("unreadable message from the coordinator: %s", exc)
+            if _type_of(frame) == "settings":
+                await self._unreadable_settings(exc.message)
             return
         match msg:
             case protocol.Assign():
@@ -409,8 +519,11 @@ class Worker(Execution, Stepping, Transfers):
                 await self._send_ready()
             case protocol.ResultAck(task_id=task_id):
                 self.outbox.pop(task_id, None)
+                self.credit_may_change()
                 if self._finishing:
                     self._stop_if_done()
+            case protocol.Settings():
+                await self._on_settings(msg)
             case protocol.HeartbeatAck(sent_at=sent_at):
                 self.heartbeat_rtt_s = max(0.0, time.monotonic() - sent_at)
                 log.debug("heartbeat round trip %.1f ms", self.heartbeat_rtt_s * 1000)
@@ -428,5 +541,18 @@ class Worker(Execution, Stepping, Transfers):
                 log.warning("coordinator error: %s", message)
 
 
+def _type_of(frame: str | bytes) -> object:
+    """The `type` a frame names, if it is a JSON object (for an unreadable one)."""
+    try:
+        raw = json.loads(frame)
+    except (ValueError, RecursionError):
+        return None
+    return raw.get("type") if isinstance(raw, dict) else None
+
+
 class NodeRefused(Exception):
     """The coordinator refused the node's hello (a wrong or revoked token)."""
+
+
+class OtherProtocol(NodeRefused):
+    """The coordinator speaks another major version of the protocol than this worker."""

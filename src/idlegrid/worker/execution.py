@@ -14,13 +14,14 @@ import time
 from typing import TYPE_CHECKING
 
 from idlegrid import protocol
-from idlegrid.kinds import Cancelled
+from idlegrid.kinds import Cancelled, UnknownKind, get_kind
 from idlegrid.settings import WorkerSettings
 from idlegrid.worker.governor import Governor
 from idlegrid.worker.held import RunningTask
 from idlegrid.worker.outbox import Outbox
 from idlegrid.worker.runner import TaskFailed, TaskHost, TaskSpec
 from idlegrid.worker.scratch import ScratchDirs
+from idlegrid.worker.slots import Slots
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ log = logging.getLogger(__name__)
 REPORT_LINGER_S = 0.002
 # A result the coordinator could not store for now goes again after this.
 REDELIVER_S = 2.0
+# How often idle task processes are looked at (settings.task_process_idle_s ends them).
+IDLE_CHECK_S = 5.0
 
 
 class Execution:
@@ -42,7 +45,8 @@ class Execution:
     device: str
     completed: int
     _threads: int
-    _free_hosts: asyncio.Queue[TaskHost]
+    slots: Slots
+    hosts: list[TaskHost]
     _task_runs: set[asyncio.Task[None]]
     _unreported: list[int]
     _reporting: bool
@@ -53,6 +57,25 @@ class Execution:
         async def _upload(self, digest: str, output: bytes) -> None: ...
         async def _send(self, message: protocol.BaseModel) -> bool: ...
         async def _send_ready(self) -> None: ...
+
+    async def _release_idle_hosts(self) -> None:
+        """End task processes idle for `task_process_idle_s`, until cancelled: what their
+        kinds keep (an embedding model: about 1 GB) goes back to the machine. A host is
+        taken out of the free queue while its process ends, so no task starts in it."""
+        idle_s = self.settings.task_process_idle_s
+        if idle_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(IDLE_CHECK_S, idle_s))
+            now = time.monotonic()
+            for host in self.slots.free():
+                if host.idle_for(now) < idle_s or not self.slots.hold(host):
+                    continue
+                try:
+                    log.info("task process %s idle for %.0f s: ended", host.name, idle_s)
+                    await asyncio.to_thread(host.end, "idle: its memory given back")
+                finally:
+                    self.slots.put(host)
 
     async def _start(self, assign: protocol.Assign) -> None:
         if assign.task_id in self.running or assign.task_id in self.outbox:
@@ -128,21 +151,29 @@ class Execution:
         The input comes before a slot: a task held in the prefetch buffer downloads while
         the slot's task computes, and starts the moment the slot frees. A paused machine
         downloads nothing and starts nothing."""
+        if task.assign.gpu and not any(host.device.gpu for host in self.hosts):
+            raise TaskFailed("it needs a GPU, and this node runs on no GPU (--device)")
         await self.governor.may_run.wait()
         if task.cancel.is_set():
             return None
         data = await self._fetch(task.assign.input.hash)
-        host = await self._free_hosts.get()
+        if task.assign.check is not None:  # a check task: the output it checks, too
+            task.check = await self._fetch(task.assign.check.hash)
+        # A slot on a device that may run now: a GPU if the task needs one (worker/slots.py).
+        host = await self.slots.take(
+            needs_gpu=task.assign.gpu,
+            wants_gpu=uses_gpu(task.assign.kind),
+            may_run=self.governor.may_take,
+        )
         try:
             if task.cancel.is_set():
                 return None  # cancelled while it waited in the buffer
-            await self.governor.may_run.wait()
             task.host, task.started = host, time.monotonic()
             task.started_at = task.started
             output = await self._compute(task, data)
         finally:
             task.host = None
-            self._free_hosts.put_nowait(host)
+            self.slots.put(host)
         return None if task.cancel.is_set() else output
 
     async def _report(self, task_id: int) -> None:
@@ -175,11 +206,13 @@ class Execution:
             kind=assign.kind,
             params=dict(assign.params),
             payload=data,
-            device=self.device,
+            device=task.host.device.runtime_device(),
             threads=self.settings.threads or self._threads,
             slowdown=self.settings.slowdown,
             scratch=str(scratch),
             checkpoint_every_s=self.settings.checkpoint_every_s,
+            check=task.check,
+            p2p_reachability=self.settings.p2p_reachability,
         )
         progress = lambda fraction: setattr(task, "progress", fraction)  # noqa: E731
         try:
@@ -216,6 +249,14 @@ class Execution:
                 self.outbox.pop(task_id, None)  # failures need no acknowledgement
             return
         await self._send(message)  # kept in the outbox until result_ack
+
+
+def uses_gpu(kind: str) -> bool:
+    """Whether a kind computes faster on a GPU (it takes a GPU slot before a CPU one)."""
+    try:
+        return get_kind(kind).uses_gpu
+    except UnknownKind:
+        return False
 
 
 def _task_name(assign: protocol.Assign) -> str:

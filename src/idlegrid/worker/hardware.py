@@ -1,4 +1,4 @@
-"""What this machine has: OS, CPU, memory and the GPUs torch can use.
+"""What this machine has: OS, CPU, memory and each GPU (worker/gpus.py lists them).
 
 torch is optional on a node (a CPU-only volunteer may run kinds that need no torch), so it
 is imported inside `probe`, and any failure of it degrades to a CPU-only profile.
@@ -16,7 +16,8 @@ from typing import Literal
 
 import psutil
 
-from idlegrid.protocol import Gpu, HardwareProfile
+from idlegrid.protocol import Gpu, HardwareProfile, LlamaInfo
+from idlegrid.worker.gpus import listed_gpus
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,11 @@ def probe(disk_path: Path | None = None) -> HardwareProfile:
     `disk_path`: where the worker keeps its blobs, whose free space is reported.
     """
     gpus, torch_version = _probe_torch()
+    # The vendor's own list (NVML, ROCm SMI) names and sizes each GPU best; torch's list
+    # stands in where neither answers, and is the only one for Apple's GPU.
+    vendor = listed_gpus()
+    if vendor:
+        gpus = [*vendor, *(gpu for gpu in gpus if gpu.backend == "mps")]
     return HardwareProfile(
         os=platform.platform()[:_MAX_TEXT],
         cpu_model=cpu_model()[:_MAX_TEXT],
@@ -40,6 +46,26 @@ def probe(disk_path: Path | None = None) -> HardwareProfile:
         disk_free_mb=disk_free_mb(disk_path or Path.home()),
         onnx_providers=onnx_providers(),
         onnx_opset=onnx_opset(),
+        llama=llama_info(),
+    )
+
+
+def llama_info() -> LlamaInfo | None:
+    """This node's llama.cpp: backend, device and its memory; None when it is absent."""
+    try:
+        import llama_cpp
+    except Exception:  # noqa: BLE001 - a broken build is a node without llama.cpp
+        return None
+    from idlegrid.kinds.llm_generate.runtime import backend, build, devices
+
+    found = devices()
+    name, memory = found[0] if found else (cpu_model(), memory_mb())
+    return LlamaInfo(
+        backend=backend(),
+        device=name[:_MAX_TEXT],
+        memory_mb=memory,
+        version=str(getattr(llama_cpp, "__version__", ""))[:50],
+        build=build()[:500],
     )
 
 
@@ -189,6 +215,7 @@ def _cuda_gpus(torch: ModuleType) -> list[Gpu]:
         properties = torch.cuda.get_device_properties(index)
         gpus.append(
             Gpu(
+                index=index,
                 backend=backend,
                 name=str(properties.name)[:_MAX_TEXT],
                 memory_mb=int(properties.total_memory // _MB),
@@ -204,7 +231,7 @@ def _mps_gpus(torch: ModuleType) -> list[Gpu]:
     # Apple GPUs share the machine's unified memory; torch reports no separate figure,
     # so the total RAM is the honest upper bound.
     name = f"Apple GPU ({cpu_model()})"[:_MAX_TEXT]
-    return [Gpu(backend="mps", name=name, memory_mb=memory_mb())]
+    return [Gpu(index=0, backend="mps", name=name, memory_mb=memory_mb())]
 
 
 def _torch_is_rocm() -> bool:

@@ -21,3 +21,4 @@ class RunningTask:
     host: TaskHost | None = None  # the process running it, once it has a slot
     paused_since: float | None = None  # monotonic; None while it runs
     paused_s: float = 0.0  # time spent suspended before paused_since
+    check: bytes | None = None  # a check task's claimed output, once fetched

@@ -8,7 +8,8 @@ across tasks, so what a kind keeps between tasks (a loaded model, a training run
 weights) survives; a dead child is started again for the next task.
 
 The parent and child speak over a pipe, in tuples: ("run", task_id, kind, params,
-payload, device, threads, slowdown, scratch, checkpoint_every_s) and ("cancel", task_id)
+payload, device, threads, slowdown, scratch, checkpoint_every_s, check, p2p_reachability)
+and ("cancel", task_id)
 and ("blob", task_id, hash, bytes | None) to the child; ("progress", task_id, fraction),
 ("fetch", task_id, hash), ("done", task_id, output) and ("failed", task_id, reason) back.
 """
@@ -33,11 +34,13 @@ from typing import Any
 
 import psutil
 
-from idlegrid.kinds import Cancelled
+from idlegrid.kinds import Cancelled, UnknownKind, get_kind
+from idlegrid.worker.devices import CPU_DEVICE, Device
 
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 0.2  # a child reports progress at most this often
+STOP_GRACE_S = 3.0  # a child asked to end at shutdown is killed after this long
 NICE = 10
 
 
@@ -57,14 +60,20 @@ class TaskSpec:
     # Where the kind may keep this task's checkpoint, and how often ("": nowhere).
     scratch: str = ""
     checkpoint_every_s: float = 60.0
+    # A check task's claimed output (kinds verified by checks); None: a normal task.
+    check: bytes | None = None
+    # WorkerSettings.p2p_reachability, for peer-to-peer training rounds.
+    p2p_reachability: str = "auto"
 
 
 class TaskHost:
-    """One child process that runs one task at a time (the parent side)."""
+    """One child process that runs one task at a time (the parent side), on one device
+    for its life (worker/devices.py: the child sees that GPU only, or none)."""
 
-    def __init__(self, *, name: str, threads: int = 0) -> None:
+    def __init__(self, *, name: str, threads: int = 0, device: Device = CPU_DEVICE) -> None:
         self.name = name
         self.threads = threads
+        self.device = device
         self._process: Any = None
         self._conn: Connection | None = None
         self._send_lock = threading.Lock()
@@ -72,6 +81,10 @@ class TaskHost:
         self.task_id: int | None = None
         self.killed_for: str | None = None
         self._affinity: list[int] | None = None
+        # When the child finished its last task (time.monotonic()), and whether that
+        # task's kind keeps state in it for a later one.
+        self.idle_since: float | None = None
+        self.holds_state = False
 
     # -- process lifecycle -----------------------------------------------------------------
 
@@ -89,9 +102,12 @@ class TaskHost:
         context = multiprocessing.get_context("spawn")
         parent, child = context.Pipe()
         self._process = context.Process(
-            target=host_main, args=(child, self.threads), name=self.name, daemon=True
+            target=host_main,
+            args=(child, self.threads),
+            name=self.name,
+            daemon=True,
         )
-        with _interrupts_blocked():
+        with _interrupts_blocked(), _environment(self.device.environment()):
             self._process.start()
         child.close()
         self._conn = parent
@@ -115,7 +131,29 @@ class TaskHost:
 
     def stop(self) -> None:
         """End the child at daemon shutdown."""
-        self.kill("the worker is stopping")
+        self.end("the worker is stopping")
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the child finished its last task (0 without a child, while it
+        runs one, or when the last one's kind keeps state in it for the next)."""
+        if self.task_id is not None or self.idle_since is None or self.holds_state:
+            return 0.0
+        return now - self.idle_since if self.alive() else 0.0
+
+    def end(self, reason: str, grace_s: float = STOP_GRACE_S) -> None:
+        """End the child: asked first (SIGTERM, resumed if suspended), so it exits through
+        its finalizers (what it registered with multiprocessing's resource tracker is
+        released, and the tracker has nothing to warn about), then killed if it has not
+        within `grace_s`. The next task starts a new one."""
+        if self._process is not None and self._process.is_alive():
+            with contextlib.suppress(psutil.Error, OSError):
+                process = psutil.Process(self._process.pid)
+                process.terminate()
+                if self.suspended:
+                    process.resume()
+            self._process.join(grace_s)
+        self.kill(reason)
+        self.idle_since = None
 
     # -- control of a running task ---------------------------------------------------------
 
@@ -177,11 +215,13 @@ class TaskHost:
         conn = self._conn
         assert conn is not None
         self.task_id = spec.task_id
+        self.holds_state = holds_state(spec.kind)
         try:
             await asyncio.to_thread(
                 self._send,
                 ("run", spec.task_id, spec.kind, spec.params, spec.payload, spec.device,
-                 spec.threads, spec.slowdown, spec.scratch, spec.checkpoint_every_s),
+                 spec.threads, spec.slowdown, spec.scratch, spec.checkpoint_every_s, spec.check,
+                 spec.p2p_reachability),
             )  # fmt: skip
             while True:
                 try:
@@ -203,6 +243,7 @@ class TaskHost:
                         raise TaskFailed(str(message[2]))
         finally:
             self.task_id = None
+            self.idle_since = time.monotonic()
 
     async def _answer_fetch(
         self, task_id: int, blob_hash: str, fetch: Callable[[str], Awaitable[bytes]]
@@ -258,6 +299,22 @@ def ignore_interrupts() -> None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def helper_child(parent_pid: int) -> None:
+    """Set up a helper child of the daemon (a process pool's worker): it ignores Ctrl-C
+    and ends once the daemon is gone. A pool's worker waits on a queue whose writing end
+    it holds itself, so it would never see a killed daemon's end on its own."""
+    ignore_interrupts()
+    threading.Thread(target=_end_with, args=(parent_pid,), name="parent", daemon=True).start()
+
+
+def _end_with(parent_pid: int, every_s: float = 1.0) -> None:
+    """End this process once its parent `parent_pid` is gone (it was killed, or it would
+    have ended its children): its parent is then another process."""
+    while os.getppid() == parent_pid:
+        time.sleep(every_s)
+    os._exit(1)
+
+
 @contextlib.contextmanager
 def _interrupts_blocked() -> Iterator[None]:
     """SIGINT blocked while a child starts: the child inherits the mask, so a Ctrl-C
@@ -273,9 +330,61 @@ def _interrupts_blocked() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
+@contextlib.contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` in the environment while a child starts: it inherits them from its first
+    instruction (which GPUs it sees: worker/devices.py), before any runtime in it reads
+    them. The daemon's own environment is as it was afterwards; the daemon starts its
+    task processes from its event loop, one at a time."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def holds_state(kind_name: str) -> bool:
+    """Whether a task of this kind leaves state in its process for a later task."""
+    try:
+        return get_kind(kind_name).holds_state
+    except UnknownKind:
+        return False
+
+
+def exit_on_terminate() -> None:
+    """SIGTERM (the daemon's stop, or `systemctl stop` to the whole group) ends the child
+    as an exception would: multiprocessing's finalizers run and unregister what it made
+    (semaphores), where the default action would leave them for the resource tracker to
+    warn about at shutdown."""
+
+    def leave(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second one (the group's
+        raise SystemExit(0)  # and the daemon's) must not break into the finalizers
+
+    signal.signal(signal.SIGTERM, leave)
+
+
+def _thread_only_progress_lock() -> None:
+    """tqdm (the progress bars of sentence-transformers and transformers) makes a
+    multiprocessing lock, a named semaphore, on its first bar; a task process needs no
+    lock between processes, so it gets a thread lock instead."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return
+    tqdm.set_lock(threading.RLock())
+
+
 def host_main(conn: Connection, threads: int) -> None:
     """The child's loop: run what the parent sends, one task at a time."""
     ignore_interrupts()
+    exit_on_terminate()
+    _thread_only_progress_lock()
     if threads:
         for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
             os.environ[name] = str(threads)
@@ -306,7 +415,9 @@ class _Child:
             try:
                 message = self.conn.recv()
             except (EOFError, OSError):
-                os._exit(0)  # the daemon is gone: so is its task process
+                # The daemon is gone: so is its task process, through its finalizers.
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
             if message[0] == "cancel":
                 self.cancelled.add(message[1])
             elif message[0] == "blob":
@@ -321,6 +432,7 @@ class _Child:
     def run(
         self, task_id: int, kind_name: str, raw: dict[str, object], payload: bytes,
         device: str, threads: int, slowdown: float, scratch: str, checkpoint_every_s: float,
+        check: bytes | None = None, p2p_reachability: str = "auto",
     ) -> None:  # fmt: skip
         from idlegrid.kinds import RunContext, get_kind
 
@@ -341,6 +453,8 @@ class _Child:
             fetch=lambda blob_hash: self.fetch(task_id, blob_hash),
             scratch=Path(scratch) if scratch else None,
             checkpoint_every_s=checkpoint_every_s,
+            check=check,
+            p2p_reachability=p2p_reachability,
         )
         try:
             kind = get_kind(kind_name)

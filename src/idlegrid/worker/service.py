@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+from idlegrid.worker import desktop_files
+
 UNIT = "idlegrid-worker.service"
 LAUNCHD_LABEL = "org.idlegrid.worker"
 TASK_NAME = "idlegrid-worker"
@@ -35,20 +37,72 @@ SYSTEM_STATE_DIR = Path("/var/lib/idlegrid-worker")
 PASSED_OPTIONS = (
     "name", "slots", "prefetch", "kinds", "device", "threads", "cpu_mode", "gpu_mode",
     "idle_after_s", "cpu_cores", "cpu_percent", "in_use_cpu_percent", "memory_percent",
-    "suspend_cpu_usage", "min_battery_percent", "windows", "max_cpu_temp_c", "control_port",
+    "suspend_cpu_usage", "suspend_gpu_usage", "min_battery_percent", "windows",
+    "max_cpu_temp_c", "control_port", "p2p_reachability",
 )  # fmt: skip
 FLAG_NAMES = {"idle_after_s": "--idle-after", "max_cpu_temp_c": "--max-cpu-temp"}
+# What the one-file build makes besides the console program (packaging/build_worker.py;
+# tests/worker/test_worker_build_recipe.py keeps the two alike): the tray program, on
+# macOS inside the app bundle.
+TRAY_PROGRAM = "idlegrid-worker-tray"
+TRAY_APP = "idlegrid worker.app"
 
 
 class ServiceError(Exception):
     """Installing or removing the service failed; the message says what to do."""
 
 
-def worker_command() -> list[str]:
-    """How to start `idlegrid worker` again: this Python, or this one-file binary."""
-    if getattr(sys, "frozen", False):  # the PyInstaller build: the binary is the worker
-        return [sys.executable]
-    return [sys.executable, "-m", "idlegrid", "worker"]
+def worker_command(executable: str | None = None, *, frozen: bool | None = None) -> list[str]:
+    """How to start `idlegrid worker` again: this Python, or this one-file binary
+    (`executable` and `frozen` stand for `sys.executable` and `sys.frozen` in tests)."""
+    executable = sys.executable if executable is None else executable
+    if _frozen() if frozen is None else frozen:  # the PyInstaller build is the worker
+        return [executable]
+    return [executable, "-m", "idlegrid", "worker"]
+
+
+def tray_program(executable: Path, *, platform: str, home: Path) -> Path | None:
+    """The tray program that the one-file build makes beside the console program at
+    `executable`, or None where there is none (Linux, or a copy moved away from it).
+
+    macOS: the executable inside `idlegrid worker.app`: this program when it runs from the
+    bundle, else the bundle beside it, in ~/Applications or in /Applications. Windows:
+    `idlegrid-worker-tray.exe` beside it."""
+    if platform == "darwin":
+        if _in_app_bundle(executable):
+            return executable
+        for folder in (executable.parent, home / "Applications", Path("/Applications")):
+            candidate = folder / TRAY_APP / "Contents" / "MacOS" / TRAY_PROGRAM
+            if candidate.is_file():
+                return candidate
+    elif platform == "win32":
+        candidate = executable.with_name(f"{TRAY_PROGRAM}.exe")
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _in_app_bundle(executable: Path) -> bool:
+    """`NAME.app/Contents/MacOS/program`: a program that runs from a macOS app bundle."""
+    parts = executable.parts
+    return len(parts) > 3 and parts[-3:-1] == ("Contents", "MacOS") and parts[-4].endswith(".app")
+
+
+def tray_command(
+    *, platform: str, home: Path, executable: str | None = None, frozen: bool | None = None
+) -> list[str]:
+    """What the tray's login entry starts (its options and `tray` follow): the build's
+    tray program where it made one, else this worker (`idlegrid worker ... tray`).
+
+    On macOS that is the bundle's own executable, not `open -a`, which would end at once:
+    launchd then holds the tray's process, and the tray gets its options. On Windows the
+    tray program has no console window of its own."""
+    frozen = _frozen() if frozen is None else frozen
+    command = worker_command(executable, frozen=frozen)
+    if not frozen:  # the Python package: its tray is `idlegrid worker tray`
+        return command
+    tray = tray_program(Path(command[0]), platform=platform, home=home)
+    return [str(tray)] if tray is not None else command
 
 
 def daemon_arguments(options: dict[str, Any]) -> list[str]:
@@ -73,10 +127,21 @@ def daemon_arguments(options: dict[str, Any]) -> list[str]:
 # -- the files ---------------------------------------------------------------------------
 
 
-def systemd_unit(command: Sequence[str], *, system: bool, state_dir: Path) -> str:
+def systemd_unit(
+    command: Sequence[str],
+    *,
+    system: bool,
+    state_dir: Path,
+    environment_file: Path | None = None,
+    needs: Path | None = None,
+) -> str:
+    """The unit. `environment_file`: IDLEGRID_* settings to read (the package's
+    /etc/default file); `needs`: a file without which it does not start (the token)."""
+    condition = f"ConditionPathExists={needs}\n" if needs else ""
+    environment = f"EnvironmentFile=-{environment_file}\n" if environment_file else ""
     account = (
         f"User={SYSTEM_USER}\nGroup={SYSTEM_USER}\nSupplementaryGroups=input\n"
-        f"StateDirectory={SYSTEM_STATE_DIR.name}\n"
+        f"StateDirectory={SYSTEM_STATE_DIR.name}\nStateDirectoryMode=2750\n"
         if system
         else ""
     )
@@ -85,12 +150,12 @@ Description=idlegrid worker: computes for a grid while this machine is idle
 Documentation=https://github.com/idlegrid/idlegrid/blob/main/docs/worker.md
 After=network-online.target
 Wants=network-online.target
-
+{condition}
 [Service]
 Type=simple
 {account}ExecStart={shlex.join([*command, "--state-dir", str(state_dir)])}
 Environment=PYTHONUNBUFFERED=1
-Nice=10
+{environment}Nice=10
 IOSchedulingClass=idle
 Restart=on-failure
 RestartSec=10
@@ -231,8 +296,15 @@ def install(
         steps = (["schtasks", "/Create", "/TN", TASK_NAME, "/XML", str(path), "/F"],)
     else:
         raise ServiceError(f"no service manager known for {platform}")
+    # The tray at login and the app in the menu, for the user's own install.
+    desktop = [] if system else _desktop_files(state_dir, platform)
+    if platform == "darwin":  # the tray now, not only from the next login on
+        steps = (*steps, *(["launchctl", "bootstrap", f"gui/{os.getuid()}", str(where)]
+                           for where, _ in desktop))  # fmt: skip
     if dry_run:
-        return [f"# {path}", text, *(f"# then: {shlex.join(step)}" for step in steps)]
+        shown = [line for where, content in desktop for line in (f"# {where}", content)]
+        steps_shown = [f"# then: {shlex.join(step)}" for step in steps]
+        return [f"# {path}", text, *steps_shown, *shown, *([] if system else _tray_note(platform))]
     if system and platform.startswith("linux"):
         _ensure_system_user()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -240,9 +312,43 @@ def install(
     token_path = write_token(state_dir, options["token"])
     if system and platform.startswith("linux"):
         shutil.chown(token_path, SYSTEM_USER, SYSTEM_USER)
+    for where, content in desktop:
+        where.parent.mkdir(parents=True, exist_ok=True)
+        where.write_text(content, encoding="utf-16" if platform == "win32" else "utf-8")
     for step in steps:
         _run(step)
-    return [f"wrote {path}", f"wrote {token_path}", f"started {TASK_NAME}"]
+    wrote = [f"wrote {where}" for where, _ in desktop]
+    notes = [] if system else _tray_note(platform)
+    return [f"wrote {path}", f"wrote {token_path}", *wrote, f"started {TASK_NAME}", *notes]
+
+
+def _desktop_files(state_dir: Path, platform: str) -> list[tuple[Path, str]]:
+    options = ["--state-dir", str(state_dir)]
+    tray = tray_command(platform=platform, home=Path.home())
+    return desktop_files.user_files(
+        [*worker_command(), *options],
+        tray_command=[*tray, *options],
+        platform=platform,
+        home=Path.home(),
+        environ=os.environ,
+    )
+
+
+def _tray_note(platform: str) -> list[str]:
+    """A line for `install` to print when the build's tray program was not found."""
+    if not _frozen() or platform not in ("darwin", "win32"):
+        return []
+    if tray_program(Path(sys.executable), platform=platform, home=Path.home()) is not None:
+        return []
+    made = TRAY_APP if platform == "darwin" else f"{TRAY_PROGRAM}.exe"
+    return [
+        f"note: no {made} found beside {sys.executable}; the tray at login starts this "
+        "console program instead (put the two together and install again)"
+    ]
+
+
+def _frozen() -> bool:
+    return bool(getattr(sys, "frozen", False))
 
 
 def uninstall(*, system: bool, platform: str = sys.platform) -> list[str]:
@@ -254,14 +360,20 @@ def uninstall(*, system: bool, platform: str = sys.platform) -> list[str]:
         _run(_systemctl(system, "daemon-reload"), check=False)
     elif platform == "darwin":
         path = Path.home() / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
-        _run(["launchctl", "bootout", f"gui/{os.getuid()}/{LAUNCHD_LABEL}"], check=False)
+        for label in (LAUNCHD_LABEL, *([] if system else [desktop_files.TRAY_LAUNCHD_LABEL])):
+            _run(["launchctl", "bootout", f"gui/{os.getuid()}/{label}"], check=False)
         path.unlink(missing_ok=True)
     elif platform == "win32":
         path = Path(TASK_NAME)
         _run(["schtasks", "/Delete", "/TN", TASK_NAME, "/F"], check=False)
     else:
         raise ServiceError(f"no service manager known for {platform}")
-    return [f"removed {path}"]
+    removed = [path]
+    if not system:
+        for where, _ in _desktop_files(Path.home(), platform):
+            where.unlink(missing_ok=True)
+            removed.append(where)
+    return [f"removed {where}" for where in removed]
 
 
 def _systemd_path(system: bool) -> Path:

@@ -7,6 +7,7 @@ policy allows, serves the local control page, and gives back suspended tasks by 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -14,14 +15,23 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from idlegrid import protocol
+from idlegrid.worker import remote_settings
 from idlegrid.worker.idle.policy import Action, Decision
 
 if TYPE_CHECKING:
+    from idlegrid.worker.downloads import DailyDownloads
     from idlegrid.worker.governor import Governor
     from idlegrid.worker.held import RunningTask
     from idlegrid.worker.runner import TaskHost
+    from idlegrid.worker.slots import Slots
 
 log = logging.getLogger(__name__)
+_STATE_WORDS: dict[Action, Any] = {
+    Action.RUN: "running", Action.THROTTLE: "throttled", Action.PAUSE: "paused",
+}  # fmt: skip
+# How often the control page's credit is read from the coordinator, while the page is open.
+CREDIT_EVERY_S = 30.0
+CREDIT_AFTER_ACK_S = 1.0
 
 
 class Stepping:
@@ -29,8 +39,50 @@ class Stepping:
 
     governor: Governor
     hosts: list[TaskHost]
+    slots: Slots
     running: dict[int, RunningTask]
     settings: Any
+    device: str
+    downloads: DailyDownloads
+    credit: float | None
+    node_id: int | None
+    _http: Any
+    # Why the last settings from the dashboard were not applied ("": they were).
+    settings_error: str = ""
+    # Whether the daily download cap stops it asking for work (the coordinator was told).
+    capped: bool = False
+    _credit_read_at: float = -CREDIT_EVERY_S
+    _credit_read: Any = None
+    # What the coordinator was last told of each device.
+    _devices_told: list[protocol.DeviceStatus] | None = None
+
+    def refresh_credit(self) -> None:
+        """Read the node's credit from the coordinator in the background, at most every
+        CREDIT_EVERY_S: the control page asks while it is open, and only then."""
+        now = time.monotonic()
+        if (
+            self._http is None
+            or self.node_id is None
+            or now - self._credit_read_at < CREDIT_EVERY_S
+        ):
+            return
+        self._credit_read_at = now
+        self._credit_read = asyncio.create_task(self._read_credit(self._http, self.node_id))
+
+    def credit_may_change(self) -> None:
+        """A result was taken: the page's next poll, a second from now, reads the credit
+        again (a result decided at once has earned its credit by then)."""
+        self._credit_read_at = min(
+            self._credit_read_at, time.monotonic() - CREDIT_EVERY_S + CREDIT_AFTER_ACK_S
+        )
+
+    async def _read_credit(self, http: Any, node_id: int) -> None:
+        try:
+            response = await http.get(f"/v1/nodes/{node_id}/credit", timeout=10)
+            response.raise_for_status()
+            self.credit = float(response.json()["credit_total"])
+        except Exception as exc:  # the page keeps the figure it had
+            log.debug("reading the node's credit: %s", exc)
 
     async def _send(self, message: protocol.BaseModel) -> bool:
         raise NotImplementedError
@@ -58,10 +110,17 @@ class Stepping:
         return page
 
     async def _on_policy_change(self, decision: Decision) -> None:
-        """The policy turned between pause and run: tell the coordinator, and ask for work."""
+        """The policy turned between pause, throttle and run: tell the coordinator, and ask
+        for work."""
         now = time.monotonic()
-        paused = self.governor.action() is Action.PAUSE
+        self.slots.poke()  # a device that may run again takes the tasks waiting for it
         for task in self.running.values():
+            device = task.host.device.index if task.host is not None else None
+            paused = (
+                self.governor.device_action(device) is Action.PAUSE
+                if task.host is not None
+                else self.governor.action() is Action.PAUSE
+            )
             if paused and task.paused_since is None:
                 task.paused_since = now
             elif not paused and task.paused_since is not None:
@@ -74,10 +133,99 @@ class Stepping:
         decision = self.governor.decision
         if decision is None:
             return
-        paused = self.governor.action() is Action.PAUSE
+        action = self.governor.action()
+        paused = action is Action.PAUSE
+        reason = decision.reason
+        if self.capped and not paused:
+            paused, reason = True, f"paused: today's downloads reached the cap ({reason})"
+        self._devices_told = self.device_statuses()
         await self._send(
-            protocol.Status(state="paused" if paused else "running", reason=decision.reason[:300])
+            protocol.Status(
+                state="paused" if paused else "running",
+                reason=reason[:300],
+                device=self.device[:40],
+                throttled=action is Action.THROTTLE and not paused,
+                devices=self._devices_told,
+            )
         )
+
+    async def _report_devices(self) -> None:
+        """Tell the coordinator when a device's state or reason changed since it was last
+        told (a heartbeat's turn). Which task runs where changes with every task: the
+        heartbeats carry that, and the coordinator keeps it in memory, not in SQL."""
+        if self.governor.decision is None:
+            return
+        if self.device_statuses() != self._devices_told:
+            await self._send_status()
+
+    def device_statuses(self) -> list[protocol.DeviceStatus]:
+        """Each device of the slots (the CPU's slots together): its state and why."""
+        decision = self.governor.decision
+        out: dict[str, protocol.DeviceStatus] = {}
+        for host in self.hosts:
+            device = host.device
+            if device.label in out:
+                continue
+            action = self.governor.device_action(device.index)
+            index = device.index
+            why = decision.gpu_paused_why(index) if decision and index is not None else ""
+            out[device.label] = protocol.DeviceStatus(
+                device=device.label,
+                name=(device.name or self._cpu_name())[:200],
+                state=_STATE_WORDS[action],
+                reason=(why or (decision.reason if decision else "starting"))[:300],
+            )
+        return list(out.values())
+
+    def _cpu_name(self) -> str:
+        hardware = getattr(self, "hardware", None)
+        return hardware.cpu_model if hardware is not None and hardware.cpu_model else "CPU"
+
+    def download_cap_mb(self) -> float:
+        cap = self.governor.owner.overrides.get("daily_download_mb")
+        return float(self.settings.daily_download_mb if cap is None else cap)
+
+    async def _capped(self) -> bool:
+        """Whether the daily download cap holds new work back; tells the coordinator when
+        that starts and ends (a `status`)."""
+        cap = self.download_cap_mb()
+        capped = self.downloads.over(cap)
+        if capped != self.capped:
+            self.capped = capped
+            if capped:
+                reason = f"paused: today's downloads reached the cap of {cap:g} MB"
+                log.info("%s", reason)
+                status = protocol.Status(state="paused", reason=reason, device=self.device[:40])
+                await self._send(status)
+            else:
+                await self._send_status()
+        return capped
+
+    async def _on_settings(self, message: protocol.Settings) -> None:
+        """Settings from the dashboard: apply those that win, and say what runs now."""
+        self.settings_error = remote_settings.apply(
+            self.governor, self.settings, dict(message.settings)
+        )
+        if not self.running:
+            self.governor.finished()  # "finish, then pause" with nothing to finish: paused
+        await self.governor.step()
+        await self._report_settings()
+        await self._send_ready()  # a raised download cap, say, lets it ask for work again
+
+    async def _unreadable_settings(self, problem: str) -> None:
+        """A `settings` message this worker cannot read: keep its own, and say so."""
+        self.settings_error = f"could not read the dashboard's settings ({problem}); kept its own"
+        log.warning("%s", self.settings_error)
+        await self._report_settings()
+
+    async def _report_settings(self) -> None:
+        report = remote_settings.report(self.governor, self.settings, self.settings_error)
+        await self._send(report)
+
+    async def settings_changed(self) -> None:
+        """The owner changed a setting on the local page: the dashboard hears of it."""
+        self.settings_error = ""
+        await self._report_settings()
 
     async def _give_back_paused(self) -> None:
         """Hand back suspended tasks that waited too long or can no longer meet their lease.

@@ -21,6 +21,8 @@ from datetime import datetime, timedelta
 from datetime import time as clock_time
 
 DAYS = ("mon", "tue", "wed", "thu", "fri", "sat", "sun")
+# Percentage points between the "other programs" CPU limit and the mark it resumes under.
+CPU_BAND = 10.0
 _TIME = r"(\d{1,2}):(\d{2})"
 _WINDOW_RE = re.compile(rf"^(?:(?P<days>[a-z,\-]+)\s+)?{_TIME}\s*-\s*{_TIME}$")
 
@@ -91,8 +93,15 @@ class IdleSettings:
     in_use: Limits = field(default_factory=lambda: Limits(cpu_percent=50.0, memory_percent=50.0))
     idle: Limits = field(default_factory=Limits)
     # Pause while programs other than idlegrid use more CPU than this (percent of the
-    # whole machine, averaged by the probe); 0: never for this reason.
+    # whole machine, averaged by the probe); 0: never for this reason. Once paused for
+    # it, resume only below the lower mark `resume_cpu_usage`, so a load that hovers at
+    # the limit does not turn the worker on and off (hysteresis).
     suspend_cpu_usage: float = 25.0
+    # Pause the GPU work while other programs (a game, another job) use more of a GPU the
+    # worker computes on than this percent of its time; 0: never for this reason.
+    suspend_gpu_usage: float = 25.0
+    # GPUs (by index) the owner paused on their own: the others and the CPU go on.
+    paused_gpus: tuple[int, ...] = ()
     exclusive_apps: tuple[str, ...] = ()
     pause_on_battery: bool = True
     # On battery (with pause_on_battery off), pause below this charge; 0: no minimum.
@@ -104,6 +113,12 @@ class IdleSettings:
     # or "idle" (a headless machine).
     when_unknown: str = "in-use"
 
+    @property
+    def resume_cpu_usage(self) -> float:
+        """The lower mark: 10 points under the limit, or half of it when that is less."""
+        limit = self.suspend_cpu_usage
+        return max(limit - CPU_BAND, limit / 2)
+
     def __post_init__(self) -> None:
         if self.idle_after_s < 0:
             raise SettingError(f"idle_after_s: {self.idle_after_s} is negative")
@@ -111,6 +126,8 @@ class IdleSettings:
         self.idle.check("idle.")
         if not 0.0 <= self.suspend_cpu_usage <= 100.0:
             raise SettingError(f"suspend_cpu_usage: {self.suspend_cpu_usage} is not in 0..100")
+        if not 0.0 <= self.suspend_gpu_usage <= 100.0:
+            raise SettingError(f"suspend_gpu_usage: {self.suspend_gpu_usage} is not in 0..100")
         if not 0.0 <= self.min_battery_percent <= 100.0:
             raise SettingError(f"min_battery_percent: {self.min_battery_percent} is not in 0..100")
         if self.max_cpu_temp_c < 0:
@@ -130,6 +147,8 @@ class Readings:
     on_battery: bool | None = None
     battery_percent: float | None = None
     cpu_temp_c: float | None = None
+    # Other programs' use of each GPU the worker computes on: (index, percent) pairs.
+    gpu_other_use: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,26 +163,55 @@ class Controls:
 @dataclass(frozen=True, kw_only=True)
 class Decision:
     cpu: Action
-    gpu: Action
+    gpu: Action  # the GPUs' mode; a GPU in `gpus_paused` pauses whatever it says
     reason: str
     limits: Limits
+    # GPUs paused on their own, with why: (index, reason) pairs.
+    gpus_paused: tuple[tuple[int, str], ...] = ()
     # False while finishing: running tasks go on, no new work is asked for.
     take_work: bool = True
     user_active: bool = False
+    # Other programs' CPU use is over the limit (or, after it was, not yet under the
+    # lower mark): the next decision's hysteresis reads it.
+    cpu_busy: bool = False
 
     def action(self, *, gpu: bool) -> Action:
         return self.gpu if gpu else self.cpu
 
+    def device_action(self, gpu_index: int | None) -> Action:
+        """What a slot does: the CPU's answer (None), or that GPU's."""
+        if gpu_index is None:
+            return self.cpu
+        return Action.PAUSE if self.gpu_paused_why(gpu_index) else self.gpu
 
-def decide(settings: IdleSettings, readings: Readings, controls: Controls) -> Decision:
-    """The policy's answer for one moment; see the module docstring for the order."""
-    reason = _hard_pause(settings, readings, controls)
+    def gpu_paused_why(self, gpu_index: int) -> str:
+        """Why this GPU is paused on its own ("": it is not)."""
+        return next((why for index, why in self.gpus_paused if index == gpu_index), "")
+
+
+def decide(
+    settings: IdleSettings,
+    readings: Readings,
+    controls: Controls,
+    previous: Decision | None = None,
+) -> Decision:
+    """The policy's answer for one moment; see the module docstring for the order.
+    `previous`: the answer of the moment before, for the CPU limit's hysteresis."""
+    busy = _cpu_busy(settings, readings.other_cpu_percent, previous)
+    reason = _hard_pause(settings, readings, controls, busy)
     if reason is not None:
-        return Decision(cpu=Action.PAUSE, gpu=Action.PAUSE, reason=reason, limits=settings.idle)
+        return Decision(
+            cpu=Action.PAUSE,
+            gpu=Action.PAUSE,
+            reason=reason,
+            limits=settings.idle,
+            cpu_busy=busy is not None,
+        )
     active, activity = _activity(settings, readings)
     limits = settings.in_use if active else settings.idle
     cpu = _action(settings.cpu_mode, active, limits)
     gpu = _action(settings.gpu_mode, active, limits)
+    paused = _paused_gpus(settings, readings) if gpu is not Action.PAUSE else ()
     if cpu is Action.PAUSE and gpu is Action.PAUSE:
         reason = f"paused: {activity}"
     elif active:
@@ -171,7 +219,9 @@ def decide(settings: IdleSettings, readings: Readings, controls: Controls) -> De
     else:
         reason = f"running: {activity}"
     if cpu is not Action.PAUSE and gpu is Action.PAUSE:
-        reason += " (GPU paused: its mode is " + str(settings.gpu_mode) + ")"
+        reason += f" (GPU paused: its mode is {settings.gpu_mode})"
+    for index, why in paused:
+        reason += f" (GPU {index} paused: {why})"
     if controls.finishing:
         reason = "finishing the current tasks, then pausing; " + reason
     return Decision(
@@ -179,9 +229,40 @@ def decide(settings: IdleSettings, readings: Readings, controls: Controls) -> De
         gpu=gpu,
         reason=reason,
         limits=limits,
+        gpus_paused=paused,
         take_work=not controls.finishing,
         user_active=active,
     )
+
+
+def _cpu_busy(settings: IdleSettings, other: float | None, previous: Decision | None) -> str | None:
+    """Why other programs' CPU use pauses the worker, or None: above the limit, or, when
+    it paused the moment before, not yet under the lower mark."""
+    limit = settings.suspend_cpu_usage
+    if not limit or other is None:
+        return None
+    if previous is not None and previous.cpu_busy:
+        mark = settings.resume_cpu_usage
+        if other >= mark:
+            return (
+                f"paused: other programs use {other:.0f}% CPU "
+                f"(limit {limit:.0f}%, resumes under {mark:.0f}%)"
+            )
+        return None
+    if other > limit:
+        return f"paused: other programs use {other:.0f}% CPU (limit {limit:.0f}%)"
+    return None
+
+
+def _paused_gpus(settings: IdleSettings, readings: Readings) -> tuple[tuple[int, str], ...]:
+    """Each GPU that steps aside on its own, and why: the owner paused it, or other
+    programs (a game, another job) use more of it than `suspend_gpu_usage`."""
+    paused = {index: "paused by the owner" for index in settings.paused_gpus}
+    limit = settings.suspend_gpu_usage
+    for index, percent in readings.gpu_other_use:
+        if limit and percent > limit and index not in paused:
+            paused[index] = f"other programs use {percent:.0f}% of GPU {index}"
+    return tuple(sorted(paused.items()))
 
 
 def _action(mode: Mode, active: bool, limits: Limits) -> Action:
@@ -190,7 +271,9 @@ def _action(mode: Mode, active: bool, limits: Limits) -> Action:
     return Action.THROTTLE if limits.cpu_percent < 100.0 else Action.RUN
 
 
-def _hard_pause(settings: IdleSettings, readings: Readings, controls: Controls) -> str | None:
+def _hard_pause(
+    settings: IdleSettings, readings: Readings, controls: Controls, cpu_busy: str | None
+) -> str | None:
     """The first reason to pause that no mode overrides, or None."""
     now = readings.now
     if controls.paused:
@@ -211,10 +294,7 @@ def _hard_pause(settings: IdleSettings, readings: Readings, controls: Controls) 
         return f"paused: CPU at {readings.cpu_temp_c:.0f} °C (limit {limit:.0f} °C)"
     if readings.exclusive_running:
         return f"paused: {', '.join(readings.exclusive_running)} is running"
-    other, threshold = readings.other_cpu_percent, settings.suspend_cpu_usage
-    if threshold and other is not None and other > threshold:
-        return f"paused: other programs use {other:.0f}% CPU (limit {threshold:.0f}%)"
-    return None
+    return cpu_busy
 
 
 def _battery_reason(settings: IdleSettings, readings: Readings) -> str | None:

@@ -4,15 +4,22 @@ temperature (psutil). Together with the idle time these make the policy's Readin
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 import psutil
 
 from idlegrid.worker.idle.base import IdleSource, ProbeReading
 from idlegrid.worker.idle.policy import Readings
+
+if TYPE_CHECKING:
+    from idlegrid.worker.gpus import UseReader
+
+log = logging.getLogger(__name__)
 
 # Other programs' CPU use is averaged over this long: a compiler's burst pauses the
 # worker, a one-second spike of a browser tab does not (BOINC's suspend_cpu_usage).
@@ -124,6 +131,11 @@ class Sensors:
         self._exclusive: tuple[str, ...] = ()
         self._temperature: float | None = None
         self._battery: tuple[bool | None, float | None] = (None, None)
+        # Set once the worker knows its device (worker/gpus.py): the GPUs it computes on
+        # and a reader of other programs' use of them.
+        self.gpu_devices: tuple[int, ...] = ()
+        self.gpu_reader: UseReader | None = None
+        self._gpu_use: tuple[tuple[int, float], ...] = ()
 
     def read(self, now: datetime | None = None) -> Readings:
         self.last_idle = self.idle.read()
@@ -135,6 +147,7 @@ class Sensors:
             self._battery = battery()
             if self.want_temperature:
                 self._temperature = cpu_temperature()
+            self._gpu_use = self._read_gpus()
         return Readings(
             now=now or datetime.now(),
             user_idle_s=self.last_idle.idle_s,
@@ -143,4 +156,16 @@ class Sensors:
             on_battery=self._battery[0],
             battery_percent=self._battery[1],
             cpu_temp_c=self._temperature,
+            gpu_other_use=self._gpu_use,
         )
+
+    def _read_gpus(self) -> tuple[tuple[int, float], ...]:
+        if self.gpu_reader is None or not self.gpu_devices:
+            return ()
+        try:
+            use = self.gpu_reader(set(self.load.own_pids()))
+        except Exception:  # a driver that stops answering must not stop the worker
+            log.warning("reading the GPUs' use failed; not judging it", exc_info=True)
+            self.gpu_reader = None
+            return ()
+        return tuple((index, use[index]) for index in self.gpu_devices if index in use)
