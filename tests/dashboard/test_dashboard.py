@@ -143,12 +143,16 @@ def test_failed_sign_ins_are_rate_limited_per_account(tmp_path: Path) -> None:
         browser.sign_out()
         for _ in range(3):
             assert browser.sign_in("carol", "wrong password!!").status_code == 401
-        # Now even the right password waits, and so does an unknown name's fourth try.
+        # From this address even the right password now waits, and so does an unknown
+        # name's fourth try.
         limited = browser.sign_in("carol")
         assert limited.status_code == 429 and "Too many failed sign-ins" in limited.text
         for _ in range(3):
             browser.sign_in("ghost", "wrong password!!")
         assert browser.sign_in("ghost", "wrong password!!").status_code == 429
+        # The owner, at another address, is not locked out by a stranger's failures.
+        owner = Browser(TestClient(client.app, client=("10.9.8.7", 5000)))
+        assert owner.sign_in("carol").status_code == 303
 
 
 def test_failed_sign_ins_are_rate_limited_per_address(tmp_path: Path) -> None:
@@ -277,7 +281,7 @@ def test_user_supplied_names_are_escaped(api: Api, browser: Browser) -> None:
     assert made.status_code == 303
     team_page = browser.get(made.headers["location"])
     token = browser.post("/my/nodes/add", {"name": XSS})
-    secret = re.search(r"--token (\S+)", token.text)
+    secret = re.search(r'<code id="node-token">([^<]+)</code>', token.text)
     assert secret is not None and "&lt;script&gt;" in token.text
     with api.client.websocket_connect(WS) as ws:
         node = Node(api, ws, secret.group(1))
@@ -340,7 +344,7 @@ def test_validated_work_reaches_every_page(api: Api, browser: Browser) -> None:
     browser.sign_up("vera")
     browser.post("/teams/new", {"name": "Team Vera"})
     added = browser.post("/my/nodes/add", {"name": "vera-pc"})
-    secret = re.search(r"--token (\S+)", added.text)
+    secret = re.search(r'<code id="node-token">([^<]+)</code>', added.text)
     assert secret is not None and "idlegrid worker --server" in added.text
     researcher = api.token(account="lab")
     job = api.submit(researcher, kind="sleep", params={"tasks": 3})
@@ -364,7 +368,7 @@ def test_validated_work_reaches_every_page(api: Api, browser: Browser) -> None:
     node_page = browser.get(f"/nodes/{node_id}")
     assert "Credit per day" in node_page.text and '"validated": [3]' in node_page.text
     mine = browser.get("/my/nodes")
-    assert re.search(r'<td class="num">3</td>', mine.text)  # validated results
+    assert re.search(r'data-label="Validated" class="num">3</td>', mine.text)
     status = browser.get("/")
     assert re.search(r"Results validated, 24 h</span><span class=\"value\">3<", status.text)
     assert '"validated": [3]' in status.text  # the daily chart's data
@@ -643,3 +647,63 @@ def test_compute_is_shown_in_a_unit_that_shows_the_work(largest: float, unit: st
     from idlegrid.dashboard.public import flops_unit
 
     assert flops_unit(largest)[0] == unit
+
+
+def _tiny_gguf(path: Path) -> bytes:
+    """A GGUF header llama.cpp's architecture list accepts, with a chat template."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(8)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(2)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    writer.add_tensor("token_embd.weight", np.zeros((3, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+def test_a_generation_job_from_the_form_and_its_errors_on_the_page(
+    api: Api, tmp_path: Path
+) -> None:
+    researcher = _researcher(api, "gina")
+    assert (
+        _upload(researcher, _tiny_gguf(tmp_path / "m.gguf"), purpose="gguf-model").status_code
+        == 200
+    )
+    assert (
+        _upload(researcher, b'{"prompt": "ab"}\n{"prompt": ', purpose="prompts").status_code == 200
+    )
+    files = researcher.get("/research/files").text
+    ids = re.findall(r"kind=llm-generate&amp;file=(\d+)", files)
+    assert len(ids) == 2, files
+    prompts, model = ids  # the newest first
+    page = researcher.get("/research/jobs/new?kind=llm-generate")
+    assert 'action="/research/jobs/new/llm-generate"' in page.text and 'for="stop"' in page.text
+
+    def submit(**fields: Any) -> Any:
+        form = {"model": model, "prompts": prompts, "max_tokens": 4, **fields}
+        return researcher.post(
+            "/research/jobs/new/llm-generate", form, form="/research/jobs/new?kind=llm-generate"
+        )
+
+    bad_line = submit()
+    assert bad_line.status_code == 422 and "prompts line 2: not JSON" in bad_line.text
+    swapped = submit(model=prompts, prompts=model)
+    assert swapped.status_code == 422 and "not a GGUF file" in swapped.text
+    assert _upload(researcher, b'{"messages": [{"role": "user", "content": "ab"}]}\n',
+                   purpose="prompts").status_code == 200  # fmt: skip
+    good = re.findall(r"kind=llm-generate&amp;file=(\d+)", researcher.get("/research/files").text)
+    done = submit(prompts=good[0], stop="\\n")
+    assert done.status_code == 303, done.text
+    job_page = researcher.get(done.headers["location"])
+    assert job_page.status_code == 200 and "Generation" in job_page.text
+    assert "checked" in job_page.text and "up to 4 tokens" in job_page.text

@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -134,12 +135,12 @@ def test_a_volunteer_signs_up_adds_a_node_and_earns_credit(browser: Any, grid: L
     tab.go("/my/nodes/add")
     tab.page.fill("#name", "wanda-laptop")
     tab.page.click("main button[type=submit]")
-    command = tab.page.locator("pre.copy code").nth(1).inner_text()
-    token = re.search(r"--token (\S+)", command)
-    assert token and f"--server {grid.url}" in command
+    token = tab.page.inner_text("#node-token").strip()
+    start = tab.page.locator("code.command").last.inner_text()
+    assert f"--server {grid.url} --token-file" in start and token not in start
     tab.shot("add-node")
 
-    grid.start_worker("wanda-laptop", kinds="sleep", benchmark=False, token=token.group(1))
+    grid.start_worker("wanda-laptop", kinds="sleep", benchmark=False, token=token)
     tab.go("/my/nodes")
     # The table refreshes itself (HTMX) until the worker's node shows online.
     tab.page.locator("#node-table .state-online").wait_for(timeout=90_000)
@@ -264,6 +265,58 @@ def test_a_researcher_runs_an_onnx_model_over_images(browser: Any, grid: LocalGr
     assert [e for e in tab.errors if "status of 413" not in e] == [], tab.errors
 
 
+def test_a_researcher_trains_their_own_model(browser: Any, grid: LocalGrid, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from idlegrid.dashboard.model_folders import KIND
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=48, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "mine")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<unk>", "the", "cat", "sat", "on", "mat", "."]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(tmp_path / "mine" / "tokenizer.json"))
+    folder_zip = io.BytesIO()
+    with zipfile.ZipFile(folder_zip, "w") as archive:
+        for file in (tmp_path / "mine").iterdir():
+            archive.write(file, f"mine/{file.name}")
+
+    grid.start_worker("trainer", kinds="diloco-train", benchmark=False, threads=1)
+    tab = _page(browser, grid, viewport={"width": 1280, "height": 900}, accept_downloads=True)
+    tab.sign_in("rhea")
+    _upload(tab, "model-folder", "mine.zip", folder_zip.getvalue())
+    tab.page.locator("#files", has_text="mine.zip").wait_for(timeout=30_000)
+    _upload(tab, "dataset", "cats.txt", b"the cat sat on the mat .\n" * 300)
+    tab.page.locator("#files", has_text="cats.txt").wait_for(timeout=30_000)
+    tab.page.click("#files a.button:has-text('Train') >> nth=1")  # the model's row
+    assert f"kind={KIND}&file=" in tab.page.url
+    for field, value in (("rounds", "2"), ("workers", "1"), ("inner_steps", "10"),
+                         ("seq_len", "16"), ("inner_lr", "0.01")):  # fmt: skip
+        tab.page.fill(f"#{field}", value)
+    tab.shot("submit-own-model")
+    tab.page.click("text=Submit model training job")
+    tab.page.wait_for_url(re.compile(r".*/research/jobs/\d+$"))
+    tab.page.locator("#download-model").wait_for(timeout=240_000)
+    tab.page.locator(".chart-area canvas").first.wait_for(timeout=10_000)  # the loss curve
+    tab.shot("own-model-job")
+    with tab.page.expect_download() as info:
+        tab.page.click("#download-model")
+    with zipfile.ZipFile(info.value.path()) as archive:
+        archive.extractall(tmp_path / "trained")
+    trained = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "trained")
+    original = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "mine")
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(trained.get_parameter(name), original.get_parameter(name))
+    assert tab.errors == []
+
+
 def test_no_page_logs_a_console_error(browser: Any, grid: LocalGrid) -> None:
     """An admin (who may see every page) walks them all, forms included."""
     subprocess.run(
@@ -284,7 +337,8 @@ def test_no_page_logs_a_console_error(browser: Any, grid: LocalGrid) -> None:
         "/teams", "/teams/new", tab.page.url.removeprefix(grid.url), "/users/1", "/stats",
         "/account", "/my/nodes", "/my/nodes/add", "/research/files", "/research/jobs",
         "/research/jobs/new?kind=embed-text", "/research/jobs/new?kind=diloco-train",
-        "/research/jobs/new?kind=onnx-infer", f"/research/jobs/{job.id}", "/admin",
+        "/research/jobs/new?kind=onnx-infer", "/research/jobs/new?kind=hf-causal-lm",
+        f"/research/jobs/{job.id}", "/admin",
         "/admin/metrics",
     ]  # fmt: skip
     for path in pages:

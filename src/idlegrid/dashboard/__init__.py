@@ -14,8 +14,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from idlegrid.dashboard import accounts, admin, public, research, volunteer
+from idlegrid.dashboard import (
+    accounts,
+    admin,
+    downloads,
+    model_training,
+    node_controls,
+    public,
+    research,
+    volunteer,
+)
 from idlegrid.dashboard.exports import Exporter
+from idlegrid.dashboard.forms import answer_invalid
 from idlegrid.dashboard.pages import (
     PageError,
     SignInRequired,
@@ -30,13 +40,15 @@ STATIC = Path(__file__).parent / "static"
 # Paths that answer JSON whatever the error: the API, the probes, the upload endpoints.
 _JSON_PATHS = ("/v1/", "/healthz", "/metrics", "/research/uploads", "/static/")
 
-__all__ = ["Exporter", "error_page", "mount", "wants_html"]
+__all__ = ["Exporter", "answer_invalid", "error_page", "mount", "wants_html"]
 
 
 def mount(app: FastAPI, settings: CoordinatorSettings) -> None:
     """Add the dashboard's pages, static files and error pages to the coordinator app."""
     app.state.dashboard = make_dashboard(settings)
-    for module in (public, accounts, volunteer, research, admin):
+    modules = (public, accounts, volunteer, node_controls, research, model_training, admin,
+               downloads)  # fmt: skip
+    for module in modules:
         app.include_router(module.router, include_in_schema=False)
     app.mount("/static", StaticFiles(directory=STATIC, html=True), name="static")
 

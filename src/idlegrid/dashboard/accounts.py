@@ -10,7 +10,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
 from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
-from idlegrid.dashboard import security
+from idlegrid.dashboard import forms, security
 from idlegrid.dashboard.pages import (
     Csrf,
     Id,
@@ -73,6 +73,31 @@ async def signup(
     return await render(request, "signup.html", status=422, values=values, error=error)
 
 
+@forms.again(r"/signup")
+async def _signup_again(
+    request: Request, typed: dict[str, str], errors: dict[str, str], line: str
+) -> Response:
+    values = {"username": typed.get("username", ""), "email": typed.get("email", "")}
+    return await render(
+        request, "signup.html", status=422, values=values, error=line, field_errors=errors
+    )
+
+
+@forms.again(r"/signin")
+async def _signin_form_again(
+    request: Request, typed: dict[str, str], errors: dict[str, str], line: str
+) -> Response:
+    return await render(
+        request,
+        "signin.html",
+        status=422,
+        login=typed.get("login", ""),
+        next=local_path(typed.get("next"), ""),
+        error=line,
+        field_errors=errors,
+    )
+
+
 def _signup_problem(username: str, email: str, password: str) -> str | None:
     # The username is free text on many pages, escaped wherever it is shown.
     if not USERNAME.fullmatch(username):
@@ -108,7 +133,7 @@ async def signin(
     if not matches or account is None or account.disabled_at is not None:
         limiter.failed(login, address)
         return await _signin_again(request, login, next, FAILED, status=401)
-    limiter.succeeded(login)
+    limiter.succeeded(login, address)
     return await _start_session(request, account.id, local_path(next, "/my/nodes"), None)
 
 

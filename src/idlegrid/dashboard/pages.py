@@ -18,6 +18,7 @@ from markupsafe import Markup
 from idlegrid import __version__
 from idlegrid.coordinator.grid import Grid
 from idlegrid.dashboard import security
+from idlegrid.dashboard.shelf import Shelf
 from idlegrid.protocol import MAX_ID
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store
@@ -59,6 +60,8 @@ class Dashboard:
     limiter: security.SignInLimiter
     # (when counted, accounts, teams) for the status page; see stats.grid_status.
     census: tuple[float, int, int] | None = None
+    # The packages served at /download (downloads.shelf_of makes it on first use).
+    shelf: Shelf | None = None
 
 
 def make_dashboard(settings: CoordinatorSettings) -> Dashboard:

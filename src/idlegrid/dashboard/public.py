@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from idlegrid.dashboard import exports
+from idlegrid.dashboard import exports, forms
 from idlegrid.dashboard.pages import (
     Csrf,
     Id,
@@ -188,6 +188,16 @@ async def create_team(
             return redirect(request, f"/teams/{team_id}", flash="Your team is made; you are in it.")
     values = {"name": name, "description": description}
     return await render(request, "team_new.html", status=422, values=values, error=error)
+
+
+@forms.again(r"/teams/new")
+async def _team_form_again(
+    request: Request, typed: dict[str, str], errors: dict[str, str], line: str
+) -> Response:
+    values = {"name": typed.get("name", ""), "description": typed.get("description", "")}
+    return await render(
+        request, "team_new.html", status=422, values=values, error=line, field_errors=errors
+    )
 
 
 @router.get("/teams/{team_id}", response_class=HTMLResponse)

@@ -14,6 +14,7 @@ from idlegrid.blobs.files import BlobError
 from idlegrid.coordinator.api.views import job_out
 from idlegrid.coordinator.grid import JobInputError
 from idlegrid.coordinator.quota_checks import QuotaExceeded
+from idlegrid.dashboard import form_fields, forms, generation, model_folders
 from idlegrid.dashboard.pages import (
     Csrf,
     Id,
@@ -24,6 +25,8 @@ from idlegrid.dashboard.pages import (
     page_bounds,
     redirect,
     render,
+    researcher,
+    signed_in,
     store_of,
 )
 from idlegrid.kinds import InputError, get_kind
@@ -33,6 +36,7 @@ from idlegrid.store.web import WebSession
 from idlegrid.units import size_text
 
 router = APIRouter(prefix="/research")
+RESULT_SUFFIXES = {"application/x-npy": ".npy", "application/x-ndjson": ".jsonl"}
 CHUNK_BYTES = 4 * 1024 * 1024
 STALE_UPLOAD_S = 3600.0
 TERMINAL = ("completed", "failed", "cancelled")
@@ -203,7 +207,9 @@ async def jobs_page(
 async def new_job_page(
     request: Request,
     session: Researcher,
-    kind: Literal["embed-text", "diloco-train", "onnx-infer"] = "embed-text",
+    kind: Literal[
+        "embed-text", "diloco-train", "hf-causal-lm", "onnx-infer", "llm-generate"
+    ] = "embed-text",
 ) -> Response:
     return await _new_job(request, session, kind, error=None, values={})
 
@@ -216,6 +222,7 @@ async def _new_job(
     error: str | None,
     values: dict[str, Any],
     status: int = 200,
+    field_errors: dict[str, str] | None = None,
 ) -> HTMLResponse:
     files = await store_of(request).web.web_read(uploads.list_uploads, session.account.id)
     return await render(
@@ -226,7 +233,19 @@ async def _new_job(
         files=files,
         error=error,
         values=values,
+        field_errors=field_errors or {},
         default_replication=grid_of(request).settings.default_replication,
+    )
+
+
+@forms.again(r"/research/jobs/new/(embed-text|diloco-train|onnx-infer|llm-generate)")
+async def _job_form_again(
+    request: Request, typed: dict[str, str], errors: dict[str, str], line: str
+) -> Response:
+    session = await researcher(await signed_in(request))
+    kind = request.url.path.rsplit("/", 1)[1]
+    return await _new_job(
+        request, session, kind, error=line, values=typed, status=422, field_errors=errors
     )
 
 
@@ -352,7 +371,9 @@ async def submit_onnx(
                 "outputs": [name.strip() for name in outputs.split(",") if name.strip()],
             }
             if crop.strip():
-                params["preprocess"] = _preprocess(crop, resize, color, layout, scale, mean, std)
+                params["preprocess"] = form_fields.preprocess(
+                    crop, resize, color, layout, scale, mean, std
+                )
         except ValueError as exc:
             error = f"Image preprocessing: {exc}"
         else:
@@ -369,33 +390,42 @@ async def submit_onnx(
     return await _new_job(request, session, "onnx-infer", error=error, values=values, status=422)
 
 
-def _preprocess(
-    crop: str, resize: str, color: str, layout: str, scale: str, mean: str, std: str
-) -> dict[str, Any]:
-    """The form's preprocessing fields as `onnx_data.Preprocess` takes them; the kind
-    checks the values themselves (and says what is wrong) at submission."""
-    size = [part for part in crop.lower().replace("x", " ").replace(",", " ").split() if part]
-    if len(size) == 1:
-        size *= 2
-    if len(size) != 2 or not all(part.isdigit() for part in size):
-        raise ValueError(f"crop {crop!r} is not a size such as 224x224 (height x width)")
-    spec: dict[str, Any] = {
-        "crop": [int(size[0]), int(size[1])],
-        "color": color,
-        "layout": layout,
-        "scale": 1 / 255 if scale == "1/255" else 1.0,
-    }
-    if resize.strip():
-        if not resize.strip().isdigit():
-            raise ValueError(f"resize {resize!r} is not a whole number of pixels")
-        spec["resize"] = int(resize)
-    for name, text in (("mean", mean), ("std", std)):
-        if text.strip():
-            try:
-                spec[name] = [float(v) for v in text.replace(",", " ").split()]
-            except ValueError:
-                raise ValueError(f"{name} {text!r} is not a list of numbers") from None
-    return spec
+@router.post("/jobs/new/llm-generate", response_class=HTMLResponse, dependencies=[Csrf])
+async def submit_generate(
+    request: Request,
+    session: Researcher,
+    model: Annotated[int, Form()],
+    prompts: Annotated[int, Form()],
+    max_tokens: Annotated[int, Form(ge=1, le=100_000)] = 128,
+    temperature: Annotated[float, Form(ge=0, le=100)] = 0.0,
+    top_p: Annotated[float, Form(gt=0, le=1)] = 1.0,
+    top_k: Annotated[int, Form(ge=0, le=100_000)] = 0,
+    stop: Annotated[str, Form(max_length=1000)] = "",
+    seed: Annotated[int, Form(ge=0)] = 0,
+    priority: Annotated[int, Form(ge=-100, le=100)] = 0,
+) -> Response:
+    """A GGUF model over uploaded prompts; the kind checks the model and says what is wrong."""
+    values = {"model": model, "prompts": prompts, "max_tokens": max_tokens, "stop": stop}
+    model_blob = await _own_file(request, session, model)
+    prompts_blob = await _own_file(request, session, prompts)
+    if model_blob is None or prompts_blob is None:
+        error = "Choose one of your uploaded GGUF models and one of your prompt files."
+        return await _new_job(
+            request, session, "llm-generate", error=error, values=values, status=422
+        )
+    params: dict[str, Any] = {"max_tokens": max_tokens, "temperature": temperature}
+    params["top_p"] = top_p
+    params |= {"top_k": top_k, "stop": form_fields.stop_strings(stop), "seed": seed}
+    return await _submit(
+        request,
+        session,
+        "llm-generate",
+        inputs={"model": model_blob, "prompts": prompts_blob},
+        params=params,
+        replication=None,
+        priority=priority,
+        values=values,
+    )
 
 
 async def _own_file(request: Request, session: WebSession, upload_id: int) -> str | None:
@@ -449,7 +479,13 @@ async def _job_context(request: Request, job: JobRecord) -> dict[str, Any]:
     training = None
     if grid.rounds.drives(get_kind(job.kind)):
         training = await grid.rounds.metrics(job)
-    return {"job": view, "training": training, "live": view.state not in TERMINAL}
+    return {
+        "job": view,
+        "training": training,
+        "generation": await generation.summary(grid, job),
+        "own_model": model_folders.describe(job),
+        "live": view.state not in TERMINAL,
+    }
 
 
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
@@ -486,7 +522,7 @@ async def job_result(request: Request, job_id: Id, session: Researcher) -> Respo
     if job.result_hash is None:
         raise PageError(409, f"Job {job_id} is {job.state.value}; it has no result yet.")
     kind = get_kind(job.kind)
-    suffix = ".npy" if kind.result_media_type == "application/x-npy" else ".safetensors"
+    suffix = RESULT_SUFFIXES.get(kind.result_media_type, ".safetensors")
     path = grid_of(request).blobs.path(job.result_hash)
     return Response(
         await asyncio.to_thread(path.read_bytes),

@@ -7,8 +7,10 @@
 - CSRF: a signed-in form carries its session's token; a signed-out one (sign-in,
   sign-up) carries the value of a random cookie (double submit). Both are compared in
   constant time.
-- Rate limits: failed sign-ins per account name (whether or not it exists) and per
-  address, in a sliding window, in this process's memory.
+- Rate limits: failed sign-ins per account name from one address (whether or not the
+  name exists) and per address, in a sliding window, in this process's memory. Each
+  binds only the address whose sign-ins failed: a stranger's failures never make a
+  victim wait at the victim's own address.
 """
 
 from __future__ import annotations
@@ -80,8 +82,13 @@ def same(a: str | None, b: str | None) -> bool:
 
 @dataclass
 class SignInLimiter:
-    """At most `per_account` failed sign-ins per account name and `per_address` per
-    address within `window_s`; a success clears the name's count."""
+    """At most `per_account` failed sign-ins per account name from one address, and
+    `per_address` from one address in all, within `window_s`; a success clears the
+    name's count at that address.
+
+    No count spans addresses: an account-wide count would let anyone lock its owner out
+    with a few wrong passwords. Guessing one password from many addresses is bounded by
+    `per_account` tries per address, by Argon2's cost and by the password rules."""
 
     per_account: int
     per_address: int
@@ -93,20 +100,20 @@ class SignInLimiter:
         """Seconds until this name from this address may try again; 0: now."""
         now = self.clock()
         waits = [
-            self._wait(f"account:{login.strip().lower()}", self.per_account, now),
+            self._wait(_name_key(login, address), self.per_account, now),
             self._wait(f"address:{address}", self.per_address, now),
         ]
         return max(waits)
 
     def failed(self, login: str, address: str) -> None:
         now = self.clock()
-        for key in (f"account:{login.strip().lower()}", f"address:{address}"):
+        for key in (_name_key(login, address), f"address:{address}"):
             self._failures.setdefault(key, deque()).append(now)
         if len(self._failures) > 100_000:  # a flood of names: forget the stalest
             self._sweep(now)
 
-    def succeeded(self, login: str) -> None:
-        self._failures.pop(f"account:{login.strip().lower()}", None)
+    def succeeded(self, login: str, address: str) -> None:
+        self._failures.pop(_name_key(login, address), None)
 
     def _wait(self, key: str, limit: int, now: float) -> float:
         times = self._failures.get(key)
@@ -122,3 +129,7 @@ class SignInLimiter:
     def _sweep(self, now: float) -> None:
         for key in [k for k, t in self._failures.items() if not t or t[-1] <= now - self.window_s]:
             del self._failures[key]
+
+
+def _name_key(login: str, address: str) -> str:
+    return f"account:{login.strip().lower()}@{address}"

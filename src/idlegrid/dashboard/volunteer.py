@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, Response
 
+from idlegrid.dashboard import downloads, forms
 from idlegrid.dashboard.accounts import make_token
 from idlegrid.dashboard.pages import (
     Csrf,
@@ -22,10 +22,21 @@ from idlegrid.dashboard.pages import (
 )
 from idlegrid.store import stats, web
 from idlegrid.store.base import NodeRecord, NodeTrust
+from idlegrid.store.node_control import Activity
 from idlegrid.verification import trust as trust_policy
 
 router = APIRouter()
 HISTORY_DAYS = 60
+SILENT_AFTER_S = 86_400.0  # a node not heard from for this long is marked silent
+
+
+@dataclass(frozen=True)
+class TaskDoing:
+    task_id: int
+    job_id: int
+    kind: str
+    progress: float | None  # None: its heartbeats reach another coordinator process
+    device: str = ""  # where it runs ("cuda:1"), as its heartbeats say
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,16 @@ class NodeView:
     validated: int
     trust: list[NodeTrust]
     trusted: bool
+    # What it does now: its tasks (with progress where this process hears its
+    # heartbeats), what it last said (running or paused, why, its device), its credit
+    # today and whether it has been silent for a day.
+    doing: list[TaskDoing] = field(default_factory=list)
+    activity: Activity | None = None
+    credit_today: float = 0.0
+    silent: bool = False
+    control: str = "run"
+    # GPUs the owner paused on their own (the `paused_gpus` setting), by index.
+    paused_gpus: frozenset[int] = frozenset()
 
     @property
     def gflops(self) -> float:
@@ -51,6 +72,12 @@ class NodeView:
     @property
     def gpus(self) -> list[dict[str, Any]]:
         return list(self.node.hardware.get("gpus") or [])
+
+
+async def said_of_itself(request: Request, node_id: int) -> tuple[str, str]:
+    """What a node's worker last said of itself ("paused", "throttled", "running") and why."""
+    found = (await store_of(request).node_control.activity_of([node_id])).get(node_id)
+    return (found.state, found.reason) if found else ("", "")
 
 
 async def connected_ids(request: Request) -> set[int]:
@@ -68,9 +95,15 @@ async def my_nodes(request: Request, account_id: int) -> list[NodeView]:
     validated = await store.web.web_read(web.validated_counts, ids)
     connected = await connected_ids(request)
     trusts = await store.web.web_read(web.trust_of_nodes, ids, now=grid.clock())
+    now = grid.clock()
+    activity = await store.node_control.activity_of(ids)
+    today = await store.node_control.credit_on_day(ids, day=int(now // 86_400))
+    doing = await _doing(request, ids)
+    controls = await store.node_control.settings_of(ids)
     views = []
     for node in nodes:
         trust = trusts.get(node.id, [])
+        control = controls[node.id].get("control")
         views.append(
             NodeView(
                 node=node,
@@ -79,9 +112,48 @@ async def my_nodes(request: Request, account_id: int) -> list[NodeView]:
                 validated=validated.get(node.id, 0),
                 trust=trust,
                 trusted=any(trust_policy.is_trusted(t.trust, grid.trust) for t in trust),
+                doing=doing.get(node.id, []),
+                activity=activity.get(node.id),
+                credit_today=today.get(node.id, 0.0),
+                silent=node.id not in connected and now - node.last_seen_at > SILENT_AFTER_S,
+                control=_control_word(control.value if control else None, now),
+                paused_gpus=_paused_gpus(controls[node.id].get("paused_gpus")),
             )
         )
     return views
+
+
+async def _doing(request: Request, ids: list[int]) -> dict[int, list[TaskDoing]]:
+    """The tasks each node holds, with progress from the heartbeats this process hears."""
+    grid = grid_of(request)
+    out: dict[int, list[TaskDoing]] = {}
+    for task in await store_of(request).node_control.tasks_now(ids):
+        session = grid.hub.get(task.node_id)
+        progress, device = None, ""
+        if session is not None and task.task_id in session.shard_of:
+            progress = session.progress.get(session.shard_of[task.task_id], 0.0)
+            device = session.device_of.get(task.task_id, "")
+        out.setdefault(task.node_id, []).append(
+            TaskDoing(task.task_id, task.job_id, task.kind, progress, device)
+        )
+    return out
+
+
+def _paused_gpus(row: Any) -> frozenset[int]:
+    value = row.value if row is not None else None
+    if not isinstance(value, list):
+        return frozenset()
+    return frozenset(i for i in value if isinstance(i, int) and not isinstance(i, bool))
+
+
+def _control_word(value: Any, now: float) -> str:
+    """What the owner last asked of the node: run, pause, finish, or snooze (still on)."""
+    if not isinstance(value, dict):
+        return "run"
+    action = str(value.get("action", "run"))
+    if action == "snooze" and float(value.get("until") or 0) <= now:
+        return "run"
+    return action
 
 
 @router.get("/my/nodes", response_class=HTMLResponse)
@@ -117,25 +189,30 @@ async def add_node(
             error="Choose a node name of at most 100 characters.",
         )
     secret = await make_token(request, session.account.id, kind="node", label=name or "node")
+    packages = await downloads.shelf_of(request).packages()
     return await render(
         request,
         "add_node.html",
-        commands=worker_commands(str(request.base_url).rstrip("/"), secret, name),
+        commands=downloads.node_commands(downloads.server_of(request), packages, name=name),
         name=name,
         token=secret,
         error=None,
     )
 
 
-def worker_commands(server: str, token: str, name: str) -> list[tuple[str, str]]:
-    """What a volunteer types on the new machine, quoted for a POSIX shell."""
-    start = f"idlegrid worker --server {shlex.quote(server)} --token {shlex.quote(token)}"
-    if name:
-        start += f" --name {shlex.quote(name)}"
-    return [
-        ("Install the worker (Python 3.11 or newer)", 'python3 -m pip install "idlegrid[worker]"'),
-        ("Start it with this node's token", start),
-    ]
+@forms.again(r"/my/nodes/add")
+async def _add_node_again(
+    request: Request, typed: dict[str, str], errors: dict[str, str], line: str
+) -> Response:
+    return await render(
+        request,
+        "add_node.html",
+        status=422,
+        commands=None,
+        name=typed.get("name", ""),
+        error=line,
+        field_errors=errors,
+    )
 
 
 @router.get("/nodes/{node_id}", response_class=HTMLResponse)
@@ -161,6 +238,7 @@ async def node_page(request: Request, node_id: Id, session: Viewer) -> Response:
         standing=standing,
         node=node,
         online=node_id in await connected_ids(request),
+        activity=await said_of_itself(request, node_id) if mine else ("", ""),
         history=history,
         mine=mine,
         charts=history_chart(history, now=grid_of(request).clock()),
