@@ -268,3 +268,18 @@ def run_python(script: str, *, timeout_s: float = 120.0) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def require_p2p(needs: str) -> None:
+    """Skip (fail under CI=true) where this machine cannot average peer to peer;
+    `needs`: what the test needs it for, said in the skip."""
+    from idlegrid import p2p
+
+    reason = p2p.unavailable()
+    if reason is None:
+        return
+    import pytest
+
+    if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
+        pytest.fail(f"{reason}; CI=true requires the p2p extra (pip install 'idlegrid[p2p]')")
+    pytest.skip(f"{reason}: {needs}")

@@ -122,6 +122,17 @@ def test_a_cancelled_job_says_it_gets_no_result(live: Live, tmp_path: Path) -> N
     assert f"job {job_id} is cancelled; it has no result and will not get one" in line
 
 
+def test_a_cancelled_job_is_resubmitted_as_a_new_job_of_its_shards(live: Live) -> None:
+    job_id = live.run("submit", "sleep", "-p", "tasks=3").output.split()[1]
+    assert live.run("job", job_id, "--cancel").exit_code == 0
+    result = live.run("job", job_id, "--resubmit", "--json")
+    assert result.exit_code == 0, result.output
+    again = json.loads(result.output)
+    assert again["id"] != int(job_id) and again["shards_total"] == 3
+    refused = live.run("job", str(again["id"]), "--resubmit")
+    assert "is queued; only a failed or cancelled job" in refused.output
+
+
 # -- submission warnings and the job summary ------------------------------------------------
 
 

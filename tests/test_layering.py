@@ -185,6 +185,9 @@ IMPURE = (
 FORBIDDEN = [
     ("protocol.py", ("idlegrid",)),
     ("kinds", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store")),
+    # Peer-to-peer averaging: used by a kind (worker side) and the coordinator (its
+    # bootstrap peer); it knows neither, nor any kind.
+    ("p2p", ("idlegrid.coordinator", "idlegrid.worker", "idlegrid.store", "idlegrid.kinds")),
     ("policy", IMPURE),
     ("verification", IMPURE),
     ("worker", ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker")),
@@ -264,10 +267,10 @@ def test_only_verification_decides_trust_and_credit() -> None:
 
 
 def test_kinds_import_ml_libraries_only_inside_functions() -> None:
-    heavy = ("torch", "sentence_transformers", "transformers", "onnxruntime")
+    heavy = ("torch", "sentence_transformers", "transformers", "onnxruntime", "hivemind")
     offenders = [
         f"{module} imports {imported.name} at module level (line {imported.line})"
-        for module, path in _files("kinds")
+        for module, path in [*_files("kinds"), *_files("p2p")]
         for imported in imports_of(module, path, KNOWN)
         if not (imported.lazy or imported.type_only) and _banned(imported.name, heavy)
     ]
@@ -339,6 +342,10 @@ KIND_EXCEPTIONS = {
     ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.examples"),
     ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.data"),
     ("idlegrid.devtools.demo", "idlegrid.kinds.onnx.compare"),
+    ("idlegrid.devtools.llm_demo", "idlegrid.kinds.llm_generate.samples"),
+    # The hello reports the node's llama.cpp backend and device, read by the helpers the
+    # llm-generate runtime records in each output.
+    ("idlegrid.worker.hardware", "idlegrid.kinds.llm_generate.runtime"),
 }
 
 

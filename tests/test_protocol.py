@@ -90,8 +90,13 @@ NODE_MESSAGES: list[BaseModel] = [
     Ready(free_slots=0),
     Status(state="paused", reason="paused: user active 3 s ago"),
     Status(state="running"),
+    Status(state="running", reason="running: user active 2 s ago", throttled=True),
     Result(task_id=7, output=HASH, output_size=123, elapsed_s=1.5, metrics={"items_per_s": 9.0}),
     Failure(task_id=7, reason="out of memory", retryable=False),
+    protocol.SettingsReport(
+        settings={"cpu_percent": protocol.Stamped(value=50.0, source="local", by="me", at=1.0)},
+        error="could not apply the dashboard's settings: cpu_cores: 64 is more than 8",
+    ),
     Results(
         results=[
             Result(task_id=7, output=HASH, output_size=1, elapsed_s=0.5),
@@ -117,6 +122,9 @@ SERVER_MESSAGES: list[BaseModel] = [
     ResultAck(task_id=1, status="duplicate"),
     HeartbeatAck(seq=12, sent_at=8123.25),
     Cancel(task_id=1, reason="job cancelled"),
+    protocol.Settings(
+        settings={"control": protocol.Stamped(value={"action": "pause"}, source="web", at=2.0)}
+    ),
     Error(code="rejected", message="not yours", task_id=3),
     Error(code="malformed", message="bad"),
 ]
@@ -140,8 +148,11 @@ def test_every_message_type_is_covered() -> None:
     server_types = {type(m).__name__ for m in SERVER_MESSAGES}
     assert node_types == {
         "Hello", "Heartbeat", "Status", "Ready", "Result", "Results", "Failure",
+        "SettingsReport",
     }  # fmt: skip
-    assert server_types == {"Welcome", "Assign", "ResultAck", "HeartbeatAck", "Cancel", "Error"}
+    assert server_types == {
+        "Welcome", "Assign", "ResultAck", "HeartbeatAck", "Cancel", "Settings", "Error",
+    }  # fmt: skip
     assert {m.type for m in NODE_MESSAGES} == protocol.NODE_TYPES  # type: ignore[attr-defined]
 
 
@@ -352,3 +363,201 @@ def test_server_parser_refuses_bad_frames() -> None:
 def test_messages_are_frozen() -> None:
     with pytest.raises(ValidationError):
         Ready(free_slots=1).free_slots = 2  # type: ignore[misc]
+
+
+# -- versions: a newer minor's optional fields are ignored, another major is refused ------
+
+NEWER = protocol.PROTOCOL_MINOR + 1
+# What a 1.0 worker sent: no `minor`, none of the optional fields added since.
+HELLO_1_0 = _hello(hardware={"cpu_cores": 4, "memory_mb": 8000}, benchmark={"matmul_gflops": 5.0})
+RESULT_1_0 = {"type": "result", "v": 1, "task_id": 7, "output": HASH, "output_size": 3,
+              "elapsed_s": 0.5}  # fmt: skip
+# Fields a newer minor might add, at the top and inside nested objects.
+HELLO_NEWER = _hello(
+    minor=NEWER,
+    energy_source="solar",
+    hardware={"cpu_cores": 4, "memory_mb": 8000, "npus": [{"name": "x"}],
+              "gpus": [{"backend": "cuda", "name": "A", "memory_mb": 1, "pcie_gen": 5}]},
+    benchmark={"matmul_gflops": 5.0, "int8_tops": 9.0},
+)  # fmt: skip
+
+
+def test_an_older_workers_hello_and_result_are_accepted() -> None:
+    hello = parse_node_message(json.dumps(HELLO_1_0))
+    assert isinstance(hello, Hello) and hello.minor == 0 and hello.prefetch == 0
+    assert hello.hardware.disk_free_mb is None and hello.hardware.llama is None
+    result = parse_node_message(json.dumps(RESULT_1_0), peer_minor=0)
+    assert result == Result(task_id=7, output=HASH, output_size=3, elapsed_s=0.5)
+
+
+def test_this_sides_messages_say_its_minor() -> None:
+    hello = json.loads(NODE_MESSAGES[0].model_dump_json())
+    assert (hello["v"], hello["minor"]) == (protocol.PROTOCOL_VERSION, protocol.PROTOCOL_MINOR)
+    parsed = parse_node_message(json.dumps(hello))
+    assert isinstance(parsed, Hello) and parsed.minor == protocol.PROTOCOL_MINOR
+
+
+def test_a_newer_minors_unknown_fields_are_ignored_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level("DEBUG", logger="idlegrid.protocol"):
+        hello = parse_node_message(json.dumps(HELLO_NEWER))
+    assert isinstance(hello, Hello) and hello.minor == NEWER
+    assert hello.hardware.gpus == [Gpu(backend="cuda", name="A", memory_mb=1)]
+    assert hello.benchmark == Benchmark(matmul_gflops=5.0)
+    ignored = " ".join(record.getMessage() for record in caplog.records)
+    for name in ("energy_source", "npus", "pcie_gen", "int8_tops"):
+        assert name in ignored
+    assert "ign_secret" not in ignored  # names only: no values in the log
+    # Later messages are read by the minor the hello said.
+    heartbeat = {"type": "heartbeat", "seq": 1, "battery": 0.5,
+                 "running": [{"task_id": 3, "progress": 0.5, "watts": 90}]}  # fmt: skip
+    assert parse_node_message(json.dumps(heartbeat), peer_minor=NEWER) == Heartbeat(
+        seq=1, running=[TaskProgress(task_id=3, progress=0.5)]
+    )
+    batch = {"type": "results", "results": [{**RESULT_1_0, "joules": 12.0}]}
+    assert parse_node_message(json.dumps(batch), peer_minor=NEWER) == Results(
+        results=[Result(task_id=7, output=HASH, output_size=3, elapsed_s=0.5)]
+    )
+
+
+@pytest.mark.parametrize("minor", [0, protocol.PROTOCOL_MINOR])
+def test_unknown_fields_from_this_minor_or_an_older_one_are_malformed(minor: int) -> None:
+    # A peer of this minor knows every field this side knows: an unknown one is a bug.
+    assert _code(json.dumps({**_hello(minor=minor), "energy_source": "solar"})) == "malformed"
+    heartbeat = {"type": "heartbeat", "running": [{"task_id": 3, "progress": 0.5, "w": 1}]}
+    with pytest.raises(ProtocolError) as raised:
+        parse_node_message(json.dumps(heartbeat), peer_minor=minor)
+    assert raised.value.code == "malformed" and "running.0.w" in raised.value.message
+
+
+NEWER_BUT_BAD: list[tuple[str, dict[str, Any], str]] = [
+    ("wrong-type", _hello(minor=NEWER, slots="two", extra=1), "malformed"),
+    ("out-of-range", _hello(minor=NEWER, slots=0), "malformed"),
+    ("missing-field", {k: v for k, v in _hello(minor=NEWER).items() if k != "token"}, "malformed"),
+    ("nested-wrong-type", _hello(minor=NEWER, hardware={"cpu_cores": "many"}), "malformed"),
+    ("minor-not-a-number", _hello(minor="2", extra=1), "malformed"),
+    ("minor-negative", _hello(minor=-1), "malformed"),
+    ("minor-boolean", _hello(minor=True, extra=1), "malformed"),
+    ("minor-huge", _hello(minor=10**6), "malformed"),
+    ("nan", {**_hello(minor=NEWER), "benchmark": {"matmul_gflops": float("nan")}}, "malformed"),
+    ("unknown-type", {"type": "goodbye", "minor": NEWER}, "unknown_type"),
+    ("other-major", _hello(minor=NEWER, v=2), "version"),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "code"), [row[1:] for row in NEWER_BUT_BAD], ids=[row[0] for row in NEWER_BUT_BAD]
+)
+def test_a_newer_minor_is_still_refused_what_is_malformed(raw: dict[str, Any], code: str) -> None:
+    assert _code(json.dumps(raw)) == code
+
+
+def test_a_newer_minor_loosens_nothing_but_unknown_fields() -> None:
+    for raw in ({"type": "ready", "free_slots": -1, "x": 1}, {"type": "ready", "x": 1},
+                {"type": "heartbeat", "load": "high"}):  # fmt: skip
+        with pytest.raises(ProtocolError) as raised:
+            parse_node_message(json.dumps(raw), peer_minor=NEWER)
+        assert raised.value.code == "malformed"
+    with pytest.raises(ProtocolError) as raised:
+        parse_node_message('{"type": "gimme", "x": 1}', peer_minor=NEWER)
+    assert raised.value.code == "unknown_type"
+
+
+def test_another_major_is_refused_naming_both_versions() -> None:
+    with pytest.raises(ProtocolError) as raised:
+        parse_node_message(json.dumps(_hello(v=2)))
+    refusal = raised.value
+    assert refusal.code == "version" and refusal.message_type == "hello"
+    assert "protocol version 2" in refusal.message
+    assert f"speaks {protocol.PROTOCOL_VERSION} (1.{protocol.PROTOCOL_MINOR})" in refusal.message
+    welcome = {**json.loads(SERVER_MESSAGES[0].model_dump_json()), "v": 2}
+    with pytest.raises(ProtocolError) as raised:
+        parse_server_message(json.dumps(welcome))
+    assert raised.value.code == "version" and "protocol version 2" in raised.value.message
+    assert f"speaks {protocol.PROTOCOL_VERSION} (1." in raised.value.message
+
+
+def test_the_worker_ignores_a_newer_coordinators_fields() -> None:
+    welcome = {**json.loads(SERVER_MESSAGES[0].model_dump_json()), "minor": NEWER, "motd": "hi"}
+    parsed = parse_server_message(json.dumps(welcome))
+    assert isinstance(parsed, Welcome) and parsed.minor == NEWER and parsed.drop == [5, 6]
+    assign = {**json.loads(SERVER_MESSAGES[2].model_dump_json()), "priority": 3}
+    assign["input"]["region"] = "eu"
+    assert parse_server_message(json.dumps(assign), peer_minor=NEWER) == SERVER_MESSAGES[2]
+    with pytest.raises(ProtocolError) as raised:  # from this minor: a bug, refused
+        parse_server_message(json.dumps(assign), peer_minor=protocol.PROTOCOL_MINOR)
+    assert raised.value.code == "malformed"
+    with pytest.raises(ProtocolError) as raised:
+        parse_server_message('{"type": "reboot", "minor": 9}', peer_minor=NEWER)
+    assert raised.value.code == "unknown_type"
+
+
+# What a 1.0 worker's strict Welcome model knew.
+WELCOME_1_0 = {"type", "v", "node_id", "heartbeat_interval_s", "server_time", "drop", "credit"}
+
+
+def test_a_peer_is_sent_only_the_fields_its_minor_knows() -> None:
+    welcome = Welcome(node_id=1, heartbeat_interval_s=15.0, server_time=NOW)
+    assert set(json.loads(protocol.encode(welcome, peer_minor=0))) == WELCOME_1_0
+    current = json.loads(protocol.encode(welcome, peer_minor=protocol.PROTOCOL_MINOR))
+    assert current["minor"] == protocol.PROTOCOL_MINOR and set(current) - WELCOME_1_0 == {"minor"}
+    ready = Ready(free_slots=1)
+    assert protocol.encode(ready, peer_minor=0) == ready.model_dump_json()
+
+
+# -- the volunteer's settings ------------------------------------------------------------
+
+GOOD_SETTINGS = [
+    ("cpu_mode", "always", "always"),
+    ("cpu_percent", 1, 1.0),
+    ("cpu_percent", 100, 100.0),
+    ("cpu_cores", 0, 0),
+    ("memory_percent", 75.5, 75.5),
+    ("windows", "18:00-08:00; sat,sun 00:00-24:00", "18:00-08:00; sat,sun 00:00-24:00"),
+    ("windows", "", ""),
+    ("exclusive_apps", ["steam", "blender"], ["steam", "blender"]),
+    ("daily_download_mb", 0, 0.0),
+    ("control", {"action": "pause"}, {"action": "pause", "until": None}),
+    ("control", {"action": "snooze", "until": 5.0}, {"action": "snooze", "until": 5.0}),
+]
+BAD_SETTINGS = [
+    ("cpu_percent", 0, "greater than or equal to 1"),
+    ("cpu_percent", 101, "less than or equal to 100"),
+    ("cpu_percent", "half", "valid number"),
+    ("cpu_mode", "sometimes", "'always', 'idle' or 'never'"),
+    ("cpu_cores", -1, "greater than or equal to 0"),
+    ("windows", "10:00-10:00", "ends when it starts"),
+    ("windows", "9-17", "is not [days] HH:MM-HH:MM"),
+    ("windows", "25:00-26:00", "not a time of day"),
+    ("windows", "fun 10:00-12:00", "unknown day"),
+    ("daily_download_mb", -5, "greater than or equal to 0"),
+    ("control", {"action": "snooze"}, "needs `until`"),
+    ("control", {"action": "explode"}, "control.action"),
+    ("colour", "blue", "not a setting"),
+    ("cpu_mode", None, "a value is needed"),
+]
+
+
+@pytest.mark.parametrize(("name", "value", "stored"), GOOD_SETTINGS)
+def test_settings_a_node_can_take(name: str, value: Any, stored: Any) -> None:
+    assert protocol.check_setting(name, value) == stored
+
+
+@pytest.mark.parametrize(("name", "value", "problem"), BAD_SETTINGS)
+def test_settings_refused_with_a_reason_naming_them(name: str, value: Any, problem: str) -> None:
+    with pytest.raises(ValueError, match=r"^" + name) as refused:
+        protocol.check_setting(name, value)
+    assert problem in str(refused.value)
+
+
+def test_a_profile_from_the_store_ignores_a_newer_versions_fields() -> None:
+    gpu = {"backend": "cuda", "name": "A", "memory_mb": 2, "bus": "pcie"}
+    stored = {"cpu_cores": 4, "sensors": {"fan": 1}, "gpus": [gpu]}
+    assert protocol.read_stored(HardwareProfile, stored) == HardwareProfile(
+        cpu_cores=4, gpus=[Gpu(backend="cuda", name="A", memory_mb=2)]
+    )
+    with pytest.raises(ValidationError):
+        protocol.read_stored(HardwareProfile, {"cpu_cores": 0, "sensors": {}})
+    with pytest.raises(ValidationError):  # read as a message of this version: strict
+        HardwareProfile.model_validate(stored)

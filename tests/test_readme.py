@@ -16,32 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import readme
 from helpers import wait_until
 
 from idlegrid.devtools.localgrid import LocalGrid
 
 pytestmark = pytest.mark.slow
 
-README = Path(__file__).resolve().parents[1] / "README.md"
 EXAMPLE_URL = "http://coordinator.example:8000"
-
-
-def _section(title: str) -> str:
-    """The README's text from the heading that starts with `title` to the next heading."""
-    text = README.read_text()
-    start = text.index(f"## {title}")
-    found = re.search(r"\n#{2,} ", text[start + 1 :])
-    return text[start : start + 1 + found.start()] if found else text[start:]
-
-
-def _blocks(section: str, language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.DOTALL)
-
-
-def _commands(block: str) -> list[str]:
-    """The block's command lines, comments and `pip install` (done here already) left out."""
-    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
-    return [line for line in lines if line and not line.startswith(("#", "pip install"))]
+_section, _blocks, _commands = readme.section, readme.blocks, readme.commands
 
 
 def _bash(command: str, env: dict[str, str], cwd: Path, timeout: float = 180) -> str:
@@ -55,7 +38,7 @@ def _bash(command: str, env: dict[str, str], cwd: Path, timeout: float = 180) ->
 
 
 def test_the_quickstart_finishes_with_one_worker(tmp_path: Path) -> None:
-    section = _section("Quickstart")
+    section = _section("Quickstart: a coordinator")
     serve, admin, volunteer, shell = _blocks(section, "bash")
     (sdk,) = _blocks(section, "python")
     assert "idlegrid serve" in serve
@@ -111,7 +94,7 @@ def test_the_quickstart_finishes_with_one_worker(tmp_path: Path) -> None:
 
 def test_the_quickstart_credits_alice_not_admin(tmp_path: Path) -> None:
     """The node token of the quickstart is on the volunteer's account."""
-    admin = _blocks(_section("Quickstart"), "bash")[1]
+    admin = _blocks(_section("Quickstart: a coordinator"), "bash")[1]
     assert "token create --node --account alice" in admin
     with LocalGrid(tmp_path) as grid:
         grid.start_worker("w", kinds="sleep", benchmark=False, account="alice")

@@ -24,6 +24,7 @@ from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.guard import Guard
 from idlegrid.coordinator.monitor import Monitor
 from idlegrid.coordinator.node_socket import node_socket
+from idlegrid.coordinator.swarm import Swarm
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store, open_store
 from idlegrid.store.base import AccountExists
@@ -78,6 +79,8 @@ def _lifespan(
             broker=open_broker(settings.redis_url, prefix=settings.redis_prefix),
             blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes),
         )
+        swarm = Swarm(settings)  # peer-to-peer rounds' bootstrap DHT peer, if any
+        swarm.start_soon(grid.rounds.set_swarm_peers)
         monitor = Monitor(grid, tune_gc=owns_process)
         await monitor.start()
         exporter = dashboard.Exporter(
@@ -90,6 +93,7 @@ def _lifespan(
         finally:
             await exporter.stop()
             await monitor.stop()
+            await swarm.stop()
             for session in grid.hub.sessions():
                 with contextlib.suppress(Exception):
                     await session.close()
@@ -229,7 +233,8 @@ def _install_error_handlers(app: FastAPI) -> None:
             where = ".".join(str(p) for p in err.get("loc", ()))
             parts.append(f"{where}: {err.get('msg')}")
         if dashboard.wants_html(request):
-            return await dashboard.error_page(request, 422, "; ".join(parts))
+            page = await dashboard.answer_invalid(request, exc)
+            return page or await dashboard.error_page(request, 422, "; ".join(parts))
         return api.error_response(422, "invalid_request", "; ".join(parts) or "invalid request")
 
     @app.exception_handler(StarletteHTTPException)

@@ -23,6 +23,7 @@ import httpx
 import numpy as np
 
 from idlegrid.states import TERMINAL_JOB_STATES
+from idlegrid.training import gguf_import, hf_folder
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,8 @@ TERMINAL = frozenset(state.value for state in TERMINAL_JOB_STATES)
 
 
 TRAINING_KIND = "diloco-train"
+# Jobs whose progress shows in tokens (shards cut by a token budget).
+TOKEN_KIND = "llm-generate"
 MAX_WAIT_S = 60.0  # the coordinator's longest long poll of a job
 
 
@@ -233,6 +236,80 @@ class Client:
             priority=priority,
         )
 
+    def train(
+        self,
+        model: str | Path,
+        *,
+        dataset: str | Path | np.ndarray | bytes,
+        lora: Mapping[str, Any] | None = None,
+        params: Mapping[str, Any] | None = None,
+        replication: int | None = None,
+        priority: int = 0,
+    ) -> TrainingJob:
+        """Fine-tune (or continue pretraining) a Hugging Face causal LM with DiLoCo.
+
+        `model`: a folder (config.json, model.safetensors, tokenizer.json) or a .gguf
+        file. `dataset`: a text file's path (tokenized with the model's tokenizer), token
+        ids (an array, or a .safetensors file with `tokens`), or a dataset blob.
+        `lora`: train low-rank adapters only, e.g. {"rank": 8, "targets": ["q_proj",
+        "v_proj"]}. `params`: further diloco-train settings (rounds, workers, inner, ...).
+        `job.save(out_dir)` writes the trained model as a folder transformers loads.
+        """
+        base = gguf_import.load_model(Path(model))
+        settings = {"architecture": "hf-causal-lm", **dict(params or {})}
+        if lora is not None:
+            settings["model"] = {**settings.get("model", {}), "lora": dict(lora)}
+        job = self.submit(
+            TRAINING_KIND,
+            inputs={"model": hf_folder.model_blob(base), "dataset": _training_data(dataset)},
+            params=settings,
+            replication=replication,
+            priority=priority,
+        )
+        return TrainingJob(self, job.id, job._info, base=base)
+
+    def generate(
+        self,
+        model: bytes | str | Path,
+        prompts: Iterable[str | Mapping[str, Any]] | str | Path,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        top_p: float | None = None,
+        top_k: int | None = None,
+        stop: Iterable[str] | None = None,
+        seed: int | None = None,
+        token_budget: int | None = None,
+        replication: int | None = None,
+        priority: int = 0,
+    ) -> Job:
+        """Generate text with a GGUF model (bytes or a path) over prompts: strings, objects
+        (`{"prompt": ...}` or `{"messages": [...]}`, an optional `"seed"`), or a path to a
+        JSON Lines file of those objects. `temperature` 0 (the default) is greedy.
+        `job.result()` is one dict per prompt, in order: text, token ids, each token's
+        log-probability, finish_reason ("stop" or "length")."""
+        if isinstance(prompts, str | Path):
+            data = Path(prompts).read_bytes()
+        else:
+            records = [{"prompt": p} if isinstance(p, str) else dict(p) for p in prompts]
+            data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
+        settings = {
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "top_k": top_k,
+            "stop": list(stop) if stop is not None else None,
+            "seed": seed,
+            "token_budget": token_budget,
+        }
+        return self.submit(
+            "llm-generate",
+            inputs={"model": _read(model), "prompts": data},
+            params={k: v for k, v in settings.items() if v is not None},
+            replication=replication,
+            priority=priority,
+        )
+
     def job(self, job_id: int) -> Job:
         return Job(self, job_id)
 
@@ -296,6 +373,11 @@ class Job:
         self._info = dict(self.client.request("POST", f"/v1/jobs/{self.id}/cancel").json())
         return self._info
 
+    def resubmit(self) -> Job:
+        """A new job of this failed (or cancelled) job's shards that did not complete."""
+        info = dict(self.client.request("POST", f"/v1/jobs/{self.id}/resubmit").json())
+        return Job(self.client, int(info["id"]), info)
+
     def wait(
         self, *, progress: bool = False, timeout: float | None = None, poll_s: float = 20.0
     ) -> dict[str, Any]:
@@ -312,8 +394,12 @@ class Job:
         deadline = None if timeout is None else time.monotonic() + timeout
         bar: JobProgress | None = None
         if progress:
-            training = (self._info or self.info())["kind"] == TRAINING_KIND
-            bar = JobProgress(self.id, metrics=self.metrics if training else None)
+            kind = (self._info or self.info())["kind"]
+            bar = JobProgress(
+                self.id,
+                metrics=self.metrics if kind == TRAINING_KIND else None,
+                tokens=self.tokens if kind == TOKEN_KIND else None,
+            )
         longest = max(0.0, min(poll_s, MAX_WAIT_S, self.client.read_timeout() / 2))
         try:
             info = self.info()
@@ -341,6 +427,16 @@ class Job:
             raise JobFailed(0, info["state"], info.get("error") or f"job {self.id} {info['state']}")
         return info
 
+    def tokens(self) -> tuple[int, int]:
+        """A generation job's progress in tokens (prompt plus max_tokens, the unit its
+        shards are cut by): done, counting the running shards' progress, and in all."""
+        info = self.info(shards=True)
+        done = sum(
+            s["items"] * (1.0 if s["state"] == "done" else s["progress"])
+            for s in info["shards"] or []
+        )
+        return int(done), int(info["items_total"])
+
     def metrics(self) -> dict[str, Any]:
         """A training job's per-round metrics: train and eval loss, bytes, time, nodes."""
         return dict(self.client.request("GET", f"/v1/jobs/{self.id}/metrics").json())
@@ -350,8 +446,8 @@ class Job:
 
     def result(self) -> Any:
         """The job's result: a numpy array for embed-text, {output name: array} for
-        onnx-infer, {parameter name: array} (the trained weights) for diloco-train, parsed
-        JSON for JSON kinds."""
+        onnx-infer, {parameter name: array} (the trained weights) for diloco-train, a list
+        of dicts for llm-generate (one per prompt), parsed JSON for JSON kinds."""
         response = self.client.request("GET", f"/v1/jobs/{self.id}/result")
         media = response.headers.get("content-type", "")
         if "npy" in media:
@@ -360,9 +456,45 @@ class Job:
             from safetensors.numpy import load
 
             return dict(load(response.content))
+        if "ndjson" in media:  # one JSON object per line (llm-generate)
+            return [json.loads(line) for line in response.text.splitlines() if line.strip()]
         if "json" in media:
             return response.json()
         return response.content
+
+
+class TrainingJob(Job):
+    """A training job of a researcher's model, which `save` writes back as a folder."""
+
+    def __init__(
+        self, client: Client, job_id: int, info: dict[str, Any] | None, *, base: hf_folder.HFModel
+    ) -> None:
+        super().__init__(client, job_id, info)
+        self.base = base
+
+    def save(self, folder: str | Path) -> Path:
+        """Write the trained model (LoRA adapters merged) as a Hugging Face folder."""
+        from safetensors.numpy import load
+
+        from idlegrid.training.hf_models import LoraSettings
+
+        lora = ((self._info or self.info())["params"].get("model") or {}).get("lora")
+        named = load(self.result_bytes())
+        settings = None if lora is None else LoraSettings.model_validate(lora)
+        weights = hf_folder.trained_weights(self.base, named, settings)
+        hf_folder.write_folder(Path(folder), self.base.config, weights, self.base.tokenizer)
+        return Path(folder)
+
+
+def _training_data(dataset: str | Path | np.ndarray | bytes) -> bytes:
+    if isinstance(dataset, bytes):
+        return dataset
+    if isinstance(dataset, np.ndarray):
+        return hf_folder.token_dataset_blob(dataset)
+    path = Path(dataset)
+    if path.suffix == ".safetensors":
+        return path.read_bytes()
+    return hf_folder.text_dataset_blob(path.read_text(encoding="utf-8"))
 
 
 def _read(source: bytes | str | Path) -> bytes:

@@ -17,6 +17,19 @@ T = TypeVar("T")
 MIB = 1024 * 1024
 
 
+# How strictly the replicas of a shard must come from different networks, by name
+# (`idlegrid serve --replica-networks`, docs/operations.md "Replicas and networks"):
+# "distinct" (the default, for public grids): networks differ, IPv4 /24 and IPv6 /48 as
+# the prefixes say; "address": each address is a network of its own (a lab whose
+# machines reach the coordinator by their own addresses); "shared": no network rule (one
+# machine, or nodes behind one NAT); accounts and nodes must still differ.
+REPLICA_NETWORKS: dict[str, dict[str, Any]] = {
+    "distinct": {"distinct_networks": True},
+    "address": {"distinct_networks": True, "network_prefix_v4": 32, "network_prefix_v6": 128},
+    "shared": {"distinct_networks": False},
+}
+
+
 @dataclass(frozen=True, kw_only=True)
 class CoordinatorSettings:
     """Everything `idlegrid serve` can be told; defaults make a one-machine grid."""
@@ -56,12 +69,16 @@ class CoordinatorSettings:
     # results, round timers, presence): the holder of a broker lease of this length,
     # renewed every third of it. When it dies another takes over once the lease ran out.
     leader_lease_s: float = 5.0
+    # A check of an output that names its build (llm-generate) waits this long after the
+    # shard's latest result for a node of that build; then any node may check it, and its
+    # check can fail the output but not pass it (docs/verification.md).
+    check_build_wait_s: float = 300.0
     # Tasks of one shard (all ever created: BOINC's max_total_results) before it fails.
     max_attempts: int = 10
     # Replicas per shard unless a job says otherwise; a quorum of two must agree.
     default_replication: int = 3
     # Replicas of a shard go to distinct accounts and networks (IPv4 /24, IPv6 /48), not
-    # only distinct nodes. Off for a grid whose workers all run on one machine.
+    # only distinct nodes. How strictly networks must differ: REPLICA_NETWORKS.
     distinct_accounts: bool = True
     distinct_networks: bool = True
     network_prefix_v4: int = 24
@@ -142,8 +159,9 @@ class CoordinatorSettings:
     # operator makes accounts with `idlegrid web-account`); sessions last web_session_s.
     web_open_signup: bool = True
     web_session_s: float = 14 * 86_400.0
-    # Failed sign-ins per account name and per address within web_signin_window_s, past
-    # which sign-in waits (per coordinator process).
+    # Failed sign-ins per account name from one address, and per address, within
+    # web_signin_window_s, past which sign-in from that address waits (per coordinator
+    # process); no limit spans addresses, so nobody can lock another person out.
     web_signin_failures_per_account: int = 5
     web_signin_failures_per_address: int = 20
     web_signin_window_s: float = 900.0
@@ -151,6 +169,18 @@ class CoordinatorSettings:
     web_upload_quota_bytes: int = 1024 * MIB
     # The statistics exports (users, teams, nodes) are written this often.
     web_export_interval_s: float = 86_400.0
+    # Peer-to-peer training rounds (the p2p extra, docs/training.md): "auto" runs a
+    # bootstrap DHT peer in a child process if hivemind is installed, "on" insists on it,
+    # "off" runs none (p2p jobs are refused). `idlegrid serve` asks for "auto". With
+    # `p2p_peers` (multiaddresses of a DHT run elsewhere) nodes are sent there instead.
+    p2p: str = "off"
+    p2p_host: str = "0.0.0.0"
+    # 0: any free port. A fixed port (and the identity kept in the data directory) keeps
+    # the addresses in tasks already handed out good across a restart.
+    p2p_port: int = 0
+    # The address nodes reach the DHT at, if not one of this machine's (a public IP).
+    p2p_announce: str = ""
+    p2p_peers: tuple[str, ...] = ()
 
     @property
     def restart_grace_s(self) -> float:
@@ -201,6 +231,11 @@ class CoordinatorSettings:
         return self.data_dir / "blobs"
 
     @property
+    def download_dir(self) -> Path:
+        """What /download serves: scripts/build-downloads.sh builds the packages here."""
+        return self.data_dir / "downloads"
+
+    @property
     def admin_token_file(self) -> Path:
         return self.data_dir / "admin-token"
 
@@ -237,6 +272,9 @@ class WorkerSettings:
     slowdown: float = 1.0
     # The idle policy (policy.idle; docs/worker.md). A dedicated machine computes always,
     # at full speed, whatever the probes read (tests, benchmarks, servers lent whole).
+    # A task process that ran no task for this long ends, giving back the memory its
+    # kinds keep (a loaded model); the next task starts a new one. 0: never.
+    task_process_idle_s: float = 60.0
     dedicated: bool = False
     cpu_mode: str = "idle"  # always | idle | never
     gpu_mode: str = "idle"
@@ -248,12 +286,16 @@ class WorkerSettings:
     in_use_cpu_percent: float = 50.0
     in_use_memory_percent: float = 50.0
     suspend_cpu_usage: float = 25.0
+    suspend_gpu_usage: float = 25.0  # other programs' use of a GPU the worker computes on
     exclusive_apps: tuple[str, ...] = ()
     pause_on_battery: bool = True
     min_battery_percent: float = 0.0
     windows: str = ""  # e.g. "18:00-08:00; sat,sun 00:00-24:00"
     max_cpu_temp_c: float = 0.0
     when_unknown: str = "in-use"
+    # Input blobs this node downloads a day (local time), in MB; past it, it asks for no
+    # work until the next day. 0: no cap.
+    daily_download_mb: float = 0.0
     # Idle probes to use, by name (`idlegrid worker --show-idle` lists them); empty: all
     # of this platform's, most exact first.
     idle_probes: tuple[str, ...] = ()
@@ -265,6 +307,10 @@ class WorkerSettings:
     checkpoint_every_s: float = 60.0
     # The local control page on 127.0.0.1: this port, 0 any free one, -1 none.
     control_port: int = 7390
+    # How this node takes part in peer-to-peer training rounds (p2p/reachability.py):
+    # "public" a full peer, "client" Hivemind's client mode (behind NAT: connects out
+    # only), "auto" client mode only when the DHT is public and this machine is not.
+    p2p_reachability: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

@@ -76,6 +76,10 @@ class StoredInputs(Mapping[str, bytes]):
     def hash_of(self, name: str) -> str:
         return self._hashes[name]
 
+    def file_of(self, name: str) -> Path:
+        """The stored file of input `name` (for readers that map a large file)."""
+        return self._store.file(self._hashes[name])
+
 
 def input_hash(inputs: Mapping[str, bytes], name: str) -> str:
     """The SHA-256 of input `name`: its name in the store where it came from there (the
