@@ -61,6 +61,23 @@ def worker_command(executable: str | None = None, *, frozen: bool | None = None)
     return [executable, "-m", "idlegrid", "worker"]
 
 
+def service_command(
+    *, platform: str, executable: str | None = None, frozen: bool | None = None
+) -> list[str]:
+    """What the service starts (the daemon's flags follow): `worker_command`, except on
+    Windows, whose logon task runs in the volunteer's session, so a console program would
+    open a console window at every logon that closing stops the worker: there the
+    one-file build's windowless `idlegrid-worker-tray.exe` beside it runs the daemon (with
+    arguments it is `idlegrid worker ...`, packaging/tray_entry.py)."""
+    frozen = _frozen() if frozen is None else frozen
+    command = worker_command(executable, frozen=frozen)
+    if frozen and platform == "win32":
+        windowless = tray_program(Path(command[0]), platform=platform, home=Path.home())
+        if windowless is not None:
+            return [str(windowless)]
+    return command
+
+
 def tray_program(executable: Path, *, platform: str, home: Path) -> Path | None:
     """The tray program that the one-file build makes beside the console program at
     `executable`, or None where there is none (Linux, or a copy moved away from it).
@@ -270,7 +287,7 @@ def install(
 ) -> list[str]:
     """Write the service file (and the token), enable and start it; lines to print."""
     arguments = daemon_arguments(options)
-    command = [*worker_command(), *arguments]
+    command = [*service_command(platform=platform), *arguments]
     if system:
         state_dir = SYSTEM_STATE_DIR
     else:
