@@ -189,39 +189,20 @@ WantedBy={"multi-user.target" if system else "default.target"}
 
 
 def launchd_plist(command: Sequence[str], *, state_dir: Path, log_dir: Path) -> str:
-    arguments = "\n".join(
-        f"    <string>{escape(part)}</string>" for part in [*command, "--state-dir", str(state_dir)]
-    )
-    return f"""<?xml version="1.0" encoding="UTF-8"?>
-<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
-<plist version="1.0">
-<dict>
-  <key>Label</key>
-  <string>{LAUNCHD_LABEL}</string>
-  <key>ProgramArguments</key>
-  <array>
-{arguments}
-  </array>
-  <key>RunAtLoad</key>
-  <true/>
-  <key>KeepAlive</key>
-  <dict>
-    <key>SuccessfulExit</key>
-    <false/>
-  </dict>
-  <key>ProcessType</key>
-  <string>Background</string>
-  <key>Nice</key>
-  <integer>10</integer>
-  <key>LowPriorityIO</key>
-  <true/>
-  <key>StandardOutPath</key>
-  <string>{escape(str(log_dir / "worker.log"))}</string>
-  <key>StandardErrorPath</key>
-  <string>{escape(str(log_dir / "worker.log"))}</string>
-</dict>
-</plist>
-"""
+    """`~/Library/LaunchAgents/org.idlegrid.worker.plist`: the worker as the user's agent,
+    restarted when it fails, at background priority."""
+    log = str(log_dir / "worker.log")
+    return desktop_files.plist({
+        "Label": LAUNCHD_LABEL,
+        "ProgramArguments": [*command, "--state-dir", str(state_dir)],
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ProcessType": "Background",
+        "Nice": 10,
+        "LowPriorityIO": True,
+        "StandardOutPath": log,
+        "StandardErrorPath": log,
+    })  # fmt: skip
 
 
 def task_scheduler_xml(command: Sequence[str], *, state_dir: Path, user: str) -> str:
