@@ -308,6 +308,33 @@ async def test_a_check_waits_for_a_node_of_the_outputs_build(
     assert await _state(store, job_id) == "running"  # the near cheat failed on its build
 
 
+async def test_a_job_says_its_check_waits_for_a_build_no_connected_node_runs(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    nodes = await _built_nodes(grid, store, {"maker": "A", "other": "B"}, now[0])
+    await _built_work(grid, nodes["maker"])
+    now[0] += 100
+
+    async def waits() -> list[str]:
+        job = await store.jobs.get_job(job_id)
+        assert job is not None
+        return [w for w in await grid.waiting_for(job) if "build its output names" in w]
+
+    (reason,) = await waits()
+    maker = nodes["maker"].session.node_id
+    assert reason.startswith(
+        f"shard 0 waits for a check on the build its output names (A; node {maker} made it)"
+    )
+    assert "for up to 200 s more" in reason and "made again" in reason
+    now[0] += WAIT_S  # past the wait: other builds check it, nothing to say
+    assert await waits() == []
+    now[0] -= WAIT_S
+    await _built_nodes(grid, store, {"peer": "A"}, now[0])  # a node of its build comes
+    assert await waits() == []
+
+
 async def test_an_honest_output_passes_its_own_builds_check(
     built_grid: tuple[Grid, list[float]], store: SqlStore
 ) -> None:

@@ -40,14 +40,21 @@ async def engine(tmp_path: Path) -> AsyncIterator[AsyncEngine]:
         await engine.dispose()
 
 
-def driver_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name == "idlegrid-sqlite"]
+def driver_threads() -> set[threading.Thread]:
+    """The driver's threads alive now. A test counts those it starts, not all of them:
+    another test's connection in this process may end its thread at any time (when
+    the garbage collector gets to it)."""
+    return {t for t in threading.enumerate() if t.name == "idlegrid-sqlite"}
 
 
-async def wait_for_threads(count: int) -> None:
-    """Until `count` driver threads are left: a closed connection's thread ends soon after."""
+async def wait_for_threads(before: set[threading.Thread]) -> None:
+    """Until none of the driver threads started since `before` is left: a closed
+    connection's thread ends soon after."""
+    started = driver_threads() - before
     await eventually(
-        lambda: len(driver_threads()) == count, f"{count} driver threads left", timeout_s=10
+        lambda: not any(t.is_alive() for t in started),
+        f"the {len(started)} driver thread(s) started here to end",
+        timeout_s=10,
     )
 
 
@@ -157,9 +164,9 @@ async def test_a_cancelled_statement_leaves_the_connection_usable(engine: AsyncE
 
 
 async def test_closed_connection_refuses_work_and_threads_end(tmp_path: Path) -> None:
-    before = len(driver_threads())
+    before = driver_threads()
     connection = await Connection.open(str(tmp_path / "c.db"))
-    assert len(driver_threads()) == before + 1
+    assert len(driver_threads() - before) == 1
     await connection.close()
     with pytest.raises(sqlite_driver.sqlite3.ProgrammingError):
         await connection.call(lambda: None)
@@ -167,7 +174,7 @@ async def test_closed_connection_refuses_work_and_threads_end(tmp_path: Path) ->
 
 
 async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
-    before = len(driver_threads())
+    before = driver_threads()
     engine = create_async_engine(f"sqlite+idlegrid:///{tmp_path / 'pool.db'}")
 
     async def one(value: int) -> int:
@@ -176,7 +183,7 @@ async def test_dispose_ends_the_pool_threads(tmp_path: Path) -> None:
             return int((await conn.execute(text(f"SELECT {value}"))).scalar_one())
 
     assert await asyncio.gather(*(one(i) for i in range(4))) == [0, 1, 2, 3]
-    assert len(driver_threads()) >= before + 2
+    assert len(driver_threads() - before) >= 2
     await engine.dispose()
     await wait_for_threads(before)
 
@@ -202,7 +209,7 @@ async def test_the_store_still_runs_on_aiosqlite(tmp_path: Path) -> None:
 
 
 async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
-    before = len(driver_threads())
+    before = driver_threads()
     connection = await Connection.open(str(tmp_path / "c.db"))
     gate, held = threading.Event(), threading.Event()
     busy = asyncio.create_task(connection.call(_holding(gate, held)))
@@ -220,7 +227,7 @@ async def test_a_cancelled_close_still_ends_the_thread(tmp_path: Path) -> None:
 async def test_connections_nobody_closed_end_their_threads_when_collected(
     tmp_path: Path,
 ) -> None:
-    before = len(driver_threads())
+    before = driver_threads()
 
     async def use_and_drop() -> None:
         engine = create_async_engine(f"sqlite+idlegrid:///{tmp_path / 'dropped.db'}")
@@ -231,7 +238,7 @@ async def test_connections_nobody_closed_end_their_threads_when_collected(
                 await conn.execute(text(f"SELECT {value}"))
 
         await asyncio.gather(*(one(i) for i in range(3)))
-        assert len(driver_threads()) > before  # and the engine is never disposed
+        assert driver_threads() - before  # and the engine is never disposed
 
     await use_and_drop()
     gc.collect()

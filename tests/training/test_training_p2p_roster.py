@@ -39,10 +39,15 @@ def test_the_roster_is_complete_only_when_every_named_member_wrote_a_wellformed_
     # A malformed entry does not count; a stranger's extra entry is left out.
     bad = {**two, 2: ("not bytes", b"g2")}
     assert roster.complete(_found(bad), members) is None
-    whole = {**two, 2: [b"p2", b"g2"], 7: (b"p7", b"g7")}
+    whole = {**two, 2: [b"p2", b"g2", ["/ip4/10.0.0.2/tcp/4001"]], 7: (b"p7", b"g7")}
     assert roster.complete(_found(whole), members) == {
         0: (b"p0", b"g0"), 1: (b"p1", b"g1"), 2: (b"p2", b"g2")
     }  # fmt: skip
+    # The addresses a member wrote beside its entry (an entry of two has none).
+    assert roster.addresses(_found(whole)) == {2: ("/ip4/10.0.0.2/tcp/4001",)}
+    assert roster.own_addresses(["/ip4/127.0.0.1/tcp/4001/p2p/12D3Koo", "/ip6/::1/tcp/5"]) == [
+        "/ip4/127.0.0.1/tcp/4001", "/ip6/::1/tcp/5"
+    ]  # fmt: skip
 
 
 def test_every_member_derives_the_same_group_and_a_member_cannot_pick_its_place() -> None:
@@ -96,10 +101,13 @@ def test_three_named_members_average_to_the_same_mean(bootstrap: Any) -> None:
     assert all(np.array_equal(means[0], mean) for mean in means[1:])
     np.testing.assert_allclose(means[0], np.mean(vectors, axis=0), atol=1e-4)
     assert all(o.members == {0: True, 1: False, 2: False} for o in outcomes)
-    # Both steps (the meeting, then the data) formed from their rosters.
-    for step in (group.key, f"{group.key}-data"):
-        found = bootstrap.get(f"{step}-roster", latest=True)
-        assert found is not None and set(found.value) == {0, 1, 2}, step
+    # The meeting in the DHT alone, then the data step's group from its roster, each
+    # member's entry with the addresses the others dialled.
+    met = bootstrap.get(f"{group.key}-meet", latest=True)
+    assert met is not None and set(met.value) == {0, 1, 2}
+    found = bootstrap.get(f"{group.key}-data-roster", latest=True)
+    assert found is not None and set(found.value) == {0, 1, 2}
+    assert set(roster.addresses(found)) == {0, 1, 2}
 
 
 @pytest.mark.slow
@@ -116,4 +124,4 @@ def test_a_named_member_that_never_comes_is_named_in_the_reason(bootstrap: Any) 
         ))  # fmt: skip
     for outcome in outcomes:
         assert outcome.values is None
-        assert "members [2] never wrote its roster" in outcome.reason, outcome.reason
+        assert "did not meet in 8 s: members [2] never came" in outcome.reason, outcome.reason

@@ -263,14 +263,19 @@ def test_the_tray_app_is_the_tray_unless_told_otherwise(
     assert _tray_entry().arguments(argv) == worker_arguments
 
 
-def test_the_windowless_tray_gets_streams_logging_can_write_to(
-    monkeypatch: pytest.MonkeyPatch,
+def test_the_windowless_program_logs_to_its_state_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    entry, log = _tray_entry(), tmp_path / "worker.log"
+    assert entry.log_path(["--state-dir", str(tmp_path), "--server", "x"]) == log
+    assert entry.log_path([f"--state-dir={tmp_path}"]) == log
+    assert entry.log_path([]) == Path.home() / ".idlegrid" / "worker" / "worker.log"
     monkeypatch.setattr(sys, "stdout", None)
     monkeypatch.setattr(sys, "stderr", None)
-    _tray_entry().ensure_streams()
+    entry.ensure_streams(["--state-dir", str(tmp_path / "state")])
     assert sys.stderr is not None and sys.stdout is not None
     assert not sys.stderr.isatty()  # what the worker's logging setup asks first
-    print("goes nowhere")
+    print("kept in the log")
     sys.stderr.close()
+    assert (tmp_path / "state" / "worker.log").read_text() == "kept in the log\n"
     sys.stdout.close()

@@ -234,6 +234,23 @@ def test_launchd_and_task_scheduler_files(tmp_path: Path) -> None:
     assert document.getElementsByTagName("LogonType")[0].firstChild.nodeValue == "InteractiveToken"  # type: ignore[union-attr]
 
 
+def test_the_windows_logon_task_runs_the_windowless_program(tmp_path: Path) -> None:
+    console = tmp_path / "idlegrid-worker.exe"
+    console.write_bytes(b"MZ")
+    command = service.service_command(platform="win32", executable=str(console), frozen=True)
+    assert command == [str(console)]  # no windowless program beside it: the console one
+    windowless = tmp_path / f"{service.TRAY_PROGRAM}.exe"
+    windowless.write_bytes(b"MZ")
+    command = service.service_command(platform="win32", executable=str(console), frozen=True)
+    assert command == [str(windowless)]
+    # Elsewhere, and from the Python package, the service runs the worker as it is.
+    for platform in ("linux", "darwin"):
+        found = service.service_command(platform=platform, executable=str(console), frozen=True)
+        assert found == [str(console)]
+    python = service.service_command(platform="win32", executable="python.exe", frozen=False)
+    assert python == ["python.exe", "-m", "idlegrid", "worker"]
+
+
 def test_install_dry_run_keeps_the_token_off_the_command_line(tmp_path: Path) -> None:
     options = {"token": "ign_secret", "servers": ("https://grid.example",), "cpu_percent": 50.0,
                "state_dir": tmp_path, "exclusive_apps": ("steam",)}  # fmt: skip

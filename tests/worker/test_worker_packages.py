@@ -94,10 +94,10 @@ def test_where_the_user_install_puts_the_tray(
 )  # fmt: skip
 def test_the_user_install_adds_the_tray_at_login(tmp_path: Path, platform: str, entry: str) -> None:
     options = {"token": "ign_secret", "servers": ("https://grid.example",), "state_dir": tmp_path}
-    text = "\n".join(service.install(options, system=False, dry_run=True, platform=platform))
-    assert f"{entry}\n" in text + "\n" and f"--state-dir {tmp_path} tray" in text.replace(
-        "<string>", ""
-    ).replace("</string>\n    ", " ").replace('"', "")
+    lines = service.install(options, system=False, dry_run=True, platform=platform)
+    text = "\n".join(lines)
+    assert f"{entry}\n" in text + "\n"
+    assert _tray_entry(lines, platform)[-3:] == ["--state-dir", str(tmp_path), "tray"]
     if platform == "darwin":  # started now too, not only at the next login
         assert f"# then: launchctl bootstrap gui/{os.getuid()} " in text
         assert text.count("launchctl bootstrap") == 2 and f"{entry}\n" in text

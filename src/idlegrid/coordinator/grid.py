@@ -204,7 +204,11 @@ class Grid:
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words ([] if nothing)."""
-        return await self.intake.waiting_for(job) + await self.stalemates.waiting_for(job)
+        return (
+            await self.intake.waiting_for(job)
+            + await self.stalemates.waiting_for(job)
+            + await self.stalemates.build_waits(job)
+        )
 
     async def cancel_job(self, job_id: int) -> None:
         await self.intake.cancel_job(job_id)

@@ -21,7 +21,7 @@ from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.verifier import Verifier
 from idlegrid.store.base import JobRecord, ShardForVerify, StalledShard
-from idlegrid.verification import judging, stalemate
+from idlegrid.verification import checking, judging, stalemate
 from idlegrid.verification.quorum import Decision
 
 log = logging.getLogger(__name__)
@@ -126,6 +126,46 @@ class Stalemates:
             if len(reasons) >= limit:
                 break
         return reasons
+
+    async def build_waits(self, job: JobRecord, *, limit: int = 3) -> list[str]:
+        """The job's outputs whose check waits for a node of the build they name while
+        no connected node runs it (kinds whose outputs name builds), in words."""
+        plan = await self._plans.get(job.id)
+        if plan is None or not plan.kind.names_builds:
+            return []
+        if job.state.value not in ("queued", "running"):
+            return []
+        ctx = self._ctx
+        wait_s = ctx.settings.check_build_wait_s
+        now = ctx.clock()
+        waits = await ctx.store.verification.build_waits(job.id, since=now - wait_s, limit=50)
+        if not waits:
+            return []
+        builds = await self._connected_builds()
+        reasons = []
+        for wait in waits:
+            if any(b == wait.build for n, b in builds.items() if n != wait.node_id):
+                continue
+            left = wait.since + wait_s - now
+            reasons.append(
+                checking.build_wait_reason(wait.shard_index, wait.node_id, wait.build, left)
+            )
+            if len(reasons) >= limit:
+                break
+        return reasons
+
+    async def _connected_builds(self) -> dict[int, str]:
+        """The build each connected node reported: this process's sessions, and for the
+        nodes connected to other processes the profile they registered."""
+        ctx = self._ctx
+        builds = {s.node_id: s.llama_build for s in ctx.hub.sessions()}
+        elsewhere = set(await ctx.broker.connections()) - set(builds)
+        if elsewhere:
+            for node in await self._fleet.nodes():
+                if node.record.id in elsewhere:
+                    llama = (node.record.hardware or {}).get("llama") or {}
+                    builds[node.record.id] = str(llama.get("build") or "")
+        return builds
 
 
 def _replicas(shard: StalledShard) -> list[stalemate.Replica]:

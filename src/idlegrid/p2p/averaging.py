@@ -57,6 +57,10 @@ FORMAT_IN = "idlegrid/p2p-average-in"
 FORMAT_OUT = "idlegrid/p2p-average-out"
 # Seconds the child may take to import torch and hivemind and start its p2p daemon.
 STARTUP_S = 60.0
+# A retry's meeting all-reduces this many zeros: enough that every member of a group has
+# a part to reduce (with one value, all but one member had none, and could finish and
+# leave before the one that reduces it had their inputs).
+MEET_VALUES = 256
 # The averaged integers of K members sum below 2^20: float32 (Hivemind's reducer) holds
 # them exactly, and K x its rounding of the mean stays far below 0.5 for K <= 64.
 INTEGER_BITS = 20
@@ -97,7 +101,14 @@ class Joining:
         self._started = time.monotonic()
         env = {**os.environ, "HIVEMIND_LOGLEVEL": os.environ.get("HIVEMIND_LOGLEVEL", "ERROR")}
         # Its log goes to a file: a pipe nobody reads while the member trains would fill.
-        self._log = Path(self._scratch.name, "averaging.log").open("w")  # noqa: SIM115
+        # IDLEGRID_P2P_LOG_DIR keeps each member's log (Hivemind's, at HIVEMIND_LOGLEVEL)
+        # there, named by the round and shard, for an operator looking into a failed group.
+        self._log_path = Path(self._scratch.name, "averaging.log")
+        kept = os.environ.get("IDLEGRID_P2P_LOG_DIR")
+        if kept:
+            Path(kept).mkdir(parents=True, exist_ok=True)
+            self._log_path = Path(kept, f"{group.key}-{shard}.log")
+        self._log = self._log_path.open("w")  # noqa: SIM115
         self._process = subprocess.Popen(
             [sys.executable, "-m", "idlegrid.p2p.averaging", json.dumps(group.to_json()),
              str(shard), self.mode],
@@ -127,7 +138,7 @@ class Joining:
         try:
             if self._process.returncode != 0 or not taken.exists():
                 self._log.flush()
-                errors = Path(self._scratch.name, "averaging.log").read_text(errors="replace")
+                errors = self._log_path.read_text(errors="replace")
                 tail = errors.strip().splitlines()[-3:]
                 reason = f"the averaging process failed ({self._process.returncode}): "
                 why = reason + " | ".join(tail)[:500]
@@ -296,13 +307,22 @@ def _step(dht: Any, values: np.ndarray, key: str, min_size: int, group: Group,
           gather: dict[str, Any]) -> tuple[np.ndarray | None, dict[int, bool], str]:  # fmt: skip
     """One attempt: meet (and learn each other's peaks), then average as integers.
 
-    The whole group (`min_size` = its size) meets as named; a smaller one is found by
-    Hivemind's matchmaking. Those who met then average as named."""
+    The whole group (`min_size` = its size) meets as named, through the DHT alone
+    (`roster.meet`); a smaller one is found by Hivemind's matchmaking, with an all-reduce
+    of `MEET_VALUES` zeros. Those who met then average as named."""
+    from idlegrid.p2p import roster
+
     peak = float(np.max(np.abs(values))) if values.size else 0.0
-    whole = group.members if min_size == group.size else None
-    met, found, reason = _allreduce(dht, np.zeros(1), key, (group.size, min_size), group,
-                                    {**gather, "peak": peak}, named=whole)  # fmt: skip
-    if met is None:
+    gathered = {**gather, "peak": peak}
+    found: list[Any] | None
+    if min_size == group.size:
+        found, reason = roster.meet(dht, key, group.members, int(gather["shard"]), gathered,
+                                    group.timeout_s)  # fmt: skip
+    else:
+        met, found, reason = _allreduce(dht, np.zeros(MEET_VALUES), key,
+                                        (group.size, min_size), group, gathered)  # fmt: skip
+        found = found if met is not None else None
+    if found is None:
         return None, {}, reason
     members = {int(g["shard"]): bool(g["holds_state"]) for g in found}
     scale = fixed_scale(max(float(g["peak"]) for g in found), len(found))

@@ -341,6 +341,18 @@ class StalledShard:
 
 
 @dataclass(frozen=True)
+class BuildWait:
+    """An output that waits for a check on the build it names (`store.check_routing`):
+    its shard's index, the node that made it, the build, and when its shard's latest
+    result came (the wait runs from then)."""
+
+    shard_index: int
+    node_id: int
+    build: str
+    since: float
+
+
+@dataclass(frozen=True)
 class ShardDecision:
     """What the verifier decided for a shard (`SqlStore.decide_shards` records it)."""
 

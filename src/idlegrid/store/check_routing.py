@@ -16,9 +16,11 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import Select, exists, func, select
+from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import TaskState
-from idlegrid.store.schema import tasks
+from idlegrid.states import ShardState, TaskState
+from idlegrid.store.base import BuildWait
+from idlegrid.store.schema import shards, tasks
 from idlegrid.verification.checking import OTHER_BUILDS_BEFORE_REMAKE
 
 GENERATION = tasks.alias("generation")
@@ -91,3 +93,32 @@ def check_target(shard_id: int, task_id: int, *, by_build: bool) -> Select[Any]:
         .order_by(GENERATION.c.finished_at, GENERATION.c.id)
         .limit(1)
     )
+
+
+async def build_waits(
+    conn: AsyncConnection, job_id: int, *, since: float, limit: int
+) -> list[BuildWait]:
+    """The outputs of the job's open shards whose check still waits for a node of the
+    build they name: their shard's latest result came after `since`."""
+    latest = (
+        select(func.max(LATEST.c.finished_at))
+        .where(LATEST.c.shard_id == GENERATION.c.shard_id, LATEST.c.state == _COMPLETED)
+        .scalar_subquery()
+    )
+    query = (
+        select(shards.c.idx, GENERATION.c.node_id, GENERATION.c.build, latest.label("since"))
+        .join(shards, shards.c.id == GENERATION.c.shard_id)
+        .where(
+            shards.c.job_id == job_id,
+            shards.c.state == ShardState.OPEN.value,
+            GENERATION.c.build.is_not(None),
+            GENERATION.c.node_id.is_not(None),
+            *awaiting(GENERATION, GENERATION.c.shard_id, by_build=True),
+            latest > since,
+        )
+        .order_by(shards.c.idx, GENERATION.c.id)
+        .limit(limit)
+    )
+    return [
+        BuildWait(row.idx, row.node_id, row.build, row.since) for row in await conn.execute(query)
+    ]

@@ -19,8 +19,18 @@ from sqlalchemy import and_, bindparam, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState, TaskState
-from idlegrid.store import audit, collusion, ending, ledger, rows, stalemate, starts
+from idlegrid.store import (
+    audit,
+    check_routing,
+    collusion,
+    ending,
+    ledger,
+    rows,
+    stalemate,
+    starts,
+)
 from idlegrid.store.base import (
+    BuildWait,
     DecisionOutcome,
     JobRecord,
     LateResult,
@@ -367,6 +377,13 @@ class Verification(Role):
     ) -> list[StalledShard]:
         """Open shards with results whose ready replica nobody holds (`store/stalemate.py`)."""
         return await stalemate.stalled_shards(conn, limit=limit, job_ids=job_ids)
+
+    @read
+    async def build_waits(
+        self, conn: AsyncConnection, job_id: int, *, since: float, limit: int
+    ) -> list[BuildWait]:
+        """Outputs whose check waits for a node of their build (`store.check_routing`)."""
+        return await check_routing.build_waits(conn, job_id, since=since, limit=limit)
 
     @read
     async def trusted_among(

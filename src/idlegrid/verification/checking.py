@@ -122,3 +122,16 @@ def _of(check: CheckedVote, generation: CheckedVote) -> bool:
 
 def _passed(check: CheckedVote) -> bool:
     return check.verdict is not None and check.verdict[1]
+
+
+def build_wait_reason(shard_index: int, node_id: int, build: str, left_s: float) -> str:
+    """What a shard whose output waits for a check on its build says (the job's
+    `waiting_for`), while no connected node runs that build."""
+    shown = build if len(build) <= 80 else build[:77] + "..."
+    return (
+        f"shard {shard_index} waits for a check on the build its output names ({shown}; "
+        f"node {node_id} made it), and no connected node runs that build: for up to "
+        f"{max(left_s, 0.0):.0f} s more, then nodes of other builds check it, whose "
+        f"passes cannot make it canonical (after {OTHER_BUILDS_BEFORE_REMAKE} of them it "
+        "is made again)"
+    )

@@ -6,10 +6,11 @@ script in the Startup folder on Windows. Pure functions of the worker's command 
 
 from __future__ import annotations
 
+import plistlib
 import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from xml.sax.saxutils import escape
+from typing import Any
 
 TRAY_LAUNCHD_LABEL = "org.idlegrid.tray"
 AUTOSTART_FILE = "idlegrid-tray.desktop"
@@ -66,28 +67,20 @@ StartupNotify=true
 """
 
 
+def plist(entries: Mapping[str, Any]) -> str:
+    """A launchd property list (XML) of `entries`."""
+    return plistlib.dumps(dict(entries), sort_keys=False).decode()
+
+
 def tray_launch_agent(command: Sequence[str]) -> str:
     """`~/Library/LaunchAgents/org.idlegrid.tray.plist`: the tray at login (Aqua only)."""
-    arguments = "\n".join(f"    <string>{escape(part)}</string>" for part in [*command, "tray"])
-    return f"""<?xml version="1.0" encoding="UTF-8"?>
-<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
-<plist version="1.0">
-<dict>
-  <key>Label</key>
-  <string>{TRAY_LAUNCHD_LABEL}</string>
-  <key>ProgramArguments</key>
-  <array>
-{arguments}
-  </array>
-  <key>RunAtLoad</key>
-  <true/>
-  <key>LimitLoadToSessionType</key>
-  <string>Aqua</string>
-  <key>ProcessType</key>
-  <string>Interactive</string>
-</dict>
-</plist>
-"""
+    return plist({
+        "Label": TRAY_LAUNCHD_LABEL,
+        "ProgramArguments": [*command, "tray"],
+        "RunAtLoad": True,
+        "LimitLoadToSessionType": "Aqua",
+        "ProcessType": "Interactive",
+    })  # fmt: skip
 
 
 def windows_startup_script(command: Sequence[str]) -> str:

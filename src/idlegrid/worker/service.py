@@ -61,6 +61,23 @@ def worker_command(executable: str | None = None, *, frozen: bool | None = None)
     return [executable, "-m", "idlegrid", "worker"]
 
 
+def service_command(
+    *, platform: str, executable: str | None = None, frozen: bool | None = None
+) -> list[str]:
+    """What the service starts (the daemon's flags follow): `worker_command`, except on
+    Windows, whose logon task runs in the volunteer's session, so a console program would
+    open a console window at every logon that closing stops the worker: there the
+    one-file build's windowless `idlegrid-worker-tray.exe` beside it runs the daemon (with
+    arguments it is `idlegrid worker ...`, packaging/tray_entry.py)."""
+    frozen = _frozen() if frozen is None else frozen
+    command = worker_command(executable, frozen=frozen)
+    if frozen and platform == "win32":
+        windowless = tray_program(Path(command[0]), platform=platform, home=Path.home())
+        if windowless is not None:
+            return [str(windowless)]
+    return command
+
+
 def tray_program(executable: Path, *, platform: str, home: Path) -> Path | None:
     """The tray program that the one-file build makes beside the console program at
     `executable`, or None where there is none (Linux, or a copy moved away from it).
@@ -172,39 +189,20 @@ WantedBy={"multi-user.target" if system else "default.target"}
 
 
 def launchd_plist(command: Sequence[str], *, state_dir: Path, log_dir: Path) -> str:
-    arguments = "\n".join(
-        f"    <string>{escape(part)}</string>" for part in [*command, "--state-dir", str(state_dir)]
-    )
-    return f"""<?xml version="1.0" encoding="UTF-8"?>
-<!DOCTYPE plist PUBLIC "-//Apple//DTD PLIST 1.0//EN" "http://www.apple.com/DTDs/PropertyList-1.0.dtd">
-<plist version="1.0">
-<dict>
-  <key>Label</key>
-  <string>{LAUNCHD_LABEL}</string>
-  <key>ProgramArguments</key>
-  <array>
-{arguments}
-  </array>
-  <key>RunAtLoad</key>
-  <true/>
-  <key>KeepAlive</key>
-  <dict>
-    <key>SuccessfulExit</key>
-    <false/>
-  </dict>
-  <key>ProcessType</key>
-  <string>Background</string>
-  <key>Nice</key>
-  <integer>10</integer>
-  <key>LowPriorityIO</key>
-  <true/>
-  <key>StandardOutPath</key>
-  <string>{escape(str(log_dir / "worker.log"))}</string>
-  <key>StandardErrorPath</key>
-  <string>{escape(str(log_dir / "worker.log"))}</string>
-</dict>
-</plist>
-"""
+    """`~/Library/LaunchAgents/org.idlegrid.worker.plist`: the worker as the user's agent,
+    restarted when it fails, at background priority."""
+    log = str(log_dir / "worker.log")
+    return desktop_files.plist({
+        "Label": LAUNCHD_LABEL,
+        "ProgramArguments": [*command, "--state-dir", str(state_dir)],
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ProcessType": "Background",
+        "Nice": 10,
+        "LowPriorityIO": True,
+        "StandardOutPath": log,
+        "StandardErrorPath": log,
+    })  # fmt: skip
 
 
 def task_scheduler_xml(command: Sequence[str], *, state_dir: Path, user: str) -> str:
@@ -270,7 +268,7 @@ def install(
 ) -> list[str]:
     """Write the service file (and the token), enable and start it; lines to print."""
     arguments = daemon_arguments(options)
-    command = [*worker_command(), *arguments]
+    command = [*service_command(platform=platform), *arguments]
     if system:
         state_dir = SYSTEM_STATE_DIR
     else:
