@@ -283,3 +283,20 @@ def require_p2p(needs: str) -> None:
     if os.environ.get("CI", "").lower() in {"1", "true", "yes"}:
         pytest.fail(f"{reason}; CI=true requires the p2p extra (pip install 'idlegrid[p2p]')")
     pytest.skip(f"{reason}: {needs}")
+
+
+def record_failures(worker: Any) -> list[str]:
+    """The errors of the tasks `worker` (an in-process `worker.daemon.Worker`) runs from
+    now on, as their messages: its compute step is wrapped to note each one and raise it."""
+    failures: list[str] = []
+    compute = worker._compute
+
+    async def failing_compute(task: Any, data: bytes) -> bytes:
+        try:
+            return await compute(task, data)
+        except Exception as exc:
+            failures.append(str(exc))
+            raise
+
+    worker._compute = failing_compute
+    return failures

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from grids import serving
-from helpers import eventually
+from helpers import eventually, record_failures
 from llm_model import model_path
 
 from idlegrid.client import Client
@@ -84,17 +84,7 @@ async def test_a_node_that_cannot_load_the_model_fails_and_others_make_the_shard
     (tmp_path / "broken" / "models" / f"{digest}.gguf").write_bytes(
         model.read_bytes()[: model.stat().st_size // 2]
     )
-    failures: list[str] = []
-    compute = broken._compute
-
-    async def failing_compute(task: Any, data: bytes) -> bytes:
-        try:
-            return await compute(task, data)
-        except Exception as exc:
-            failures.append(str(exc))
-            raise
-
-    broken._compute = failing_compute  # type: ignore[method-assign]
+    failures = record_failures(broken)
     runs = [asyncio.create_task(broken.run())]
     healthy: list[Worker] = []
     try:

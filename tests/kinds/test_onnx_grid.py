@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from grids import serving
-from helpers import eventually
+from helpers import eventually, record_failures
 
 from idlegrid.client import Client, IdlegridError
 from idlegrid.kinds.onnx.data import Preprocess, decode_batch, load_images, zip_files
@@ -185,17 +185,7 @@ async def test_a_provider_failing_mid_shard_sends_the_shard_to_other_nodes(
     url, admin = coordinator
     client = Client(url, token=admin.strip())
     broken = await _worker(client, url, tmp_path / "broken", kinds=("onnx-infer",), threads=3)
-    failures: list[str] = []
-    compute = broken._compute
-
-    async def failing_compute(task: Any, data: bytes) -> bytes:
-        try:
-            return await compute(task, data)
-        except Exception as exc:
-            failures.append(str(exc))
-            raise
-
-    broken._compute = failing_compute  # type: ignore[method-assign]
+    failures = record_failures(broken)
     runs = [asyncio.create_task(broken.run())]
     healthy: list[Worker] = []
     try:

@@ -70,6 +70,10 @@ class Context:
     # Long polls of jobs (`GET /v1/jobs/{id}?wait_s=`), woken by results and job ends.
     job_watch: JobWatch = field(default_factory=JobWatch)
 
+    async def connected(self) -> set[int]:
+        """The nodes connected to this process or, with a shared broker, to any."""
+        return set(await self.broker.connections()) | {s.node_id for s in self.hub.sessions()}
+
 
 class FanOut(Protocol):
     """What a part tells the rest of the grid: this process's other parts, its connected

@@ -145,6 +145,10 @@ class Grid:
     def hub(self) -> Hub:
         return self.context.hub
 
+    async def connected(self) -> set[int]:
+        """The nodes connected to this process or, with a shared broker, to any."""
+        return await self.context.connected()
+
     @property
     def clock(self) -> Callable[[], float]:
         return self.context.clock

@@ -219,7 +219,7 @@ class Intake:
             return []
         ctx = self._ctx
         reasons = await self._matcher.waiting_for(job, fleet=self._fleet)
-        connected = set(await ctx.broker.connections()) | {s.node_id for s in ctx.hub.sessions()}
+        connected = await ctx.connected()
         able_nodes = [row for row in await self._fleet.able(job.kind) if row[0] in connected]
         ids = {row[0] for row in able_nodes}
         reasons += availability.held_back(job.kind, len(ids), await self._held_back(ids))

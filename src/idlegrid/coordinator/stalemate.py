@@ -115,7 +115,7 @@ class Stalemates:
             return []
         ctx = self._ctx
         stalled = await ctx.store.verification.stalled_shards(limit=100, job_ids=[job.id])
-        connected = set(await ctx.broker.connections()) | {s.node_id for s in ctx.hub.sessions()}
+        connected = await ctx.connected()
         reasons = []
         for shard in stalled:
             nodes, barred = await self.candidates(shard)

@@ -82,8 +82,7 @@ async def said_of_itself(request: Request, node_id: int) -> tuple[str, str]:
 
 async def connected_ids(request: Request) -> set[int]:
     """Nodes connected to this coordinator process or, with Redis, to any."""
-    grid = grid_of(request)
-    return set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
+    return await grid_of(request).connected()
 
 
 async def my_nodes(request: Request, account_id: int) -> list[NodeView]:

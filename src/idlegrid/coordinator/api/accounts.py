@@ -162,7 +162,7 @@ async def list_nodes(token: Researcher, grid: GridDep) -> list[NodeOut]:
     """Your nodes (all nodes for admins) with hardware, benchmark and uptime."""
     nodes = await grid.store.nodes.list_nodes(None if token.is_admin else token.account_id)
     # Connected to this process or, with several coordinators, to another one.
-    connected = set(await grid.broker.connections()) | {s.node_id for s in grid.hub.sessions()}
+    connected = await grid.connected()
     now = grid.clock()
     # What each connected node said last, to whichever process holds its socket.
     said = await grid.store.node_control.activity_of([n.id for n in nodes if n.id in connected])
