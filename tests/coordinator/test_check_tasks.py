@@ -90,40 +90,62 @@ async def grid(store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     await grid.aclose()
 
 
-async def _nodes(grid: Grid, store: SqlStore, names: Sequence[str]) -> dict[str, FakeNode]:
+async def _nodes(
+    grid: Grid, store: SqlStore, names: Sequence[str] | Mapping[str, str], *,
+    kind: str = NAME, now: float = T0, net: int = 0,
+) -> dict[str, FakeNode]:  # fmt: skip
+    """A volunteer's node each, on networks 10.`net`.i; `names` a mapping: name -> the
+    llama.cpp build its session reports."""
+    builds = names if isinstance(names, Mapping) else {}
     nodes = {}
     for i, name in enumerate(names):
-        account = await store.accounts.create_account(f"volunteer-{name}", is_admin=False, now=T0)
-        node = await fake_node(store, account.id, name, now=T0, kinds=[NAME], address=f"10.0.{i}.1")
+        account = await store.accounts.create_account(f"volunteer-{name}", is_admin=False, now=now)
+        node = await fake_node(
+            store, account.id, name, now=now, kinds=[kind], address=f"10.{net}.{i}.1"
+        )
+        if name in builds:
+            node.session.llama_build = builds[name]
         grid.hub.add(node.session)
         nodes[name] = node
     return nodes
 
 
-async def _work(grid: Grid, node: FakeNode, *, lie: bool = False) -> dict[str, Any] | None:
-    """Take one task as a node's `ready` does, run the kind (or lie), send the result."""
+async def _claim(grid: Grid, node: FakeNode) -> dict[str, Any] | None:
+    """Take one task as a node's `ready` does: its assignment, or None."""
     before = len(node.assigned())
     node.session.requested = 1
     await grid.fill(node.session)
-    if len(node.assigned()) == before:
+    return node.assigned()[-1] if len(node.assigned()) > before else None
+
+
+async def _send(grid: Grid, node: FakeNode, assign: dict[str, Any], output: bytes) -> None:
+    message = protocol.Result(task_id=assign["task_id"], output=grid.blobs.put(output),
+                              output_size=len(output), elapsed_s=0.1)  # fmt: skip
+    await grid.accept_result(node.session, message)
+
+
+async def _work(grid: Grid, node: FakeNode, *, lie: bool = False) -> dict[str, Any] | None:
+    """Take one task as a node's `ready` does, run the kind (or lie), send the result."""
+    assign = await _claim(grid, node)
+    if assign is None:
         return None
-    assign = node.assigned()[-1]
     kind = get_kind(NAME)
     check = grid.blobs.read(assign["check"]["hash"]) if assign.get("check") else None
     payload = grid.blobs.read(assign["input"]["hash"])
     output = kind.run(payload, KindParams(), RunContext(check=check))
     if lie:
         output = payload.lower() if check is None else output.replace(b"true", b"false")
-    message = protocol.Result(task_id=assign["task_id"], output=grid.blobs.put(output),
-                              output_size=len(output), elapsed_s=0.1)  # fmt: skip
-    await grid.accept_result(node.session, message)
+    await _send(grid, node, assign, output)
     return assign
 
 
-async def _submit(grid: Grid, store: SqlStore, lines: bytes) -> int:
-    researcher = await store.accounts.create_account("alice", is_admin=False, now=T0)
+async def _submit(
+    grid: Grid, store: SqlStore, lines: bytes, *, kind: str = NAME, now: float = T0,
+    researcher: str = "alice",
+) -> int:  # fmt: skip
+    account = await store.accounts.create_account(researcher, is_admin=False, now=now)
     job = await grid.submit_job(
-        account_id=researcher.id, kind_name=NAME, inputs={"lines": grid.blobs.put(lines)},
+        account_id=account.id, kind_name=kind, inputs={"lines": grid.blobs.put(lines)},
         params={}, replication=None, priority=0,
     )  # fmt: skip
     return job.id
@@ -239,16 +261,7 @@ async def built_grid(
 async def _built_nodes(
     grid: Grid, store: SqlStore, builds: Mapping[str, str], now: float
 ) -> dict[str, FakeNode]:
-    nodes = {}
-    for i, (name, build) in enumerate(builds.items()):
-        account = await store.accounts.create_account(f"volunteer-{name}", is_admin=False, now=now)
-        node = await fake_node(
-            store, account.id, name, now=now, kinds=[BUILT], address=f"10.1.{i}.1"
-        )
-        node.session.llama_build = build
-        grid.hub.add(node.session)
-        nodes[name] = node
-    return nodes
+    return await _nodes(grid, store, builds, kind=BUILT, now=now, net=1)
 
 
 async def _built_work(
@@ -256,12 +269,9 @@ async def _built_work(
 ) -> dict[str, Any] | None:
     """One task on a node of the build its session reported: an output naming `names`
     (default that build), or a check that fails a "near" output only on its own build."""
-    before = len(node.assigned())
-    node.session.requested = 1
-    await grid.fill(node.session)
-    if len(node.assigned()) == before:
+    assign = await _claim(grid, node)
+    if assign is None:
         return None
-    assign = node.assigned()[-1]
     payload = grid.blobs.read(assign["input"]["hash"])
     build = node.session.llama_build
     if assign.get("check"):
@@ -272,20 +282,12 @@ async def _built_work(
     else:
         named = build if names is None else names
         output = json.dumps({"text": payload.upper().decode(), "build": named, "near": near})
-    data = output.encode()
-    message = protocol.Result(task_id=assign["task_id"], output=grid.blobs.put(data),
-                              output_size=len(data), elapsed_s=0.1)  # fmt: skip
-    await grid.accept_result(node.session, message)
+    await _send(grid, node, assign, output.encode())
     return assign
 
 
 async def _submit_built(grid: Grid, store: SqlStore, now: float) -> int:
-    researcher = await store.accounts.create_account("bob", is_admin=False, now=now)
-    job = await grid.submit_job(
-        account_id=researcher.id, kind_name=BUILT, inputs={"lines": grid.blobs.put(b"abc")},
-        params={}, replication=None, priority=0,
-    )  # fmt: skip
-    return job.id
+    return await _submit(grid, store, b"abc", kind=BUILT, now=now, researcher="bob")
 
 
 async def _state(store: SqlStore, job_id: int) -> str:
