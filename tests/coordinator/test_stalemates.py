@@ -90,10 +90,10 @@ async def test_a_stalled_shard_waits_for_no_node_that_cannot_run_it(
     cpu_only = await fake_node(store, bob, "cpu-only", now=T0)
     replica = ShardReplica(ran.session.node_id, alice, "", ran=True)
     shard = StalledShard(1, 1, 0, "sleep", [replica])
-    assert await _stalemates(store, tmp_path, Requirements()).eligible(shard) == [
+    assert (await _stalemates(store, tmp_path, Requirements()).candidates(shard))[0] == [
         cpu_only.session.node_id
     ]
-    assert await _stalemates(store, tmp_path, GPU).eligible(shard) == []
+    assert (await _stalemates(store, tmp_path, GPU).candidates(shard))[0] == []
 
 
 async def _claim(store: SqlStore, task_id: int, node: NodeRecord) -> Assignment | ClaimMiss:

@@ -90,14 +90,11 @@ class Stalemates:
             node_of={r.task_id: r.node_id for r in found.results},
         )
 
-    async def eligible(self, shard: StalledShard) -> list[int]:
-        """The registered nodes that could still run a replica of `shard`: those that
-        meet its job's requirements, as the scheduler's filter reads them."""
-        return (await self.candidates(shard))[0]
-
     async def candidates(self, shard: StalledShard) -> tuple[list[int], list[int]]:
-        """The nodes that could run a replica of `shard` (`eligible`), and where there
-        are none, those that only the operator's network rule bars."""
+        """The registered nodes that could still run a replica of `shard` (those that meet
+        its job's requirements, as the scheduler's filter reads them, and that the replica
+        rules let take it), and where there are none, those that only the operator's
+        network rule bars."""
         settings = self._ctx.settings
         plan = await self._plans.get(shard.job_id)
         requirements = plan.requirements if plan is not None else None
