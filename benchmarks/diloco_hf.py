@@ -63,7 +63,7 @@ from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.training import closing, gguf_import, hf_folder, models
 from idlegrid.training.aggregate import Aggregation
 from idlegrid.training.compression import Compression, decode, payload_bytes
-from idlegrid.training.flat import digest, flatten
+from idlegrid.training.flat import digest
 from idlegrid.training.outer import OuterSettings
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -158,7 +158,7 @@ class Bench:
         # Only a LoRA task fetches anything (its frozen base): a full one gets its weights.
         self.blob = hf_folder.model_blob(model) if lora else b""
         self.scratch = Path(tempfile.mkdtemp(prefix="diloco_hf-"))
-        self.initial = None if lora else self.spill("initial", flatten(model.weights)[0])
+        self.initial = None if lora else self.spill("initial", hf_folder.flat_weights(model))
 
     def start(self) -> np.ndarray:
         """The trained values at the start: LoRA's drawn adapters, or the whole model."""

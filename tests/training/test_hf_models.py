@@ -97,6 +97,24 @@ def test_a_folder_round_trips_and_bad_weights_name_the_tensor(tmp_path: Path) ->
         hf_folder.read_model_blob(_blob(folder), max_parameters=1000)
 
 
+def test_full_training_starts_from_the_folder_s_own_weights(tmp_path: Path) -> None:
+    """A safetensors file keeps its tensors by name (layers.0.input_layernorm before
+    layers.0.self_attn); the flat vector must follow the config, as the workers read it."""
+    transformers = needs_transformers()
+    import torch
+
+    from idlegrid.training import hf_torch, models
+
+    folder = tiny_folder(tmp_path / "m")
+    model = hf_folder.read_folder(folder)
+    assert list(model.weights) == [name for name, _ in hf_models.entries(model.config)]
+    config = models.parse_config("hf-causal-lm", {"config": model.config, "base": "m"})
+    module, _ = hf_torch.load(config, hf_folder.flat_weights(model), "cpu", None)
+    saved = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    for name, parameter in saved.named_parameters():
+        assert torch.equal(module.get_parameter(name), parameter), name
+
+
 def test_a_tokenizer_that_does_not_parse_is_refused(tmp_path: Path) -> None:
     model = hf_folder.read_folder(tiny_folder(tmp_path / "m"))
     broken = hf_folder.HFModel(model.config, model.weights, '{"model": {"type": "Nonsense"}}')

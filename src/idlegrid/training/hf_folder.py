@@ -24,7 +24,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from idlegrid.training import hf_models
-from idlegrid.training.flat import ContainerError, pack, unpack
+from idlegrid.training.flat import ContainerError, flatten, pack, unpack
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -66,10 +66,25 @@ def read_folder(folder: Path) -> HFModel:
         sharded = " (sharded checkpoints: save with one file)" if any(
             folder.glob("model-*.safetensors")) else ""  # fmt: skip
         raise ModelError(f"{folder} has no model.safetensors{sharded}")
-    weights = read_safetensors(weights_path.read_bytes())
+    weights = in_config_order(read_safetensors(weights_path.read_bytes()), config)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = tokenizer_path.read_text() if tokenizer_path.exists() else None
     return HFModel(config, weights, tokenizer)
+
+
+def in_config_order(
+    weights: Mapping[str, np.ndarray], config: Mapping[str, Any]
+) -> dict[str, np.ndarray]:
+    """`weights` with the config's parameters first, in its order (a file keeps its own,
+    often alphabetical: layers.10 before layers.2), then any others as they came; a config
+    too broken to list its parameters leaves them as they came, for `check_config` to name."""
+    try:
+        names = [name for name, _ in hf_models.entries(config)]
+    except (KeyError, TypeError, ValueError):
+        return dict(weights)
+    ordered = {name: weights[name] for name in names if name in weights}
+    ordered.update((name, array) for name, array in weights.items() if name not in ordered)
+    return ordered
 
 
 def read_safetensors(data: bytes) -> dict[str, np.ndarray]:
@@ -171,6 +186,13 @@ def check_weights(
             raise ModelError(f"weights: tensor {name} holds NaN or infinite values")
         ordered[name] = np.asarray(array, dtype=np.float32)
     return ordered
+
+
+def flat_weights(model: HFModel) -> np.ndarray:
+    """The whole model as the flat vector full training starts from (the config's order);
+    ModelError names a missing, extra or bad tensor."""
+    vector, _ = flatten(check_weights(model.weights, model.config))
+    return vector
 
 
 def parse_tokenizer(text: str) -> Tokenizer:

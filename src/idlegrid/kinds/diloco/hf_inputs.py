@@ -23,7 +23,7 @@ from idlegrid.kinds.diloco import tasks
 from idlegrid.kinds.diloco.dataset import read_dataset
 from idlegrid.kinds.diloco.params import DilocoParams
 from idlegrid.training import hf_folder, hf_models, models
-from idlegrid.training.flat import ContainerError, flatten, pack, unpack
+from idlegrid.training.flat import ContainerError, pack, unpack
 
 ARCHITECTURE = "hf-causal-lm"
 # Models and token streams lately read: the round driver reads a job's inputs again.
@@ -85,8 +85,7 @@ def initial_weights(params: DilocoParams, inputs: Mapping[str, bytes] | None) ->
             f"{ARCHITECTURE} starts from its model input: run it with the round driver"
         )
     model = read_model(inputs, settings.max_parameters)
-    vector, _ = flatten(model.weights)
-    return vector
+    return hf_folder.flat_weights(model)
 
 
 def training_data(
