@@ -197,3 +197,26 @@ async def test_raise_target_adds_one_replica_once_per_verdict(store: SqlStore) -
     assert not await store.claims.raise_target(claim.shard_id, results_seen=1)  # raced: once
     [more], _, _ = await store.scheduling.replenish(now=T0 + 3)
     assert more.shard_id == claim.shard_id
+
+
+async def test_a_task_of_a_shard_with_a_result_goes_ahead_of_new_work(store: SqlStore) -> None:
+    """A dispute's next replica finishes a begun shard: urgent, as it is made, as the
+    queue is rebuilt from the database, and as each job's head is read."""
+    alice = await _account(store)
+    node = await _register(store, alice, "node-key-1", limits=None)
+    _, [first] = await store.jobs.create_job(_job(alice), now=T0)
+    assert not first.urgent
+    claim = await _claim(store, first.task_id, node)
+    assert isinstance(claim, Assignment)
+    await store.results.accept_result(
+        claim.task_id, node.id, output_hash=_hash("x"), output_size=1, elapsed_s=1.0, now=T0 + 1
+    )
+    _, [other] = await store.jobs.create_job(_job(alice), now=T0 + 2)  # newer work
+    assert not other.urgent
+    assert await store.claims.raise_target(claim.shard_id, results_seen=1)
+    [more], _, _ = await store.scheduling.replenish(now=T0 + 3)
+    assert more.urgent
+    rebuilt = {t.task_id: t.urgent for t in await store.claims.ready_tasks(limit=10)}
+    assert rebuilt == {other.task_id: False, more.task_id: True}
+    heads = {t.task_id: t.urgent for t in await store.scheduling.ready_heads(per_job=5)}
+    assert heads == rebuilt

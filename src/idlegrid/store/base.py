@@ -186,8 +186,10 @@ class ReadyTask:
     created_at: float
     items: int
     cost_flops: float
-    # A replica of a shard sent back to full replication (a node was caught lying):
-    # ahead of everything else in the queue, so the check comes before more work.
+    # Ahead of everything else in the queue (`rows.is_urgent`): a replica of a shard sent
+    # back to full replication (a node was caught lying), or any task of a shard that has
+    # a result already (a dispute's next replica, a check): checks come before more work,
+    # and a begun shard is finished before another is started.
     urgent: bool = False
 
 

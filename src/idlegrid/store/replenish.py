@@ -143,7 +143,7 @@ async def _insert_tasks(
                 created_at=now,
                 items=row.item_count,
                 cost_flops=row.cost_flops,
-                urgent=row.mode == "escalated",
+                urgent=rows.is_urgent(row.mode, row.results > 0),
             )
         )
     return ready

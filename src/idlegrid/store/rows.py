@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, NodeState, ShardState, TaskState
@@ -26,6 +26,23 @@ from idlegrid.store.base import (
 from idlegrid.store.schema import accounts, jobs, shards, tasks, tokens
 from idlegrid.verification.trust import Trust
 
+_RESULT = tasks.alias("result_of_shard")
+# The shard has a result that still counts (completed, valid or not yet judged): a task
+# of it now finishes a begun shard (a dispute's next replica, a check of an output, an
+# output made again, a stand-in for a lost replica), so it is urgent (`is_urgent`).
+HAS_RESULT = exists().where(
+    _RESULT.c.shard_id == shards.c.id,
+    _RESULT.c.state == TaskState.COMPLETED.value,
+    _RESULT.c.outcome.is_(None) | (_RESULT.c.outcome == "valid"),
+)
+
+
+def is_urgent(mode: str | None, has_result: bool) -> bool:
+    """Whether a ready task goes ahead of every other (`ReadyTask.urgent`): its shard went
+    back to full replication (a node was caught lying), or already has a result."""
+    return mode == "escalated" or has_result
+
+
 # What a ready-queue entry needs: the task joined to its job and its shard.
 READY_COLUMNS = (
     tasks.c.id,
@@ -37,6 +54,7 @@ READY_COLUMNS = (
     shards.c.item_count,
     shards.c.cost_flops,
     shards.c.mode,
+    HAS_RESULT.label("has_result"),
 )
 
 # What a node needs to hear of a task it claimed (`assignment`).
@@ -145,7 +163,7 @@ def ready(row: Any) -> ReadyTask:
         created_at=row.created_at,
         items=row.item_count,
         cost_flops=row.cost_flops,
-        urgent=row.mode == "escalated",
+        urgent=is_urgent(row.mode, bool(row.has_result)),
     )
 
 
