@@ -238,6 +238,8 @@ VERIFICATION_RULES = (
     "after_error",
     "after_error_withdrawn",
     "after_suspected",
+    "after_cleared",
+    "after_upheld",
     "credit_for",
 )
 

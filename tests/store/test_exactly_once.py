@@ -443,3 +443,58 @@ async def test_claims_that_cannot_be_sent_are_released_at_once(
 async def _record(store: SqlStore, node_id: int) -> NodeRecord:
     [found] = [n for n in await store.nodes.list_nodes() if n.id == node_id]
     return found
+
+
+async def test_a_suspect_found_right_gets_its_streak_back(store: SqlStore) -> None:
+    """A spot check disagreed with a result its node ran alone (a colluder's lie, say):
+    the node's streak is held, once however often the result is suspected, and given
+    back, with the check it just passed, when the quorum finds the result valid."""
+    accounts = [
+        await store.accounts.create_account(name, is_admin=False, now=T0)
+        for name in ("alice", "bob", "carol")
+    ]
+    lone, second, third = [
+        await _node(store, account, key) for account, key in zip(accounts, "abc", strict=True)
+    ]
+
+    async def streak() -> tuple[int, int, int]:
+        [row] = await store.nodes.node_trust(lone.id)
+        return row.trust.consecutive_valid, row.trust.suspicions, row.trust.held_streak
+
+    _, earned = await store.jobs.create_job(
+        _sharded_job(accounts[0], replication=2, min_quorum=2), now=T0
+    )
+    for replica, node in zip(earned, (lone, second), strict=True):
+        await _claim(store, replica.task_id, node, now=T0)
+        await store.results.accept_result(
+            replica.task_id, node.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 1
+        )
+    ids = [r.task_id for r in earned]
+    await store.verification.decide_shards(
+        [ShardDecision(earned[0].shard_id, ids[0], ids, [], None)], now=T0 + 2
+    )
+    assert await streak() == (1, 0, 0)
+
+    _, ready = await store.jobs.create_job(
+        _sharded_job(accounts[0], replication=3, min_quorum=2), now=T0 + 3
+    )
+    alone = ready[0]
+    await _claim(store, alone.task_id, lone, now=T0 + 3)
+    await store.claims.run_alone(alone.shard_id, alone.task_id, spot_check=False)
+    await store.results.accept_result(
+        alone.task_id, lone.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 4
+    )
+    assert await store.claims.escalate(alone.shard_id, target=3, quorum=2, now=T0 + 5)
+    await store.verification.suspect([alone.task_id], now=T0 + 6)  # the dispute, again
+    assert await streak() == (0, 1, 1)
+    more, _, _ = await store.scheduling.replenish(now=T0 + 7)
+    for replica, node in zip(more, (second, third), strict=True):
+        await _claim(store, replica.task_id, node, now=T0 + 7)
+        await store.results.accept_result(
+            replica.task_id, node.id, output_hash=OUT, output_size=3, elapsed_s=1, now=T0 + 8
+        )
+    agreeing = [alone.task_id, *(r.task_id for r in more)]
+    await store.verification.decide_shards(
+        [ShardDecision(alone.shard_id, alone.task_id, agreeing, [], None)], now=T0 + 9
+    )
+    assert await streak() == (2, 0, 0)

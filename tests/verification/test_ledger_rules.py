@@ -33,6 +33,7 @@ def result(
     mode: str | None = None,
     credit: float | None = None,
     finished_at: float = 100.0,
+    suspected: bool = False,
 ) -> JudgedResult:
     return JudgedResult(
         task_id=task_id,
@@ -44,6 +45,7 @@ def result(
         mode=mode,
         credit=credit,
         finished_at=finished_at,
+        suspected=suspected,
     )
 
 
@@ -235,8 +237,35 @@ def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
         (
             Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
             ("suspected",),
-            Trust(valid_total=90, daily_quota=140),
+            Trust(valid_total=90, daily_quota=140, suspicions=1, held_streak=90),
             False,
+        ),
+        (  # a colluder's check disagreed; the quorum found the node right
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected", "valid", "valid", "cleared"),
+            Trust(consecutive_valid=92, valid_total=92, daily_quota=142),
+            False,
+        ),
+        (  # two suspected results: the streak comes back when both are cleared
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected", "suspected", "valid", "cleared"),
+            Trust(
+                consecutive_valid=1, valid_total=91, daily_quota=141, suspicions=1, held_streak=90
+            ),
+            False,
+        ),
+        (  # the suspected result was a lie: nothing held comes back
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected", "invalid", "upheld"),
+            Trust(valid_total=90, invalid_total=1, recent_invalid=1, daily_quota=70),
+            True,
+        ),
+        (  # a lie meanwhile: the one cleared later gives back nothing
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected", "invalid", "valid", "cleared"),
+            Trust(valid_total=91, invalid_total=1, recent_invalid=1, daily_quota=71,
+                  consecutive_valid=1),
+            True,
         ),
         (
             NEW,
@@ -251,7 +280,19 @@ def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
             True,
         ),
     ],
-    ids=["valid", "unchecked", "invalid", "error", "withdrawn", "suspected", "in order"],
+    ids=[
+        "valid",
+        "unchecked",
+        "invalid",
+        "error",
+        "withdrawn",
+        "suspected",
+        "cleared",
+        "cleared twice",
+        "upheld",
+        "lie meanwhile",
+        "in order",
+    ],
 )
 def test_trust_steps_through_a_nodes_events_in_order(
     before: Trust, events: tuple[ledger.TrustEvent, ...], after: Trust, caught: bool
@@ -305,6 +346,25 @@ def test_a_shard_reopened_for_a_check_counts_only_what_changed() -> None:
     assert checked.after.consecutive_valid == checked.before.consecutive_valid + 1
     assert checked.after.valid_total == checked.before.valid_total
     assert set(paid(delta)) == {1, 3}  # credit is once per task anyway (credit None here)
+
+
+def test_a_suspected_result_s_verdict_settles_its_suspicion() -> None:
+    """After its verdict event: cleared when valid (also when its shard was reopened and
+    voted again), upheld otherwise; a result not suspected adds nothing."""
+    found = [
+        result(1, node=1, suspected=True),
+        result(2, node=2, suspected=True),
+        result(3, node=3, suspected=True),
+        result(4, node=4),
+    ]
+    verdicts: dict[int, ResultVerdict] = {1: "valid", 2: "invalid", 3: "valid", 4: "valid"}
+    groups = ledger.trust_groups(found, verdicts, trust_counted=[3])
+    assert [(g.node_id, g.events) for g in groups] == [
+        (1, ("valid", "cleared")),
+        (2, ("invalid", "upheld")),
+        (3, ("checked", "cleared")),
+        (4, ("valid",)),
+    ]
 
 
 def test_quota_moves_with_the_verdicts_within_its_bounds() -> None:

@@ -8,6 +8,8 @@ the credit it grants commit together or not at all.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -169,6 +171,7 @@ async def apply_verdicts(
         tasks.c.id.in_(list(verdict_of)),
         order_by=(tasks.c.node_id, tasks.c.id),
     )
+    found = await _settle_suspicions(conn, found)
     for group in rules.trust_groups(found, verdict_of, trust_counted):
         await _change_trust(conn, group, settings=settings, now=now)
     # After the trust changes: a node caught here had its lone shards replicated again
@@ -181,6 +184,29 @@ async def apply_verdicts(
         found, verdict_of, vouched, credit=credit, checks_on_record=on_record
     )
     await write_credit(conn, delta, now=now)
+
+
+async def _settle_suspicions(
+    conn: AsyncConnection, found: list[rules.JudgedResult]
+) -> list[rules.JudgedResult]:
+    """The suspected among `found` are judged now: their mark is cleared, and only those
+    this transaction cleared count as suspected (a suspicion is settled once)."""
+    marked = [r.task_id for r in found if r.suspected]
+    if not marked:
+        return found
+    cleared = set(
+        (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id.in_(marked), tasks.c.suspected.is_(True))
+                .values(suspected=False)
+                .returning(tasks.c.id)
+            )
+        )
+        .scalars()
+        .all()
+    )
+    return [dataclasses.replace(r, suspected=r.task_id in cleared) for r in found]
 
 
 async def write_credit(conn: AsyncConnection, delta: rules.CreditDelta, *, now: float) -> None:
@@ -230,6 +256,7 @@ _JUDGED = (
         jobs.c.kind,
         shards.c.cost_flops,
         shards.c.mode,
+        tasks.c.suspected,
     )
     .join(nodes, nodes.c.id == tasks.c.node_id)
     .join(jobs, jobs.c.id == tasks.c.job_id)
@@ -253,6 +280,7 @@ async def _judged(
             mode=row.mode,
             credit=row.credit,
             finished_at=row.finished_at,
+            suspected=bool(row.suspected),
         )
         for row in found
     ]
@@ -424,10 +452,14 @@ async def suspect(
     if row is None:
         return recheck.Rechecked()
     backend = row.backend or "cpu"
-    group = rules.TrustGroup(
-        node_id=row.node_id, kind=row.kind, backend=backend, events=("suspected",)
+    marked = await conn.execute(
+        update(tasks).where(tasks.c.id == task_id, tasks.c.suspected.is_(False)).values(suspected=True)
     )
-    await _change_trust(conn, group, settings=settings, now=now)
+    if marked.rowcount == 1:  # a result is suspected once, until its verdict
+        group = rules.TrustGroup(
+            node_id=row.node_id, kind=row.kind, backend=backend, events=("suspected",)
+        )
+        await _change_trust(conn, group, settings=settings, now=now)
     await hold_credit(conn, task_id, now=now)
     return await recheck.recheck_node(
         conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
@@ -462,6 +494,8 @@ def trust_of(row: Any) -> Trust:
         recent_invalid=row.recent_invalid,
         daily_quota=row.daily_quota,
         suspended=row.suspended,
+        suspicions=row.suspicions,
+        held_streak=row.held_streak,
     )
 
 
@@ -474,4 +508,6 @@ def _trust_values(trust: Trust) -> dict[str, Any]:
         recent_invalid=trust.recent_invalid,
         daily_quota=trust.daily_quota,
         suspended=trust.suspended,
+        suspicions=trust.suspicions,
+        held_streak=trust.held_streak,
     )

@@ -192,6 +192,9 @@ tasks = Table(
     Column("build", String(500), nullable=True),
     # Only a trusted node may claim it (the spot check of a shard run alone).
     Column("trusted_only", Boolean, nullable=False, default=False, server_default=false()),
+    # A spot check of this result (run alone) disagreed; cleared when it is judged
+    # (`ledger.suspect`, `trust.after_cleared`).
+    Column("suspected", Boolean, nullable=False, default=False, server_default=false()),
     # A check task (kinds verified by checks): the output it checks. NULL: it makes one.
     Column("checks_hash", String(64), nullable=True),
     Column("credit", Double, nullable=True),
@@ -217,6 +220,9 @@ node_trust = Table(
     Column("recent_invalid", Integer, nullable=False, default=0),
     Column("daily_quota", Integer, nullable=False),
     Column("suspended", Boolean, nullable=False, default=False),
+    # Results of its still suspected, and the streak held meanwhile (`trust.Trust`).
+    Column("suspicions", Integer, nullable=False, default=0, server_default="0"),
+    Column("held_streak", Integer, nullable=False, default=0, server_default="0"),
     Column("updated_at", Double, nullable=False),
 )
 

@@ -69,6 +69,8 @@ _RESULTS_WITH_TRUST = (
         node_trust.c.recent_invalid,
         node_trust.c.daily_quota,
         node_trust.c.suspended,
+        node_trust.c.suspicions,
+        node_trust.c.held_streak,
     )
     .join(jobs, jobs.c.id == tasks.c.job_id)
     .outerjoin(

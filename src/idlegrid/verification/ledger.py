@@ -23,8 +23,11 @@ from idlegrid.verification.trust import Trust, TrustSettings
 # What changes a node's trust: a verdict on one of its results, an error charged at
 # expiry taken back (the task delivered after all), or a spot check of a result it ran
 # alone that disagreed (suspected until the quorum says who lied), or a result accepted
-# unchecked (run alone) that a later check of its shard found valid.
-TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected", "checked"]
+# unchecked (run alone) that a later check of its shard found valid; and after the
+# verdict on a suspected result, whether the suspicion was cleared or upheld.
+TrustEvent = (
+    ResultVerdict | Literal["error withdrawn", "suspected", "checked", "cleared", "upheld"]
+)
 
 # Why a task is paid: it agreed with another node's result ("valid"); it was accepted
 # without a second opinion in a shard not run alone ("unchecked": replication 1); it was
@@ -45,6 +48,7 @@ class JudgedResult:
     mode: str | None  # its shard's: "alone" had no second opinion
     credit: float | None  # granted so far (None: never paid; 0: paid once, or taken back)
     finished_at: float | None
+    suspected: bool = False  # a spot check of it disagreed (`trust.after_suspected`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -116,13 +120,15 @@ def trust_groups(
     account_of: dict[tuple[int, str, str], int] = {}
     for result in results:
         verdict = verdict_of[result.task_id]
-        event: TrustEvent = verdict
+        happened: list[TrustEvent] = [verdict]
         if result.task_id in trust_counted and verdict != "invalid":
-            if verdict != "valid":
-                continue
-            event = "checked"
+            happened = ["checked"] if verdict == "valid" else []
+        if result.suspected:
+            happened.append("cleared" if verdict == "valid" else "upheld")
+        if not happened:
+            continue
         key = (result.node_id, result.kind, result.backend)
-        events.setdefault(key, []).append(event)
+        events.setdefault(key, []).extend(happened)
         account_of.setdefault(key, result.account_id)
     return [
         TrustGroup(
@@ -153,6 +159,10 @@ def step(trust: Trust, event: TrustEvent, settings: TrustSettings) -> Trust:
             return trust_rules.after_suspected(trust)
         case "checked":
             return trust_rules.after_checked_later(trust)
+        case "cleared":
+            return trust_rules.after_cleared(trust)
+        case "upheld":
+            return trust_rules.after_upheld(trust)
 
 
 def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> TrustChange:

@@ -57,6 +57,11 @@ class Trust:
     recent_invalid: int = 0
     daily_quota: int = TrustSettings().initial_daily_quota
     suspended: bool = False
+    # Suspected results of this node whose shard is not yet decided (a spot check of a
+    # result it ran alone disagreed), and the streak it had when the first of them was
+    # suspected: given back when all are found valid (`after_cleared`).
+    suspicions: int = 0
+    held_streak: int = 0
 
     @property
     def results_total(self) -> int:
@@ -88,11 +93,13 @@ def after_valid(trust: Trust, settings: TrustSettings) -> Trust:
 
 
 def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
-    """A result of this node was outvoted or failed a spot check: reset, halve, maybe suspend."""
+    """A result of this node was outvoted or failed a spot check: reset, halve, maybe
+    suspend; a streak held while suspected is lost."""
     recent = trust.recent_invalid + 1
     return dataclasses.replace(
         trust,
         consecutive_valid=0,
+        held_streak=0,
         invalid_total=trust.invalid_total + 1,
         recent_invalid=recent,
         daily_quota=max(1, trust.daily_quota // 2),
@@ -102,8 +109,38 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
 
 def after_suspected(trust: Trust) -> Trust:
     """A spot check of a result this node ran alone disagreed: until the quorum says who
-    lied, the node runs nothing alone (its streak starts again; nothing is counted)."""
-    return dataclasses.replace(trust, consecutive_valid=0)
+    lied, the node runs nothing alone (its streak is held, and counts again from 0)."""
+    return dataclasses.replace(
+        trust,
+        consecutive_valid=0,
+        suspicions=trust.suspicions + 1,
+        held_streak=max(trust.held_streak, trust.consecutive_valid),
+    )
+
+
+def after_cleared(trust: Trust) -> Trust:
+    """A suspected result was found valid (the checker that disagreed lied, or erred).
+    Once no suspicion is left, the streak held is given back, added to the checks passed
+    since: a colluder's disagreeing check costs an honest node nothing. A lie found
+    meanwhile has already lost it (`after_invalid`)."""
+    left = max(0, trust.suspicions - 1)
+    if left:
+        return dataclasses.replace(trust, suspicions=left)
+    return dataclasses.replace(
+        trust,
+        suspicions=0,
+        held_streak=0,
+        consecutive_valid=trust.consecutive_valid + trust.held_streak,
+    )
+
+
+def after_upheld(trust: Trust) -> Trust:
+    """A suspected result was not found valid (its `after_invalid` counts the lie): one
+    suspicion fewer, and nothing held is given back."""
+    left = max(0, trust.suspicions - 1)
+    return dataclasses.replace(
+        trust, suspicions=left, held_streak=trust.held_streak if left else 0
+    )
 
 
 def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
