@@ -263,8 +263,13 @@ def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
         (  # a lie meanwhile: the one cleared later gives back nothing
             Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
             ("suspected", "invalid", "valid", "cleared"),
-            Trust(valid_total=91, invalid_total=1, recent_invalid=1, daily_quota=71,
-                  consecutive_valid=1),
+            Trust(
+                valid_total=91,
+                invalid_total=1,
+                recent_invalid=1,
+                daily_quota=71,
+                consecutive_valid=1,
+            ),
             True,
         ),
         (

@@ -9,7 +9,6 @@ the credit it grants commit together or not at all.
 from __future__ import annotations
 
 import dataclasses
-
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
@@ -453,7 +452,9 @@ async def suspect(
         return recheck.Rechecked()
     backend = row.backend or "cpu"
     marked = await conn.execute(
-        update(tasks).where(tasks.c.id == task_id, tasks.c.suspected.is_(False)).values(suspected=True)
+        update(tasks)
+        .where(tasks.c.id == task_id, tasks.c.suspected.is_(False))
+        .values(suspected=True)
     )
     if marked.rowcount == 1:  # a result is suspected once, until its verdict
         group = rules.TrustGroup(

@@ -25,9 +25,7 @@ from idlegrid.verification.trust import Trust, TrustSettings
 # alone that disagreed (suspected until the quorum says who lied), or a result accepted
 # unchecked (run alone) that a later check of its shard found valid; and after the
 # verdict on a suspected result, whether the suspicion was cleared or upheld.
-TrustEvent = (
-    ResultVerdict | Literal["error withdrawn", "suspected", "checked", "cleared", "upheld"]
-)
+TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected", "checked", "cleared", "upheld"]
 
 # Why a task is paid: it agreed with another node's result ("valid"); it was accepted
 # without a second opinion in a shard not run alone ("unchecked": replication 1); it was

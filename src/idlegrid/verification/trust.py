@@ -138,9 +138,7 @@ def after_upheld(trust: Trust) -> Trust:
     """A suspected result was not found valid (its `after_invalid` counts the lie): one
     suspicion fewer, and nothing held is given back."""
     left = max(0, trust.suspicions - 1)
-    return dataclasses.replace(
-        trust, suspicions=left, held_streak=trust.held_streak if left else 0
-    )
+    return dataclasses.replace(trust, suspicions=left, held_streak=trust.held_streak if left else 0)
 
 
 def after_unchecked(trust: Trust, settings: TrustSettings) -> Trust:
