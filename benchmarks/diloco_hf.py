@@ -31,12 +31,12 @@ H = 100 on), two rounds of plain averaging, both runs at once in two processes:
         --outer-lr 1.0 --outer-momentum 0
 
 (over two rounds at H = 50, plain averaging beat DiLoCo's Nesterov momentum: see
-docs/benchmarks.md). Full training's reduced form is the same with `--modes full` and
-`--keep-state --lr 1e-4` (about 16 minutes on two cores). With full training a copy of
-the weights is 0.5 GB: DiLoCo's state, the workers' residuals and the round's updates
-live in files of a scratch folder (`Bench.spill`), the round is closed in parts
-(`close_in_parts`), and each run has a process of its own. `--runs` runs one side alone,
-to tune it (`--sync-lora-lr`, the outer step) without the other.
+docs/benchmarks.md). Full training's reduced form is the same with `--modes full`,
+`--rounds 4` and `--keep-state --lr 1e-4` (about 30 minutes on two cores). With full
+training a copy of the weights is 0.5 GB: DiLoCo's state, the workers' residuals and the
+round's updates live in files of a scratch folder (`Bench.spill`), the round is closed
+in parts (`close_in_parts`), and each run has a process of its own. `--runs` runs one
+side alone, to tune it (`--sync-lora-lr`, the outer step) without the other.
 """
 
 from __future__ import annotations
