@@ -254,6 +254,12 @@ def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
             ),
             False,
         ),
+        (  # suspected again after a check passed: every check in the row comes back
+            Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
+            ("suspected", "valid", "suspected", "valid", "cleared", "cleared"),
+            Trust(consecutive_valid=92, valid_total=92, daily_quota=142),
+            False,
+        ),
         (  # the suspected result was a lie: nothing held comes back
             Trust(consecutive_valid=90, valid_total=90, daily_quota=140),
             ("suspected", "invalid", "upheld"),
@@ -294,6 +300,7 @@ def test_a_disputed_result_never_paid_has_nothing_taken_back() -> None:
         "suspected",
         "cleared",
         "cleared twice",
+        "suspected again",
         "upheld",
         "lie meanwhile",
         "in order",

@@ -28,11 +28,7 @@ def _candidates_query() -> Any:
     )
     results = (
         select(func.count())
-        .where(
-            tasks.c.shard_id == shards.c.id,
-            tasks.c.state == TaskState.COMPLETED.value,
-            tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"),
-        )
+        .where(tasks.c.shard_id == shards.c.id, *rows.counting_result(tasks))
         .scalar_subquery()
     )
     # Only narrows the shards to those `replication.shortfall` may give tasks or fail:

@@ -26,15 +26,21 @@ from idlegrid.store.base import (
 from idlegrid.store.schema import accounts, jobs, shards, tasks, tokens
 from idlegrid.verification.trust import Trust
 
+
+def counting_result(task: Any) -> list[Any]:
+    """Conditions on a row of `task` (the tasks table or an alias) for a result that still
+    counts: completed, and valid or not yet judged."""
+    return [
+        task.c.state == TaskState.COMPLETED.value,
+        task.c.outcome.is_(None) | (task.c.outcome == "valid"),
+    ]
+
+
 _RESULT = tasks.alias("result_of_shard")
-# The shard has a result that still counts (completed, valid or not yet judged): a task
-# of it now finishes a begun shard (a dispute's next replica, a check of an output, an
-# output made again, a stand-in for a lost replica), so it is urgent (`is_urgent`).
-HAS_RESULT = exists().where(
-    _RESULT.c.shard_id == shards.c.id,
-    _RESULT.c.state == TaskState.COMPLETED.value,
-    _RESULT.c.outcome.is_(None) | (_RESULT.c.outcome == "valid"),
-)
+# The shard has a result that still counts: a task of it now finishes a begun shard (a
+# dispute's next replica, a check of an output, an output made again, a stand-in for a
+# lost replica), so it is urgent (`is_urgent`).
+HAS_RESULT = exists().where(_RESULT.c.shard_id == shards.c.id, *counting_result(_RESULT))
 
 
 def is_urgent(mode: str | None, has_result: bool) -> bool:

@@ -58,8 +58,8 @@ class Trust:
     daily_quota: int = TrustSettings().initial_daily_quota
     suspended: bool = False
     # Suspected results of this node whose shard is not yet decided (a spot check of a
-    # result it ran alone disagreed), and the streak it had when the first of them was
-    # suspected: given back when all are found valid (`after_cleared`).
+    # result it ran alone disagreed), and the checks it had passed in a row before its
+    # latest suspicion: given back when all are found valid (`after_cleared`).
     suspicions: int = 0
     held_streak: int = 0
 
@@ -109,12 +109,13 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
 
 def after_suspected(trust: Trust) -> Trust:
     """A spot check of a result this node ran alone disagreed: until the quorum says who
-    lied, the node runs nothing alone (its streak is held, and counts again from 0)."""
+    lied, the node runs nothing alone (its streak is held, and counts again from 0; one
+    held before, by a suspicion still open, grows by the checks passed since)."""
     return dataclasses.replace(
         trust,
         consecutive_valid=0,
         suspicions=trust.suspicions + 1,
-        held_streak=max(trust.held_streak, trust.consecutive_valid),
+        held_streak=trust.held_streak + trust.consecutive_valid,
     )
 
 
