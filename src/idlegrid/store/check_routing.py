@@ -19,6 +19,7 @@ from sqlalchemy import Select, exists, func, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
+from idlegrid.store import rows
 from idlegrid.store.base import BuildWait
 from idlegrid.store.schema import shards, tasks
 from idlegrid.verification.checking import OTHER_BUILDS_BEFORE_REMAKE
@@ -60,10 +61,9 @@ def awaiting(generation: Any, shard_id: Any, *, by_build: bool) -> list[Any]:
     """Conditions for "an output of this shard that its next check would be about"."""
     found = [
         generation.c.shard_id == shard_id,
-        generation.c.state == _COMPLETED,
+        *rows.counting_result(generation),
         generation.c.checks_hash.is_(None),
         generation.c.output_hash.is_not(None),
-        generation.c.outcome.is_(None) | (generation.c.outcome == "valid"),
     ]
     return [*found, ~set_aside(generation)] if by_build else found
 

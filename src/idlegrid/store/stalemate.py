@@ -15,7 +15,7 @@ from sqlalchemy import Exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
-from idlegrid.store import ending
+from idlegrid.store import ending, rows
 from idlegrid.store.base import ShardReplica, StalledShard
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification.stalemate import late_until
@@ -39,10 +39,7 @@ async def stalled_shards(
             jobs.c.state.in_(ending.OPEN_JOB),
             _has(tasks.c.state == TaskState.READY.value),
             ~_has(tasks.c.state == TaskState.ASSIGNED.value),
-            _has(
-                tasks.c.state == TaskState.COMPLETED.value,
-                tasks.c.outcome.is_(None) | (tasks.c.outcome == "valid"),
-            ),
+            _has(*rows.counting_result(tasks)),
         )
         .order_by(shards.c.id)
         .limit(limit)

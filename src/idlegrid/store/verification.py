@@ -81,10 +81,7 @@ _RESULTS_WITH_TRUST = (
             node_trust.c.backend == func.coalesce(tasks.c.backend, "cpu"),
         ),
     )
-    .where(
-        tasks.c.state == TaskState.COMPLETED.value,
-        (tasks.c.outcome.is_(None)) | (tasks.c.outcome == "valid"),
-    )
+    .where(*rows.counting_result(tasks))
     .order_by(tasks.c.shard_id, tasks.c.finished_at, tasks.c.id)
 )
 
