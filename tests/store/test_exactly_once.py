@@ -9,7 +9,7 @@ SQLite and PostgreSQL.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from helpers import fake_node
@@ -29,6 +29,7 @@ from idlegrid.store.base import (
     NewJob,
     NewShard,
     NodeRecord,
+    ReadyTask,
     ShardDecision,
 )
 from idlegrid.store.schema import node_quota, shards, tasks
@@ -445,10 +446,15 @@ async def _record(store: SqlStore, node_id: int) -> NodeRecord:
     return found
 
 
-async def test_a_suspect_found_right_gets_its_streak_back(store: SqlStore) -> None:
-    """A spot check disagreed with a result its node ran alone (a colluder's lie, say):
-    the node's streak is held, once however often the result is suspected, and given
-    back, with the check it just passed, when the quorum finds the result valid."""
+Streak = Callable[[], Awaitable[tuple[int, int, int]]]
+
+
+async def _suspected_after_one_check(
+    store: SqlStore,
+) -> tuple[Streak, ReadyTask, list[NodeRecord]]:
+    """A node passes one check (streak 1), then a result it ran alone is escalated and
+    suspected twice (held once). Returns how to read its trust (streak, suspicions,
+    held), the suspected task and the three nodes (the suspect first)."""
     accounts = [
         await store.accounts.create_account(name, is_admin=False, now=T0)
         for name in ("alice", "bob", "carol")
@@ -487,6 +493,14 @@ async def test_a_suspect_found_right_gets_its_streak_back(store: SqlStore) -> No
     assert await store.claims.escalate(alone.shard_id, target=3, quorum=2, now=T0 + 5)
     await store.verification.suspect([alone.task_id], now=T0 + 6)  # the dispute, again
     assert await streak() == (0, 1, 1)
+    return streak, alone, [lone, second, third]
+
+
+async def test_a_suspect_found_right_gets_its_streak_back(store: SqlStore) -> None:
+    """A spot check disagreed with a result its node ran alone (a colluder's lie, say):
+    the node's streak is held, once however often the result is suspected, and given
+    back, with the check it just passed, when the quorum finds the result valid."""
+    streak, alone, (_, second, third) = await _suspected_after_one_check(store)
     more, _, _ = await store.scheduling.replenish(now=T0 + 7)
     for replica, node in zip(more, (second, third), strict=True):
         await _claim(store, replica.task_id, node, now=T0 + 7)
@@ -498,3 +512,18 @@ async def test_a_suspect_found_right_gets_its_streak_back(store: SqlStore) -> No
         [ShardDecision(alone.shard_id, alone.task_id, agreeing, [], None)], now=T0 + 9
     )
     assert await streak() == (2, 0, 0)
+
+
+async def test_a_suspicion_its_job_ended_before_a_verdict_is_dropped(
+    store: SqlStore, tmp_path: Path, in_process_grid: Callable[..., Grid]
+) -> None:
+    """The suspected result's job is cancelled before the quorum says who lied: nothing
+    will judge it, so the suspicion is dropped (once) and the held streak comes back."""
+    grid = in_process_grid(_settings(tmp_path))
+    streak, alone, _ = await _suspected_after_one_check(store)
+    assert await store.verification.drop_undecided_suspicions(alone.job_id, now=T0 + 7) == 0
+    assert await streak() == (0, 1, 1)  # its shard is still open: the dispute goes on
+    await grid.cancel_job(alone.job_id)  # as the dashboard and the API do
+    assert await streak() == (1, 0, 0)
+    assert await store.verification.drop_undecided_suspicions(alone.job_id, now=T0 + 9) == 0
+    assert await streak() == (1, 0, 0)

@@ -1,7 +1,8 @@
 """The grid's fan-out: what one part's change means for the others and for other processes.
 
 New ready tasks wake the dispatchers of every process; a cancel reaches the node here or
-goes to the process that holds it; a job that ended drops its plan everywhere.
+goes to the process that holds it; a job that ended drops its plan everywhere, and the
+suspicions of its results that no verdict will settle now.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class GridFanOut:
         self._ctx.work_available.set()
 
     async def job_ended(self, job_id: int) -> None:
+        # Its results still suspected will get no verdict: their nodes' streaks come back.
+        await self._ctx.store.verification.drop_undecided_suspicions(job_id, now=self._ctx.clock())
         self._plans.forget(job_id)
         self._ctx.job_watch.changed([job_id])
         await self.publish({"type": "job_ended", "job_id": job_id})

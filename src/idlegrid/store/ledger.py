@@ -17,7 +17,7 @@ from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import TaskState
+from idlegrid.states import ShardState, TaskState
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
@@ -465,6 +465,38 @@ async def suspect(
     return await recheck.recheck_node(
         conn, row.node_id, row.kind, backend, window_s=settings.recheck_window_s, now=now
     )
+
+
+async def drop_undecided_suspicions(
+    conn: AsyncConnection, job_id: int, *, settings: TrustSettings, now: float
+) -> int:
+    """The job's suspected results whose shard ended without a verdict (the job was
+    cancelled, or failed): nothing will judge them now, so each suspicion is dropped as
+    if cleared (`trust.after_cleared`), and its node's held streak comes back once none
+    is left. Returns how many were dropped."""
+    ended = (ShardState.CANCELLED.value, ShardState.FAILED.value)
+    of_ended_shard = select(shards.c.id).where(shards.c.job_id == job_id, shards.c.state.in_(ended))
+    dropped = (
+        await conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.job_id == job_id,
+                tasks.c.suspected.is_(True),
+                tasks.c.node_id.is_not(None),
+                tasks.c.shard_id.in_(of_ended_shard.scalar_subquery()),
+            )
+            .values(suspected=False)
+            .returning(tasks.c.node_id, tasks.c.backend)
+        )
+    ).all()
+    if not dropped:
+        return 0
+    kind = (await conn.execute(select(jobs.c.kind).where(jobs.c.id == job_id))).scalar_one()
+    # One lock order (by node and backend); one event per suspicion dropped.
+    for node_id, backend in sorted((row.node_id, row.backend or "cpu") for row in dropped):
+        group = rules.TrustGroup(node_id=node_id, kind=kind, backend=backend, events=("cleared",))
+        await _change_trust(conn, group, settings=settings, now=now)
+    return len(dropped)
 
 
 async def suspend(

@@ -504,6 +504,14 @@ class Verification(Role):
             await ledger.suspect(conn, task_id, settings=self.trust, now=now)
 
     @write(retry_conflicts=True)
+    async def drop_undecided_suspicions(
+        self, conn: AsyncConnection, job_id: int, *, now: float
+    ) -> int:
+        """The ended job's suspicions that no verdict will settle now are dropped
+        (`ledger.drop_undecided_suspicions`)."""
+        return await ledger.drop_undecided_suspicions(conn, job_id, settings=self.trust, now=now)
+
+    @write(retry_conflicts=True)
     async def flag_colluders(
         self, conn: AsyncConnection, groups: Sequence[Sequence[int]], *, now: float
     ) -> list[int]:

@@ -120,10 +120,11 @@ def after_suspected(trust: Trust) -> Trust:
 
 
 def after_cleared(trust: Trust) -> Trust:
-    """A suspected result was found valid (the checker that disagreed lied, or erred).
-    Once no suspicion is left, the streak held is given back, added to the checks passed
-    since: a colluder's disagreeing check costs an honest node nothing. A lie found
-    meanwhile has already lost it (`after_invalid`)."""
+    """A suspected result was found valid (the checker that disagreed lied, or erred),
+    or its shard ended with no verdict (its job ended first). Once no suspicion is left,
+    the streak held is given back, added to the checks passed since: a colluder's
+    disagreeing check costs an honest node nothing. A lie found meanwhile has already
+    lost it (`after_invalid`)."""
     left = max(0, trust.suspicions - 1)
     if left:
         return dataclasses.replace(trust, suspicions=left)
