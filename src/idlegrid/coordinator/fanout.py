@@ -47,11 +47,11 @@ class GridFanOut:
         self._ctx.work_available.set()
 
     async def job_ended(self, job_id: int) -> None:
-        # Its results still suspected will get no verdict: their nodes' streaks come back.
-        await self._ctx.store.verification.drop_undecided_suspicions(job_id, now=self._ctx.clock())
         self._plans.forget(job_id)
         self._ctx.job_watch.changed([job_id])
         await self.publish({"type": "job_ended", "job_id": job_id})
+        # Its results still suspected will get no verdict: their nodes' streaks come back.
+        await self._ctx.store.verification.drop_undecided_suspicions(job_id, now=self._ctx.clock())
 
     async def publish(self, message: dict[str, Any]) -> None:
         await peers.publish(self._ctx, message)
