@@ -8,6 +8,7 @@ the credit it grants commit together or not at all.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from collections.abc import Collection, Iterable, Mapping, Sequence
@@ -467,6 +468,9 @@ async def suspect(
     )
 
 
+_CLEARED: tuple[rules.TrustEvent] = ("cleared",)
+
+
 async def drop_undecided_suspicions(
     conn: AsyncConnection, job_id: int, *, settings: TrustSettings, now: float
 ) -> int:
@@ -492,9 +496,13 @@ async def drop_undecided_suspicions(
     if not dropped:
         return 0
     kind = (await conn.execute(select(jobs.c.kind).where(jobs.c.id == job_id))).scalar_one()
-    # One lock order (by node and backend); one event per suspicion dropped.
-    for node_id, backend in sorted((row.node_id, row.backend or "cpu") for row in dropped):
-        group = rules.TrustGroup(node_id=node_id, kind=kind, backend=backend, events=("cleared",))
+    # One trust read and write per node and backend, one event per suspicion dropped, in
+    # one lock order.
+    per_group = collections.Counter((row.node_id, row.backend or "cpu") for row in dropped)
+    for (node_id, backend), count in sorted(per_group.items()):
+        group = rules.TrustGroup(
+            node_id=node_id, kind=kind, backend=backend, events=_CLEARED * count
+        )
         await _change_trust(conn, group, settings=settings, now=now)
     return len(dropped)
 
