@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from helpers import FakeNode, fake_node
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from idlegrid import protocol
 from idlegrid.blobs.files import BlobStore
@@ -26,8 +26,11 @@ from idlegrid.coordinator.grid import Grid
 from idlegrid.kinds import KINDS, get_kind
 from idlegrid.kinds.base import KindParams, RunContext, ShardSpec, TaskKind, Verdict
 from idlegrid.settings import CoordinatorSettings
-from idlegrid.store.schema import tasks
+from idlegrid.store.ledger import load_trust
+from idlegrid.store.schema import node_trust, tasks
 from idlegrid.store.sql import SqlStore
+from idlegrid.verification import probes
+from idlegrid.verification.trust import TrustSettings
 
 NAME = "toy-check"
 T0 = 1_000_000.0
@@ -151,11 +154,30 @@ async def _submit(
     return job.id
 
 
-async def test_an_output_is_checked_once_on_another_node_and_counts(
+async def _establish(store: SqlStore, *nodes: FakeNode, kind: str = NAME) -> None:
+    """Give these nodes a checker's record the known-answer checks established."""
+    async with store.engine.begin() as conn:
+        for node in nodes:
+            await load_trust(
+                conn, node.session.node_id, kind, "cpu", settings=TrustSettings(), now=T0
+            )
+            await conn.execute(
+                update(node_trust)
+                .where(node_trust.c.node_id == node.session.node_id, node_trust.c.kind == kind)
+                .values(probes_passed=probes.ESTABLISHED_AFTER)
+            )
+
+
+async def _credit(store: SqlStore) -> dict[str, float]:
+    return {r.name: r.credit.total for r in await store.nodes.list_nodes()}
+
+
+async def test_an_output_is_checked_once_by_an_established_checker_and_counts(
     grid: Grid, store: SqlStore
 ) -> None:
     job_id = await _submit(grid, store, b"abc")
     nodes = await _nodes(grid, store, ["a", "b"])
+    await _establish(store, nodes["b"])
     made = await _work(grid, nodes["a"])
     assert made is not None and made.get("check") is None  # the output first, alone
     assert await _work(grid, nodes["a"]) is None  # its check never goes to the same node
@@ -167,32 +189,47 @@ async def test_an_output_is_checked_once_on_another_node_and_counts(
     job = await store.jobs.get_job(job_id)
     assert job is not None and job.state == "completed"
     assert grid.blobs.read(job.result_hash or "") == b"ABC"
-    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
-    assert credit["a"] > 0 and credit["b"] > 0
+    credit = await _credit(store)
+    # The pass is paid once a known-answer check confirms its node's word.
+    assert credit["a"] > 0 and credit["b"] == 0.0
 
 
-async def test_a_lie_fails_two_checks_and_an_honest_node_makes_it_again(
+async def test_a_new_checkers_pass_waits_for_a_second_from_another_account(
     grid: Grid, store: SqlStore
 ) -> None:
     job_id = await _submit(grid, store, b"abc")
-    nodes = await _nodes(grid, store, ["liar", "c1", "c2", "honest", "c3"])
+    nodes = await _nodes(grid, store, ["a", "new1", "new2"])
+    await _work(grid, nodes["a"])
+    await _work(grid, nodes["new1"])
+    assert await _state(store, job_id) == "running"  # one lazy checker cannot decide it
+    second = await _work(grid, nodes["new2"])
+    assert second is not None and second["check"]["hash"] == sha(b"ABC")
+    assert await _state(store, job_id) == "completed"
+
+
+async def test_a_lie_in_a_pool_of_four_is_made_again_and_checked_by_who_caught_it(
+    grid: Grid, store: SqlStore
+) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["liar", "c1", "c2", "honest"])
     lie = await _work(grid, nodes["liar"], lie=True)
     assert lie is not None
     first = await _work(grid, nodes["c1"])
     assert first is not None and first["check"]["hash"] == sha(b"abc")
-    job = await store.jobs.get_job(job_id)
-    assert job is not None and job.state != "completed"  # one failed check: confirmed first
+    assert await _state(store, job_id) == "running"  # one failed check: confirmed first
     second = await _work(grid, nodes["c2"])
     assert second is not None and second["check"]["hash"] == sha(b"abc")
     remade = await _work(grid, nodes["honest"])
     assert remade is not None and remade.get("check") is None  # the lie is out: made again
-    final = await _work(grid, nodes["c3"])
-    assert final is not None and final["check"]["hash"] == sha(b"ABC")
+    # The checks that caught the lie bar nobody: their nodes check the new output.
+    for name in ("c1", "c2"):
+        again = await _work(grid, nodes[name])
+        assert again is not None and again["check"]["hash"] == sha(b"ABC")
     job = await store.jobs.get_job(job_id)
     assert job is not None and job.state == "completed"
     assert grid.blobs.read(job.result_hash or "") == b"ABC"
-    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
-    assert credit["liar"] == 0.0 and credit["honest"] > 0 and credit["c3"] > 0
+    credit = await _credit(store)
+    assert credit["liar"] == 0.0 and credit["honest"] > 0
     assert credit["c1"] > 0 and credit["c2"] > 0  # the checks that caught the lie
 
 
@@ -202,13 +239,155 @@ async def test_a_lying_checker_is_outvoted(grid: Grid, store: SqlStore) -> None:
     await _work(grid, nodes["maker"])
     await _work(grid, nodes["liar"], lie=True)  # fails an honest output
     await _work(grid, nodes["c1"])  # 1 : 1, another check
-    job = await store.jobs.get_job(job_id)
-    assert job is not None and job.state == "running"
+    assert await _state(store, job_id) == "running"
     await _work(grid, nodes["c2"])
+    assert await _state(store, job_id) == "completed"  # 2 : 1 for the output
+    credit = await _credit(store)
+    assert credit["liar"] == 0.0 and credit["maker"] > 0
+
+
+async def test_a_decision_that_makes_a_verdict_the_result_is_refused(
+    grid: Grid, store: SqlStore
+) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["a", "b"])
+    await _work(grid, nodes["a"])
+    check = await _work(grid, nodes["b"])
+    assert check is not None
+    (shard,) = await store.jobs.list_shards(job_id)
+    outcome = await store.verification.decide_shard(
+        shard.id, canonical_task_id=check["task_id"], valid=[check["task_id"]], invalid=[],
+        fail_reason=None, now=T0,
+    )  # fmt: skip
+    assert not outcome.decided
+    (shard,) = await store.jobs.list_shards(job_id)
+    assert shard.state == "open" and shard.output_hash is None
+
+
+async def test_a_job_whose_result_cannot_be_built_fails_and_others_complete(
+    grid: Grid, store: SqlStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = await _submit(grid, store, b"boom")
+    fine = await _submit(grid, store, b"abc", researcher="bea")
+    nodes = await _nodes(grid, store, ["a", "b"])
+    await _establish(store, nodes["b"])
+    kind = get_kind(NAME)
+
+    def assemble(outputs: Sequence[bytes], params: KindParams) -> bytes:
+        if b"BOOM" in outputs:
+            raise ValueError("a shard's output is not what the kind expects")
+        return b" ".join(outputs)
+
+    monkeypatch.setattr(kind, "assemble", assemble)
+    for _ in range(2):
+        await _work(grid, nodes["a"])
+        await _work(grid, nodes["b"])
+    job = await store.jobs.get_job(broken)
+    assert job is not None and job.state == "failed"
+    assert job.error == (
+        "its result could not be assembled: ValueError: a shard's output is not what the "
+        "kind expects"
+    )
+    assert await _state(store, fine) == "completed"
+
+
+# -- known-answer checks: the checkers checked -----------------------------------------
+
+
+class PlantingKind(CapitalsKind):
+    """The toy kind with known-answer checks: a planted claim is the output in lower case."""
+
+    def plant_defect(self, output: bytes, draw: float) -> bytes | None:
+        return output.lower()
+
+
+async def _lazy(grid: Grid, node: FakeNode) -> dict[str, Any] | None:
+    """A lazy checker: passes every claim it is given without reading it."""
+    assign = await _claim(grid, node)
+    if assign is None:
+        return None
+    if not assign.get("check"):
+        output = grid.blobs.read(assign["input"]["hash"]).upper()
+    else:
+        verdict = {"claimed": assign["check"]["hash"], "passed": True}
+        output = json.dumps({"check": verdict}).encode()
+    await _send(grid, node, assign, output)
+    return assign
+
+
+@pytest.fixture
+def planting(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Known-answer checks on: the next claims of checks become known-answer checks
+    while the list's last value is True."""
+    monkeypatch.setitem(KINDS, NAME, PlantingKind())
+    send = [True]
+    monkeypatch.setattr(probes, "sends_probe", lambda trust, *, draw: send[-1])
+    return send
+
+
+async def test_a_lazy_checker_fails_a_known_answer_and_the_shard_is_checked_anyway(
+    grid: Grid, store: SqlStore, planting: list[bool]
+) -> None:
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["maker", "lazy", "c1", "c2"])
+    await _work(grid, nodes["maker"])
+    probe = await _lazy(grid, nodes["lazy"])
+    assert probe is not None and probe["check"]["hash"] == sha(b"abc")  # the planted claim
+    planting.append(False)
+    # The shard's own check was queued beside it: two new checkers pass the output.
+    for name in ("c1", "c2"):
+        real = await _work(grid, nodes[name])
+        assert real is not None and real["check"]["hash"] == sha(b"ABC")
     job = await store.jobs.get_job(job_id)
-    assert job is not None and job.state == "completed"  # 2 : 1 for the output
-    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
-    assert credit["liar"] == 0.0 and credit["maker"] > 0 and credit["c1"] > 0
+    assert job is not None and job.state == "completed"
+    assert grid.blobs.read(job.result_hash or "") == b"ABC"  # never the planted claim
+    async with store.engine.connect() as conn:
+        row = (
+            await conn.execute(
+                select(tasks.c.outcome, tasks.c.known_answer).where(tasks.c.id == probe["task_id"])
+            )
+        ).one()
+        trust = (
+            await conn.execute(
+                select(node_trust.c.invalid_total, node_trust.c.probes_passed).where(
+                    node_trust.c.node_id == nodes["lazy"].session.node_id
+                )
+            )
+        ).one()
+    assert tuple(row) == ("invalid", "fail")  # a lie, as an outvoted result is
+    assert tuple(trust) == (1, 0)
+    assert (await _credit(store))["lazy"] == 0.0
+
+
+async def test_a_right_known_answer_pays_the_checkers_earlier_passes(
+    grid: Grid, store: SqlStore, planting: list[bool]
+) -> None:
+    planting.append(False)
+    first = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["maker", "c1", "c2"])
+    await _work(grid, nodes["maker"])
+    await _work(grid, nodes["c1"])
+    await _work(grid, nodes["c2"])
+    assert await _state(store, first) == "completed"
+    assert (await _credit(store))["c1"] == 0.0  # held: no known answer confirms it yet
+    await _submit(grid, store, b"xyz", researcher="bea")
+    await _work(grid, nodes["maker"])
+    planting.append(True)
+    probe = await _work(grid, nodes["c1"])  # an honest check fails the planted claim
+    assert probe is not None and probe["check"]["hash"] == sha(b"xyz")
+    async with store.engine.connect() as conn:
+        passed = (
+            await conn.execute(
+                select(node_trust.c.probes_passed).where(
+                    node_trust.c.node_id == nodes["c1"].session.node_id
+                )
+            )
+        ).scalar_one()
+    assert passed == 1
+    credit = await _credit(store)
+    # Its pass and its answer; the maker has one output decided so far.
+    assert credit["c1"] == pytest.approx(2 * credit["maker"])
+    assert credit["c2"] == 0.0  # no known answer of its own yet
 
 
 async def test_replication_one_takes_the_output_unchecked(grid: Grid, store: SqlStore) -> None:
@@ -329,7 +508,7 @@ async def test_a_job_says_its_check_waits_for_a_build_no_connected_node_runs(
     assert reason.startswith(
         f"shard 0 waits for a check on the build its output names (A; node {maker} made it)"
     )
-    assert "for up to 200 s more" in reason and "made again" in reason
+    assert "for up to 200 s more" in reason and "cross-build margins" in reason
     now[0] += WAIT_S  # past the wait: other builds check it, nothing to say
     assert await waits() == []
     now[0] -= WAIT_S
@@ -343,41 +522,61 @@ async def test_an_honest_output_passes_its_own_builds_check(
     grid, now = built_grid
     job_id = await _submit_built(grid, store, now[0])
     nodes = await _built_nodes(grid, store, {"maker": "A", "other": "B", "peer": "A"}, now[0])
+    await _establish(store, nodes["peer"], kind=BUILT)
     await _built_work(grid, nodes["maker"])
-    assert await _built_work(grid, nodes["other"]) is None
+    assert await _built_work(grid, nodes["other"]) is None  # waits for build A first
     assert await _built_work(grid, nodes["peer"]) is not None
     assert await _state(store, job_id) == "completed"
-    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
-    assert credit["maker"] > 0 and credit["peer"] > 0 and credit["other"] == 0.0
+    credit = await _credit(store)
+    assert credit["maker"] > 0 and credit["other"] == 0.0
 
 
-async def test_other_builds_check_after_the_wait_but_cannot_pass_it(
+async def test_a_build_no_other_node_has_is_checked_by_other_builds_and_paid(
     built_grid: tuple[Grid, list[float]], store: SqlStore
 ) -> None:
-    """A build no other node has: two other builds' checks pass the near cheat after the
-    wait, which is not accepted; it is set aside and made again on a checkable build."""
+    """A node on rare hardware: after the wait for its build, two other builds' passes
+    (two accounts) make its output canonical, and it is paid."""
     grid, now = built_grid
     job_id = await _submit_built(grid, store, now[0])
-    builds = {"unique": "X", "b1": "B", "c1": "C", "b2": "B", "b3": "B"}
-    nodes = await _built_nodes(grid, store, builds, now[0])
-    await _built_work(grid, nodes["unique"], near=True)
-    assert await _built_work(grid, nodes["b1"]) is None
+    nodes = await _built_nodes(grid, store, {"rare": "X", "b1": "B", "c1": "C"}, now[0])
+    await _built_work(grid, nodes["rare"])
+    assert await _built_work(grid, nodes["b1"]) is None  # waits for build X first
     now[0] += WAIT_S + 1
     first = await _built_work(grid, nodes["b1"])
     assert first is not None and first.get("check")
-    assert await _state(store, job_id) == "running"  # a pass from build B proves nothing
-    assert await _built_work(grid, nodes["c1"]) is None  # a fresh wait after each result
-    now[0] += WAIT_S + 1
+    assert await _state(store, job_id) == "running"  # one new checker's pass: a second
     second = await _built_work(grid, nodes["c1"])
-    assert second is not None and second.get("check")
-    assert await _state(store, job_id) == "running"
-    remade = await _built_work(grid, nodes["b2"])
-    assert remade is not None and not remade.get("check")  # set aside: made again
-    final = await _built_work(grid, nodes["b3"])
-    assert final is not None and final["check"]["hash"] != first["check"]["hash"]
+    assert second is not None and second["check"]["hash"] == first["check"]["hash"]
     assert await _state(store, job_id) == "completed"
-    credit = {r.name: r.credit.total for r in await store.nodes.list_nodes()}
-    assert credit["unique"] == 0.0 and credit["b2"] > 0 and credit["b3"] > 0
+    assert (await _credit(store))["rare"] > 0
+
+
+async def test_a_checked_shard_no_node_can_help_waits_then_fails_with_a_reason(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    """Two nodes: the output and one new checker's pass, and no third node for the second
+    pass. The shard waits, saying so, for the checker's record; then the stalemate pass
+    fails it by the checking rule, naming what it needs, never taking a verdict as its
+    result."""
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    nodes = await _built_nodes(grid, store, {"maker": "A", "peer": "A"}, now[0])
+    await _built_work(grid, nodes["maker"])
+    await _built_work(grid, nodes["peer"])
+    await grid.settle_stalled()
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "running"
+    waits = await grid.waiting_for(job)
+    (reason,) = [w for w in waits if "record" in w]
+    peer = nodes["peer"].session.node_id
+    assert reason.startswith(f"shard 0: its output passed a check by node {peer}, whose record")
+    now[0] += WAIT_S + 1
+    await grid.settle_stalled()
+    job = await store.jobs.get_job(job_id)
+    assert job is not None and job.state == "failed"
+    assert "one more check of its output" in (job.error or "")
+    (shard,) = await store.jobs.list_shards(job_id)
+    assert shard.output_hash is None
 
 
 async def test_an_output_naming_another_build_than_its_node_is_invalid(
@@ -387,6 +586,7 @@ async def test_an_output_naming_another_build_than_its_node_is_invalid(
     grid, now = built_grid
     job_id = await _submit_built(grid, store, now[0])
     nodes = await _built_nodes(grid, store, {"liar": "A", "b": "B", "honest": "B"}, now[0])
+    await _establish(store, nodes["b"], kind=BUILT)
     lie = await _built_work(grid, nodes["liar"], near=True, names="B")
     assert lie is not None
     remade = await _built_work(grid, nodes["honest"])

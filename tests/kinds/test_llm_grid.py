@@ -73,7 +73,8 @@ async def test_a_node_that_cannot_load_the_model_fails_and_others_make_the_shard
 ) -> None:
     """The first node's copy of the model is damaged (as a full disk or a bad download
     leaves it): llama.cpp cannot load it, the node reports the failure, and the shard is
-    made by another node and checked by a third."""
+    made by another node and checked by two more (new checkers: a pass of one whose
+    record no known-answer check has established yet needs a second)."""
     model = model_path()
     url, admin = coordinator
     client = Client(url, token=admin.strip())
@@ -97,14 +98,15 @@ async def test_a_node_that_cannot_load_the_model_fails_and_others_make_the_shard
 
         await eventually(failed_once, "the broken node to fail", timeout_s=120, poll_s=0.1)
         assert "cannot load the model" in failures[0], failures
-        healthy = [await _worker(client, url, tmp_path / f"w{i}") for i in range(2)]
+        healthy = [await _worker(client, url, tmp_path / f"w{i}") for i in range(3)]
         runs += [asyncio.create_task(w.run()) for w in healthy]
         info = await _wait(job, lambda i: i["state"] not in ("queued", "running"))
         assert info["state"] == "completed", info
         [line] = await asyncio.to_thread(job.result)
         assert line["tokens"] and line["finish_reason"] in ("stop", "length")
         assert broken.completed == 0 and len(failures) == 1  # never given the shard again
-        assert sorted(w.completed for w in healthy) == [1, 1]  # the output and its check
+        # The output and its two checks, and any known-answer checks beside them.
+        assert sum(w.completed for w in healthy) >= 3
     finally:
         for worker in [broken, *healthy]:
             worker.stop()

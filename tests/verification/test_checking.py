@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from idlegrid.verification.checking import CheckedVote, decide
+from idlegrid.verification.checking import CheckedVote, decide, settle
 
 G1, G2 = "a" * 64, "b" * 64
 
@@ -13,7 +13,16 @@ def gen(task_id: int, output: str = G1) -> CheckedVote:
     return CheckedVote(task_id=task_id, output_hash=output, checks=None, verdict=None)
 
 
-def check(task_id: int, of: str, passed: bool, *, says: str | None = None, cred: float = 1.0):
+def check(
+    task_id: int,
+    of: str,
+    passed: bool,
+    *,
+    says: str | None = None,
+    cred: float = 1.0,
+    est: bool = True,
+) -> CheckedVote:
+    """A check of `of`; `est`: by an established checker (`verification.probes`)."""
     claimed = of if says is None else says
     return CheckedVote(
         task_id=task_id,
@@ -21,13 +30,38 @@ def check(task_id: int, of: str, passed: bool, *, says: str | None = None, cred:
         checks=of,
         verdict=(claimed, passed),
         credibility=cred,
+        established=est,
     )
 
 
 CASES = [
     # votes, canonical, valid, invalid, more
     ("output alone waits for its check", [gen(1)], None, (), (), True),
-    ("a passed check decides", [gen(1), check(2, G1, True)], 1, (1, 2), (), False),
+    ("an established checker's pass decides", [gen(1), check(2, G1, True)], 1, (1, 2), (), False),
+    (
+        "a new checker's pass waits for a second",
+        [gen(1), check(2, G1, True, est=False)],
+        None,
+        (),
+        (),
+        True,
+    ),
+    (
+        "two new checkers' passes decide",
+        [gen(1), check(2, G1, True, est=False), check(3, G1, True, est=False)],
+        1,
+        (1, 2, 3),
+        (),
+        False,
+    ),
+    (
+        "a new checker's pass against a failed check: another check",
+        [gen(1), check(2, G1, True, est=False), check(3, G1, False), check(4, G1, True)],
+        1,
+        (1, 2, 4),
+        (3,),
+        False,
+    ),
     ("one failed check waits for a second", [gen(1), check(2, G1, False)], None, (), (), True),
     (
         "two failed checks make the output a lie",
@@ -125,13 +159,14 @@ def built(task_id: int, build: str, *, names: str | None = None, output: str = G
     )
 
 
-def check_on(task_id: int, of: str, passed: bool, build: str) -> CheckedVote:
+def check_on(task_id: int, of: str, passed: bool, build: str, *, est: bool = True) -> CheckedVote:
     return CheckedVote(
         task_id=task_id,
         output_hash=f"{task_id:064d}",
         checks=of,
         verdict=(of, passed),
         build=build,
+        established=est,
     )
 
 
@@ -139,33 +174,46 @@ BUILD_CASES = [
     # votes, canonical, valid, invalid, more
     ("a pass on the output's build decides", [built(1, "A"), check_on(2, G1, True, "A")],
      1, (1, 2), (), False),
-    ("a pass from another build does not", [built(1, "A"), check_on(2, G1, True, "B")],
-     None, (), (), True),
-    ("two passes from other builds do not either",
-     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "C")],
-     None, (), (), True),
-    ("a pass on its build after one from another: both valid",
-     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "A")],
+    ("an established pass from another build decides too",
+     [built(1, "A"), check_on(2, G1, True, "B")], 1, (1, 2), (), False),
+    ("a new checker's pass from another build waits for a second",
+     [built(1, "A"), check_on(2, G1, True, "B", est=False)], None, (), (), True),
+    ("two new checkers' passes from other builds decide",
+     [built(1, "X"), check_on(2, G1, True, "B", est=False), check_on(3, G1, True, "C", est=False)],
      1, (1, 2, 3), (), False),
     ("failed checks count from any build",
      [built(1, "A"), check_on(2, G1, False, "B"), check_on(3, G1, False, "C")],
      None, (), (1,), True),
-    ("a lie: its own build's passes invalid, other builds' unjudged",
-     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, True, "A"),
-      check_on(4, G1, False, "A"), check_on(5, G1, False, "C"), check_on(6, G1, False, "A")],
-     None, (), (1, 3), True),
-    ("one failed check on its build against one pass from another: another check",
-     [built(1, "A"), check_on(2, G1, True, "B"), check_on(3, G1, False, "A")],
-     None, (), (), True),
+    ("a lie: the passes of it are invalid with it, from any build",
+     [built(1, "A"), check_on(2, G1, True, "B", est=False), check_on(3, G1, False, "A"),
+      check_on(4, G1, False, "C")],
+     None, (), (1, 2), True),
     ("an output naming another build than its node reported is invalid",
      [built(1, "A", names="B"), check_on(2, G1, True, "B")], None, (), (1,), True),
-    ("a node that reported no build gets no pass",
-     [built(1, ""), check_on(2, G1, True, "")], None, (), (), True),
-    ("an output set aside is passed over for the next",
-     [built(1, "X"), check_on(2, G1, True, "B"), check_on(3, G1, True, "C"),
-      built(4, "A", output=G2), check_on(5, G2, True, "A")],
-     4, (4, 5), (), False),
 ]  # fmt: skip
+
+
+def test_the_passes_of_a_decision_are_held_for_a_known_answer() -> None:
+    votes = [gen(1), check(2, G1, True, est=False), check(3, G1, True, est=False)]
+    assert decide(votes).decision.held == (2, 3)
+    caught = [gen(1), check(2, G1, False), check(3, G1, False), gen(4, G2), check(5, G2, True)]
+    assert decide(caught).decision.held == (5,)  # the checks that caught a lie are paid now
+
+
+def test_a_stalled_checked_shard_is_decided_by_its_own_rule_or_fails() -> None:
+    node_of = {1: 11, 2: 12, 3: 13, 4: 14}
+    # Two identical failed verdicts are no quorum: a verdict is never the result.
+    lie = [gen(1), check(2, G1, False), check(3, G1, False)]
+    decision = settle(lie, node_of=node_of)
+    assert decision.canonical is None and decision.invalid == (1,)
+    assert decision.fail_reason is not None and "a new output" in decision.fail_reason
+    waiting = [gen(1), check(2, G1, True, est=False)]
+    decision = settle(waiting, node_of=node_of)
+    assert decision.canonical is None
+    assert decision.fail_reason is not None and "one more check" in decision.fail_reason
+    assert "node 11" in decision.fail_reason
+    decided = settle([gen(1), check(2, G1, True)], node_of=node_of)
+    assert decided.canonical == 1 and decided.fail_reason is None
 
 
 @pytest.mark.parametrize(

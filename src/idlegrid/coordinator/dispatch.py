@@ -25,6 +25,7 @@ from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.policy import scheduler
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, ReadyTask
+from idlegrid.verification import probes
 from idlegrid.verification import trust as trust_policy
 
 log = logging.getLogger(__name__)
@@ -285,7 +286,7 @@ class Dispatcher:
                 passed.add(entry.task_id)
             if isinstance(claim, Assignment):
                 if plan.kind.checks:
-                    claim = await self._role(claim, by_build=plan.kind.names_builds)
+                    claim = await self._role(claim, plan)
                 self._note_claim(session, claim, entry, plan, now=now)
                 # The claim is committed: the node must hear of it even if the broker is
                 # away (a later claim discards the stale entry).
@@ -301,15 +302,35 @@ class Dispatcher:
                 return None
         return None
 
-    async def _role(self, claim: Assignment, *, by_build: bool) -> Assignment:
-        """A claim of a shard verified by checks: the check of its output, if it has one."""
-        target = await self._ctx.store.claims.assign_check(
-            claim.shard_id, claim.task_id, by_build=by_build
-        )
+    async def _role(self, claim: Assignment, plan: JobPlan) -> Assignment:
+        """A claim of a shard verified by checks: the check of its output, if it has one;
+        now and then, by the node's record as a checker, a known-answer check instead."""
+        store = self._ctx.store
+        target = await store.claims.assign_check(claim.shard_id, claim.task_id)
         if target is None:
             return claim
         self._ctx.counters.verified["check_tasks"] += 1
-        return dataclasses.replace(claim, check_hash=target[0], check_size=target[1])
+        check_hash, check_size = target
+        draw = self._ctx.random
+        if probes.sends_probe(claim.trust, draw=draw.random()):
+            planted = plan.kind.plant_defect(self._ctx.blobs.read(check_hash), draw.random())
+            if planted is not None:
+                planted_hash = self._ctx.blobs.put(planted)
+                ready = await store.claims.make_known_answer(
+                    claim.task_id, planted_hash=planted_hash, known="fail", now=self._ctx.clock()
+                )
+                await store.after_commit(functools.partial(self._enqueue, ready))
+                self._ctx.counters.verified["known_answer_checks"] += 1
+                check_hash, check_size = planted_hash, len(planted)
+        return dataclasses.replace(claim, check_hash=check_hash, check_size=check_size)
+
+    async def _enqueue(self, ready: Sequence[ReadyTask]) -> None:
+        """Queue tasks made while claiming (once committed), and wake the nodes waiting."""
+        if ready:
+            self._matcher.invalidate()
+            with unless_broker_away("queueing a task made while claiming"):
+                await self._ctx.broker.push_ready(ready)
+            self._ctx.work_available.set()
 
     async def _maybe_alone(self, plan: JobPlan, claim: Assignment) -> None:
         """Adaptive replication: a trusted node's first replica may run unreplicated.

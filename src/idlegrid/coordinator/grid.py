@@ -55,6 +55,7 @@ from idlegrid.store.base import (
     RegistrationLimits,
     ResultReceipt,
 )
+from idlegrid.verification import checking
 from idlegrid.verification.trust import TrustSettings
 
 __all__ = ["CHANNEL", "Grid", "JobInputError", "JobPlan", "NodeNotFound", "SettingRefused"]
@@ -214,6 +215,14 @@ class Grid:
             + await self.stalemates.build_waits(job)
         )
 
+    async def doubts(self, job: JobRecord) -> list[str]:
+        """An ended job's shards that rested on the word of a checker caught lying since,
+        in words (an open job has them checked again instead: `store.recheck`)."""
+        if job.state.value in ("queued", "running"):
+            return []
+        found = await self.store.verification.rested_on_liars(job.id)
+        return [checking.doubt_reason(index, node_id) for index, node_id in found]
+
     async def cancel_job(self, job_id: int) -> None:
         await self.intake.cancel_job(job_id)
 
@@ -266,6 +275,9 @@ class Grid:
 
     async def verify_shards(self, shard_ids: Sequence[int]) -> None:
         await self.verification.verify_shards(shard_ids)
+
+    async def judge_known_answers(self, *, limit: int = 100) -> int:
+        return await self.verification.judge_known_answers(limit=limit)
 
     async def judge_late(self, *, limit: int = 100, task_ids: Sequence[int] | None = None) -> int:
         return await self.verification.judge_late(limit=limit, task_ids=task_ids)

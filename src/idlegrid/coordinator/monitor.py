@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Coroutine
+from typing import Any
 
 from idlegrid.coordinator import peers
 from idlegrid.coordinator.context import CHANNEL
@@ -67,12 +69,25 @@ async def record_presence(grid: Grid) -> None:
 
 
 async def finish_pending(grid: Grid) -> None:
-    """Verify results and assemble jobs that a crash left between two steps."""
+    """Verify results and assemble jobs that a crash left between two steps, then judge
+    late results. Each shard and job is a step of its own: one that raises is logged and
+    tried again next pass, and never holds back the others, nor the late judging."""
     for shard_id in await grid.store.verification.shards_to_verify(limit=100):
-        await grid.verify_shard(shard_id)
+        await _isolated(grid.verify_shard(shard_id), "verifying shard", shard_id)
     for job_id in await grid.store.jobs.jobs_to_assemble():
-        await grid.assemble(job_id)
+        await _isolated(grid.assemble(job_id), "assembling job", job_id)
+    await grid.judge_known_answers()
     await grid.judge_late()
+
+
+async def _isolated(step: Coroutine[Any, Any, None], doing: str, what: int) -> bool:
+    """Await `step`; an exception is logged with what it was doing, not raised."""
+    try:
+        await step
+    except Exception:
+        log.exception("monitor: %s %s failed; tried again next pass", doing, what)
+        return False
+    return True
 
 
 async def settle_stalled(grid: Grid) -> None:

@@ -19,7 +19,7 @@ import logging
 from idlegrid.coordinator.context import Context
 from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.plans import JobPlan, Plans
-from idlegrid.coordinator.verifier import Verifier
+from idlegrid.coordinator.verifier import Verifier, checked
 from idlegrid.store.base import JobRecord, ShardForVerify, StalledShard
 from idlegrid.verification import checking, judging, stalemate
 from idlegrid.verification.quorum import Decision
@@ -53,6 +53,8 @@ class Stalemates:
             plan = await self._plans.get(shard.job_id)
             if found is None or plan is None or not found.results:
                 continue
+            if self.confirmation_wait(found, plan, now=now)[1] > 0:
+                continue  # its checker may still earn its record in other shards
             decision = self._settle(found, plan)
             log.info(
                 "shard %s: no node can add a result; %s",
@@ -79,7 +81,26 @@ class Stalemates:
             )
             self._ctx.counters.alone["checks_opened"] += opened
 
+    def confirmation_wait(
+        self, found: ShardForVerify, plan: JobPlan, *, now: float
+    ) -> tuple[list[int], float]:
+        """A checked shard whose output waits only for a confirming pass (no node can add
+        one): the nodes whose passes it has, and how long it still waits (0: no longer)
+        for their records to be established by known-answer checks in other shards."""
+        if not checked(found, plan):
+            return [], 0.0
+        passes = checking.unconfirmed_passes(self._verifier.checked_votes(found, plan))
+        if not passes:
+            return [], 0.0
+        ids = {c.task_id for c in passes}
+        latest = max((r.finished_at or 0.0) for r in found.results)
+        nodes = [r.node_id for r in found.results if r.task_id in ids]
+        return nodes, latest + self._ctx.settings.check_build_wait_s - now
+
     def _settle(self, found: ShardForVerify, plan: JobPlan) -> Decision:
+        node_of = {r.task_id: r.node_id for r in found.results}
+        if checked(found, plan):  # its own rule decides, and a verdict is never a result
+            return checking.settle(self._verifier.checked_votes(found, plan), node_of=node_of)
         blobs = self._ctx.blobs
         votes = [judging.Vote(r.task_id, blobs.read(r.output_hash), r.trust) for r in found.results]
         return stalemate.settle(
@@ -87,7 +108,7 @@ class Stalemates:
             lambda a, b: plan.kind.compare(a, b, plan.params),
             self._ctx.settings.trust,
             min_quorum=plan.min_quorum,
-            node_of={r.task_id: r.node_id for r in found.results},
+            node_of=node_of,
         )
 
     async def candidates(self, shard: StalledShard) -> tuple[list[int], list[int]]:
@@ -116,6 +137,10 @@ class Stalemates:
         reasons = []
         for shard in stalled:
             nodes, barred = await self.candidates(shard)
+            if not nodes and not barred:
+                reason = await self._confirmation_reason(shard)
+                if reason:
+                    reasons.append(reason)
             if nodes and not connected & set(nodes):
                 reasons.append(stalemate.waiting_reason(shard.index, nodes))
             elif barred:
@@ -123,6 +148,15 @@ class Stalemates:
             if len(reasons) >= limit:
                 break
         return reasons
+
+    async def _confirmation_reason(self, shard: StalledShard) -> str:
+        """What a stalled checked shard that waits for a confirming pass waits for."""
+        found = await self._ctx.store.verification.shard_for_verify(shard.shard_id)
+        plan = await self._plans.get(shard.job_id)
+        if found is None or plan is None or not found.results:
+            return ""
+        nodes, left = self.confirmation_wait(found, plan, now=self._ctx.clock())
+        return checking.confirmation_reason(shard.index, nodes, left) if nodes else ""
 
     async def build_waits(self, job: JobRecord, *, limit: int = 3) -> list[str]:
         """The job's outputs whose check waits for a node of the build they name while
@@ -167,6 +201,8 @@ class Stalemates:
 
 def _replicas(shard: StalledShard) -> list[stalemate.Replica]:
     return [
-        stalemate.Replica(stalemate.Member(r.node_id, r.account_id, r.network), r.ran, r.late_until)
+        stalemate.Replica(
+            stalemate.Member(r.node_id, r.account_id, r.network), r.ran, r.late_until, r.bars
+        )
         for r in shard.replicas
     ]

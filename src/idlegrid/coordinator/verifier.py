@@ -22,9 +22,11 @@ from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.round_driver import RoundDriver
+from idlegrid.devtools import faults
+from idlegrid.kinds.base import Verdict
 from idlegrid.states import ShardState
 from idlegrid.store.base import DecisionOutcome, ShardDecision, ShardForVerify
-from idlegrid.verification import checking, judging
+from idlegrid.verification import checking, judging, probes
 from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.quorum import Decision
 
@@ -66,6 +68,7 @@ class Verifier:
     async def verify_shards(self, shard_ids: Sequence[int]) -> None:
         """Verify several shards: one read of their results, one write of the decisions."""
         store = self._ctx.store
+        await self.judge_known_answers(shard_ids=shard_ids)
         found = await store.verification.shards_for_verify(shard_ids)
         decided: list[tuple[ShardForVerify, JobPlan, Decision]] = []
         for shard_id in dict.fromkeys(shard_ids):
@@ -89,6 +92,7 @@ class Verifier:
                     decision.valid,
                     decision.invalid,
                     decision.fail_reason,
+                    decision.held,
                 )
                 for item, _, decision in decided
             ],
@@ -117,19 +121,14 @@ class Verifier:
 
     async def _fail_job(self, found: ShardForVerify, reason: str) -> None:
         """A shard failed: its job fails with it, its other live tasks are cancelled."""
-        job_id = found.job.id
-        error = f"shard {found.shard.index} failed: {reason}"
-        held = await self._ctx.store.jobs.fail_job(job_id, error=error, now=self._ctx.clock())
-        log.warning("job %s failed: %s", job_id, error)
-        await self._fanout.send_cancels(held, reason=f"job {job_id} failed")
-        await self._fanout.job_ended(job_id)
+        await self.fail_job(found.job.id, f"shard {found.shard.index} failed: {reason}")
 
     async def _decide(self, found: ShardForVerify, plan: JobPlan) -> Decision:
         terms = _terms(found, plan)
         if judging.waits(terms, len(found.results)):
             return Decision(canonical=None, valid=(), invalid=())
         blobs = self._ctx.blobs
-        if _checked(found, plan):
+        if checked(found, plan):
             return self._decide_checked(found, plan)
         votes = [judging.Vote(r.task_id, blobs.read(r.output_hash), r.trust) for r in found.results]
         return await compute(
@@ -142,10 +141,17 @@ class Verifier:
         )
 
     def _decide_checked(self, found: ShardForVerify, plan: JobPlan) -> Decision:
-        """A shard verified by check tasks (`verification.checking`): the kind reads each
-        check's verdict (small outputs: no thread)."""
+        """A shard verified by check tasks (`verification.checking`)."""
+        outcome = checking.decide(self.checked_votes(found, plan))
+        counters = self._ctx.counters.verified
+        counters["checks_passed" if outcome.decision.canonical else "checks_pending"] += 1
+        return outcome.decision
+
+    def checked_votes(self, found: ShardForVerify, plan: JobPlan) -> list[checking.CheckedVote]:
+        """A checked shard's results as its rule reads them: the kind reads each check's
+        verdict (small outputs: no thread)."""
         settings, blobs, kind = self._ctx.settings.trust, self._ctx.blobs, plan.kind
-        votes = [
+        return [
             checking.CheckedVote(
                 task_id=r.task_id,
                 output_hash=r.output_hash,
@@ -154,6 +160,7 @@ class Verifier:
                 if r.checks_hash is not None or r.output_size < CHECK_VERDICT_BYTES
                 else None,
                 credibility=trust_rules.credibility(r.trust, settings),
+                established=probes.established(r.trust),
                 build=r.build if kind.names_builds else None,
                 claimed_build=(
                     kind.claimed_build(blobs.read(r.output_hash))
@@ -163,16 +170,15 @@ class Verifier:
             )
             for r in found.results
         ]
-        outcome = checking.decide(votes)
-        counters = self._ctx.counters.verified
-        counters["checks_passed" if outcome.decision.canonical else "checks_pending"] += 1
-        return outcome.decision
 
     async def _undecided(self, found: ShardForVerify, plan: JobPlan, decision: Decision) -> None:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
-        if _checked(found, plan):  # one more task: the check it waits for, or a new output
-            await store.claims.raise_target(shard.id, results_seen=len(found.results))
+        if checked(found, plan):  # one more task: the check it waits for, or a new output
+            # Counted without the results this decision found invalid: after a caught lie
+            # the shard needs one new output, not one more task besides the lie's.
+            left = [r for r in found.results if r.task_id not in decision.invalid]
+            await store.claims.raise_target(shard.id, results_seen=len(left))
             return
         then = judging.follow_up(_terms(found, plan), len(found.results), decision)
         if then.suspects:
@@ -203,20 +209,57 @@ class Verifier:
         caught = False
         for result in late:
             plan = await self._plans.get(result.job_id)
-            agrees = False
+            agrees: bool | None = False
             if plan is not None and result.canonical_hash is not None:
-                canonical = blobs.read(result.canonical_hash)
-                output = blobs.read(result.output_hash)
-                verdict = await asyncio.to_thread(plan.kind.compare, canonical, output, plan.params)
-                agrees = judging.agrees(verdict)
+                try:
+                    canonical = blobs.read(result.canonical_hash)
+                    output = blobs.read(result.output_hash)
+                    verdict = await asyncio.to_thread(
+                        plan.kind.compare, canonical, output, plan.params
+                    )
+                    agrees = judging.agrees(verdict)
+                    if plan.kind.checks and verdict == Verdict.INCONCLUSIVE:
+                        # Another build's tokens, or a verdict about an output found
+                        # wrong before: nothing to judge it by (neither paid nor blamed).
+                        agrees = None
+                except Exception:  # an output its kind cannot read agrees with nothing
+                    log.exception("task %s: its late result could not be compared", result.task_id)
             await store.verification.judge_late(
                 result.task_id, agrees=agrees, now=self._ctx.clock()
             )
-            self._ctx.counters.verified["late_valid" if agrees else "late_invalid"] += 1
-            caught = caught or not agrees
+            outcome = {True: "late_valid", False: "late_invalid", None: "late_moot"}[agrees]
+            self._ctx.counters.verified[outcome] += 1
+            caught = caught or agrees is False
         if caught:
             await self._leases.replenish()  # what the caught node decided alone reopened
         return len(late)
+
+    async def judge_known_answers(
+        self, *, limit: int = 100, shard_ids: Sequence[int] | None = None
+    ) -> int:
+        """Judge answered known-answer checks (of these shards; None: any, oldest first):
+        right, they confirm their node's word; wrong, they are lies
+        (`verification.probes`). A wrong answer reopens what its node vouched for."""
+        store, blobs = self._ctx.store, self._ctx.blobs
+        answered = await store.verification.known_answers(limit=limit, shard_ids=shard_ids)
+        caught = False
+        for answer in answered:
+            plan = await self._plans.get(answer.job_id)
+            verdict = None
+            if plan is not None:
+                output = blobs.read(answer.output_hash)
+                verdict = (
+                    plan.kind.check_verdict(output) if len(output) < CHECK_VERDICT_BYTES else None
+                )
+            right = probes.answered_right(answer.known, answer.planted_hash, verdict)
+            if await store.verification.judge_known_answer(
+                answer.task_id, right=right, now=self._ctx.clock()
+            ):
+                self._ctx.counters.verified["known_right" if right else "known_wrong"] += 1
+                caught = caught or not right
+        if caught:
+            await self._leases.replenish()
+        return len(answered)
 
     async def _shard_decided(
         self, shard_id: int, outcome: DecisionOutcome, decision: Decision
@@ -242,9 +285,13 @@ class Verifier:
             verified["invalid"] += len(decision.invalid)
 
     async def assemble(self, job_id: int) -> None:
-        """Build and store a finished job's result from its canonical outputs."""
+        """Build and store a finished job's result from its canonical outputs; a job
+        whose result its kind cannot build fails with the reason (it never stays
+        running). A store error propagates: it says nothing of the job."""
         plan = await self._plans.get(job_id)
-        assert plan is not None
+        if plan is None:
+            await self.fail_job(job_id, "its kind and parameters could not be read")
+            return
         if self._rounds.drives(plan.kind):  # its rounds decide when it is done
             await self._rounds.progress(job_id)
             return
@@ -256,11 +303,25 @@ class Verifier:
             return
         hashes = await store.jobs.canonical_outputs(job_id)
         inputs = [shard.input_hash for shard in shards]
-        result_hash, size = await asyncio.to_thread(self._assemble, plan, inputs, hashes)
+        try:
+            result_hash, size = await asyncio.to_thread(
+                self._assemble, job_id, plan, inputs, hashes
+            )
+        except Exception as exc:  # the kind's assemble, over outputs and researcher's inputs
+            log.exception("job %s: its result could not be assembled", job_id)
+            await self.fail_job(job_id, f"its result could not be assembled: {_why(exc)}")
+            return
         if await store.jobs.complete_job(
             job_id, result_hash=result_hash, result_size=size, now=self._ctx.clock()
         ):
             log.info("job %s completed (%d bytes)", job_id, size)
+        await self._fanout.job_ended(job_id)
+
+    async def fail_job(self, job_id: int, error: str) -> None:
+        """End an open job as failed with `error`; its live tasks are cancelled."""
+        held = await self._ctx.store.jobs.fail_job(job_id, error=error, now=self._ctx.clock())
+        log.warning("job %s failed: %s", job_id, error)
+        await self._fanout.send_cancels(held, reason=f"job {job_id} failed")
         await self._fanout.job_ended(job_id)
 
     async def _hold_for_audit(self, job_id: int) -> bool:
@@ -278,8 +339,9 @@ class Verifier:
         return True
 
     def _assemble(
-        self, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]
+        self, job_id: int, plan: JobPlan, inputs: Sequence[str], hashes: Sequence[str]
     ) -> tuple[str, int]:
+        faults.failure(f"assemble-job-{job_id}", RuntimeError("a fault point broke it"))
         blobs = self._ctx.blobs
         result = plan.kind.assemble_with_inputs(
             [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
@@ -287,7 +349,13 @@ class Verifier:
         return blobs.put(result), len(result)
 
 
-def _checked(found: ShardForVerify, plan: JobPlan) -> bool:
+def _why(exc: Exception) -> str:
+    """An exception in words for a job's page: its message, or its type without one."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def checked(found: ShardForVerify, plan: JobPlan) -> bool:
     """Whether the shard is verified by check tasks: not when its job asked for one result
     (replication 1, no verification) or a trusted node ran it alone."""
     return plan.kind.checks and plan.replication > 1 and found.shard.mode != "alone"

@@ -374,6 +374,12 @@ class TaskKind(ABC):
         `output` is a check task's verdict; None if it is a shard's output."""
         return None
 
+    def plant_defect(self, output: bytes, draw: float) -> bytes | None:
+        """For a kind that `checks`: `output` with a defect planted that an honest check
+        fails and only running the model finds (a known-answer check,
+        `verification.probes`); `draw` in [0, 1) picks which. None: the kind has none."""
+        return None
+
     def check_output(  # noqa: B027 - an optional hook: accepting everything is the default
         self, payload: bytes, output: bytes, params: KindParams
     ) -> None:

@@ -294,6 +294,20 @@ class ShardResult:
     checks_hash: str | None = None
     # The build its node reported when it claimed the task (kinds that name builds).
     build: str | None = None
+    finished_at: float | None = None
+
+
+@dataclass(frozen=True)
+class KnownAnswer:
+    """A known-answer check's result: the planted claim it was given, the verdict the
+    coordinator knows is right (`verification.probes`), and its verdict's blob."""
+
+    task_id: int
+    node_id: int
+    output_hash: str
+    planted_hash: str
+    known: str
+    job_id: int
 
 
 @dataclass(frozen=True)
@@ -326,6 +340,8 @@ class ShardReplica:
     # An expired replica whose node may still send its result late: until when it is
     # waited for (`verification.stalemate.late_until`); None for any other.
     late_until: float | None = None
+    # False: a check that bars nobody (`rows.bars_nobody`).
+    bars: bool = True
 
 
 @dataclass(frozen=True)
@@ -363,6 +379,8 @@ class ShardDecision:
     valid: Sequence[int]
     invalid: Sequence[int]
     fail_reason: str | None
+    # Of `valid`: checks that passed the output, paid once their node's word is confirmed.
+    held: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

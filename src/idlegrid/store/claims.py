@@ -19,6 +19,7 @@ from idlegrid.store import check_routing, ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
 from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import in_state, move
+from idlegrid.store.replenish import replenish as top_up
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 from idlegrid.store.writelock import urgent
 from idlegrid.verification import trust as trust_policy
@@ -93,7 +94,8 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     same way). A claim released before the node heard of it (`release_claims`) does not
     count: the node never ran it, and with as many nodes as replicas it would otherwise
     bar the only node left. Accounts and networks count only replicas that ran or run:
-    a replica that failed or expired on one of them does not bar its other nodes.
+    a replica that failed or expired on one of them does not bar its other nodes. A check
+    that caught a lie does not bar its node either (`rows.bars_nobody`).
     """
     if distinct is None:
         return []
@@ -104,7 +106,12 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     if distinct.networks and claimer.network:
         same.append(counted & (OTHER.c.network == claimer.network))
     return [
-        ~exists().where(OTHER.c.shard_id == tasks.c.shard_id, OTHER.c.id != tasks.c.id, or_(*same))
+        ~exists().where(
+            OTHER.c.shard_id == tasks.c.shard_id,
+            OTHER.c.id != tasks.c.id,
+            or_(*same),
+            ~rows.bars_nobody(OTHER),
+        )
     ]
 
 
@@ -463,18 +470,38 @@ class Claims(Role):
 
     @write
     async def assign_check(
-        self, conn: AsyncConnection, shard_id: int, task_id: int, *, by_build: bool = False
+        self, conn: AsyncConnection, shard_id: int, task_id: int
     ) -> tuple[str, int] | None:
         """Make a task just claimed of a shard verified by checks the check of the shard's
         earliest output not found invalid (its hash and size); None: it has none, so the
-        task makes the output. `by_build`: outputs only other builds checked are set
-        aside (`check_routing`)."""
-        row = (
-            await conn.execute(check_routing.check_target(shard_id, task_id, by_build=by_build))
-        ).first()
+        task makes the output."""
+        row = (await conn.execute(check_routing.check_target(shard_id, task_id))).first()
         if row is None:
             return None
         await conn.execute(
             update(tasks).where(tasks.c.id == task_id).values(checks_hash=row.output_hash)
         )
         return str(row.output_hash), int(row.output_size or 0)
+
+    @write
+    async def make_known_answer(
+        self, conn: AsyncConnection, task_id: int, *, planted_hash: str, known: str, now: float
+    ) -> list[ReadyTask]:
+        """Make a check task just claimed a known-answer check of `planted_hash` (a claim
+        whose right verdict, `known`, the coordinator knows: `verification.probes`). It is
+        no replica of its shard: not an attempt, and the shard gets its own check anew
+        (returned, to queue)."""
+        shard_id = (
+            await conn.execute(
+                update(tasks)
+                .where(tasks.c.id == task_id, tasks.c.state == TaskState.ASSIGNED.value)
+                .values(checks_hash=planted_hash, known_answer=known)
+                .returning(tasks.c.shard_id)
+            )
+        ).scalar_one_or_none()
+        if shard_id is None:
+            return []
+        await conn.execute(
+            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts - 1)
+        )
+        return (await top_up(conn, now=now, job_id=None, shard_id=shard_id)).ready

@@ -180,10 +180,51 @@ async def apply_verdicts(
     # another process has committed by now, and is seen (or sees this decision).
     on_record = await checks_on_record(conn, rules.accepted_alone(found, verdict_of))
     vouched = await _vouched(conn, rules.vouch_horizons(found, verdict_of, on_record))
+    confirmed = await _confirmed(conn, found, verdict_of)
     delta = rules.credit_delta(
-        found, verdict_of, vouched, credit=credit, checks_on_record=on_record
+        found,
+        verdict_of,
+        vouched,
+        credit=credit,
+        checks_on_record=on_record,
+        confirmed=confirmed,
     )
     await write_credit(conn, delta, now=now)
+
+
+_LIE = tasks.alias("lie_of_node")
+
+
+async def _confirmed(
+    conn: AsyncConnection,
+    found: Sequence[rules.JudgedResult],
+    verdict_of: Mapping[int, ResultVerdict],
+) -> list[rules.JudgedResult]:
+    """The unpaid passes that a known-answer check answered right here confirms: its
+    node's checks found valid, of the same kind, finished after the node's latest lie
+    and before that answer (`rules.credit_delta`'s `confirmed`)."""
+    answered = [r for r in found if verdict_of[r.task_id] == "answered"]
+    confirmed: list[rules.JudgedResult] = []
+    for node_id in rules.confirming(verdict_of, {r.task_id: r.node_id for r in found}):
+        mine = [r for r in answered if r.node_id == node_id]
+        until = max(r.finished_at or 0.0 for r in mine)
+        last_lie = (
+            select(func.coalesce(func.max(_LIE.c.finished_at), 0.0))
+            .where(_LIE.c.node_id == node_id, _LIE.c.outcome == "invalid")
+            .scalar_subquery()
+        )
+        confirmed += await _judged(
+            conn,
+            tasks.c.node_id == node_id,
+            jobs.c.kind == mine[0].kind,
+            tasks.c.checks_hash.is_not(None),
+            tasks.c.known_answer.is_(None),
+            tasks.c.outcome == "valid",
+            tasks.c.credit.is_(None),
+            tasks.c.finished_at <= until,
+            tasks.c.finished_at > last_lie,
+        )
+    return confirmed
 
 
 async def _settle_suspicions(
@@ -537,6 +578,7 @@ def trust_of(row: Any) -> Trust:
         suspended=row.suspended,
         suspicions=row.suspicions,
         held_streak=row.held_streak,
+        probes_passed=row.probes_passed,
     )
 
 
@@ -551,4 +593,5 @@ def _trust_values(trust: Trust) -> dict[str, Any]:
         suspended=trust.suspended,
         suspicions=trust.suspicions,
         held_streak=trust.held_streak,
+        probes_passed=trust.probes_passed,
     )

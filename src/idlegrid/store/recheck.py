@@ -16,7 +16,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
-from idlegrid.verification.recheck import UNREPLICATED, LoneShard, Rechecked, recheck
+from idlegrid.verification.recheck import UNREPLICATED, LoneShard, Rechecked, recheck, rested
 
 _OPEN_JOB = (JobState.QUEUED.value, JobState.RUNNING.value)
 
@@ -45,6 +45,29 @@ async def recheck_node(
     for shard_id in out.to_replicate:
         row = by_id[shard_id]
         await _replicate(conn, shard_id, target=row.replication, quorum=row.min_quorum)
+    word = await _rested_on(conn, node_id, kind, backend, since=now - window_s)
+    on_word = rested(
+        (
+            LoneShard(
+                shard_id=row.id,
+                open=False,
+                task_id=row.task_id,
+                canonical_task_id=row.canonical_task_id,
+                finished_at=row.finished_at,
+                job_open=row.job_state in _OPEN_JOB,
+            )
+            for row in word
+        ),
+        now=now,
+        window_s=window_s,
+    )
+    by_id = {row.id: row for row in word}
+    for shard_id in on_word.reopened:
+        row = by_id[shard_id]
+        # One more result than it has: the check its caught checker's pass stood for.
+        await _replicate(conn, shard_id, target=row.results + 1, quorum=row.min_quorum)
+    out.reopened += on_word.reopened
+    out.released += on_word.released
     # Their results stay valid and vote again, with what their nodes' trust is now (the
     # vote reads valid results too); the decision judges only what it changes, so no
     # node's trust counts a result twice.
@@ -82,6 +105,60 @@ async def _lone_shards(
     return list((await conn.execute(query)).all())
 
 
+_CHECK = tasks.alias("pass_of_output")
+
+
+async def _rested_on(
+    conn: AsyncConnection, node_id: int, kind: str, backend: str, *, since: float
+) -> list[Any]:
+    """The shards decided since `since` whose canonical output this node's check passed,
+    and no other check did (kinds verified by checks), in shard order."""
+    passes = (
+        select(func.count())
+        .where(
+            _CHECK.c.shard_id == shards.c.id,
+            _CHECK.c.checks_hash == shards.c.output_hash,
+            _CHECK.c.outcome == "valid",
+        )
+        .scalar_subquery()
+    )
+    results = (
+        select(func.count())
+        .where(
+            _CHECK.c.shard_id == shards.c.id,
+            _CHECK.c.outcome == "valid",
+            _CHECK.c.known_answer.is_(None),
+        )
+        .scalar_subquery()
+    )
+    query = (
+        select(
+            shards.c.id,
+            shards.c.canonical_task_id,
+            tasks.c.id.label("task_id"),
+            shards.c.finished_at,
+            jobs.c.state.label("job_state"),
+            jobs.c.min_quorum,
+            results.label("results"),
+        )
+        .join(tasks, tasks.c.shard_id == shards.c.id)
+        .join(jobs, jobs.c.id == shards.c.job_id)
+        .where(
+            tasks.c.node_id == node_id,
+            jobs.c.kind == kind,
+            func.coalesce(tasks.c.backend, "cpu") == backend,
+            tasks.c.checks_hash == shards.c.output_hash,
+            tasks.c.known_answer.is_(None),
+            tasks.c.outcome == "valid",
+            shards.c.state == ShardState.DONE.value,
+            shards.c.finished_at >= since,
+            passes == 1,
+        )
+        .order_by(shards.c.id)
+    )
+    return list((await conn.execute(query)).all())
+
+
 async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> None:
     # Open ones get the new target too; a done one reopens. Never a failed or cancelled one.
     await conn.execute(
@@ -106,3 +183,44 @@ async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quoru
         .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
         .values(trusted_only=False)
     )
+
+
+_LATER_LIE = tasks.alias("later_lie")
+
+
+async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int, int]]:
+    """(shard index, node) of the job's decided shards whose output one check alone
+    passed, by a node caught lying since (kinds verified by checks), in shard order."""
+    passes = (
+        select(func.count())
+        .where(
+            _CHECK.c.shard_id == shards.c.id,
+            _CHECK.c.checks_hash == shards.c.output_hash,
+            _CHECK.c.outcome == "valid",
+        )
+        .scalar_subquery()
+    )
+    lied_since = (
+        select(_LATER_LIE.c.id)
+        .where(
+            _LATER_LIE.c.node_id == tasks.c.node_id,
+            _LATER_LIE.c.outcome == "invalid",
+            _LATER_LIE.c.finished_at > tasks.c.finished_at,
+        )
+        .exists()
+    )
+    query = (
+        select(shards.c.idx, tasks.c.node_id)
+        .join(tasks, tasks.c.shard_id == shards.c.id)
+        .where(
+            shards.c.job_id == job_id,
+            shards.c.state == ShardState.DONE.value,
+            tasks.c.checks_hash == shards.c.output_hash,
+            tasks.c.known_answer.is_(None),
+            tasks.c.outcome == "valid",
+            passes == 1,
+            lied_since,
+        )
+        .order_by(shards.c.idx)
+    )
+    return [(row.idx, row.node_id) for row in await conn.execute(query)]

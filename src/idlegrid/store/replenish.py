@@ -21,9 +21,14 @@ from idlegrid.verification import replication
 
 
 def _candidates_query() -> Any:
+    # A known-answer check is no replica of its shard: the shard's own check still comes.
     live = (
         select(func.count())
-        .where(tasks.c.shard_id == shards.c.id, tasks.c.state.in_(ending.LIVE))
+        .where(
+            tasks.c.shard_id == shards.c.id,
+            tasks.c.state.in_(ending.LIVE),
+            tasks.c.known_answer.is_(None),
+        )
         .scalar_subquery()
     )
     results = (
@@ -78,9 +83,14 @@ def _counts(row: Any) -> replication.ShardCounts:
     )
 
 
-async def replenish(conn: AsyncConnection, *, now: float, job_id: int | None) -> Replenished:
-    """Create the tasks open shards need (of one job, or of all); fail the exhausted."""
+async def replenish(
+    conn: AsyncConnection, *, now: float, job_id: int | None, shard_id: int | None = None
+) -> Replenished:
+    """Create the tasks open shards need (of one job or shard, or of all); fail the
+    exhausted."""
     query = _CANDIDATES if job_id is None else _CANDIDATES.where(shards.c.job_id == job_id)
+    if shard_id is not None:
+        query = query.where(shards.c.id == shard_id)
     found = (await conn.execute(query)).all()
     if found and rows.row_locks(conn):
         found = await _lock_and_recount(conn, query, [row.id for row in found])

@@ -33,7 +33,29 @@ def counting_result(task: Any) -> list[Any]:
     return [
         task.c.state == TaskState.COMPLETED.value,
         task.c.outcome.is_(None) | (task.c.outcome == "valid"),
+        task.c.known_answer.is_(None),  # a known-answer check is never a shard's result
     ]
+
+
+_LIE = tasks.alias("lie_of_shard")
+
+
+def bars_nobody(task: Any) -> Any:
+    """A condition on a row of `task`, a check that does not bar its node from its shard
+    (kinds verified by checks): a check of an output found invalid (its node may check
+    the output made again, which in a small pool no other node can), or a known-answer
+    check no longer held (its node answered it; while it holds it, it must not see the
+    real claim beside the planted one)."""
+    caught_a_lie = exists().where(
+        _LIE.c.shard_id == task.c.shard_id,
+        _LIE.c.output_hash == task.c.checks_hash,
+        _LIE.c.checks_hash.is_(None),
+        _LIE.c.outcome == "invalid",
+    )
+    answered = task.c.known_answer.is_not(None) & task.c.state.not_in(
+        [TaskState.READY.value, TaskState.ASSIGNED.value]
+    )
+    return task.c.checks_hash.is_not(None) & (caught_a_lie | answered)
 
 
 _RESULT = tasks.alias("result_of_shard")

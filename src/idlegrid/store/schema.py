@@ -172,7 +172,8 @@ tasks = Table(
     Column("job_id", Integer, ForeignKey("jobs.id"), nullable=False),
     Column("node_id", Integer, ForeignKey("nodes.id"), nullable=True),
     Column("state", String(16), nullable=False),
-    # None until verified; then "valid", "invalid" or "late" (arrived after the decision).
+    # None until verified; then "valid", "invalid" or "late" (arrived after the decision),
+    # or "moot" (late, and nothing to judge it by: a check kind's other-build output).
     Column("outcome", String(16), nullable=True),
     Column("created_at", Double, nullable=False),
     Column("assigned_at", Double, nullable=True),
@@ -197,6 +198,9 @@ tasks = Table(
     Column("suspected", Boolean, nullable=False, default=False, server_default=false()),
     # A check task (kinds verified by checks): the output it checks. NULL: it makes one.
     Column("checks_hash", String(64), nullable=True),
+    # A known-answer check: the coordinator planted a defect in the output it checks,
+    # so its right verdict is known ("fail"); NULL for real work. Never a shard's result.
+    Column("known_answer", String(8), nullable=True),
     Column("credit", Double, nullable=True),
     Index("ix_tasks_state_lease", "state", "lease_deadline"),
     Index("ix_tasks_shard", "shard_id"),
@@ -223,6 +227,8 @@ node_trust = Table(
     # Results of its still suspected, and the streak held meanwhile (`trust.Trust`).
     Column("suspicions", Integer, nullable=False, default=0, server_default="0"),
     Column("held_streak", Integer, nullable=False, default=0, server_default="0"),
+    # Known-answer checks it answered right since its last lie (`verification.probes`).
+    Column("probes_passed", Integer, nullable=False, default=0, server_default="0"),
     Column("updated_at", Double, nullable=False),
 )
 

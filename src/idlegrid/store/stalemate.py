@@ -59,6 +59,7 @@ async def stalled_shards(
             tasks.c.state,
             tasks.c.assigned_at,
             tasks.c.lease_deadline,
+            rows.bars_nobody(tasks).label("bars_nobody"),
         )
         .where(
             tasks.c.shard_id.in_(list(replicas)),
@@ -76,6 +77,7 @@ async def stalled_shards(
                 r.network,
                 ran=r.state in _RAN,
                 late_until=late_until(r.assigned_at, r.lease_deadline) if late else None,
+                bars=not r.bars_nobody,
             )
         )
     open_to_any = set(

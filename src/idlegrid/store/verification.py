@@ -11,6 +11,7 @@ result earns, and `store.ledger` writes what that changes in trust and credit.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from idlegrid.store import (
     collusion,
     ending,
     ledger,
+    recheck,
     rows,
     stalemate,
     starts,
@@ -33,6 +35,7 @@ from idlegrid.store.base import (
     BuildWait,
     DecisionOutcome,
     JobRecord,
+    KnownAnswer,
     LateResult,
     NodeTask,
     ReadyTask,
@@ -49,6 +52,8 @@ from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.replication import ResultVerdict
 from idlegrid.verification.trust import TrustSettings
 
+log = logging.getLogger(__name__)
+
 _UNJUDGED_OR_LATE = tasks.c.outcome.is_(None) | (tasks.c.outcome == "late")
 
 
@@ -62,6 +67,7 @@ _RESULTS_WITH_TRUST = (
         tasks.c.outcome,
         tasks.c.checks_hash,
         tasks.c.build,
+        tasks.c.finished_at,
         node_trust.c.consecutive_valid,
         node_trust.c.valid_total,
         node_trust.c.invalid_total,
@@ -71,6 +77,7 @@ _RESULTS_WITH_TRUST = (
         node_trust.c.suspended,
         node_trust.c.suspicions,
         node_trust.c.held_streak,
+        node_trust.c.probes_passed,
     )
     .join(jobs, jobs.c.id == tasks.c.job_id)
     .outerjoin(
@@ -126,7 +133,11 @@ async def decide(
         await mark(conn, [t for d in taking for t in d.valid], "valid")
         await mark(conn, [t for d in taking for t in d.invalid], "invalid")
         for d in taking:
-            verdicts += replication.decision_verdicts(d.valid, d.invalid)
+            held = set(d.held)
+            verdicts += [
+                (task, "held" if task in held else verdict)
+                for task, verdict in replication.decision_verdicts(d.valid, d.invalid)
+            ]
     await ledger.apply_verdicts(conn, verdicts, settings=trust, now=now, trust_counted=judged)
     return decided
 
@@ -158,12 +169,25 @@ async def _take_final(
             row.id: row
             for row in (
                 await conn.execute(
-                    select(tasks.c.id, tasks.c.output_hash, tasks.c.output_size).where(
-                        tasks.c.id.in_(canonical)
-                    )
+                    select(
+                        tasks.c.id, tasks.c.output_hash, tasks.c.output_size, tasks.c.checks_hash
+                    ).where(tasks.c.id.in_(canonical))
                 )
             ).all()
         }
+    # A check's verdict is never a shard's result: a decision that names one is refused
+    # (the shard stays open), whatever rule made it.
+    verdicts = {t for t, row in outputs.items() if row.checks_hash is not None}
+    for d in taking:
+        if d.canonical_task_id in verdicts:
+            log.error(
+                "shard %s: refused a decision that makes check task %s's verdict its result",
+                d.shard_id,
+                d.canonical_task_id,
+            )
+    taking = [d for d in taking if d.canonical_task_id not in verdicts]
+    if not taking:
+        return Decided(job_of=job_of)
     for state, statement in _DECIDE_SHARD.items():
         closing = [d for d in taking if _decided_state(d) == state]
         if closing:
@@ -313,6 +337,7 @@ class Verification(Role):
                 shards.c.state == ShardState.OPEN.value,
                 tasks.c.state == TaskState.COMPLETED.value,
                 tasks.c.outcome.is_(None),
+                tasks.c.known_answer.is_(None),  # judged on their own: `known_answers`
             )
             .distinct()
             .limit(limit)
@@ -339,7 +364,11 @@ class Verification(Role):
         found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
         live_query = (
             select(tasks.c.shard_id, func.count().label("n"))
-            .where(tasks.c.shard_id.in_(ids), tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)))
+            .where(
+                tasks.c.shard_id.in_(ids),
+                tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)),
+                tasks.c.known_answer.is_(None),
+            )
             .group_by(tasks.c.shard_id)
         )
         live = {row.shard_id: row.n for row in (await conn.execute(live_query)).all()}
@@ -354,6 +383,7 @@ class Verification(Role):
                     outcome=r.outcome,
                     checks_hash=r.checks_hash,
                     build=r.build,
+                    finished_at=r.finished_at,
                     trust=(
                         ledger.trust_of(r)
                         if r.valid_total is not None
@@ -418,6 +448,7 @@ class Verification(Role):
                 _UNJUDGED_OR_LATE,
                 tasks.c.state == TaskState.COMPLETED.value,
                 shards.c.state == ShardState.DONE.value,
+                tasks.c.known_answer.is_(None),
             )
             .order_by(tasks.c.id)
             .limit(limit)
@@ -429,11 +460,67 @@ class Verification(Role):
             LateResult(r.id, r.node_id, r.output_hash, r.canonical_hash, r.job_id) for r in found
         ]
 
+    @read
+    async def known_answers(
+        self, conn: AsyncConnection, *, limit: int, shard_ids: Sequence[int] | None = None
+    ) -> list[KnownAnswer]:
+        """Known-answer checks answered and not yet judged (of these shards only, if
+        given), oldest first."""
+        query = (
+            select(
+                tasks.c.id,
+                tasks.c.node_id,
+                tasks.c.output_hash,
+                tasks.c.checks_hash,
+                tasks.c.known_answer,
+                tasks.c.job_id,
+            )
+            .where(
+                _UNJUDGED_OR_LATE,
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.known_answer.is_not(None),
+            )
+            .order_by(tasks.c.id)
+            .limit(limit)
+        )
+        if shard_ids is not None:
+            query = query.where(tasks.c.shard_id.in_(sorted(set(shard_ids))))
+        return [
+            KnownAnswer(r.id, r.node_id, r.output_hash, r.checks_hash, r.known_answer, r.job_id)
+            for r in await conn.execute(query)
+        ]
+
+    @write(retry_conflicts=True)
+    async def judge_known_answer(
+        self, conn: AsyncConnection, task_id: int, *, right: bool, now: float
+    ) -> bool:
+        """A known-answer check judged: answered right, a valid result that confirms its
+        node's earlier passes; wrong, a lie (`verification.probes`). False if it was
+        judged already."""
+        changed = await conn.execute(
+            update(tasks)
+            .where(
+                tasks.c.id == task_id,
+                _UNJUDGED_OR_LATE,
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.known_answer.is_not(None),
+            )
+            .values(outcome="valid" if right else "invalid")
+        )
+        if changed.rowcount != 1:
+            return False
+        verdict: ResultVerdict = "answered" if right else "invalid"
+        await ledger.apply_verdicts(conn, [(task_id, verdict)], settings=self.trust, now=now)
+        return True
+
     @write(retry_conflicts=True)
     async def judge_late(
-        self, conn: AsyncConnection, task_id: int, *, agrees: bool, now: float
+        self, conn: AsyncConnection, task_id: int, *, agrees: bool | None, now: float
     ) -> None:
+        """A late result judged against its shard's canonical one; `agrees` None: nothing
+        to judge it by ("moot": no trust change, no credit)."""
         trust = self.trust
+        outcome = "moot" if agrees is None else "valid" if agrees else "invalid"
         changed = await conn.execute(
             update(tasks)
             .where(
@@ -441,9 +528,9 @@ class Verification(Role):
                 _UNJUDGED_OR_LATE,
                 tasks.c.state == TaskState.COMPLETED.value,
             )
-            .values(outcome="valid" if agrees else "invalid")
+            .values(outcome=outcome)
         )
-        if changed.rowcount == 1:
+        if changed.rowcount == 1 and agrees is not None:
             # It counts for its node's trust, as any check does; the shard's work was
             # credited with its decision, and is paid again only if a coordinator start
             # made this result late (`verification.credit.late_result_paid`).
@@ -519,6 +606,12 @@ class Verification(Role):
         return await collusion.flag_colluders(
             conn, groups, flag_after=self.trust.collusion_flag_after, now=now
         )
+
+    @read
+    async def rested_on_liars(self, conn: AsyncConnection, job_id: int) -> list[tuple[int, int]]:
+        """The job's shards whose output rested on one check by a node caught lying since
+        (`store.recheck.rested_on_liars`): (shard index, node)."""
+        return await recheck.rested_on_liars(conn, job_id)
 
     @read
     async def unvouched_alone(self, conn: AsyncConnection, job_id: int) -> list[int]:

@@ -2,30 +2,33 @@
 
 A generation is made once; a check task on another node (distinct account and network,
 as replicas are) judges that claimed output and returns a verdict naming it by hash.
-Pure: it gets each result's role and what the kind read of each check.
+Pure: it gets each result's role, what the kind read of each check, and each checker's
+record of known-answer checks (`verification.probes`).
 
 For the shard's generations in arrival order, count the checks that passed (p) and
 failed (f) each one:
-- p > f: the generation is canonical; it and the checks that passed it are valid, the
-  checks that failed it invalid (a checker that lied);
+- p > f, and either p >= 2 (two accounts: checks are distinct replicas) or one of the
+  passes is an established checker's: the generation is canonical; it and the checks
+  that passed it are valid (the passes paid once a known-answer check confirms their
+  node's word: `held`), the checks that failed it invalid (a checker that lied);
 - f > p and f >= 2: the generation was a lie: it and the checks that passed it are
   invalid; the shard needs a new generation (and a check of it). The checks that failed
   it are valid once the shard is decided (they are paid as any validated result);
-- otherwise (no check yet, or a single failed check, or a tie): one more check. A single
-  failed check is confirmed by a second checker before it counts, so one lying checker
-  cannot make an honest node's work a lie.
+- otherwise (no check yet, a single pass of a checker not yet established, a single
+  failed check, or a tie): one more check. A single failed check is confirmed by a
+  second checker before it counts, so one lying checker cannot make an honest node's
+  work a lie; a single pass by a checker without a record is confirmed by a second, so
+  one lazy checker cannot make a lie canonical.
 A result in the wrong role (a generation task that returned a check, a check of another
 output, or a check task that returned a generation) is invalid.
 
-Builds (kinds whose outputs name the build that made them, llm-generate's llama.cpp):
-only a check by a node of the build the generation's node reported counts as a pass
-(`same_build`). Across builds honest noise is as large as a near cheat (a requantized
-model), so a pass from another build proves nothing and is left out of p (its checker is
-valid with the generation, and is not judged if the generation is not); a failed check
-counts from any build (honest outputs pass other builds' checks). A generation that
-names another build than its node reported is invalid: a node cannot steer its check to
-other margins. `store.claims` routes checks to nodes of the generation's build, and
-makes the output again when only other builds checked it (`other_builds_before_remake`).
+Builds (kinds whose outputs name the build that made them, llm-generate's llama.cpp): a
+check on the generation's own build is exact, one from another build holds the claim
+to the cross-build margins, which every compute-saving cheat fails (docs/verification.md,
+"Calibration and cheats"); so a pass counts from any build. `store.check_routing` still
+sends a check to a node of the output's build first, for a while. A generation that
+names another build than its node reported is invalid: a node cannot steer its check
+to other margins.
 """
 
 from __future__ import annotations
@@ -36,11 +39,8 @@ from dataclasses import dataclass
 from idlegrid.verification.quorum import Decision
 
 CONFIRMING_FAILS = 2
-# Checks by nodes of other builds (after the wait for one of its own) before an output
-# no node of its build checked is set aside and made again (`store.check_routing`): two,
-# so that one failing check of another build can be confirmed by a second (then it is a
-# lie), while passes from other builds, which can never make it canonical, stop there.
-OTHER_BUILDS_BEFORE_REMAKE = 2
+# Passes that make an output canonical when none is an established checker's.
+CONFIRMING_PASSES = 2
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,10 @@ class CheckedVote:
     credibility: float = 1.0
     # The build its node reported when it claimed the task (None: the kind has none).
     build: str | None = None
-    # A generation: the build its output names (None: the kind names none, every check of
-    # it counts as a pass).
+    # A generation: the build its output names (None: the kind names none).
     claimed_build: str | None = None
+    # A check: its node's known-answer record lets its pass stand alone (`probes`).
+    established: bool = False
 
 
 @dataclass(frozen=True)
@@ -82,15 +83,17 @@ def decide(votes: Sequence[CheckedVote]) -> CheckedOutcome:
     caught = [c.task_id for c in checks if c.checks not in present and not _passed(c)]
     for generation in generations:
         of = [c for c in checks if _of(c, generation)]
-        passed = [c.task_id for c in of if _passed(c) and same_build(generation, c)]
-        all_passed = [c.task_id for c in of if _passed(c)]  # with other builds' passes
+        passes = [c for c in of if _passed(c)]
+        passed = [c.task_id for c in passes]
         failed = [c.task_id for c in of if not _passed(c)]
-        if len(passed) > len(failed):
+        enough = len(passed) >= CONFIRMING_PASSES or any(c.established for c in passes)
+        if len(passed) > len(failed) and enough:
             return CheckedOutcome(
                 Decision(
                     canonical=generation.task_id,
-                    valid=(*caught, generation.task_id, *all_passed),
+                    valid=(*caught, generation.task_id, *passed),
                     invalid=(*invalid, *failed),
+                    held=tuple(passed),
                 ),
                 more=False,
             )
@@ -100,12 +103,64 @@ def decide(votes: Sequence[CheckedVote]) -> CheckedOutcome:
     return CheckedOutcome(Decision(canonical=None, valid=(), invalid=tuple(invalid)), more=True)
 
 
-def same_build(generation: CheckedVote, check: CheckedVote) -> bool:
-    """Whether `check` ran on the build `generation`'s node reported (always, for a kind
-    whose outputs name no build)."""
-    if generation.claimed_build is None:
-        return True
-    return bool(generation.build) and check.build == generation.build
+def unconfirmed_passes(votes: Sequence[CheckedVote]) -> list[CheckedVote]:
+    """The passes of an undecided shard's output that would decide it with one more pass
+    or with their checkers' records established (`decide`'s `enough`); [] otherwise."""
+    if decide(votes).decision.canonical is not None:
+        return []
+    invalid = set(decide(votes).decision.invalid)
+    checks = [v for v in votes if v.checks is not None and v.credibility > 0.0]
+    for generation in votes:
+        if generation.checks is not None or generation.task_id in invalid:
+            continue
+        of = [c for c in checks if _of(c, generation) and c.task_id not in invalid]
+        passes = [c for c in of if _passed(c)]
+        if passes and len(passes) > len(of) - len(passes):
+            return passes
+    return []
+
+
+def confirmation_reason(shard_index: int, checker_nodes: Sequence[int], left_s: float) -> str:
+    """What a stalled shard whose output passed only checks of checkers without a record
+    waits for, in words (the job's `waiting_for`)."""
+    nodes = ", ".join(str(n) for n in sorted(set(checker_nodes)))
+    return (
+        f"shard {shard_index}: its output passed a check by node {nodes}, whose record as a "
+        "checker (known-answer checks) is not established yet, and no other volunteer's "
+        f"node can check it; it waits up to {max(left_s, 0.0):.0f} s more for one, or for "
+        "that record, then fails"
+    )
+
+
+def settle(votes: Sequence[CheckedVote], *, node_of: dict[int, int]) -> Decision:
+    """The decision of a shard verified by checks that no node can add a task to: the
+    checking rule's own (`decide`), never another; undecided, it fails with the reason.
+    A check verdict is never canonical. `node_of`: task -> node, for the reason."""
+    outcome = decide(votes)
+    if outcome.decision.canonical is not None:
+        return outcome.decision
+    return Decision(
+        canonical=None,
+        valid=(),
+        invalid=outcome.decision.invalid,
+        fail_reason=stalemate_reason(votes, node_of=node_of),
+    )
+
+
+def stalemate_reason(votes: Sequence[CheckedVote], *, node_of: dict[int, int]) -> str:
+    """Why a checked shard no node can add a task to was not decided, in words."""
+    invalid = set(decide(votes).decision.invalid)
+    outputs = [v for v in votes if v.checks is None and v.task_id not in invalid]
+    nodes = ", ".join(str(node_of[v.task_id]) for v in votes)
+    if not outputs:
+        needs = "a new output (its earlier ones were found wrong)"
+    else:
+        made = ", ".join(str(node_of[v.task_id]) for v in outputs)
+        needs = f"one more check of its output (made by node {made})"
+    return (
+        f"undecidable: it needs {needs}, and no other node can give it (ran it: nodes "
+        f"{nodes}); a node of another volunteer lets a job like it finish"
+    )
 
 
 def _misplaced(vote: CheckedVote) -> bool:
@@ -131,7 +186,15 @@ def build_wait_reason(shard_index: int, node_id: int, build: str, left_s: float)
     return (
         f"shard {shard_index} waits for a check on the build its output names ({shown}; "
         f"node {node_id} made it), and no connected node runs that build: for up to "
-        f"{max(left_s, 0.0):.0f} s more, then nodes of other builds check it, whose "
-        f"passes cannot make it canonical (after {OTHER_BUILDS_BEFORE_REMAKE} of them it "
-        "is made again)"
+        f"{max(left_s, 0.0):.0f} s more, then nodes of other builds check it, within the "
+        "cross-build margins"
+    )
+
+
+def doubt_reason(shard_index: int, node_id: int) -> str:
+    """What an ended job says of a shard whose output one check alone passed, by a node
+    caught lying since."""
+    return (
+        f"shard {shard_index}: its output was accepted on one check, by node {node_id}, "
+        "which was caught lying since; its job had ended, so it was not checked again"
     )

@@ -30,7 +30,9 @@ TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected", "checked", 
 # Why a task is paid: it agreed with another node's result ("valid"); it was accepted
 # without a second opinion in a shard not run alone ("unchecked": replication 1); it was
 # decided alone and a later check of its node vouches for it ("vouched").
-GrantReason = Literal["valid", "unchecked", "vouched", "taken back"]
+# A check that passed an output is paid when a known-answer check its node answered right
+# after it confirms its word ("confirmed").
+GrantReason = Literal["valid", "unchecked", "vouched", "confirmed", "taken back"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +122,7 @@ def trust_groups(
         verdict = verdict_of[result.task_id]
         happened: list[TrustEvent] = [verdict]
         if result.task_id in trust_counted and verdict != "invalid":
-            happened = ["checked"] if verdict == "valid" else []
+            happened = ["checked"] if verdict in ("valid", "held") else []
         if result.suspected:
             happened.append("cleared" if verdict == "valid" else "upheld")
         if not happened:
@@ -143,8 +145,10 @@ def trust_groups(
 def step(trust: Trust, event: TrustEvent, settings: TrustSettings) -> Trust:
     """A node's trust after one event (`verification.trust` says how each one counts)."""
     match event:
-        case "valid":
+        case "valid" | "held":
             return trust_rules.after_valid(trust, settings)
+        case "answered":
+            return trust_rules.after_answered(trust, settings)
         case "unchecked":
             return trust_rules.after_unchecked(trust, settings)
         case "invalid":
@@ -179,6 +183,12 @@ def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> T
     )
 
 
+def confirming(verdict_of: Mapping[int, ResultVerdict], node_of: Mapping[int, int]) -> list[int]:
+    """The nodes whose earlier passes these verdicts confirm: those that answered a
+    known-answer check right here, in node order."""
+    return sorted({node_of[t] for t, verdict in verdict_of.items() if verdict == "answered"})
+
+
 def vouch_horizons(
     results: Sequence[JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
@@ -197,7 +207,8 @@ def vouch_horizons(
     """
     last_check: dict[int, float] = {}
     for result in results:
-        if verdict_of[result.task_id] == "valid":
+        # A pass not yet confirmed ("held") vouches for nothing: it may be a lazy one.
+        if verdict_of[result.task_id] in ("valid", "answered"):
             finished = result.finished_at or 0.0
             last_check[result.node_id] = max(last_check.get(result.node_id, 0.0), finished)
     for node_id, finished in (checks_on_record or {}).items():
@@ -237,6 +248,7 @@ def credit_delta(
     *,
     credit: bool = True,
     checks_on_record: Mapping[int, float] | None = None,
+    confirmed: Iterable[JudgedResult] = (),
 ) -> CreditDelta:
     """The payment rule: who is paid how much, and whose credit is taken back.
 
@@ -250,6 +262,9 @@ def credit_delta(
     that came after its shard was decided and credited is paid for nothing (the work is
     paid once), though it still vouches for its node's earlier lone results. A result
     found invalid that was paid (accepted alone, then rechecked) has its credit taken back.
+    A check that passed an output ("held") is paid only when a known-answer check its
+    node answered right ("answered", paid as valid) confirms it: `confirmed`, the node's
+    unpaid passes since its last lie, which the store reads for each such node.
     """
     taken_back = tuple(
         _grant(result, -result.credit, "taken back")
@@ -259,8 +274,13 @@ def credit_delta(
     paying: dict[int, tuple[JudgedResult, GrantReason]] = {}
     for result in results if credit else ():
         verdict = verdict_of[result.task_id]
-        if verdict == "valid" or (verdict == "unchecked" and result.mode != "alone"):
+        if verdict in ("valid", "answered"):
+            paying[result.task_id] = (result, "valid")
+        elif verdict == "unchecked" and result.mode != "alone":
             paying[result.task_id] = (result, verdict)
+    for result in confirmed:
+        if verdict_of.get(result.task_id) not in ("invalid", "held"):
+            paying.setdefault(result.task_id, (result, "confirmed"))
     horizons = vouch_horizons(results, verdict_of, checks_on_record)
     for result in vouched:
         if vouched_for(result, horizons) and (credit or result.task_id not in verdict_of):

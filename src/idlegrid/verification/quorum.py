@@ -20,6 +20,9 @@ class Decision:
     # Decided: invalid results that agree with each other (two or more). Independent
     # wrong answers differ; the same wrong answer from several nodes was arranged.
     colluding: tuple[tuple[int, ...], ...] = ()
+    # Decided (kinds verified by checks): the valid checks that passed the output, paid
+    # only once a known-answer check confirms their node's word (`verification.probes`).
+    held: tuple[int, ...] = ()
 
 
 def decide(

@@ -1,5 +1,9 @@
 """Rechecks: what a node caught lying ran or decided alone goes back to full replication.
 
+A checker caught lying (kinds verified by checks) is treated alike for what rested on its
+word: a shard whose output its pass alone made canonical (`rested`) is opened again for
+another check while its job is open, and reported as released once its job ended.
+
 A node that runs shards alone was trusted on its record; one wrong result shows the
 record was no guarantee. Every shard of that kind and backend it runs alone now goes
 back to full replication (escalated), and every shard it decided alone within
@@ -64,3 +68,18 @@ def recheck(shards: Iterable[LoneShard], *, now: float, window_s: float) -> Rech
 
 def _before(shard: LoneShard, since: float) -> bool:
     return shard.finished_at is None or shard.finished_at < since
+
+
+def rested(shards: Iterable[LoneShard], *, now: float, window_s: float) -> Rechecked:
+    """Which shards that a caught checker's lone pass decided are checked again: those
+    decided within the window whose job is still open (reopened); of the others, those
+    whose job ended are released (each shard once, as its last row says)."""
+    out = Rechecked()
+    for shard in {shard.shard_id: shard for shard in shards}.values():
+        if shard.open or _before(shard, now - window_s):
+            continue  # still open: its next check comes anyway; or long ago
+        if shard.job_open:
+            out.reopened.append(shard.shard_id)
+        else:
+            out.released.append(shard.shard_id)
+    return out

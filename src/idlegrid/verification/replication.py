@@ -15,7 +15,9 @@ from typing import Literal
 # What the verifier's outcome means for a result's node (its trust and its credit):
 # valid (agreed with another node's result), unchecked (accepted alone, no second
 # opinion), invalid (disagreed with the canonical result), error (failed or expired).
-ResultVerdict = Literal["valid", "unchecked", "invalid", "error"]
+# "held": a valid check that passed an output, counted for trust, paid once a known-answer
+# check confirms its node's word; "answered": a known-answer check answered right.
+ResultVerdict = Literal["valid", "unchecked", "invalid", "error", "held", "answered"]
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,9 @@ class Replica:
     member: Member
     ran: bool
     late_until: float | None = None  # expired: its result is waited for until then
+    # False: a check that bars nobody (kinds verified by checks: one that caught a lie,
+    # or an answered known-answer check), so its node may check the shard again.
+    bars: bool = True
 
 
 def late_until(assigned_at: float | None, lease_deadline: float | None) -> float | None:
@@ -83,8 +86,9 @@ def eligible(
     """The ids of the `able` nodes (unsuspended, offering the kind, meeting the job's
     requirements) that may still take a replica of the shard, as
     `store.claims.distinct_from` would let them."""
-    nodes = {r.member.node_id for r in replicas}
-    ran = [r.member for r in replicas if r.ran]
+    barring = [r for r in replicas if r.bars]
+    nodes = {r.member.node_id for r in barring}
+    ran = [r.member for r in barring if r.ran]
     barred_accounts = {m.account_id for m in ran} if accounts else set()
     barred_networks = {m.network for m in ran if m.network} if networks else set()
     return [

@@ -62,6 +62,8 @@ class Trust:
     # latest suspicion: given back when all are found valid (`after_cleared`).
     suspicions: int = 0
     held_streak: int = 0
+    # Known-answer checks it answered right since its last lie (`verification.probes`).
+    probes_passed: int = 0
 
     @property
     def results_total(self) -> int:
@@ -92,6 +94,13 @@ def after_valid(trust: Trust, settings: TrustSettings) -> Trust:
     )
 
 
+def after_answered(trust: Trust, settings: TrustSettings) -> Trust:
+    """A known-answer check of this node was answered right: a valid result, and one
+    more for its record as a checker (`verification.probes`)."""
+    valid = after_valid(trust, settings)
+    return dataclasses.replace(valid, probes_passed=trust.probes_passed + 1)
+
+
 def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
     """A result of this node was outvoted or failed a spot check: reset, halve, maybe
     suspend; a streak held while suspected is lost."""
@@ -100,6 +109,7 @@ def after_invalid(trust: Trust, settings: TrustSettings) -> Trust:
         trust,
         consecutive_valid=0,
         held_streak=0,
+        probes_passed=0,
         invalid_total=trust.invalid_total + 1,
         recent_invalid=recent,
         daily_quota=max(1, trust.daily_quota // 2),

@@ -55,6 +55,11 @@ class JobOut(BaseModel):
         default_factory=list,
         description="at submission: what will keep the job waiting, with the fix",
     )
+    doubts: list[str] = Field(
+        default_factory=list,
+        description="shards of an ended job whose result rested on one check by a node "
+        "caught lying since (kinds verified by checks): run them again to be sure",
+    )
     result: BlobHash | None
     result_size: int | None
     error: str | None
@@ -87,6 +92,7 @@ class NodeOut(BaseModel):
 async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     shard_list = None
     waiting_for: list[str] = []
+    doubts = await grid.doubts(job)
     if with_shards:
         progress = task_progress(grid)
         shard_list = [shard_out(s, progress) for s in await grid.store.jobs.list_shards(job.id)]
@@ -116,6 +122,7 @@ async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         finished_at=job.finished_at,
         shards=shard_list,
         waiting_for=waiting_for,
+        doubts=doubts,
     )
 
 

@@ -34,6 +34,8 @@ from idlegrid.kinds.base import (
     required_input,
     required_input_hash,
 )
+from idlegrid.kinds.llm_generate import defects
+from idlegrid.kinds.llm_generate.check import CROSS
 from idlegrid.kinds.llm_generate.model import GgufFacts, inspect_gguf
 from idlegrid.kinds.llm_generate.prompts import Prompt, check_template, parse_prompts
 from idlegrid.kinds.llm_generate.shard import (
@@ -159,6 +161,13 @@ class LlmGenerateKind(TaskKind):
         except InputError:
             return ""  # not an output: the verifier finds it in the wrong role
 
+    def plant_defect(self, output: bytes, draw: float) -> bytes | None:
+        try:
+            claimed = read_output(output)
+        except InputError:
+            return None
+        return write_output(defects.plant(claimed, draw))
+
     def check_verdict(self, output: bytes) -> tuple[str, bool] | None:
         verdict = read_verdict(output)
         return None if verdict is None else (verdict.claimed, verdict.passed)
@@ -166,7 +175,9 @@ class LlmGenerateKind(TaskKind):
     def compare(self, a: bytes, b: bytes, params: KindParams) -> Verdict:
         """A generation and a check of it agree when the check passed it; two checks of
         one output when they say the same. Two generations agree when they are the same
-        tokens; honest ones on other hardware may differ, so a difference proves nothing."""
+        tokens with log-probabilities within the cross-build margins, and disagree when
+        the same tokens' log-probabilities are further apart; honest ones on other
+        hardware may differ in their tokens, so a difference there proves nothing."""
         first, second = read_verdict(a), read_verdict(b)
         if first is not None or second is not None:
             return _compare_checks(a, first, b, second)
@@ -175,7 +186,20 @@ class LlmGenerateKind(TaskKind):
         except InputError:
             return Verdict.DISAGREE
         same = [c.tokens for c in one.completions] == [c.tokens for c in other.completions]
-        return Verdict.AGREE if same else Verdict.INCONCLUSIVE
+        if not same:
+            return Verdict.INCONCLUSIVE
+        # The same tokens: their log-probabilities must agree as a check's would across
+        # builds, or one of them was made up.
+        errors = [
+            abs(a - b)
+            for x, y in zip(one.completions, other.completions, strict=True)
+            for a, b in zip(x.logprobs, y.logprobs, strict=True)
+        ]
+        if errors and (
+            max(errors) > CROSS.logprob or sum(errors) / len(errors) > CROSS.mean_logprob
+        ):
+            return Verdict.DISAGREE
+        return Verdict.AGREE
 
     def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
         lines = []
