@@ -79,6 +79,14 @@ class CapitalsKind(TaskKind):
         return b" ".join(outputs)
 
 
+@pytest.fixture(autouse=True)
+def second_pass(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether the next shards are drawn for a second pass (none, unless a test says)."""
+    drawn = [False]
+    monkeypatch.setattr(probes, "wants_second_pass", lambda *, draw: drawn[-1])
+    return drawn
+
+
 @pytest.fixture
 async def grid(store: SqlStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Grid]:
     monkeypatch.setitem(KINDS, NAME, CapitalsKind())
@@ -204,6 +212,36 @@ async def test_a_new_checkers_pass_waits_for_a_second_from_another_account(
     assert await _state(store, job_id) == "running"  # one lazy checker cannot decide it
     second = await _work(grid, nodes["new2"])
     assert second is not None and second["check"]["hash"] == sha(b"ABC")
+    assert await _state(store, job_id) == "completed"
+
+
+async def test_a_shard_drawn_for_a_second_pass_asks_one_of_an_established_checker_too(
+    grid: Grid, store: SqlStore, second_pass: list[bool]
+) -> None:
+    """Two checkers passing each other's lies cannot know where a third looks too."""
+    second_pass.append(True)
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["a", "b", "c"])
+    await _establish(store, nodes["b"])
+    await _work(grid, nodes["a"])
+    await _work(grid, nodes["b"])
+    assert await _state(store, job_id) == "running"
+    second = await _work(grid, nodes["c"])
+    assert second is not None and second["check"]["hash"] == sha(b"ABC")
+    assert await _state(store, job_id) == "completed"
+
+
+async def test_a_second_pass_no_node_can_give_is_not_waited_for(
+    grid: Grid, store: SqlStore, second_pass: list[bool]
+) -> None:
+    second_pass.append(True)
+    job_id = await _submit(grid, store, b"abc")
+    nodes = await _nodes(grid, store, ["a", "b"])
+    await _establish(store, nodes["b"])
+    await _work(grid, nodes["a"])
+    await _work(grid, nodes["b"])
+    assert await _state(store, job_id) == "running"
+    await grid.settle_stalled()  # the established checker's pass decides it after all
     assert await _state(store, job_id) == "completed"
 
 

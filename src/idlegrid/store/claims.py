@@ -484,6 +484,21 @@ class Claims(Role):
         return str(row.output_hash), int(row.output_size or 0)
 
     @write
+    async def want_quorum(self, conn: AsyncConnection, shard_id: int, *, quorum: int) -> bool:
+        """Raise an open shard's quorum to `quorum` (a checked shard drawn for a second
+        pass: `verification.probes.wants_second_pass`); never lowers it."""
+        changed = await conn.execute(
+            update(shards)
+            .where(
+                shards.c.id == shard_id,
+                shards.c.state == ShardState.OPEN.value,
+                shards.c.quorum < quorum,
+            )
+            .values(quorum=quorum)
+        )
+        return changed.rowcount == 1
+
+    @write
     async def make_known_answer(
         self, conn: AsyncConnection, task_id: int, *, planted_hash: str, known: str, now: float
     ) -> list[ReadyTask]:

@@ -8,7 +8,9 @@ record of known-answer checks (`verification.probes`).
 For the shard's generations in arrival order, count the checks that passed (p) and
 failed (f) each one:
 - p > f, and either p >= 2 (two accounts: checks are distinct replicas) or one of the
-  passes is an established checker's: the generation is canonical; it and the checks
+  passes is an established checker's (unless the shard was drawn for a second check,
+  `probes.wants_second_pass`: two checkers that agree to pass each other's lies cannot
+  know when a third looks too): the generation is canonical; it and the checks
   that passed it are valid (the passes paid once a known-answer check confirms their
   node's word: `held`), the checks that failed it invalid (a checker that lied);
 - f > p and f >= 2: the generation was a lie: it and the checks that passed it are
@@ -70,8 +72,11 @@ class CheckedOutcome:
     more: bool
 
 
-def decide(votes: Sequence[CheckedVote]) -> CheckedOutcome:
-    """The shard's decision from its results in arrival order (see the module)."""
+def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> CheckedOutcome:
+    """The shard's decision from its results in arrival order (see the module).
+
+    `second_pass`: the shard was drawn for a second check (`probes.wants_second_pass`),
+    so even an established checker's pass waits for one more from another account."""
     misplaced = tuple(v.task_id for v in votes if _misplaced(v))
     placed = [v for v in votes if v.task_id not in misplaced]
     generations = [v for v in placed if v.checks is None]
@@ -86,7 +91,8 @@ def decide(votes: Sequence[CheckedVote]) -> CheckedOutcome:
         passes = [c for c in of if _passed(c)]
         passed = [c.task_id for c in passes]
         failed = [c.task_id for c in of if not _passed(c)]
-        enough = len(passed) >= CONFIRMING_PASSES or any(c.established for c in passes)
+        alone = not second_pass and any(c.established for c in passes)
+        enough = len(passed) >= CONFIRMING_PASSES or alone
         if len(passed) > len(failed) and enough:
             return CheckedOutcome(
                 Decision(

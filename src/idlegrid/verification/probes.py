@@ -15,7 +15,10 @@ shard's prompts, an output of the right shape, the same message).
   outvoted result (trust, quota, suspension, a recheck of what it vouched for).
 - Established: `ESTABLISHED_AFTER` right answers in a row. Only an established
   checker's pass makes an output canonical alone (`verification.checking`); any
-  other needs a second pass from another account.
+  other needs a second pass from another account. A share `SECOND_PASS_RATE` of
+  shards wants a second pass anyway, drawn when their first check is handed out: a
+  checker that answers known-answer checks right but passes a partner's lies (the two
+  can tell each other which outputs are theirs) meets an honest second checker there.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ ESTABLISHED_AFTER = 3
 FIRST_RATE = 0.5
 RATE_DECAY = 0.7
 FLOOR_RATE = 0.05
+# Shards whose output needs a second pass even after an established checker's.
+SECOND_PASS_RATE = 0.1
 
 
 def rate(trust: Trust) -> float:
@@ -43,6 +48,12 @@ def rate(trust: Trust) -> float:
 def sends_probe(trust: Trust, *, draw: float) -> bool:
     """Whether a check this node claimed becomes a known-answer check (`draw` in [0, 1))."""
     return draw < rate(trust)
+
+
+def wants_second_pass(*, draw: float) -> bool:
+    """Whether a shard whose first check is handed out now needs two passes in any case
+    (`draw` in [0, 1))."""
+    return draw < SECOND_PASS_RATE
 
 
 def established(trust: Trust) -> bool:
