@@ -350,6 +350,8 @@ async def checks_on_record(conn: AsyncConnection, since: Mapping[int, float]) ->
                     tasks.c.outcome == "valid",
                     tasks.c.finished_at >= earliest,
                     agreed >= 2,
+                    # A check's pass speaks for its node once a known answer confirmed it.
+                    tasks.c.checks_hash.is_(None) | tasks.c.credit.is_not(None),
                 )
             )
         ).scalar()
