@@ -10,8 +10,11 @@ in four processes, each with its own account and node token, one task process an
 thread. Trust is earned sooner than shipped (`IDLEGRID_ADAPTIVE_AFTER`, `--trust-after`:
 a node runs shards alone after that many checked results in a row), and a check waits
 `--check-build-wait` seconds (`IDLEGRID_CHECK_BUILD_WAIT_S`, shipped 300) for a node of
-its output's build, so that a short job shows both. The job: SmolLM2-135M-Instruct
-Q4_1 over `samples.chat_prompts`, greedy, `--max-tokens` tokens, about
+its output's build, and an output whose passes are all of checkers without a record
+waits `--check-confirm-wait` seconds (`IDLEGRID_CHECK_CONFIRM_WAIT_S`, shipped 600) for
+those records when no other node can check it, so that a short job shows them all. The
+job: SmolLM2-135M-Instruct Q4_1 over `samples.chat_prompts`, greedy, `--max-tokens`
+tokens, about
 `--prompts-per-shard` prompts a shard (the token budget is set from the prompts).
 
 Node strategies (the lie is in what a real worker reports; its task process runs the
@@ -41,9 +44,14 @@ Afterwards the coordinator's database (and its blobs) say, per scenario and pool
   same prompt, made here at start with the real model (greedy on the same build is
   bit-identical, so any difference is a lie);
 - wrong accepted: outputs made with the cheap model, or whose tokens differ from the
-  reference, that were canonical at any moment (the shards table is read every second
-  while the job runs, and at the end) or credited (a lie marked valid but neither is
-  shown apart);
+  reference, that the coordinator accepted in the end: in the job's result, or paid
+  (credit above 0 when the job ended; credit taken back from a lie found out later
+  leaves 0). Apart from it, "decided, then caught": lies that were a shard's canonical
+  result at some moment (the shards table is read every second while the job runs, and
+  at the end) and were found out and made again before the job's result was built
+  (a trusted node's lone output before a spot check or the end-of-job audit caught it,
+  or a pass of a partner's lie before a second check did); a lie marked valid but
+  neither is shown apart too;
 - honest rejected: honest generations (real model, reference tokens) judged invalid
   (set aside or undecided ones are not rejected);
 - lazy paid: check tasks answered without running the model whose credit is above 0;
@@ -336,6 +344,7 @@ class Watch:
     seconds: float = 0.0
     stuck: str = ""  # why the job is counted as not ended ("": it ended)
     ever_canonical: set[int] = field(default_factory=set)
+    canonical_now: set[int] = field(default_factory=set)  # at the end
 
 
 def read_only(db: Path) -> sqlite3.Connection:
@@ -427,6 +436,7 @@ class Tally:
     wrong_outputs: int = 0  # tokens differ from the reference
     wrong_final: int = 0
     wrong_accepted: Counter[str] = field(default_factory=Counter)
+    decided_then_caught: int = 0  # lies canonical for a while, found out before the end
     honest_rejected: int = 0
     undecided: int = 0  # outputs neither valid nor invalid at the end (set aside, open)
     valid_unaccepted: int = 0  # lies marked valid, never canonical nor credited
@@ -464,6 +474,7 @@ def tally(root: Path, data_dir: Path, job_id: int, setup: JobSetup, watch: Watch
     ).fetchall()
     out.shards, out.shards_done = len(shards), sum(1 for s in shards if s[0] == "done")
     watch.ever_canonical.update(s[1] for s in shards if s[1] is not None)
+    watch.canonical_now = {s[1] for s in shards if s[1] is not None and s[0] == "done"}
     rows = db.execute(
         f"SELECT tasks.id, tasks.output_hash, tasks.outcome, tasks.credit, tasks.checks_hash, "
         f"{known}, shards.idx, nodes.name FROM tasks JOIN nodes ON nodes.id = tasks.node_id "
@@ -527,10 +538,13 @@ def judge_output(
     lie = record is not None and record["mode"] == "cheap"
     out.lies += lie
     out.wrong_outputs += tokens_wrong
-    accepted = credit is not None or task_id in watch.ever_canonical
+    paid = credit is not None and credit > 0
+    canonical = task_id in watch.ever_canonical or task_id in watch.canonical_now
     if lie or tokens_wrong:
-        if accepted:
+        if paid or task_id in watch.canonical_now:
             out.wrong_accepted[name.rsplit("-", 1)[0]] += 1
+        elif canonical:
+            out.decided_then_caught += 1
         elif outcome == "valid":
             out.valid_unaccepted += 1
     elif outcome == "invalid":
@@ -585,6 +599,7 @@ def run_scenario(
         "IDLEGRID_NODE_REGISTRATIONS_PER_ADDRESS_PER_HOUR": str(10 * nodes),
         "IDLEGRID_ADAPTIVE_AFTER": str(args.trust_after),
         "IDLEGRID_CHECK_BUILD_WAIT_S": str(args.check_build_wait),
+        "IDLEGRID_CHECK_CONFIRM_WAIT_S": str(args.check_confirm_wait),
     }
     base = {**cheap, "honest_first": args.honest_first}
     path = smollm2_path()
@@ -636,6 +651,8 @@ def report(label: str, t: Tally) -> None:
     by_node = ", ".join(f"{k} {v}" for k, v in sorted(t.wrong_accepted.items()))
     valid = f", lies marked valid, never canonical nor paid {t.valid_unaccepted}"
     valid = valid if t.valid_unaccepted else ""
+    if t.decided_then_caught:
+        valid += f", decided then caught {t.decided_then_caught}"
     print(
         f"{label}: job {ended}; shards {t.shards_done}/{t.shards} done\n"
         f"    outputs {t.outputs} (lies {t.lies}, other tokens than the reference "
@@ -667,6 +684,7 @@ def parse_args() -> argparse.Namespace:
     add("--honest-first", type=int, default=7, help="tasks a patient node runs honestly")
     add("--cheap-quant", default="Q4_0", choices=list(CHEAP_QUANTS))
     add("--check-build-wait", type=float, default=20.0, help="IDLEGRID_CHECK_BUILD_WAIT_S")
+    add("--check-confirm-wait", type=float, default=120.0, help="IDLEGRID_CHECK_CONFIRM_WAIT_S")
     add("--grace", type=float, default=10.0, help="s a job may run on once all shards are done")
     add("--stall", type=float, default=150.0, help="s without a decided shard or a result")
     add("--timeout", type=float, default=1200.0, help="s a job may take in all")

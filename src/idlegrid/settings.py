@@ -70,9 +70,13 @@ class CoordinatorSettings:
     # renewed every third of it. When it dies another takes over once the lease ran out.
     leader_lease_s: float = 5.0
     # A check of an output that names its build (llm-generate) waits this long after the
-    # shard's latest result for a node of that build; then any node may check it, and its
-    # check can fail the output but not pass it (docs/verification.md).
+    # output was made for a node of that build; then any node may check it, within the
+    # cross-build margins (docs/verification.md).
     check_build_wait_s: float = 300.0
+    # A checked output whose only passes are of checkers without an established record,
+    # when no other volunteer's node can add one, waits this long after its shard's latest
+    # result for those records (known-answer checks in other shards); then it fails.
+    check_confirm_wait_s: float = 600.0
     # Tasks of one shard (all ever created: BOINC's max_total_results) before it fails.
     max_attempts: int = 10
     # Replicas per shard unless a job says otherwise; a quorum of two must agree.

@@ -608,7 +608,7 @@ async def test_a_checked_shard_no_node_can_help_waits_then_fails_with_a_reason(
     (reason,) = [w for w in waits if "record" in w]
     peer = nodes["peer"].session.node_id
     assert reason.startswith(f"shard 0: its output passed a check by node {peer}, whose record")
-    now[0] += WAIT_S + 1
+    now[0] += CoordinatorSettings().check_confirm_wait_s + 1
     await grid.settle_stalled()
     job = await store.jobs.get_job(job_id)
     assert job is not None and job.state == "failed"

@@ -21,7 +21,7 @@ PRICE = credit_for(1e12)
 
 @pytest.mark.parametrize(
     ("passed", "rate", "established"),
-    [(0, 0.5, False), (1, 0.35, False), (2, 0.245, False), (3, 0.1715, True), (20, 0.05, True)],
+    [(0, 0.5, False), (1, 0.35, False), (2, 0.245, True), (3, 0.1715, True), (20, 0.05, True)],
 )
 def test_new_checkers_get_the_most_known_answer_checks(
     passed: int, rate: float, established: bool

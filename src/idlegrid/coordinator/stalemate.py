@@ -95,7 +95,7 @@ class Stalemates:
         ids = {c.task_id for c in passes}
         latest = max((r.finished_at or 0.0) for r in found.results)
         nodes = [r.node_id for r in found.results if r.task_id in ids]
-        return nodes, latest + self._ctx.settings.check_build_wait_s - now
+        return nodes, latest + self._ctx.settings.check_confirm_wait_s - now
 
     def _settle(self, found: ShardForVerify, plan: JobPlan) -> Decision:
         node_of = {r.task_id: r.node_id for r in found.results}

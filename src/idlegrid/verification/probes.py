@@ -30,7 +30,7 @@ from idlegrid.verification.trust import Trust
 KnownAnswer = Literal["fail"]
 
 # Right answers in a row after which a checker's pass stands alone.
-ESTABLISHED_AFTER = 3
+ESTABLISHED_AFTER = 2
 # A new checker's share of known-answer checks, how it falls with each right answer,
 # and the share that stays however long its record.
 FIRST_RATE = 0.5
