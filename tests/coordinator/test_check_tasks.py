@@ -637,3 +637,43 @@ async def test_an_output_naming_another_build_than_its_node_is_invalid(
         found = select(tasks.c.outcome, tasks.c.build).where(tasks.c.id == lie["task_id"])
         row = (await conn.execute(found)).one()
     assert tuple(row) == ("invalid", "A")  # its node's build, as it reported it
+
+
+async def test_a_caught_checkers_lone_passes_are_checked_again_or_named_as_doubts(
+    grid: Grid, store: SqlStore, planting: list[bool]
+) -> None:
+    """An established checker whose pass alone decided shards is caught by a known
+    answer: the open job's shard it decided is checked again; the job that already
+    ended names it on its page."""
+    planting.append(False)
+    nodes = await _nodes(grid, store, ["a", "b", "c", "d"])
+    await _establish(store, nodes["b"])
+    ended = await _submit(grid, store, b"xyz")
+    await _work(grid, nodes["a"])
+    await _lazy(grid, nodes["b"])  # an honest output, passed unread, stands alone
+    assert await _state(store, ended) == "completed"
+    running = await _submit(grid, store, b"abc def", researcher="bea")
+    await _work(grid, nodes["a"])
+    await _lazy(grid, nodes["b"])
+    shard0, _ = await store.jobs.list_shards(running)
+    assert shard0.state == "done"
+    await _work(grid, nodes["a"])  # shard 1's output
+    planting.append(True)
+    probe = await _lazy(grid, nodes["b"])  # passes the planted claim: caught
+    assert probe is not None and probe["check"]["hash"] == sha(b"def")
+    planting.append(False)
+    shard0, _ = await store.jobs.list_shards(running)
+    assert shard0.state == "open"  # its output rested on b's word alone
+    b = nodes["b"].session.node_id
+    job = await store.jobs.get_job(ended)
+    assert job is not None
+    assert await grid.doubts(job) == [
+        f"shard 0: its output was accepted on one check, by node {b}, which was caught "
+        "lying since; its job had ended, so it was not checked again"
+    ]
+    for name in ("c", "d", "c", "d"):
+        await _work(grid, nodes[name])
+    job = await store.jobs.get_job(running)
+    assert job is not None and job.state == "completed"
+    assert grid.blobs.read(job.result_hash or "") == b"ABC DEF"
+    assert await grid.doubts(job) == []

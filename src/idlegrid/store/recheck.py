@@ -26,41 +26,13 @@ async def recheck_node(
 ) -> Rechecked:
     """Send back to full replication what this node ran or decided without replicas."""
     found = await _lone_shards(conn, node_id, kind, backend, since=now - window_s)
-    out = recheck(
-        (
-            LoneShard(
-                shard_id=row.id,
-                open=row.state == ShardState.OPEN.value,
-                task_id=row.task_id,
-                canonical_task_id=row.canonical_task_id,
-                finished_at=row.finished_at,
-                job_open=row.job_state in _OPEN_JOB,
-            )
-            for row in found
-        ),
-        now=now,
-        window_s=window_s,
-    )
+    out = recheck((_lone(row) for row in found), now=now, window_s=window_s)
     by_id = {row.id: row for row in found}
     for shard_id in out.to_replicate:
         row = by_id[shard_id]
         await _replicate(conn, shard_id, target=row.replication, quorum=row.min_quorum)
     word = await _rested_on(conn, node_id, kind, backend, since=now - window_s)
-    on_word = rested(
-        (
-            LoneShard(
-                shard_id=row.id,
-                open=False,
-                task_id=row.task_id,
-                canonical_task_id=row.canonical_task_id,
-                finished_at=row.finished_at,
-                job_open=row.job_state in _OPEN_JOB,
-            )
-            for row in word
-        ),
-        now=now,
-        window_s=window_s,
-    )
+    on_word = rested((_lone(row) for row in word), now=now, window_s=window_s)
     by_id = {row.id: row for row in word}
     for shard_id in on_word.reopened:
         row = by_id[shard_id]
@@ -72,6 +44,18 @@ async def recheck_node(
     # vote reads valid results too); the decision judges only what it changes, so no
     # node's trust counts a result twice.
     return out
+
+
+def _lone(row: Any) -> LoneShard:
+    """A shard row of `_lone_shards` or `_rested_on` as the rules read it."""
+    return LoneShard(
+        shard_id=row.id,
+        open=row.state == ShardState.OPEN.value,
+        task_id=row.task_id,
+        canonical_task_id=row.canonical_task_id,
+        finished_at=row.finished_at,
+        job_open=row.job_state in _OPEN_JOB,
+    )
 
 
 async def _lone_shards(
@@ -134,6 +118,7 @@ async def _rested_on(
     query = (
         select(
             shards.c.id,
+            shards.c.state,
             shards.c.canonical_task_id,
             tasks.c.id.label("task_id"),
             shards.c.finished_at,
@@ -205,7 +190,8 @@ async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int,
         .where(
             _LATER_LIE.c.node_id == tasks.c.node_id,
             _LATER_LIE.c.outcome == "invalid",
-            _LATER_LIE.c.finished_at > tasks.c.finished_at,
+            (_LATER_LIE.c.finished_at > tasks.c.finished_at)
+            | ((_LATER_LIE.c.finished_at == tasks.c.finished_at) & (_LATER_LIE.c.id > tasks.c.id)),
         )
         .exists()
     )
