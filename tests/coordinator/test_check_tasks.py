@@ -677,3 +677,29 @@ async def test_a_caught_checkers_lone_passes_are_checked_again_or_named_as_doubt
     assert job is not None and job.state == "completed"
     assert grid.blobs.read(job.result_hash or "") == b"ABC DEF"
     assert await grid.doubts(job) == []
+
+
+async def test_a_pass_is_paid_only_once_its_job_completed_with_the_output(
+    grid: Grid, store: SqlStore, planting: list[bool]
+) -> None:
+    """A right known answer confirms a checker's word, but a pass of an output is paid
+    only once its job completed with that output: not while it runs, never if it fails."""
+    planting.append(False)
+    nodes = await _nodes(grid, store, ["a", "b", "c"])
+    running = await _submit(grid, store, b"abc def")
+    await _work(grid, nodes["a"])
+    await _work(grid, nodes["b"])
+    await _work(grid, nodes["c"])  # shard 0 decided on two passes, shard 1 still to make
+    await _submit(grid, store, b"xyz", researcher="bea")
+    await _work(grid, nodes["a"])  # shard 1 of the first job, or the second job's output
+    planting.append(True)
+    probe = await _work(grid, nodes["b"])  # an honest checker answers it right
+    assert probe is not None
+    planting.append(False)
+    unit = (await _credit(store))["a"]  # one output decided so far: one shard's price
+    assert (await _credit(store))["b"] == pytest.approx(unit)  # its answer, not its pass
+    for _ in range(4):
+        for name in ("c", "a", "b"):
+            await _work(grid, nodes[name])
+    assert await _state(store, running) == "completed"
+    assert (await _credit(store))["b"] >= 2 * unit - 1e-12  # its pass paid with the job

@@ -55,6 +55,22 @@ CASES = [
         False,
     ),
     (
+        "the same output made again by another node backs it as a pass does",
+        [gen(1), gen(2), check(3, G1, True, est=False)],
+        1,
+        (1, 2, 3),
+        (),
+        False,
+    ),
+    (
+        "a twin alone is one backing, not two",
+        [gen(1), gen(2)],
+        None,
+        (),
+        (),
+        True,
+    ),
+    (
         "a new checker's pass against a failed check: another check",
         [gen(1), check(2, G1, True, est=False), check(3, G1, False), check(4, G1, True)],
         1,

@@ -182,7 +182,7 @@ class Verifier:
             # Counted without the results this decision found invalid: after a caught lie
             # the shard needs one new output, not one more task besides the lie's.
             left = [r for r in found.results if r.task_id not in decision.invalid]
-            await store.claims.raise_target(shard.id, results_seen=len(left))
+            await store.claims.set_target(shard.id, target=len(left) + 1)
             return
         then = judging.follow_up(_terms(found, plan), len(found.results), decision)
         if then.suspects:

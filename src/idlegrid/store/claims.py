@@ -469,6 +469,17 @@ class Claims(Role):
         return changed.rowcount == 1
 
     @write
+    async def set_target(self, conn: AsyncConnection, shard_id: int, *, target: int) -> bool:
+        """An open shard verified by checks asks for `target` results: those that still
+        count and one more task (its next check, or a new output after a lie)."""
+        changed = await conn.execute(
+            update(shards)
+            .where(shards.c.id == shard_id, shards.c.state == ShardState.OPEN.value)
+            .values(target=target)
+        )
+        return changed.rowcount == 1
+
+    @write
     async def assign_check(
         self, conn: AsyncConnection, shard_id: int, task_id: int
     ) -> tuple[str, int] | None:

@@ -11,7 +11,7 @@ from sqlalchemy import func, insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState
-from idlegrid.store import rows
+from idlegrid.store import ledger, rows
 from idlegrid.store.base import CreatedJob, JobRecord, NewJob, NodeTask, ShardRecord, StateCounts
 from idlegrid.store.blob_owners import add_job_blobs
 from idlegrid.store.database import Role, read, write
@@ -149,7 +149,12 @@ class Jobs(Role):
         changed = await conn.execute(
             complete(job_id, result_hash=result_hash, result_size=result_size, now=now)
         )
-        return changed.rowcount == 1
+        if changed.rowcount != 1:
+            return False
+        # Its outputs' fate is settled: the passes its checkers' known answers confirmed
+        # are paid now.
+        await ledger.pay_confirmed_passes(conn, job_id, now=now)
+        return True
 
     @read
     async def jobs_to_assemble(self, conn: AsyncConnection) -> list[int]:

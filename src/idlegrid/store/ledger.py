@@ -18,7 +18,7 @@ from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
-from idlegrid.states import ShardState, TaskState
+from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store import recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
@@ -192,9 +192,6 @@ async def apply_verdicts(
     await write_credit(conn, delta, now=now)
 
 
-_LIE = tasks.alias("lie_of_node")
-
-
 async def _confirmed(
     conn: AsyncConnection,
     found: Sequence[rules.JudgedResult],
@@ -202,29 +199,63 @@ async def _confirmed(
 ) -> list[rules.JudgedResult]:
     """The unpaid passes that a known-answer check answered right here confirms: its
     node's checks found valid, of the same kind, finished after the node's latest lie
-    and before that answer (`rules.credit_delta`'s `confirmed`)."""
+    and before that answer, of jobs that completed with the output they passed
+    (`rules.credit_delta`'s `confirmed`; `pay_confirmed_passes` pays the rest when their
+    job completes)."""
     answered = [r for r in found if verdict_of[r.task_id] == "answered"]
     confirmed: list[rules.JudgedResult] = []
     for node_id in rules.confirming(verdict_of, {r.task_id: r.node_id for r in found}):
         mine = [r for r in answered if r.node_id == node_id]
         until = max(r.finished_at or 0.0 for r in mine)
-        last_lie = (
-            select(func.coalesce(func.max(_LIE.c.finished_at), 0.0))
-            .where(_LIE.c.node_id == node_id, _LIE.c.outcome == "invalid")
-            .scalar_subquery()
-        )
         confirmed += await _judged(
             conn,
-            tasks.c.node_id == node_id,
-            jobs.c.kind == mine[0].kind,
-            tasks.c.checks_hash.is_not(None),
-            tasks.c.known_answer.is_(None),
-            tasks.c.outcome == "valid",
-            tasks.c.credit.is_(None),
+            *_held_pass(tasks.c.node_id == node_id, jobs.c.kind == mine[0].kind),
             tasks.c.finished_at <= until,
-            tasks.c.finished_at > last_lie,
         )
     return confirmed
+
+
+_LIE = tasks.alias("lie_of_node")
+_ANSWER = tasks.alias("answer_of_node")
+
+
+def _held_pass(*where: Any) -> list[Any]:
+    """Conditions for a check that passed an output, unpaid, of a job that completed,
+    finished after its node's latest lie."""
+    last_lie = (
+        select(func.coalesce(func.max(_LIE.c.finished_at), 0.0))
+        .where(_LIE.c.node_id == tasks.c.node_id, _LIE.c.outcome == "invalid")
+        .scalar_subquery()
+    )
+    return [
+        *where,
+        tasks.c.checks_hash.is_not(None),
+        tasks.c.known_answer.is_(None),
+        tasks.c.outcome == "valid",
+        tasks.c.credit.is_(None),
+        jobs.c.state == JobState.COMPLETED.value,
+        tasks.c.finished_at > last_lie,
+    ]
+
+
+async def pay_confirmed_passes(conn: AsyncConnection, job_id: int, *, now: float) -> None:
+    """A job completed: the passes of its outputs whose nodes answered a known-answer check
+    right after them (and lied not since) are paid ("confirmed")."""
+    answered_since = (
+        select(_ANSWER.c.id)
+        .where(
+            _ANSWER.c.node_id == tasks.c.node_id,
+            _ANSWER.c.known_answer.is_not(None),
+            _ANSWER.c.outcome == "valid",
+            _ANSWER.c.finished_at >= tasks.c.finished_at,
+        )
+        .exists()
+    )
+    confirmed = await _judged(
+        conn, *_held_pass(tasks.c.job_id == job_id, answered_since), order_by=(tasks.c.node_id,)
+    )
+    if confirmed:
+        await write_credit(conn, rules.credit_delta([], {}, confirmed=confirmed), now=now)
 
 
 async def _settle_suspicions(

@@ -91,13 +91,23 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
         passes = [c for c in of if _passed(c)]
         passed = [c.task_id for c in passes]
         failed = [c.task_id for c in of if not _passed(c)]
+        # The same bytes made again by another node (on the same build) back it as a
+        # pass does, and are paid as outputs.
+        twins = [
+            g.task_id
+            for g in generations
+            if g.task_id != generation.task_id
+            and g.output_hash == generation.output_hash
+            and g.credibility > 0.0
+        ]
+        backing = len(passed) + len(twins)
         alone = not second_pass and any(c.established for c in passes)
-        enough = len(passed) >= CONFIRMING_PASSES or alone
-        if len(passed) > len(failed) and enough:
+        enough = backing >= CONFIRMING_PASSES or alone
+        if backing > len(failed) and enough:
             return CheckedOutcome(
                 Decision(
                     canonical=generation.task_id,
-                    valid=(*caught, generation.task_id, *passed),
+                    valid=(*caught, generation.task_id, *twins, *passed),
                     invalid=(*invalid, *failed),
                     held=tuple(passed),
                 ),

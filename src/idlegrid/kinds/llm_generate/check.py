@@ -15,10 +15,10 @@ and over the shard's tokens, the mean |claimed - checked| log-probability within
 `Margins.mean_logprob`.
 
 Which margins hold depends on the claim's llama.cpp build (`margins_for`): on the
-checker's own CPU build the check is exact (`EXACT`), otherwise honest noise is as large
-as a requantization's (`CROSS`); so the coordinator routes a check to a node of the
-claim's build (`store.check_routing`). Calibrated with benchmarks/llm_verify.py
-(docs/verification.md).
+checker's own CPU build the check is exact (`EXACT`), otherwise it allows honest
+cross-build noise (`CROSS`), which every compute-saving cheat exceeds over
+`CROSS_MIN_TOKENS` tokens or more (`decisive`). Calibrated with
+benchmarks/llm_verify.py (docs/verification.md).
 """
 
 from __future__ import annotations
@@ -68,19 +68,35 @@ class Margins:
 # from the Q4_1 file) is off by 0.04 on average, 40 times the mean tolerance.
 EXACT = Margins(greedy=0.001, draw=1e-6, logprob=0.01, mean_logprob=0.001, draw_misses=0.0)
 # Another build (other CPU features, another version) or a GPU backend on either side:
-# honest logits part ways. Calibrated on the CPU: a build for AVX2 against one for
-# AVX-512 differed by up to 0.42 in a token's log-probability and 0.048 on average over
-# a 32-token shard, as much as that requantization does, so these margins (with room
-# over the honest figures) let it through: the coordinator sends a check to a node of
-# the output's build, and a pass from another build does not make an output canonical
-# (`verification.checking`). A GPU checker of the same build still uses these margins
-# (batched GPU kernels are not the one-token ones); no GPU was measured.
+# honest logits part ways from the first token (rounding in the kernels, grown through
+# the layers). Calibrated on the CPU (benchmarks/llm_verify.py, docs/verification.md):
+# builds for AVX-512, AVX2 and AVX only, each checking the others' greedy and sampled
+# claims, differed by up to 0.54 in a token's log-probability, 0.066 on average over a
+# shard and 0.52 in a greedy gap; every claim made more cheaply than the Q4_1 model's
+# (each quantization llama.cpp makes at or below its bits per weight, 1 to 10 of its 30
+# layers pruned, honest tokens then a cheaper model's, a replay) was further off in at
+# least one of them, over CROSS_MIN_TOKENS tokens. Claims these margins cannot tell from
+# honest ones (Q8_0 made from the Q4_1 file) cost more than the honest run. So a pass
+# with them counts as a pass on the claim's own build (`verification.checking`), once it
+# covers CROSS_MIN_TOKENS (`decisive`). A GPU checker of the same build still uses these
+# margins (batched GPU kernels are not the one-token ones); no GPU was measured.
 CROSS = Margins(greedy=1.0, draw=0.1, logprob=0.75, mean_logprob=0.08, draw_misses=0.1)
+# The fewest generated tokens a pass with the cross-build margins must cover to decide a
+# claim: over fewer, the first tokens of a completion (where the model is surest) leave
+# a cheaper model's mean error within honest noise (measured: the benchmark's table of
+# the mean over a shard's first k tokens).
+CROSS_MIN_TOKENS = 32
 
 
 def margins_for(claimed: Output, backend: str, build: str) -> Margins:
     """EXACT for a claim made on this checker's own CPU build, CROSS otherwise."""
     return EXACT if backend == "cpu" and claimed.build == build else CROSS
+
+
+def decisive(margins: Margins, tokens: int) -> bool:
+    """Whether a pass with `margins` over `tokens` checked tokens proves the claim: an
+    exact check always; a cross-build one over CROSS_MIN_TOKENS tokens or more."""
+    return margins == EXACT or tokens >= CROSS_MIN_TOKENS
 
 
 @dataclass
