@@ -19,17 +19,29 @@ of the build its node reported, where this run has one (the native build here, a
 `--variant-lib` build in a child process), with the margins a worker picks
 (`check.margins_for`); a claim of a build no checker here has is checked on the native
 build after the wait, with the cross-build margins. Whether the claim is then accepted
-is the coordinator's own rule (`verification.checking.decide`): only a pass on the
-claim's own build makes it canonical; a pass from another build sets it aside, to be
-made again.
+is the coordinator's own rule (`verification.checking.decide`, fed one check and, while
+it asks for more, more checks of the same build with the same verdict).
+
+With `--variant-lib`, the cross-build calibration: checks by a checker of another build
+(`check.CROSS`) of honest claims (greedy and sampled, every pair of builds), and of every
+cheat that saves compute, made on the native build and checked by the first variant:
+each file type llama.cpp's quantize makes from the Q4_1 file at or below its 5.0 bits
+per weight (COSTLIER's Q8_0 and Q5_1 as references), the model with 1 to 10 of its 30
+layers pruned, honest-then-cheaper tails, a replay, made-up log-probabilities. A second
+table gives per shard the figures the margins are set against, each model's bits per
+weight and generator CPU time per token, and how the mean error over a shard's first k
+tokens separates honest claims from cheaper models' as k grows.
 
     PYTHONPATH=src python benchmarks/llm_verify.py [--prompts 12] [--max-tokens 48] \
         [--variant-lib path/to/libggml-cpu.so]
 
 Last line: `verify_cost: X wrong_accepted: N honest_rejected: M honest_set_aside: K`
-(X: the checker's CPU seconds over the generator's, on the honest runs; N: cheats the
-coordinator's rule accepts; M: honest claims a check failed; K: honest claims set aside
-because no checker of their build was there).
+(X: the checker's CPU seconds over the generator's, on the honest runs; N: compute-saving
+cheats the coordinator's rule accepts; M: honest claims a check failed; K: honest claims
+passed but not accepted, as when no checker of their build was there), and with
+`--variant-lib` `cross_honest_failed: A cross_cheats_passed: B cross_costlier_passed: C`
+(shards: honest ones another build's check failed, compute-saving cheats and costlier
+requantizations it passed).
 """
 
 from __future__ import annotations
@@ -47,12 +59,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from idlegrid.kinds.llm_generate import runtime
-from idlegrid.kinds.llm_generate.check import CheckReport, check_shard, margins_for
+from idlegrid.kinds.llm_generate.check import CROSS, CheckReport, check_shard, margins_for
 from idlegrid.kinds.llm_generate.generate import decode, generate, token_logprob
 from idlegrid.kinds.llm_generate.model import inspect_gguf
 from idlegrid.kinds.llm_generate.prompts import parse_prompts
@@ -127,6 +139,14 @@ class Variant:
         self.name, self.folder, self.args = lib.parent.name, folder, args
         self.build = ""
         self.greedy = self.claims(sampled=False)  # its build learnt on the way
+        self._sampled: list[Completion] | None = None
+
+    @property
+    def sampled(self) -> list[Completion]:
+        """Honest sampled claims of this build (made once)."""
+        if self._sampled is None:
+            self._sampled = self.claims(sampled=True)
+        return self._sampled
 
     def _child(self, *options: str) -> Any:
         out = self.folder / "out.json"
@@ -183,7 +203,7 @@ def quantized(source: Path, folder: Path, ftype: int, prune: list[int] | None = 
     """The model requantized to `ftype` (from its Q4_1 weights), layers in `prune` dropped."""
     import llama_cpp
 
-    out = folder / f"model-{ftype}-{len(prune or [])}.gguf"
+    out = folder / f"model-{ftype}-{'-'.join(map(str, prune or []))}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = ftype
     params.allow_requantize = True
@@ -195,6 +215,29 @@ def quantized(source: Path, folder: Path, ftype: int, prune: list[int] | None = 
     if code != 0:
         raise RuntimeError(f"quantize to {ftype} failed ({code})")
     return out
+
+
+def decode_ms(llm: Any, setup: Setup, tokens: int = 32, rounds: int = 3) -> float:
+    """CPU milliseconds per decoded token (one at a time, after the first prompt), the
+    least of `rounds` runs: what a generator spends per token, prompts left out."""
+    context = runtime.tokenize(llm, setup.prompts[0].text)
+    best = float("inf")
+    for _ in range(rounds):
+        runtime.start(llm, context)
+        started = time.process_time()
+        for _ in range(tokens):
+            llm.eval([int(runtime.last_logits(llm).argmax())])
+        best = min(best, time.process_time() - started)
+    return 1000 * best / tokens
+
+
+def bits_per_weight(path: Path) -> float:
+    """The model file's weights' bits per weight (tensor bytes over parameters)."""
+    llm = load(path)
+    model = llm._model
+    bits = float(model.size() * 8 / model.n_params())
+    llm.close()
+    return bits
 
 
 def raw_greedy(llm: Any, setup: Setup) -> list[Completion]:
@@ -304,17 +347,28 @@ class Routed:
     accepted: list[bool]
 
 
-def accepted_by_rule(passed: bool, *, reported: str, claimed: str, checker: str) -> bool:
-    """Whether the coordinator's rule makes a claim canonical after this one check: its
-    node reported `reported`, it names `claimed`, a node of `checker` checked it."""
+def accepted_by_rule(
+    passed: bool, *, reported: str, claimed: str, checker: str, tokens: int = 0
+) -> bool:
+    """Whether the coordinator's rule makes a claim canonical when nodes of `checker`'s
+    build check it and agree: its node reported `reported`, it names `claimed`; one
+    check, and more with the same verdict while the rule asks for more (three at most)."""
     claim = "c" * 64
+    # The verdict's token count, where the rule reads it.
+    extra = {"tokens": tokens} if "tokens" in {f.name for f in fields(checking.CheckedVote)} else {}
     votes = [
         checking.CheckedVote(task_id=1, output_hash=claim, checks=None, verdict=None,
                              build=reported, claimed_build=claimed),
-        checking.CheckedVote(task_id=2, output_hash="d" * 64, checks=claim,
-                             verdict=(claim, passed), build=checker),
     ]  # fmt: skip
-    return checking.decide(votes).decision.canonical == 1
+    for task_id in range(2, 5):
+        votes.append(
+            checking.CheckedVote(task_id=task_id, output_hash=f"{task_id:064x}", checks=claim,
+                                 verdict=(claim, passed), build=checker, **extra)
+        )  # fmt: skip
+        outcome = checking.decide(votes)
+        if not outcome.more:
+            break
+    return outcome.decision.canonical == 1
 
 
 def row(name: str, routed: Routed, expect_pass: bool) -> tuple[int, int]:
@@ -352,6 +406,128 @@ def setup_of(path: Path, prompts: int, max_tokens: int, **sampling: Any) -> Setu
 
 NO_CHECKER = "a build no node here has (made up)"
 
+# llama.cpp's file types (llama.h's `llama_ftype`) of at most Q4_1's bits per weight,
+# nominally (CHEAPER), and two above it (COSTLIER). A tensor whose rows do not fill a
+# type's blocks (SmolLM2's 576 columns, the 256-weight blocks of the K, IQ and TQ types)
+# takes a fallback type, and the token embeddings stay at 8 bits, so each file's own bits
+# per weight are measured, and a file above the claimed file's is a costlier claim, not
+# a cheat. Types llama.cpp refuses without an importance matrix are reported as refused.
+COSTLIER = {"Q8_0": 7, "Q5_1": 9}
+CHEAPER = {
+    "Q4_0": 2, "Q4_K_M": 15, "Q4_K_S": 14, "IQ4_NL": 25, "IQ4_XS": 30, "NVFP4": 39,
+    "MXFP4_MOE": 38, "Q3_K_L": 13, "Q3_K_M": 12, "Q3_K_S": 11, "IQ3_M": 27, "IQ3_S": 26,
+    "IQ3_XS": 22, "IQ3_XXS": 23, "Q2_K": 10, "Q2_K_S": 21, "IQ2_M": 29, "IQ2_S": 28,
+    "IQ2_XS": 20, "IQ2_XXS": 19, "Q2_0": 41, "TQ2_0": 37, "TQ1_0": 36, "IQ1_M": 31,
+    "IQ1_S": 24, "Q1_0": 40,
+}  # fmt: skip
+# Pruned models (layers of the 30 dropped by llama.cpp's quantize, kept at Q4_1).
+PRUNED = {
+    "1 layer (15)": [15],
+    "1 layer (28)": [28],
+    "2 layers (27, 28)": [27, 28],
+    "10 layers (20 of 30 left)": list(range(20, 30)),
+}
+
+
+@dataclass
+class Made:
+    """A model file's honest-looking claims for the run's prompts, and what they cost."""
+
+    claims: list[Completion]
+    cpu_s: float  # the generator's CPU seconds
+    tokens: int
+    bits_per_weight: float
+    decode_ms: float  # CPU ms per decoded token (`decode_ms`)
+
+
+@dataclass
+class Case:
+    """A table row: how its claims are made and checked; `kind` is "honest", "cheat"
+    (saves compute), or "costlier" (a claim that cost more than the honest run);
+    `cross`: checked by a checker of another build, with the cross-build margins."""
+
+    name: str
+    run: Callable[[], Routed]
+    kind: str = "cheat"
+    cross: bool = False
+    made: Callable[[], Made] | None = None
+    whole: bool = False  # every token of it comes from a cheaper model (prefix means)
+
+
+@dataclass
+class Measured:
+    case: Case
+    routed: Routed
+    made: Made | None
+
+
+class Bench:
+    """One run: the model, its prompts, a native checker and the variant builds; each
+    model's claims made once, checked where the coordinator sends them or by a chosen
+    checker of another build."""
+
+    def __init__(self, path: Path, args: argparse.Namespace, found: dict[str, Variant]) -> None:
+        self.path, self.found = path, found
+        self.setup = setup_of(path, args.prompts, args.max_tokens)
+        self.sampled = sampled_params(args)
+        self.native = runtime.build()
+        self.checker = load(path)
+        self._made: dict[tuple[Path, bool], Made] = {}
+
+    def made(self, path: Path, *, sampled: bool = False) -> Made:
+        """The claims a generator of this build makes with the model at `path`."""
+        key = (path, sampled)
+        if key not in self._made:
+            llm = load(path)
+            params = self.sampled if sampled else None
+            claims, cpu_s = timed(lambda: generate_all(llm, self.setup, params))
+            tokens = sum(len(c.tokens) for c in claims)
+            speed = decode_ms(llm, self.setup)
+            self._made[key] = Made(claims, cpu_s, tokens, bits_per_weight(path), speed)
+            llm.close()
+        return self._made[key]
+
+    def routed(
+        self,
+        claims: list[Completion],
+        *,
+        llm: Any = None,
+        sampled: bool = False,
+        build: str | None = None,
+        reported: str | None = None,
+        no_checker: bool = False,
+        on: Variant | None = None,
+        native_checker: bool = False,
+    ) -> Routed:
+        """Checked as the coordinator routes a claim naming `build` (default the native
+        one) from a node that reported `reported` (default the same); `no_checker`: as if
+        no checker of that build were there; `on` (a variant) or `native_checker`: by a
+        checker of that build, whatever the claim names."""
+        params = self.sampled if sampled else None
+        claimed = self.native if build is None else build
+        node = claimed if reported is None else reported
+        variant = on or (None if no_checker or claimed == self.native else self.found.get(claimed))
+        if native_checker:
+            variant = None
+        if variant is not None:
+            got = variant.check(claims, sampled=sampled, build=claimed)
+            where, checker = f"{variant.name} build", variant.build
+        else:
+            got = check_each(llm or self.checker, self.setup, claims, params, claimed)
+            own = claimed == self.native and not no_checker
+            where = "own build" if own else "native build, after the wait"
+            checker = self.native
+        if checker != claimed and (on is not None or native_checker):
+            where = f"{where}, another build's check"
+        verdicts = [
+            accepted_by_rule(r.passed, reported=node, claimed=claimed, checker=checker,
+                             tokens=r.tokens)
+            for r in got
+        ]  # fmt: skip
+        if node != claimed:  # invalid as it arrives; the columns say what a check would
+            where = "none: invalid, not the build its node reported"
+        return Routed(got, where, verdicts)
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -364,6 +540,10 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--emit", help=argparse.SUPPRESS)
     parser.add_argument("--check", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--cross-only", action="store_true",
+        help="with --variant-lib: only the checks by another build (the calibration)",
+    )  # fmt: skip
     parser.add_argument("--sampled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     path = smollm2_path()
@@ -381,138 +561,332 @@ def main() -> None:
         run(path, args, found)
 
 
+def honest_cases(bench: Bench) -> list[Case]:
+    """Honest claims on their own build, and checked by other builds (cross)."""
+    path, routed = bench.path, bench.routed
+    made = bench.made
+    cases = [
+        Case("honest, generator 2 threads",
+             lambda: routed(generate_all(load(path, 2), bench.setup)), "honest"),
+        Case("honest, generator batch 8",
+             lambda: routed(generate_all(load(path, 1, 8), bench.setup)), "honest"),
+        Case("honest, llama-cpp-python's own loop",
+             lambda: routed(raw_greedy(load(path), bench.setup)), "honest"),
+        Case("honest, checker 2 threads",
+             lambda: routed(made(path).claims, llm=load(path, 2)), "honest"),
+        Case("honest, checker batch 16",
+             lambda: routed(made(path).claims, llm=load(path, 1, 16)), "honest"),
+        Case("honest, checker batch 64, 2 threads",
+             lambda: routed(made(path).claims, llm=load(path, 2, 64)), "honest"),
+        Case("honest sampled (T 0.8, top_p 0.95, top_k 40)",
+             lambda: routed(made(path, sampled=True).claims, sampled=True), "honest"),
+    ]  # fmt: skip
+    for v in bench.found.values():
+        cases += [
+            Case(f"honest, generator on the {v.name} build",
+                 lambda v=v: routed(v.greedy, build=v.build), "honest"),
+            Case(f"honest, generator on the {v.name} build, sampled",
+                 lambda v=v: routed(v.sampled, sampled=True, build=v.build), "honest"),
+            Case(f"honest, generator on the {v.name} build, no checker of that build",
+                 lambda v=v: routed(v.greedy, build=v.build, no_checker=True), "honest",
+                 cross=True),
+            Case(f"honest, generator on the {v.name} build, sampled, checked on the native "
+                 "build", lambda v=v: routed(v.sampled, sampled=True, build=v.build,
+                                             native_checker=True), "honest", cross=True),
+            Case(f"honest, checked on the {v.name} build",
+                 lambda v=v: routed(made(path).claims, on=v), "honest", cross=True),
+            Case(f"honest sampled, checked on the {v.name} build",
+                 lambda v=v: routed(made(path, sampled=True).claims, sampled=True, on=v),
+                 "honest", cross=True),
+        ]  # fmt: skip
+        for w in bench.found.values():
+            if w is not v:
+                cases += [
+                    Case(f"honest, generator on the {v.name} build, checked on the {w.name} "
+                         "build", lambda v=v, w=w: routed(v.greedy, build=v.build, on=w),
+                         "honest", cross=True),
+                    Case(f"honest, generator on the {v.name} build, sampled, checked on the "
+                         f"{w.name} build", lambda v=v, w=w: routed(
+                             v.sampled, sampled=True, build=v.build, on=w), "honest",
+                         cross=True),
+                ]  # fmt: skip
+    return cases
+
+
+def exact_cheat_cases(bench: Bench, files: dict[str, Path], smaller: Path) -> list[Case]:
+    """Cheats on the claim's own build (the exact check), as the table always had them."""
+    routed, made, setup = bench.routed, bench.made, bench.setup
+    rng = random.Random(0)
+    honest = lambda: made(bench.path).claims  # noqa: E731
+    near = {q: files[q] for q in ("Q8_0", "Q5_1") if q in files}
+    reseeded = replace(setup, prompts=[replace(p, seed=p.seed + 1000) for p in setup.prompts])
+    return [
+        *[Case(f"other quantization: {q}", lambda p=files[q]: routed(made(p).claims),
+               "costlier" if q in COSTLIER else "cheat")
+          for q in ("Q8_0", "Q5_1", "Q4_0", "Q2_K") if q in files],
+        *[Case(f"other quantization: {q}, claimed as the {v.name} build's",
+               lambda p=p, v=v: routed(made(p).claims, build=v.build), "costlier")
+          for q, p in near.items() for v in bench.found.values()],
+        *[Case(f"other quantization: {q}, claimed as {NO_CHECKER}",
+               lambda p=p: routed(made(p).claims, build=NO_CHECKER), "costlier")
+          for q, p in near.items()],
+        Case("other quantization: Q8_0, naming another build than its node reported",
+             lambda: routed(made(files["Q8_0"]).claims, build=NO_CHECKER,
+                            reported=bench.native)),
+        Case("smaller model: 20 of 30 layers", lambda: routed(made(smaller).claims)),
+        Case("shuffled tokens", lambda: routed(shuffled(honest(), rng))),
+        Case("random tokens",
+             lambda: routed(random_tokens(honest(), rng, bench.checker.n_vocab()))),
+        Case("truncated output (first half)", lambda: routed(truncated(honest()))),
+        Case("replay of another prompt's output", lambda: routed(replayed(honest()))),
+        Case("honest first 8 tokens, then Q2_K's",
+             lambda: routed(spliced(load(files["Q2_K"]), setup, honest(), 8))),
+        Case("honest first 8 tokens, then the smaller model's",
+             lambda: routed(spliced(load(smaller), setup, honest(), 8))),
+        Case("honest tokens, made-up log-probabilities",
+             lambda: routed(forged_logprobs(honest()))),
+        Case("sampled with another seed",
+             lambda: routed(generate_all(load(bench.path), reseeded, bench.sampled),
+                            sampled=True)),
+    ]  # fmt: skip
+
+
+def cross_cheat_cases(
+    bench: Bench, on: Variant, files: dict[str, Path], pruned: dict[str, Path]
+) -> list[Case]:
+    """Every compute-saving cheat made on the native build and checked by a checker of
+    `on`'s build with the cross-build margins (and the costlier requantizations)."""
+    routed, made, setup = bench.routed, bench.made, bench.setup
+    honest = lambda: made(bench.path).claims  # noqa: E731
+    at = f", checked on the {on.name} build"
+    n = setup.params.max_tokens
+    tails = [(n // 2, "Q4_0"), (n - 8, "Q4_0"), (n // 2, "IQ4_NL"), (n - 8, "Q2_K")]
+    claimed_bits = bits_per_weight(bench.path)
+    cases = [
+        Case(f"other quantization: {q}{at}", lambda p=p: routed(made(p).claims, on=on),
+             "cheat" if bits_per_weight(p) <= claimed_bits else "costlier", True,
+             lambda p=p: made(p), whole=True)
+        for q, p in files.items()
+    ]  # fmt: skip
+    cases += [
+        Case(f"pruned model: {name}{at}", lambda p=p: routed(made(p).claims, on=on),
+             "cheat", True, lambda p=p: made(p), whole=True)
+        for name, p in pruned.items()
+    ]  # fmt: skip
+    first_prune = next(iter(pruned.values()))
+    cases += [
+        Case(f"sampled, other quantization: Q4_0{at}",
+             lambda: routed(made(files["Q4_0"], sampled=True).claims, sampled=True, on=on),
+             "cheat", True, lambda: made(files["Q4_0"], sampled=True), whole=True),
+        Case(f"sampled, pruned model: {next(iter(pruned))}{at}",
+             lambda: routed(made(first_prune, sampled=True).claims, sampled=True, on=on),
+             "cheat", True, lambda: made(first_prune, sampled=True), whole=True),
+    ]  # fmt: skip
+    cases += [
+        Case(f"honest first {head} tokens, then {q}'s{at}",
+             lambda head=head, q=q: routed(spliced(load(files[q]), setup, honest(), head),
+                                           on=on), "cheat", True)
+        for head, q in tails if q in files
+    ]  # fmt: skip
+    cases += [
+        Case(f"honest first {n // 2} tokens, then the {name} pruned model's{at}",
+             lambda p=p: routed(spliced(load(p), setup, honest(), n // 2), on=on),
+             "cheat", True)
+        for name, p in list(pruned.items())[:1]
+    ]  # fmt: skip
+    cases += [
+        Case(
+            f"replay of another prompt's output{at}",
+            lambda: routed(replayed(honest()), on=on),
+            "cheat",
+            True,
+        ),
+        Case(
+            f"honest tokens, made-up log-probabilities{at}",
+            lambda: routed(forged_logprobs(honest()), on=on),
+            "cheat",
+            True,
+        ),
+    ]
+    return cases
+
+
+def quantize_all(path: Path, folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """Every file type of COSTLIER and CHEAPER made from the model; and why the others
+    could not be made."""
+    files: dict[str, Path] = {}
+    refused: dict[str, str] = {}
+    for name, ftype in {**COSTLIER, **CHEAPER}.items():
+        try:
+            files[name] = quantized(path, folder, ftype)
+        except RuntimeError as exc:
+            refused[name] = str(exc)
+    return files, refused
+
+
 def run(path: Path, args: argparse.Namespace, found: dict[str, Variant]) -> None:
     """The table and the figures (see the module)."""
     import llama_cpp
 
-    setup = setup_of(path, args.prompts, args.max_tokens)
-    sampled = sampled_params(args)
-    native = runtime.build()
-    checker = load(path)
-    generator = load(path)
-    honest, gen_s = timed(lambda: generate_all(generator, setup))
-    reports, check_s = timed(lambda: check_each(checker, setup, honest))
-    generated = sum(len(c.tokens) for c in honest)
+    bench = Bench(path, args, found)
+    honest = bench.made(path)
+    reports, check_s = timed(lambda: check_each(bench.checker, bench.setup, honest.claims))
     print(
-        f"\n{len(honest)} prompts, {generated} tokens generated: generator {gen_s:.2f} CPU s, "
-        f"checker {check_s:.2f} CPU s\n"
+        f"\n{len(honest.claims)} prompts, {honest.tokens} tokens generated: generator "
+        f"{honest.cpu_s:.2f} CPU s, checker {check_s:.2f} CPU s\n"
     )
-
-    def routed(
-        claims: list[Completion],
-        *,
-        llm: Any = checker,
-        params: LlmGenerateParams | None = None,
-        build: str | None = None,
-        reported: str | None = None,
-        no_checker: bool = False,
-    ) -> Routed:
-        """Checked as the coordinator routes a claim naming `build` (default the native
-        one) from a node that reported `reported` (default the same); `no_checker`: as if
-        no checker of that build were there."""
-        claimed = native if build is None else build
-        node = claimed if reported is None else reported
-        variant = None if no_checker or claimed == native else found.get(claimed)
-        if variant is not None:
-            got = variant.check(claims, sampled=params is sampled, build=claimed)
-            where, on = f"{variant.name} build", claimed
-        else:
-            got = check_each(llm, setup, claims, params, claimed)
-            own = claimed == native and not no_checker
-            where, on = ("own build" if own else "native build, after the wait"), native
-        verdicts = [
-            accepted_by_rule(r.passed, reported=node, claimed=claimed, checker=on) for r in got
-        ]
-        if node != claimed:  # invalid as it arrives; the columns say what a check would
-            where = "none: invalid, not the build its node reported"
-        return Routed(got, where, verdicts)
-
-    print(
-        "| claimed output | checked on | passed | accepted | max greedy gap | max logprob "
-        "error | max mean logprob error | first failure |"
-    )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
-    honest_rejected, honest_set_aside = row(
-        "honest (generator 1 thread, batch 512)", Routed(reports, "own build", [
-            accepted_by_rule(r.passed, reported=native, claimed=native, checker=native)
-            for r in reports
-        ]), True,
-    )  # fmt: skip
-    rng = random.Random(0)
-
-    def made(llm: Any, params: LlmGenerateParams | None = None) -> list[Completion]:
-        return generate_all(llm, setup, params)
-
-    honest_cases: list[tuple[str, Callable[[], Routed]]] = [
-        ("honest, generator 2 threads", lambda: routed(made(load(path, 2)))),
-        ("honest, generator batch 8", lambda: routed(made(load(path, 1, 8)))),
-        ("honest, llama-cpp-python's own loop", lambda: routed(raw_greedy(generator, setup))),
-        ("honest, checker 2 threads", lambda: routed(honest, llm=load(path, 2))),
-        ("honest, checker batch 16", lambda: routed(honest, llm=load(path, 1, 16))),
-        ("honest, checker batch 64, 2 threads", lambda: routed(honest, llm=load(path, 2, 64))),
-        ("honest sampled (T 0.8, top_p 0.95, top_k 40)",
-         lambda: routed(made(load(path, 1), sampled), params=sampled)),
-    ]  # fmt: skip
-    for variant in found.values():
-        greedy, build, name = variant.greedy, variant.build, variant.name
-        honest_cases += [
-            (f"honest, generator on the {name} build",
-             lambda greedy=greedy, build=build: routed(greedy, build=build)),
-            (f"honest, generator on the {name} build, sampled",
-             lambda variant=variant, build=build: routed(
-                 variant.claims(sampled=True), params=sampled, build=build)),
-            (f"honest, generator on the {name} build, no checker of that build",
-             lambda greedy=greedy, build=build: routed(greedy, build=build, no_checker=True)),
-        ]  # fmt: skip
-    for name, case in honest_cases:
-        rejected, set_aside = row(name, case(), True)
-        honest_rejected += rejected
-        honest_set_aside += set_aside
-    wrong_accepted = 0
-    reseeded = replace(setup, prompts=[replace(p, seed=p.seed + 1000) for p in setup.prompts])
     with tempfile.TemporaryDirectory(prefix="llm-verify-") as tmp:
         folder = Path(tmp)
-        others = {
-            "Q8_0": quantized(path, folder, llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0),
-            "Q5_1": quantized(path, folder, llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_1),
-            "Q4_0": quantized(path, folder, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0),
-            "Q2_K": quantized(path, folder, llama_cpp.LLAMA_FTYPE_MOSTLY_Q2_K),
-        }
-        smaller = quantized(
-            path, folder, llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1, prune=list(range(20, 30))
+        files, refused = quantize_all(path, folder)
+        q4_1 = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_1
+        pruned = {name: quantized(path, folder, q4_1, layers) for name, layers in PRUNED.items()}
+        cases = [
+            *honest_cases(bench),
+            *exact_cheat_cases(bench, files, pruned["10 layers (20 of 30 left)"]),
+            *[
+                c
+                for v in list(found.values())[:1]
+                for c in cross_cheat_cases(bench, v, files, pruned)
+            ],
+        ]
+        if args.cross_only and found:
+            cases = [c for c in cases if c.cross]
+        print(
+            "| claimed output | checked on | passed | accepted | max greedy gap | max logprob "
+            "error | max mean logprob error | first failure |"
         )
-        near = {q: p for q, p in others.items() if q in ("Q8_0", "Q5_1")}
-        cheats: list[tuple[str, Callable[[], Routed]]] = [
-            *[(f"other quantization: {q}", lambda p=p: routed(made(load(p))))
-              for q, p in others.items()],
-            *[(f"other quantization: {q}, claimed as the {v.name} build's",
-               lambda p=p, v=v: routed(made(load(p)), build=v.build))
-              for q, p in near.items() for v in found.values()],
-            *[(f"other quantization: {q}, claimed as {NO_CHECKER}",
-               lambda p=p: routed(made(load(p)), build=NO_CHECKER))
-              for q, p in near.items()],
-            ("other quantization: Q8_0, naming another build than its node reported",
-             lambda: routed(made(load(others["Q8_0"])), build=NO_CHECKER, reported=native)),
-            ("smaller model: 20 of 30 layers", lambda: routed(made(load(smaller)))),
-            ("shuffled tokens", lambda: routed(shuffled(honest, rng))),
-            ("random tokens", lambda: routed(random_tokens(honest, rng, checker.n_vocab()))),
-            ("truncated output (first half)", lambda: routed(truncated(honest))),
-            ("replay of another prompt's output", lambda: routed(replayed(honest))),
-            ("honest first 8 tokens, then Q2_K's",
-             lambda: routed(spliced(load(others["Q2_K"]), setup, honest, 8))),
-            ("honest first 8 tokens, then the smaller model's",
-             lambda: routed(spliced(load(smaller), setup, honest, 8))),
-            ("honest tokens, made-up log-probabilities", lambda: routed(forged_logprobs(honest))),
-            ("sampled with another seed",
-             lambda: routed(generate_all(load(path), reseeded, sampled), params=sampled)),
-        ]  # fmt: skip
-        for name, claim in cheats:
-            wrong_accepted += row(name, claim(), False)[0]
-    cost = check_s / gen_s if gen_s else float("nan")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        first = Routed(reports, "own build", [
+            accepted_by_rule(r.passed, reported=bench.native, claimed=bench.native,
+                             checker=bench.native, tokens=r.tokens)
+            for r in reports
+        ])  # fmt: skip
+        honest_rejected, honest_set_aside = row(
+            "honest (generator 1 thread, batch 512)", first, True
+        )
+        wrong_accepted = 0
+        measured = []
+        for case in cases:
+            routed = case.run()
+            wrong, set_aside = row(case.name, routed, case.kind == "honest")
+            if case.kind == "honest":
+                honest_rejected += wrong
+                honest_set_aside += set_aside
+            elif case.kind == "cheat":
+                wrong_accepted += wrong
+            if case.cross:
+                measured.append(Measured(case, routed, case.made() if case.made else None))
+    cross = calibration(measured, honest, refused) if measured else ""
+    cost = check_s / honest.cpu_s if honest.cpu_s else float("nan")
     print(
         f"\nverify_cost: {cost:.3f} wrong_accepted: {wrong_accepted} "
-        f"honest_rejected: {honest_rejected} honest_set_aside: {honest_set_aside}"
+        f"honest_rejected: {honest_rejected} honest_set_aside: {honest_set_aside}{cross}"
     )
+
+
+# -- the cross-build calibration: every check by another build, per one-prompt shard ----
+
+
+def _shards(measured: list[Measured], kind: str) -> list[tuple[str, CheckReport]]:
+    return [(m.case.name, r) for m in measured if m.case.kind == kind for r in m.routed.reports]
+
+
+def _least(shards: list[tuple[str, CheckReport]], figure: Callable[[CheckReport], float]) -> str:
+    if not shards:
+        return "-"
+    name, report = min(shards, key=lambda s: figure(s[1]))
+    return f"{figure(report):.4f} ({name})"
+
+
+def calibration(measured: list[Measured], honest: Made, refused: dict[str, str]) -> str:
+    """Print the cross-build figures; return the fields they add to the last line."""
+    print(
+        f"\nChecked by another build (cross-build margins: greedy {CROSS.greedy}, "
+        f"log-probability {CROSS.logprob} per token and {CROSS.mean_logprob} on average, "
+        f"draws {CROSS.draw} for all but {CROSS.draw_misses:.0%}), per one-prompt shard; "
+        f"Q4_1 (the claimed file) {honest.bits_per_weight:.2f} bits per weight, "
+        f"{honest.decode_ms:.2f} CPU ms per decoded token (1 thread).\n"
+    )
+    print(
+        "| claimed output | kind | passed | tokens | max token error | shard mean: lowest | "
+        "highest | greedy gap, shard max: lowest | highest | bits/weight | CPU ms/decoded "
+        "token |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for m in measured:
+        reports = m.routed.reports
+        means = [r.logprob_mean for r in reports]
+        gaps = [r.greedy_gap for r in reports]
+        made = (
+            f"{m.made.bits_per_weight:.2f} | {m.made.decode_ms:.2f} "
+            f"({m.made.decode_ms / honest.decode_ms:.2f}x)"
+            if m.made else "- | -"
+        )  # fmt: skip
+        print(
+            f"| {m.case.name} | {m.case.kind} | {sum(r.passed for r in reports)}/{len(reports)} "
+            f"| {sum(r.tokens for r in reports)} | {max(r.logprob_error for r in reports):.4f} "
+            f"| {min(means):.4f} | {max(means):.4f} | {min(gaps):.4f} | {max(gaps):.4f} "
+            f"| {made} |"
+        )
+    if refused:
+        print(f"\nNot made by llama.cpp's quantize: {', '.join(sorted(refused))}")
+    honest_shards, cheats = _shards(measured, "honest"), _shards(measured, "cheat")
+    greedy_cheats = [(n, r) for n, r in cheats if r.greedy_gap > 0 or "sampled" not in n]
+    print(
+        "\nLargest honest: log-probability error "
+        f"{max(r.logprob_error for _, r in honest_shards):.4f} per token, "
+        f"{max(r.logprob_mean for _, r in honest_shards):.4f} on average over a shard; "
+        f"greedy gap {max(r.greedy_gap for _, r in honest_shards):.4f} "
+        f"({len(honest_shards)} shards, {sum(r.tokens for _, r in honest_shards)} tokens)"
+    )
+    print(
+        "Smallest of a compute-saving cheat's shards: largest token error "
+        f"{_least(cheats, lambda r: r.logprob_error)}, mean "
+        f"{_least(cheats, lambda r: r.logprob_mean)}, greedy gap "
+        f"{_least(greedy_cheats, lambda r: r.greedy_gap)}"
+    )
+    passed = [(n, r) for n, r in cheats if r.passed]
+    print(
+        f"Compute-saving cheat shards that passed: {len(passed)} of {len(cheats)}"
+        + (f" ({', '.join(sorted({n for n, _ in passed}))})" if passed else "")
+    )
+    prefix_means(measured)
+    costlier = _shards(measured, "costlier")
+    failed = sum(not r.passed for _, r in honest_shards)
+    return (
+        f" cross_honest_failed: {failed} cross_cheats_passed: {len(passed)} "
+        f"cross_costlier_passed: {sum(r.passed for _, r in costlier)}"
+    )
+
+
+def prefix_means(measured: list[Measured]) -> None:
+    """How the mean log-probability error over a shard's first k tokens separates honest
+    claims from claims made wholly by a cheaper model, as k grows."""
+    honest = [r.errors for m in measured if m.case.kind == "honest" for r in m.routed.reports]
+    whole = [
+        (m.case.name, r.errors)
+        for m in measured
+        if m.case.kind == "cheat" and m.case.whole
+        for r in m.routed.reports
+    ]
+    longest = max((len(e) for e in honest), default=0)
+    print(
+        "\nMean log-probability error over a shard's first k tokens (shards of at least k):\n"
+        "\n| k | honest shards | honest, largest | cheaper-model shards | cheaper model, "
+        "smallest | ratio |\n| --- | --- | --- | --- | --- | --- |"
+    )
+    for k in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        if k > longest:
+            break
+        fair = [sum(e[:k]) / k for e in honest if len(e) >= k]
+        cheap = [(sum(e[:k]) / k, name) for name, e in whole if len(e) >= k]
+        if not fair or not cheap:
+            continue
+        low, name = min(cheap)
+        print(
+            f"| {k} | {len(fair)} | {max(fair):.4f} | {len(cheap)} | {low:.4f} ({name}) | "
+            f"{low / max(fair) if max(fair) else float('inf'):.2f} |"
+        )
 
 
 if __name__ == "__main__":
