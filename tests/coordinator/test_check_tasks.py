@@ -457,6 +457,9 @@ class BuildKind(CapitalsKind):
     def claimed_build(self, output: bytes) -> str:
         return str(json.loads(output)["build"])
 
+    def check_decides(self, output: bytes) -> bool:
+        return bool(json.loads(output)["check"].get("decides", True))
+
 
 @pytest.fixture
 async def built_grid(
@@ -482,10 +485,12 @@ async def _built_nodes(
 
 
 async def _built_work(
-    grid: Grid, node: FakeNode, *, near: bool = False, names: str | None = None
-) -> dict[str, Any] | None:
+    grid: Grid, node: FakeNode, *, near: bool = False, names: str | None = None,
+    short: bool = False,
+) -> dict[str, Any] | None:  # fmt: skip
     """One task on a node of the build its session reported: an output naming `names`
-    (default that build), or a check that fails a "near" output only on its own build."""
+    (default that build), or a check that fails a "near" output only on its own build;
+    a "short" output's pass on another build decides nothing."""
     assign = await _claim(grid, node)
     if assign is None:
         return None
@@ -495,10 +500,13 @@ async def _built_work(
         claimed = json.loads(grid.blobs.read(assign["check"]["hash"]))
         right = claimed["text"] == payload.upper().decode()
         passed = right and not (claimed["near"] and claimed["build"] == build)
-        output = json.dumps({"check": {"claimed": assign["check"]["hash"], "passed": passed}})
+        decides = claimed["build"] == build or not claimed.get("short")
+        verdict = {"claimed": assign["check"]["hash"], "passed": passed, "decides": decides}
+        output = json.dumps({"check": verdict})
     else:
         named = build if names is None else names
-        output = json.dumps({"text": payload.upper().decode(), "build": named, "near": near})
+        text = payload.upper().decode()
+        output = json.dumps({"text": text, "build": named, "near": near, "short": short})
     await _send(grid, node, assign, output.encode())
     return assign
 
@@ -615,6 +623,42 @@ async def test_a_checked_shard_no_node_can_help_waits_then_fails_with_a_reason(
     assert "one more check of its output" in (job.error or "")
     (shard,) = await store.jobs.list_shards(job_id)
     assert shard.output_hash is None
+
+
+async def test_a_short_output_of_a_build_no_other_node_has_is_made_again_unblamed(
+    built_grid: tuple[Grid, list[float]], store: SqlStore
+) -> None:
+    """Too few tokens for another build's pass to decide: after two such passes the
+    output is set aside (neither valid nor invalid) and made again on a common build."""
+    grid, now = built_grid
+    job_id = await _submit_built(grid, store, now[0])
+    builds = {"rare": "X", "b1": "B", "c1": "C", "b2": "B"}
+    nodes = await _built_nodes(grid, store, builds, now[0])
+    made = await _built_work(grid, nodes["rare"], short=True)
+    assert made is not None
+    now[0] += WAIT_S + 1
+    for name in ("b1", "c1"):
+        shrug = await _built_work(grid, nodes[name])
+        assert shrug is not None and shrug.get("check")
+    remade = await _built_work(grid, nodes["b2"])
+    assert remade is not None and not remade.get("check")  # set aside: made again
+    # Their passes of the set-aside output bar nobody; build C waits for build B first.
+    again = await _built_work(grid, nodes["b1"])
+    assert again is not None and again.get("check")
+    now[0] += WAIT_S + 1
+    again = await _built_work(grid, nodes["c1"])
+    assert again is not None and again.get("check")
+    assert await _state(store, job_id) == "completed"
+    async with store.engine.connect() as conn:
+        found = select(tasks.c.outcome).where(tasks.c.id == made["task_id"])
+        assert (await conn.execute(found)).scalar_one() == "moot"
+    credit = await _credit(store)
+    assert credit["rare"] == 0.0 and credit["b2"] > 0
+    async with store.engine.connect() as conn:
+        blamed = select(node_trust.c.invalid_total).where(
+            node_trust.c.node_id == nodes["rare"].session.node_id
+        )
+        assert (await conn.execute(blamed)).scalar_one() == 0
 
 
 async def test_an_output_naming_another_build_than_its_node_is_invalid(

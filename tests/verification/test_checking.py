@@ -175,7 +175,9 @@ def built(task_id: int, build: str, *, names: str | None = None, output: str = G
     )
 
 
-def check_on(task_id: int, of: str, passed: bool, build: str, *, est: bool = True) -> CheckedVote:
+def check_on(
+    task_id: int, of: str, passed: bool, build: str, *, est: bool = True, decides: bool = True
+) -> CheckedVote:
     return CheckedVote(
         task_id=task_id,
         output_hash=f"{task_id:064d}",
@@ -183,6 +185,7 @@ def check_on(task_id: int, of: str, passed: bool, build: str, *, est: bool = Tru
         verdict=(of, passed),
         build=build,
         established=est,
+        decides=decides,
     )
 
 
@@ -206,7 +209,23 @@ BUILD_CASES = [
      None, (), (1, 2), True),
     ("an output naming another build than its node reported is invalid",
      [built(1, "A", names="B"), check_on(2, G1, True, "B")], None, (), (1,), True),
+    ("a pass that decides nothing does not count",
+     [built(1, "X"), check_on(2, G1, True, "B", decides=False)], None, (), (), True),
+    ("a failed check over few tokens still counts",
+     [built(1, "X"), check_on(2, G1, False, "B", decides=False),
+      check_on(3, G1, False, "C", decides=False)], None, (), (1,), True),
 ]  # fmt: skip
+
+
+def test_an_output_only_undecisive_passes_judged_is_set_aside() -> None:
+    one = [built(1, "X"), check_on(2, G1, True, "B", decides=False)]
+    assert decide(one).decision.moot == ()
+    two = [*one, check_on(3, G1, True, "C", decides=False)]
+    outcome = decide(two)
+    assert outcome.more and outcome.decision.moot == (1, 2, 3)
+    assert outcome.decision.invalid == ()  # a rare build is no lie
+    judged = [*two, check_on(4, G1, True, "X")]  # a decisive pass came meanwhile
+    assert decide(judged).decision.canonical == 1
 
 
 def test_the_passes_of_a_decision_are_held_for_a_known_answer() -> None:

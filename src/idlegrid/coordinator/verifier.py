@@ -96,6 +96,7 @@ class Verifier:
                     decision.invalid,
                     decision.fail_reason,
                     decision.held,
+                    decision.moot,
                 )
                 for item, _, decision in decided
             ],
@@ -165,6 +166,11 @@ class Verifier:
                 else None,
                 credibility=trust_rules.credibility(r.trust, settings),
                 established=probes.established(r.trust),
+                decides=(
+                    r.checks_hash is None
+                    or r.output_size >= CHECK_VERDICT_BYTES
+                    or kind.check_decides(blobs.read(r.output_hash))
+                ),
                 build=r.build if kind.names_builds else None,
                 claimed_build=(
                     kind.claimed_build(blobs.read(r.output_hash))
@@ -179,9 +185,10 @@ class Verifier:
         """A shard its results did not decide: escalate it or raise its target."""
         shard, store = found.shard, self._ctx.store
         if checked(found, plan):  # one more task: the check it waits for, or a new output
-            # Counted without the results this decision found invalid: after a caught lie
-            # the shard needs one new output, not one more task besides the lie's.
-            left = [r for r in found.results if r.task_id not in decision.invalid]
+            # Counted without the results this decision found invalid or set aside: after
+            # a caught lie the shard needs one new output, not one more task besides it.
+            gone = {*decision.invalid, *decision.moot}
+            left = [r for r in found.results if r.task_id not in gone]
             await store.claims.set_target(shard.id, target=len(left) + 1)
             return
         then = judging.follow_up(_terms(found, plan), len(found.results), decision)

@@ -374,6 +374,11 @@ class TaskKind(ABC):
         `output` is a check task's verdict; None if it is a shard's output."""
         return None
 
+    def check_decides(self, output: bytes) -> bool:
+        """For a kind that `checks`: whether a check task's verdict decides anything (a
+        pass within margins too wide for the tokens it covered proves nothing)."""
+        return True
+
     def plant_defect(self, output: bytes, draw: float) -> bytes | None:
         """For a kind that `checks`: `output` with a defect planted that an honest check
         fails and only running the model finds (a known-answer check,

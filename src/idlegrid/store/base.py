@@ -381,6 +381,8 @@ class ShardDecision:
     fail_reason: str | None
     # Of `valid`: checks that passed the output, paid once their node's word is confirmed.
     held: Sequence[int] = ()
+    # Undecided: results set aside, judged neither way (outcome "moot").
+    moot: Sequence[int] = ()
 
 
 @dataclass(frozen=True)

@@ -42,15 +42,15 @@ _LIE = tasks.alias("lie_of_shard")
 
 def bars_nobody(task: Any) -> Any:
     """A condition on a row of `task`, a check that does not bar its node from its shard
-    (kinds verified by checks): a check of an output found invalid (its node may check
-    the output made again, which in a small pool no other node can), or a known-answer
+    (kinds verified by checks): a check of an output found invalid or set aside (its node
+    may check the output made again, which in a small pool no other node can), or a known-answer
     check no longer held (its node answered it; while it holds it, it must not see the
     real claim beside the planted one)."""
     caught_a_lie = exists().where(
         _LIE.c.shard_id == task.c.shard_id,
         _LIE.c.output_hash == task.c.checks_hash,
         _LIE.c.checks_hash.is_(None),
-        _LIE.c.outcome == "invalid",
+        _LIE.c.outcome.in_(["invalid", "moot"]),
     )
     answered = task.c.known_answer.is_not(None) & task.c.state.not_in(
         [TaskState.READY.value, TaskState.ASSIGNED.value]

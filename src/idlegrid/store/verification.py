@@ -118,6 +118,12 @@ async def decide(
         for t in d.invalid
     ]
     await mark(conn, pending_invalid, "invalid")
+    await mark(
+        conn,
+        [t for d in decisions if d.canonical_task_id is None and d.fail_reason is None
+         for t in d.moot],
+        "moot",
+    )  # fmt: skip
     verdicts: list[tuple[int, ResultVerdict]] = [(t, "invalid") for t in pending_invalid]
     final = [d for d in decisions if d.canonical_task_id is not None or d.fail_reason is not None]
     decided = Decided()

@@ -43,6 +43,10 @@ from idlegrid.verification.quorum import Decision
 CONFIRMING_FAILS = 2
 # Passes that make an output canonical when none is an established checker's.
 CONFIRMING_PASSES = 2
+# Passes that decide nothing (another build's, over a short shard) after which an output
+# no decisive check judged is set aside: made again on another node, neither valid nor
+# invalid (its node is not blamed: a rare build is no lie).
+UNDECIDED_BEFORE_REMAKE = 2
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,10 @@ class CheckedVote:
     claimed_build: str | None = None
     # A check: its node's known-answer record lets its pass stand alone (`probes`).
     established: bool = False
+    # A check: False when its pass proves nothing (another build's check of too few
+    # tokens: `TaskKind.check_decides`). Such passes neither count nor are judged, and
+    # after `UNDECIDED_BEFORE_REMAKE` of them the output is set aside and made again.
+    decides: bool = True
 
 
 @dataclass(frozen=True)
@@ -80,8 +88,11 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
     misplaced = tuple(v.task_id for v in votes if _misplaced(v))
     placed = [v for v in votes if v.task_id not in misplaced]
     generations = [v for v in placed if v.checks is None]
-    checks = [v for v in placed if v.checks is not None and v.credibility > 0.0]
+    counted = [v for v in placed if v.checks is not None and v.credibility > 0.0]
+    checks = [c for c in counted if c.decides or not _passed(c)]
+    undecided = [c for c in counted if not c.decides and _passed(c)]
     invalid = list(misplaced)
+    set_aside: list[int] = []
     # Checks that failed a lie: valid with the shard's decision. A lie found earlier is
     # no longer among the votes (its outcome is recorded): the checks that failed it are.
     present = {g.output_hash for g in generations}
@@ -116,7 +127,14 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
         if len(failed) > len(passed) and len(failed) >= CONFIRMING_FAILS:
             invalid += [generation.task_id, *passed]
             caught += failed
-    return CheckedOutcome(Decision(canonical=None, valid=(), invalid=tuple(invalid)), more=True)
+            continue
+        shrugs = [c.task_id for c in undecided if _of(c, generation)]
+        if not of and len(shrugs) >= UNDECIDED_BEFORE_REMAKE:
+            set_aside += [generation.task_id, *shrugs]
+    return CheckedOutcome(
+        Decision(canonical=None, valid=(), invalid=tuple(invalid), moot=tuple(set_aside)),
+        more=True,
+    )
 
 
 def unconfirmed_passes(votes: Sequence[CheckedVote]) -> list[CheckedVote]:

@@ -23,6 +23,9 @@ class Decision:
     # Decided (kinds verified by checks): the valid checks that passed the output, paid
     # only once a known-answer check confirms their node's word (`verification.probes`).
     held: tuple[int, ...] = ()
+    # Undecided (kinds verified by checks): an output set aside, and the passes of it that
+    # decided nothing, judged neither way ("moot": no trust change, no credit).
+    moot: tuple[int, ...] = ()
 
 
 def decide(

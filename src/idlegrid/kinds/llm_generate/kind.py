@@ -161,6 +161,10 @@ class LlmGenerateKind(TaskKind):
         except InputError:
             return ""  # not an output: the verifier finds it in the wrong role
 
+    def check_decides(self, output: bytes) -> bool:
+        verdict = read_verdict(output)
+        return verdict is None or verdict.decides
+
     def plant_defect(self, output: bytes, draw: float) -> bytes | None:
         try:
             claimed = read_output(output)

@@ -199,6 +199,9 @@ class CheckVerdict:
     greedy_gap: float = 0.0
     logprob_error: float = 0.0
     backend: str = ""
+    # False: a pass within margins that over so few tokens prove nothing
+    # (`check.decisive`: another build's check of a short shard).
+    decides: bool = True
 
 
 def write_verdict(verdict: CheckVerdict) -> bytes:
@@ -212,6 +215,7 @@ def write_verdict(verdict: CheckVerdict) -> bytes:
                 "greedy_gap": round(verdict.greedy_gap, 6),
                 "logprob_error": round(verdict.logprob_error, 6),
                 "backend": verdict.backend[:100],
+                "decides": verdict.decides,
             }
         }
     ).encode()
@@ -234,6 +238,7 @@ def read_verdict(data: bytes) -> CheckVerdict | None:
             greedy_gap=float(raw.get("greedy_gap", 0.0)),
             logprob_error=float(raw.get("logprob_error", 0.0)),
             backend=str(raw.get("backend", ""))[:100],
+            decides=raw.get("decides", True) is not False,
         )
     except (ValueError, KeyError, TypeError):
         return None

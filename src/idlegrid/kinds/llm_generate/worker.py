@@ -7,7 +7,13 @@ import hashlib
 
 from idlegrid.kinds.base import InputError, RunContext
 from idlegrid.kinds.llm_generate import runtime
-from idlegrid.kinds.llm_generate.check import CheckReport, check_shard, margins_for
+from idlegrid.kinds.llm_generate.check import (
+    EXACT,
+    CheckReport,
+    check_shard,
+    decisive,
+    margins_for,
+)
 from idlegrid.kinds.llm_generate.generate import generate_shard
 from idlegrid.kinds.llm_generate.shard import (
     CheckVerdict,
@@ -33,6 +39,7 @@ def run_shard(payload: Payload, params: LlmGenerateParams, ctx: RunContext) -> b
     """A shard's output: its generation, or with `ctx.check` the check of that claim."""
     llm = loaded(payload, ctx)
     if ctx.check is not None:
+        margins = EXACT
         try:
             claimed = read_output(ctx.check)
             margins = margins_for(claimed, runtime.backend(), runtime.build())
@@ -47,6 +54,7 @@ def run_shard(payload: Payload, params: LlmGenerateParams, ctx: RunContext) -> b
             greedy_gap=report.greedy_gap,
             logprob_error=report.logprob_error,
             backend=runtime.backend(),
+            decides=not report.passed or decisive(margins, report.tokens),
         )
         return write_verdict(verdict)
     completions = generate_shard(llm, payload, params, ctx)
