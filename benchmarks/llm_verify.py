@@ -59,12 +59,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from idlegrid.kinds.llm_generate import runtime
-from idlegrid.kinds.llm_generate.check import CROSS, CheckReport, check_shard, margins_for
+from idlegrid.kinds.llm_generate.check import CROSS, CheckReport, check_shard, decisive, margins_for
 from idlegrid.kinds.llm_generate.generate import decode, generate, token_logprob
 from idlegrid.kinds.llm_generate.model import inspect_gguf
 from idlegrid.kinds.llm_generate.prompts import parse_prompts
@@ -354,8 +354,9 @@ def accepted_by_rule(
     build check it and agree: its node reported `reported`, it names `claimed`; one
     check, and more with the same verdict while the rule asks for more (three at most)."""
     claim = "c" * 64
-    # The verdict's token count, where the rule reads it.
-    extra = {"tokens": tokens} if "tokens" in {f.name for f in fields(checking.CheckedVote)} else {}
+    # A pass with the cross-build margins over too few tokens decides nothing.
+    decides = checker == claimed or decisive(CROSS, tokens)
+    extra = {"decides": decides}
     votes = [
         checking.CheckedVote(task_id=1, output_hash=claim, checks=None, verdict=None,
                              build=reported, claimed_build=claimed),
