@@ -92,20 +92,24 @@ async def _lone_shards(
 _CHECK = tasks.alias("pass_of_output")
 
 
+# The checks that passed a decided shard's canonical output (a subquery over `shards`).
+_PASSES = (
+    select(func.count())
+    .where(
+        _CHECK.c.shard_id == shards.c.id,
+        _CHECK.c.checks_hash == shards.c.output_hash,
+        _CHECK.c.outcome == "valid",
+    )
+    .scalar_subquery()
+)
+
+
 async def _rested_on(
     conn: AsyncConnection, node_id: int, kind: str, backend: str, *, since: float
 ) -> list[Any]:
     """The shards decided since `since` whose canonical output this node's check passed,
     and no other check did (kinds verified by checks), in shard order."""
-    passes = (
-        select(func.count())
-        .where(
-            _CHECK.c.shard_id == shards.c.id,
-            _CHECK.c.checks_hash == shards.c.output_hash,
-            _CHECK.c.outcome == "valid",
-        )
-        .scalar_subquery()
-    )
+    passes = _PASSES
     results = (
         select(func.count())
         .where(
@@ -176,15 +180,7 @@ _LATER_LIE = tasks.alias("later_lie")
 async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int, int]]:
     """(shard index, node) of the job's decided shards whose output one check alone
     passed, by a node caught lying since (kinds verified by checks), in shard order."""
-    passes = (
-        select(func.count())
-        .where(
-            _CHECK.c.shard_id == shards.c.id,
-            _CHECK.c.checks_hash == shards.c.output_hash,
-            _CHECK.c.outcome == "valid",
-        )
-        .scalar_subquery()
-    )
+    passes = _PASSES
     lied_since = (
         select(_LATER_LIE.c.id)
         .where(
