@@ -262,3 +262,12 @@ def test_decide(votes, canonical, valid, invalid, more) -> None:
     assert outcome.decision.valid == valid
     assert outcome.decision.invalid == invalid
     assert outcome.more is more
+
+
+def test_an_undecided_shard_names_the_passes_awaiting_confirmation() -> None:
+    new_pass = check(2, G1, True, est=False)
+    assert decide([gen(1), new_pass]).awaiting == (new_pass,)
+    against = [gen(1), new_pass, check(3, G1, False)]
+    assert decide(against).awaiting == ()  # a fail outweighs it: one more check, not a wait
+    shrug = check_on(2, G1, True, "B", decides=False)
+    assert decide([built(1, "X"), shrug]).awaiting == ()  # a pass that decides nothing

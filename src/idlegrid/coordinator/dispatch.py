@@ -23,7 +23,6 @@ from idlegrid.coordinator.leases import Leases, lease_seconds, measure
 from idlegrid.coordinator.matching import Matcher, node_reliability
 from idlegrid.coordinator.peers import unless_broker_away
 from idlegrid.coordinator.plans import JobPlan, Plans
-from idlegrid.coordinator.verifier import SECOND_PASS_QUORUM
 from idlegrid.policy import scheduler
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, ReadyTask
 from idlegrid.verification import probes
@@ -324,7 +323,7 @@ class Dispatcher:
                 self._ctx.counters.verified["known_answer_checks"] += 1
                 return dataclasses.replace(claim, check_hash=planted_hash, check_size=len(planted))
         if probes.wants_second_pass(draw=draw.random()):
-            await store.claims.want_quorum(claim.shard_id, quorum=SECOND_PASS_QUORUM)
+            await store.claims.want_quorum(claim.shard_id, quorum=probes.SECOND_PASS_QUORUM)
         return dataclasses.replace(claim, check_hash=check_hash, check_size=check_size)
 
     async def _enqueue(self, ready: Sequence[ReadyTask]) -> None:

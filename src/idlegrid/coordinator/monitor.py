@@ -80,14 +80,12 @@ async def finish_pending(grid: Grid) -> None:
     await grid.judge_late()
 
 
-async def _isolated(step: Coroutine[Any, Any, None], doing: str, what: int) -> bool:
+async def _isolated(step: Coroutine[Any, Any, None], doing: str, what: int) -> None:
     """Await `step`; an exception is logged with what it was doing, not raised."""
     try:
         await step
     except Exception:
         log.exception("monitor: %s %s failed; tried again next pass", doing, what)
-        return False
-    return True
 
 
 async def settle_stalled(grid: Grid) -> None:

@@ -53,9 +53,9 @@ class Stalemates:
             plan = await self._plans.get(shard.job_id)
             if found is None or plan is None or not found.results:
                 continue
-            if self.confirmation_wait(found, plan, now=now)[1] > 0:
+            decision = self._settle(found, plan, now=now)
+            if decision is None:
                 continue  # its checker may still earn its record in other shards
-            decision = self._settle(found, plan)
             log.info(
                 "shard %s: no node can add a result; %s",
                 shard.shard_id,
@@ -81,26 +81,27 @@ class Stalemates:
             )
             self._ctx.counters.alone["checks_opened"] += opened
 
-    def confirmation_wait(
-        self, found: ShardForVerify, plan: JobPlan, *, now: float
+    def _confirmation_wait(
+        self, found: ShardForVerify, votes: list[checking.CheckedVote], *, now: float
     ) -> tuple[list[int], float]:
         """A checked shard whose output waits only for a confirming pass (no node can add
         one): the nodes whose passes it has, and how long it still waits (0: no longer)
         for their records to be established by known-answer checks in other shards."""
-        if not checked(found, plan):
+        ids = {c.task_id for c in checking.decide(votes).awaiting}
+        if not ids:
             return [], 0.0
-        passes = checking.unconfirmed_passes(self._verifier.checked_votes(found, plan))
-        if not passes:
-            return [], 0.0
-        ids = {c.task_id for c in passes}
         latest = max((r.finished_at or 0.0) for r in found.results)
         nodes = [r.node_id for r in found.results if r.task_id in ids]
         return nodes, latest + self._ctx.settings.check_confirm_wait_s - now
 
-    def _settle(self, found: ShardForVerify, plan: JobPlan) -> Decision:
+    def _settle(self, found: ShardForVerify, plan: JobPlan, *, now: float) -> Decision | None:
+        """The stalled shard's decision, or None while it waits for a confirming pass."""
         node_of = {r.task_id: r.node_id for r in found.results}
         if checked(found, plan):  # its own rule decides, and a verdict is never a result
-            return checking.settle(self._verifier.checked_votes(found, plan), node_of=node_of)
+            read = self._verifier.checked_votes(found, plan)
+            if self._confirmation_wait(found, read, now=now)[1] > 0:
+                return None
+            return checking.settle(read, node_of=node_of)
         blobs = self._ctx.blobs
         votes = [judging.Vote(r.task_id, blobs.read(r.output_hash), r.trust) for r in found.results]
         return stalemate.settle(
@@ -153,9 +154,10 @@ class Stalemates:
         """What a stalled checked shard that waits for a confirming pass waits for."""
         found = await self._ctx.store.verification.shard_for_verify(shard.shard_id)
         plan = await self._plans.get(shard.job_id)
-        if found is None or plan is None or not found.results:
+        if found is None or plan is None or not found.results or not checked(found, plan):
             return ""
-        nodes, left = self.confirmation_wait(found, plan, now=self._ctx.clock())
+        votes = self._verifier.checked_votes(found, plan)
+        nodes, left = self._confirmation_wait(found, votes, now=self._ctx.clock())
         return checking.confirmation_reason(shard.index, nodes, left) if nodes else ""
 
     async def build_waits(self, job: JobRecord, *, limit: int = 3) -> list[str]:

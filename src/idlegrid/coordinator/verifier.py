@@ -36,9 +36,6 @@ INLINE_BYTES = 64 * 1024  # see compute
 # A check verdict is a few hundred bytes; a larger output of a generation task is read as
 # a generation without being parsed.
 CHECK_VERDICT_BYTES = 4096
-# The quorum of a checked shard drawn for a second pass (`probes.wants_second_pass`): its
-# output and two passes. Its other shards have 2 (an output and one check).
-SECOND_PASS_QUORUM = 3
 T = TypeVar("T")
 
 
@@ -146,7 +143,7 @@ class Verifier:
 
     def _decide_checked(self, found: ShardForVerify, plan: JobPlan) -> Decision:
         """A shard verified by check tasks (`verification.checking`)."""
-        second_pass = found.shard.quorum > SECOND_PASS_QUORUM - 1
+        second_pass = found.shard.quorum >= probes.SECOND_PASS_QUORUM
         outcome = checking.decide(self.checked_votes(found, plan), second_pass=second_pass)
         counters = self._ctx.counters.verified
         counters["checks_passed" if outcome.decision.canonical else "checks_pending"] += 1

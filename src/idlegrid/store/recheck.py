@@ -109,7 +109,6 @@ async def _rested_on(
 ) -> list[Any]:
     """The shards decided since `since` whose canonical output this node's check passed,
     and no other check did (kinds verified by checks), in shard order."""
-    passes = _PASSES
     results = (
         select(func.count())
         .where(
@@ -141,7 +140,7 @@ async def _rested_on(
             tasks.c.outcome == "valid",
             shards.c.state == ShardState.DONE.value,
             shards.c.finished_at >= since,
-            passes == 1,
+            _PASSES == 1,
         )
         .order_by(shards.c.id)
     )
@@ -180,7 +179,6 @@ _LATER_LIE = tasks.alias("later_lie")
 async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int, int]]:
     """(shard index, node) of the job's decided shards whose output one check alone
     passed, by a node caught lying since (kinds verified by checks), in shard order."""
-    passes = _PASSES
     lied_since = (
         select(_LATER_LIE.c.id)
         .where(
@@ -200,7 +198,7 @@ async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int,
             tasks.c.checks_hash == shards.c.output_hash,
             tasks.c.known_answer.is_(None),
             tasks.c.outcome == "valid",
-            passes == 1,
+            _PASSES == 1,
             lied_since,
         )
         .order_by(shards.c.idx)

@@ -323,6 +323,22 @@ async def _valid_already(conn: AsyncConnection, task_ids: Sequence[int]) -> set[
     return set(found.scalars().all())
 
 
+async def _judge_once(conn: AsyncConnection, task_id: int, outcome: str, *where: Any) -> bool:
+    """Give a completed result not judged yet (or late) its outcome; False if another
+    judgement came first."""
+    changed = await conn.execute(
+        update(tasks)
+        .where(
+            tasks.c.id == task_id,
+            _UNJUDGED_OR_LATE,
+            tasks.c.state == TaskState.COMPLETED.value,
+            *where,
+        )
+        .values(outcome=outcome)
+    )
+    return changed.rowcount == 1
+
+
 async def mark(conn: AsyncConnection, task_ids: Sequence[int], outcome: str) -> None:
     if task_ids:
         await conn.execute(
@@ -503,17 +519,8 @@ class Verification(Role):
         """A known-answer check judged: answered right, a valid result that confirms its
         node's earlier passes; wrong, a lie (`verification.probes`). False if it was
         judged already."""
-        changed = await conn.execute(
-            update(tasks)
-            .where(
-                tasks.c.id == task_id,
-                _UNJUDGED_OR_LATE,
-                tasks.c.state == TaskState.COMPLETED.value,
-                tasks.c.known_answer.is_not(None),
-            )
-            .values(outcome="valid" if right else "invalid")
-        )
-        if changed.rowcount != 1:
+        where = tasks.c.known_answer.is_not(None)
+        if not await _judge_once(conn, task_id, "valid" if right else "invalid", where):
             return False
         verdict: ResultVerdict = "answered" if right else "invalid"
         await ledger.apply_verdicts(conn, [(task_id, verdict)], settings=self.trust, now=now)
@@ -527,16 +534,7 @@ class Verification(Role):
         to judge it by ("moot": no trust change, no credit)."""
         trust = self.trust
         outcome = "moot" if agrees is None else "valid" if agrees else "invalid"
-        changed = await conn.execute(
-            update(tasks)
-            .where(
-                tasks.c.id == task_id,
-                _UNJUDGED_OR_LATE,
-                tasks.c.state == TaskState.COMPLETED.value,
-            )
-            .values(outcome=outcome)
-        )
-        if changed.rowcount == 1 and agrees is not None:
+        if await _judge_once(conn, task_id, outcome) and agrees is not None:
             # It counts for its node's trust, as any check does; the shard's work was
             # credited with its decision, and is paid again only if a coordinator start
             # made this result late (`verification.credit.late_result_paid`).

@@ -78,6 +78,9 @@ class CheckedOutcome:
     decision: Decision
     # The shard needs one more task (a check, or a new generation after a lie).
     more: bool
+    # Undecided: the passes of an output that more passes, or their checkers' records
+    # established, would make canonical (no fail outweighs them).
+    awaiting: tuple[CheckedVote, ...] = ()
 
 
 def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> CheckedOutcome:
@@ -93,6 +96,7 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
     undecided = [c for c in counted if not c.decides and _passed(c)]
     invalid = list(misplaced)
     set_aside: list[int] = []
+    awaiting: tuple[CheckedVote, ...] = ()
     # Checks that failed a lie: valid with the shard's decision. A lie found earlier is
     # no longer among the votes (its outcome is recorded): the checks that failed it are.
     present = {g.output_hash for g in generations}
@@ -128,30 +132,16 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
             invalid += [generation.task_id, *passed]
             caught += failed
             continue
+        if backing > len(failed) and passes and not awaiting:
+            awaiting = tuple(passes)
         shrugs = [c.task_id for c in undecided if _of(c, generation)]
         if not of and len(shrugs) >= UNDECIDED_BEFORE_REMAKE:
             set_aside += [generation.task_id, *shrugs]
     return CheckedOutcome(
         Decision(canonical=None, valid=(), invalid=tuple(invalid), moot=tuple(set_aside)),
         more=True,
+        awaiting=awaiting,
     )
-
-
-def unconfirmed_passes(votes: Sequence[CheckedVote]) -> list[CheckedVote]:
-    """The passes of an undecided shard's output that would decide it with one more pass
-    or with their checkers' records established (`decide`'s `enough`); [] otherwise."""
-    if decide(votes).decision.canonical is not None:
-        return []
-    invalid = set(decide(votes).decision.invalid)
-    checks = [v for v in votes if v.checks is not None and v.credibility > 0.0]
-    for generation in votes:
-        if generation.checks is not None or generation.task_id in invalid:
-            continue
-        of = [c for c in checks if _of(c, generation) and c.task_id not in invalid]
-        passes = [c for c in of if _passed(c)]
-        if passes and len(passes) > len(of) - len(passes):
-            return passes
-    return []
 
 
 def confirmation_reason(shard_index: int, checker_nodes: Sequence[int], left_s: float) -> str:
@@ -173,17 +163,20 @@ def settle(votes: Sequence[CheckedVote], *, node_of: dict[int, int]) -> Decision
     outcome = decide(votes)
     if outcome.decision.canonical is not None:
         return outcome.decision
+    invalid = outcome.decision.invalid
     return Decision(
         canonical=None,
         valid=(),
-        invalid=outcome.decision.invalid,
-        fail_reason=stalemate_reason(votes, node_of=node_of),
+        invalid=invalid,
+        fail_reason=stalemate_reason(votes, set(invalid), node_of=node_of),
     )
 
 
-def stalemate_reason(votes: Sequence[CheckedVote], *, node_of: dict[int, int]) -> str:
-    """Why a checked shard no node can add a task to was not decided, in words."""
-    invalid = set(decide(votes).decision.invalid)
+def stalemate_reason(
+    votes: Sequence[CheckedVote], invalid: set[int], *, node_of: dict[int, int]
+) -> str:
+    """Why a checked shard no node can add a task to was not decided, in words
+    (`invalid`: the results its decision found invalid)."""
     outputs = [v for v in votes if v.checks is None and v.task_id not in invalid]
     nodes = ", ".join(str(node_of[v.task_id]) for v in votes)
     if not outputs:

@@ -36,8 +36,10 @@ ESTABLISHED_AFTER = 2
 FIRST_RATE = 0.5
 RATE_DECAY = 0.7
 FLOOR_RATE = 0.05
-# Shards whose output needs a second pass even after an established checker's.
+# Shards whose output needs a second pass even after an established checker's, and the
+# quorum that marks such a shard (its output and two passes; others have 2).
 SECOND_PASS_RATE = 0.1
+SECOND_PASS_QUORUM = 3
 
 
 def rate(trust: Trust) -> float:

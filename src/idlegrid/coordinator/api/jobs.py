@@ -166,6 +166,7 @@ async def get_job(
     out = await job_out(grid, job, with_shards=shards)
     if not shards:
         out.waiting_for = await grid.waiting_for(job)
+        out.doubts = await grid.doubts(job)
     return out
 
 

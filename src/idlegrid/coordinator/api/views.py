@@ -58,7 +58,8 @@ class JobOut(BaseModel):
     doubts: list[str] = Field(
         default_factory=list,
         description="shards of an ended job whose result rested on one check by a node "
-        "caught lying since (kinds verified by checks): run them again to be sure",
+        "caught lying since (kinds verified by checks): run them again to be sure "
+        "(single-job view only)",
     )
     result: BlobHash | None
     result_size: int | None
@@ -92,11 +93,12 @@ class NodeOut(BaseModel):
 async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     shard_list = None
     waiting_for: list[str] = []
-    doubts = await grid.doubts(job)
+    doubts: list[str] = []
     if with_shards:
         progress = task_progress(grid)
         shard_list = [shard_out(s, progress) for s in await grid.store.jobs.list_shards(job.id)]
         waiting_for = await grid.waiting_for(job)
+        doubts = await grid.doubts(job)
     done = job.shard_counts.get("done", 0)
     return JobOut(
         id=job.id,
