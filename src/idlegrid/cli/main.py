@@ -363,7 +363,7 @@ def app_window(state_dir: Path | None) -> None:
     open_window(state_dir or DEFAULT_STATE_DIR)
 
 
-# -- researcher and admin commands (cli_researcher.py) --------------------------------------
+# -- researcher and admin commands (cli/researcher.py) -------------------------------------
 
 for _command in COMMANDS:
     main.add_command(_command)
