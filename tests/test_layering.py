@@ -1,4 +1,4 @@
-"""DESIGN.md's import rules, checked on the source: which part may import which.
+"""The import rules of docs/architecture.md, checked on the source: which part may import which.
 
 Imports are read from the syntax tree, all of them: absolute and relative ones, those
 under `if TYPE_CHECKING:` (a type-only import is still a dependency of the design, and

@@ -7,8 +7,9 @@ and the tests call; none of them touch SQL. Each concept lives in its own module
 - `plans`: what this process keeps of each job; `intake`: submit, split, cancel;
 - `dispatch`: fill a node's slots (`matching` feeds the scheduler); `leases`: lease
   lengths, expiry and replenishment;
-- `results`: the result path and its group commit; `verification`: decide shards,
-  judge late results, assemble jobs; `round_driver`: training jobs' rounds;
+- `result_path`: the result path and its group commit; `verifier`: decide shards,
+  judge late results, assemble jobs; `stalemate`: shards no node can add a result to;
+  `round_driver`: training jobs' rounds; `node_control`: a volunteer's node settings;
 - `fanout` and `peers`: what concerns the other parts, the nodes and the other
   coordinator processes that share the store and broker.
 

@@ -3,7 +3,7 @@
 A blob belongs to the accounts that uploaded it (`blob_owners`). A job names blobs
 besides its shards' payloads (`job_blobs`: its inputs, its training rounds' weights and
 updates). A node's account may read a blob while one of its tasks names it, and for a
-grace period after (`since`); the policy itself is `coordinator/blob_access.py`.
+grace period after (`since`); the policy itself is `blobs/access.py`.
 """
 
 from __future__ import annotations

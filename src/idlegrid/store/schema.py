@@ -160,7 +160,7 @@ shards = Table(
     UniqueConstraint("job_id", "idx", name="uq_shards_job_idx"),
     Index("ix_shards_state", "state"),
     Index("ix_shards_job_state", "job_id", "state"),
-    # Which shards a blob is the input of: who may read it (store/blob_access.py).
+    # Which shards a blob is the input of: who may read it (blobs/access.py).
     Index("ix_shards_input_hash", "input_hash"),
 )
 

@@ -1,4 +1,4 @@
-"""What an account holds, for its quotas (`coordinator/quotas.py`): the `store.usage` role."""
+"""What an account holds, for its quotas (`coordinator/quota_checks.py`): the `store.usage` role."""
 
 from __future__ import annotations
 
