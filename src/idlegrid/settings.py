@@ -178,7 +178,9 @@ class CoordinatorSettings:
     # "off" runs none (p2p jobs are refused). `idlegrid serve` asks for "auto". With
     # `p2p_peers` (multiaddresses of a DHT run elsewhere) nodes are sent there instead.
     p2p: str = "off"
-    p2p_host: str = "0.0.0.0"
+    # The address the bootstrap DHT peer listens on; empty: the coordinator's own `host`
+    # (a coordinator on 127.0.0.1 opens nothing on other interfaces).
+    p2p_host: str = ""
     # 0: any free port. A fixed port (and the identity kept in the data directory) keeps
     # the addresses in tasks already handed out good across a restart.
     p2p_port: int = 0
@@ -201,6 +203,11 @@ class CoordinatorSettings:
     def trust(self) -> TrustSettings:
         return TrustSettings(
             prior_bad_fraction=self.prior_bad_fraction,
+    @property
+    def p2p_listen_host(self) -> str:
+        """Where the bootstrap DHT peer listens: `p2p_host`, else the coordinator's host."""
+        return self.p2p_host or self.host
+
             adaptive_after=self.adaptive_after,
             spot_check_rate=self.spot_check_rate,
             double_check_rate=self.double_check_rate,

@@ -128,7 +128,18 @@ def main(debug: bool) -> None:
     help="Bootstrap DHT peer for peer-to-peer training (the p2p extra); default auto, "
     "or IDLEGRID_P2P.",
 )
-@click.option("--p2p-port", type=int, default=None, help="Port of the bootstrap DHT peer.")
+@click.option(
+    "--p2p-host",
+    default=None,
+    help="Address the bootstrap DHT peer listens on (env IDLEGRID_P2P_HOST); default: "
+    "--host's, so a coordinator on 127.0.0.1 opens no port on other interfaces.",
+)
+@click.option(
+    "--p2p-port",
+    type=int,
+    default=None,
+    help="Port of the bootstrap DHT peer (env IDLEGRID_P2P_PORT); default: any free one.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     data_dir: Path,
@@ -144,10 +155,16 @@ def serve(
     max_blob_mb: float | None,
     replica_networks: str | None,
     p2p: str | None,
+    p2p_host: str | None,
     p2p_port: int | None,
     log_level: str,
 ) -> None:
     """Run the coordinator: the REST API and the node WebSocket.
+
+    It listens on --host and --port (default 127.0.0.1:8000: this machine only; 0.0.0.0
+    for every interface) and, when the p2p extra is installed, runs a bootstrap DHT peer
+    for peer-to-peer training on the same host at any free port (--p2p-host, --p2p-port;
+    --p2p off: none). It prints every address it listens on.
 
     On first start it creates an admin account and writes its API token to
     DATA_DIR/admin-token. Open /docs for the API reference.
@@ -173,6 +190,7 @@ def serve(
         max_blob_bytes=int(max_blob_mb * 1024 * 1024) if max_blob_mb else None,
         **(REPLICA_NETWORKS[replica_networks] if replica_networks else {}),
         p2p=p2p or os.environ.get("IDLEGRID_P2P") or "auto",
+        p2p_host=p2p_host,
         p2p_port=p2p_port,
     )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
@@ -186,8 +204,25 @@ def serve(
         f"admin token: {settings.admin_token_file} (read it with: cat {settings.admin_token_file})"
     )
     click.echo(f"replicas of a shard: {replica_rule(settings)}")
+    click.echo(f"peer-to-peer training: {p2p_plan(settings)}")
     sys.stdout.flush()
     _run_profiled(lambda: server.run(sockets=[sock]), os.environ.get("IDLEGRID_PROFILE", ""))
+
+
+def p2p_plan(settings: Any) -> str:
+    """Whether a bootstrap DHT peer will listen, and where, with the settings that change it."""
+    if settings.p2p_peers:
+        return f"the DHT at {', '.join(settings.p2p_peers)} (IDLEGRID_P2P_PEERS); no port here"
+    if settings.p2p == "off":
+        return "off (--p2p off): no bootstrap DHT peer, no port"
+    port = settings.p2p_port or "any free port"
+    where = f"{settings.p2p_listen_host}, {port}"
+    if settings.p2p == "auto":
+        return (
+            f"a bootstrap DHT peer will listen on {where} if hivemind is installed (its "
+            "address is logged when it listens; --p2p-host, --p2p-port; --p2p off: none)"
+        )
+    return f"a bootstrap DHT peer will listen on {where} (--p2p-host, --p2p-port)"
 
 
 def replica_rule(settings: Any) -> str:

@@ -55,7 +55,8 @@ class Swarm:
         reason = p2p.unavailable()
         if reason is None:
             self._peer = BootstrapPeer(
-                host=settings.p2p_host, port=settings.p2p_port, announce=settings.p2p_announce,
+                host=settings.p2p_listen_host, port=settings.p2p_port,
+                announce=settings.p2p_announce,
                 identity=settings.data_dir / "p2p-identity.key",
             )  # fmt: skip
             try:

@@ -113,7 +113,7 @@ class LocalGrid:
         self.coordinator, self.url = self._spawn_coordinator("coordinator.log", port, timeout)
         self.admin_token = (self.data_dir / "admin-token").read_text().strip()
         if self.p2p:
-            _await_text(log, start, "bootstrap DHT peer at", timeout=300.0)
+            _await_text(log, start, "bootstrap DHT peer listening on", timeout=300.0)
         return self.url
 
     def add_coordinator(self, *, port: int = 0, timeout: float = 60.0) -> str:

@@ -1,17 +1,23 @@
 """The coordinator's bootstrap DHT peer, run as `python -m idlegrid.p2p.bootstrap`.
 
 A child process of `idlegrid serve` (the coordinator itself never imports torch, which
-Hivemind needs). It prints one line, `{"peers": [multiaddress, ...]}`, once the DHT
-listens, then serves until its standard input closes (the coordinator exited or
-stopped it) or its parent is gone. With `--identity` its peer id survives restarts, so
+Hivemind needs). It prints one line, `{"peers": [multiaddress, ...], "listen": "host:port"}`,
+once the DHT listens, then serves until its standard input closes (the coordinator exited
+or stopped it) or its parent is gone. With `--identity` its peer id survives restarts, so
 the addresses in tasks already handed out stay good.
+
+It listens on `--host` only (the coordinator passes its own host unless the operator
+named another), and asks no router to forward a port: a coordinator that serves on
+127.0.0.1 opens nothing anyone else reaches.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
+import socket
 import sys
 import threading
 import time
@@ -21,7 +27,7 @@ from idlegrid import p2p
 
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m idlegrid.p2p.bootstrap")
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--announce", default="", help="host that nodes reach it at")
     parser.add_argument("--identity", default="", help="file that keeps its peer id")
@@ -33,13 +39,18 @@ def main(argv: list[str]) -> int:
         announce = [f"/ip4/{options.announce}/tcp/{options.port}"]
     dht = hivemind.DHT(
         start=True,
-        host_maddrs=[f"/ip4/{options.host}/tcp/{options.port}"],
+        host_maddrs=[listen_maddr(options.host, options.port)],
         announce_maddrs=announce or None,
         identity_path=options.identity or None,
+        # No UPnP / NAT-PMP: the daemon would bind UDP on every interface to find a
+        # router and ask it to forward a port. Where nodes reach the coordinator from is
+        # the operator's decision (--p2p-host, IDLEGRID_P2P_ANNOUNCE), never the router's.
+        nat_port_map=False,
         wait_timeout=p2p.DHT_REQUEST_TIMEOUT_S,
     )
     peers = [str(address) for address in dht.get_visible_maddrs()]
-    print(json.dumps({"peers": peers}), flush=True)
+    listen = f"{options.host}:{listen_port(peers, options.port)}"
+    print(json.dumps({"peers": peers, "listen": listen}), flush=True)
     parent = os.getppid()
     closed = threading.Event()
 
@@ -52,6 +63,27 @@ def main(argv: list[str]) -> int:
         time.sleep(0.5)
     dht.shutdown()
     return 0
+
+
+def listen_maddr(host: str, port: int) -> str:
+    """The multiaddress to listen on for `host` (an IPv4 or IPv6 address, or a name,
+    resolved here: libp2p listens on addresses, not names)."""
+    try:
+        address = ipaddress.ip_address(host.strip("[]"))
+    except ValueError:
+        *_, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        address = ipaddress.ip_address(sockaddr[0])
+    protocol = "ip6" if address.version == 6 else "ip4"
+    return f"/{protocol}/{address}/tcp/{port}"
+
+
+def listen_port(peers: list[str], port: int) -> int:
+    """The port the DHT got (`port` unless 0: then the one its addresses name)."""
+    for peer in peers:
+        parts = peer.split("/")
+        if port == 0 and "tcp" in parts:
+            return int(parts[parts.index("tcp") + 1])
+    return port
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class BootstrapPeer:
             self._args += ["--identity", str(identity)]
         self._process: subprocess.Popen[str] | None = None
         self.peers: tuple[str, ...] = ()
+        self.listen = ""  # host:port it listens on, once started
 
     def start(self, *, timeout_s: float = 120.0) -> tuple[str, ...]:
         """Start the child and return its addresses (blocking: call in a thread)."""
@@ -40,13 +41,19 @@ class BootstrapPeer:
         reader.start()
         reader.join(timeout_s)
         try:
-            self.peers = tuple(json.loads(line[0])["peers"]) if line and line[0] else ()
+            said = json.loads(line[0]) if line and line[0] else {}
+            self.peers, self.listen = tuple(said["peers"]), str(said.get("listen", ""))
         except (ValueError, KeyError, TypeError):
             self.peers = ()
         if not self.peers:
             self.stop()
             raise BootstrapError(f"the bootstrap DHT peer gave no address within {timeout_s:g} s")
-        log.info("bootstrap DHT peer at %s", ", ".join(self.peers))
+        # Warning level: an open port is something the operator should see at any log level.
+        log.warning(
+            "p2p bootstrap DHT peer listening on %s (nodes reach it at %s)",
+            self.listen or "?",
+            ", ".join(self.peers),
+        )
         return self.peers
 
     def _readline(self) -> str:
