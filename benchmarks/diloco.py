@@ -1,13 +1,13 @@
 """DiLoCo through the real grid against synchronous data-parallel training, bytes counted.
 
     PYTHONPATH=src .venv/bin/python benchmarks/diloco.py --seeds 0 1 \\
-        [--workers 4 --rounds 40 --inner-steps 50 ...: the flags of training/simulate.py]
+        [--workers 4 --rounds 40 --inner-steps 50 ...: the flags of diloco_simulate.py]
         [--plot docs/img/diloco_loss.png] [--timeout 1800]
 
 Both runs train the character transformer on the corpus that ships with idlegrid (so no
 data bytes travel in either), with K workers each owning one contiguous shard of the
 training text, for the same number of inner steps per worker. Model, round and optimizer
-settings are those of `training/simulate.py` (its defaults, or the flags above):
+settings are those of `benchmarks/diloco_simulate.py` (its defaults, or the flags above):
 
 - sync: `simulate.run_sync`, one AdamW step per step on the K workers' batches together;
   a ring all-reduce moves 2(K-1)/K of the fp32 gradient per worker per step, each way.
@@ -20,7 +20,7 @@ settings are those of `training/simulate.py` (its defaults, or the flags above):
 
 It prints each run's final loss, its selected checkpoint (lowest validation loss; the
 grid's evaluation task measures the whole held-out tenth, which stands for validation
-and test alike here, while `training/simulate.py` keeps them apart) and bytes per
+and test alike here, while `diloco_simulate.py` keeps them apart) and bytes per
 worker, the gap of the final weights, then as its last line `bytes_ratio: X loss_gap: Y%`
 (sync bytes over DiLoCo bytes, each counted up to its selected checkpoint, means over
 seeds; DiLoCo's selected loss over the baseline's, minus one), and plots both loss
@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import diloco_simulate as simulate
+
 from idlegrid.devtools.localgrid import LocalGrid
-from idlegrid.kinds.diloco import simulate
 from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"

@@ -24,8 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
-
-from idlegrid.kinds.diloco.simulate import Report, compare
+from diloco_simulate import Report, compare
 
 PLOT = Path(__file__).resolve().parents[1] / "docs" / "img" / "diloco_loss.png"
 

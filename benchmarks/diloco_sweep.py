@@ -3,7 +3,7 @@
     PYTHONPATH=src .venv/bin/python benchmarks/diloco_sweep.py --out results/ \\
         [--cpu-slots 8 --cuda-slots 8] [--plan full|horizon|streaming|tiny] [--deadline 520]
 
-Each run is one `training/simulate.py` (or `training/timeline.py`) process with its own
+Each run is one `diloco_simulate.py` (or `diloco_timeline.py`) process with its own
 flags, given a free slot: a CPU core (one torch thread) or a share of a GPU. Runs start in
 the plan's order (the headline comparison first, then the tuning sweeps, then the levers,
 then the asynchronous mode), so a deadline cuts the least needed. Each run's report is
@@ -24,6 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
 SEEDS = (0, 1, 2)
 BASE_LR, SYNC_LR = "3e-3", "1e-2"
 
@@ -151,7 +152,7 @@ def run_one(name: str, flags: list[str], device: str, out: Path, lock: threading
     module, rest = flags[0], flags[1:]
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as handle:
         report_path = handle.name
-    command = [sys.executable, "-m", f"idlegrid.training.{module}", *rest,
+    command = [sys.executable, str(HERE / f"diloco_{module}.py"), *rest,
                "--device", device, "--threads", "1", "--json", report_path]  # fmt: skip
     started = time.monotonic()
     done = subprocess.run(command, capture_output=True, text=True, check=False)

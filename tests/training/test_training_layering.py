@@ -21,10 +21,9 @@ PURE = ("idlegrid.training.aggregate", "idlegrid.training.compression", "idlegri
         "idlegrid.training.verify", "idlegrid.kinds.diloco.data",
         "idlegrid.kinds.diloco.char_corpus", "idlegrid.kinds.diloco.worker_state",
         "idlegrid.training.schedule")  # fmt: skip
-# The kind's worker side: its torch code, and what plays DiLoCo in one process with it.
+# The kind's worker side: its torch code.
 TORCH_SIDE = ("idlegrid.kinds.diloco.inner", "idlegrid.training.torch_modules",
-              "idlegrid.kinds.diloco.run", "idlegrid.kinds.diloco.simulate",
-              "idlegrid.kinds.diloco.timeline")  # fmt: skip
+              "idlegrid.kinds.diloco.run")  # fmt: skip
 SERVER = ("idlegrid.coordinator", "idlegrid.store", "idlegrid.broker", "idlegrid.worker",
           "fastapi", "starlette", "sqlalchemy", "websockets")  # fmt: skip
 
@@ -79,8 +78,7 @@ def test_only_torch_modules_imports_torch_at_module_level(path: Path) -> None:
 
 def test_the_coordinators_training_modules_load_without_torch() -> None:
     modules = ", ".join(
-        (*PURE, "idlegrid.training.models", "idlegrid.kinds.diloco.simulate",
-         "idlegrid.kinds.diloco.kind")
+        (*PURE, "idlegrid.training.models", "idlegrid.kinds.diloco.kind")
     )  # fmt: skip
     code = f"import sys, {modules}; assert 'torch' not in sys.modules, 'torch imported'"
     run_python(code, timeout_s=60)

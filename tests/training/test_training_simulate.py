@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import diloco_simulate as simulate
 import numpy as np
 import pytest
 
-from idlegrid.kinds.diloco import simulate
 from idlegrid.kinds.diloco.inner import InnerSettings, for_round
 from idlegrid.training import models, verify
 from idlegrid.training.compression import Compression

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import diloco_simulate as simulate
+import diloco_timeline as timeline
 import pytest
 
-from idlegrid.kinds.diloco import simulate, timeline
 from idlegrid.kinds.diloco.inner import InnerSettings
 from idlegrid.training import models
 from idlegrid.training.compression import Compression

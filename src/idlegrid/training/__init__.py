@@ -10,6 +10,7 @@ and seeded init). `torch_modules` holds the architectures' torch modules, import
 
 The kind's own code lives in `idlegrid.kinds.diloco`: task payload and result bytes
 (`tasks`), what is trained on (`data`, `char_corpus`), the worker side (`inner`: H
-AdamW steps, `run`: one task end to end, `worker_state`, `task_checkpoint`), and DiLoCo
-played in one process (`simulate`, `timeline`).
+AdamW steps, `run`: one task end to end, `worker_state`, `task_checkpoint`). DiLoCo
+played in one process is an experiment outside the package: benchmarks/diloco_simulate.py
+and benchmarks/diloco_timeline.py.
 """

@@ -7,8 +7,9 @@ only burn a round of the schedule: nothing can move the weights).
 
 In asynchronous mode, late updates (of older rounds, counted in the open one) do not count
 toward the quorum: a round never closes on stale updates alone, so every outer step has at
-least `min_updates` pseudo-gradients of the weights it moves (`kinds.diloco.timeline` plays the
-same rule). They do count for the timer: one late update is enough to close on it.
+least `min_updates` pseudo-gradients of the weights it moves (benchmarks/diloco_timeline.py
+plays rounds on a virtual clock by this rule). They do count for the timer: one late update
+is enough to close on it.
 """
 
 from __future__ import annotations

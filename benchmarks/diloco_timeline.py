@@ -16,8 +16,8 @@ take `slowdown` times as long; `churn_every` kills one worker (in turn) every so
 rounds: its task in flight is lost, and it comes back `churn_down` later with nothing
 cached (its weights and AdamW moments gone).
 
-Run: ``python -m idlegrid.kinds.diloco.timeline --rounds 30 --slowdown 3`` (flags as
-`simulate`, plus these). It prints each mode's wall time to the target loss and
+Run: ``PYTHONPATH=src python benchmarks/diloco_timeline.py --rounds 30 --slowdown 3`` (flags
+as `diloco_simulate.py`, plus these). It prints each mode's wall time to the target loss and
 its final test loss.
 """
 
@@ -29,11 +29,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import diloco_simulate as simulate
+
 from idlegrid.kinds.diloco import char_corpus as corpus
-from idlegrid.kinds.diloco import simulate, tasks
+from idlegrid.kinds.diloco import tasks
 from idlegrid.kinds.diloco.run import run_task
 from idlegrid.kinds.diloco.worker_state import WorkerState
-from idlegrid.training import closing, models
+from idlegrid.training import closing, models, schedule
 from idlegrid.training.compression import decode
 
 
@@ -114,21 +116,32 @@ class _Timeline:
         self._start_idle()
         while self.state.round < self.setup.rounds:
             deadline = self.opened + self.conditions.round_timeout
-            if not self.events or self.events[0].time > deadline:
+            timer_expired = not self.events or self.events[0].time > deadline
+            if timer_expired:
                 self.now = deadline
-                self._close(timer=True)
-                continue
-            event = heapq.heappop(self.events)
-            self.now = event.time
-            if event.kind == "back":
-                self.alive[event.worker] = True
-                self.nodes[event.worker] = WorkerState()
-            elif event.epoch == self.epoch[event.worker]:
-                self.busy[event.worker] = False
-                self._arrive(event.update)
-            if len(self._fresh()) >= self.quorum:
-                self._close(timer=False)
-            self._start_idle()
+            else:
+                event = heapq.heappop(self.events)
+                self.now = event.time
+                if event.kind == "back":
+                    self.alive[event.worker] = True
+                    self.nodes[event.worker] = WorkerState()
+                elif event.epoch == self.epoch[event.worker]:
+                    self.busy[event.worker] = False
+                    self._arrive(event.update)
+            # The driver's rule (`schedule.close_decision`), on this clock.
+            fresh = len(self._fresh())
+            decision = schedule.close_decision(
+                updates=fresh,
+                min_updates=self.quorum,
+                timer_expired=timer_expired,
+                late=len(self.arrived) - fresh,
+            )
+            if decision is schedule.Close.EXTEND:
+                self.opened = self.now  # nothing to aggregate: the timer starts again
+            elif decision is not schedule.Close.WAIT:
+                self._close()
+            if not timer_expired:
+                self._start_idle()
         return self.outcome
 
     def _fresh(self) -> list[closing.Update]:
@@ -144,10 +157,7 @@ class _Timeline:
             self.outcome.applied_stale += staleness > 0
             self.arrived.append(update)
 
-    def _close(self, *, timer: bool) -> None:
-        if timer and not self.arrived:
-            self.opened = self.now  # nothing to aggregate: the timer starts again
-            return
+    def _close(self) -> None:
         closed = closing.close_round(
             self.state, self.arrived, rule=self.setup.aggregation, outer=self.setup.outer,
             download=self.setup.download, asynchronous=self.conditions.asynchronous,

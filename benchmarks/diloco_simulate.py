@@ -27,7 +27,7 @@ Every round end both runs are evaluated on the validation split and on the test 
 loss; its test loss is reported, and the bytes counted are those moved up to it. The
 final weights are reported too, with all the run's bytes.
 
-Run: ``python -m idlegrid.kinds.diloco.simulate --total-steps 1000 --inner-steps 50 100``
+Run: ``PYTHONPATH=src python benchmarks/diloco_simulate.py --total-steps 1000 --inner-steps 50 100``
 (several H share one synchronous run a seed; ``--seeds 0 1 2`` averages seeds and prints
 their spread, ``--jobs 3`` runs three trainings at once, ``--device cuda`` trains on a
 GPU). docs/benchmarks.md has the figures and their commands. Data is on every machine
