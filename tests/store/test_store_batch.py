@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from sqlalchemy import select
+from helpers import eventually
+from sqlalchemy import select, text
 from store_helpers import T0, _account, _claim, _claimer, _job, _node, _result, _task_row
 
 from idlegrid.states import NodeState, TaskState
@@ -332,10 +333,13 @@ async def test_a_jobs_last_two_shards_decided_at_once_end_the_job(store: SqlStor
         return ShardDecision(shards[index], task, [task], [], None)
 
     decided_first, go_on = asyncio.Event(), asyncio.Event()
+    holder: list[int] = []
 
     async def first() -> bool:
         async with store.batch():
             [outcome] = await store.verification.decide_shards([decision(0)], now=T0 + 2)
+            async with store.db.read() as conn:  # the batch's own connection
+                holder.append((await conn.execute(text("SELECT pg_backend_pid()"))).scalar_one())
             decided_first.set()
             await go_on.wait()
         return outcome.job_done
@@ -345,12 +349,23 @@ async def test_a_jobs_last_two_shards_decided_at_once_end_the_job(store: SqlStor
             [outcome] = await store.verification.decide_shards([decision(1)], now=T0 + 2)
         return outcome.job_done
 
-    holder = asyncio.create_task(first())
+    held = asyncio.create_task(first())
     await decided_first.wait()
     other = asyncio.create_task(second())
-    # The second decides while the first has not committed: it blocks inside the store's
-    # lock, which nothing outside shows, so it is given time to get there.
-    await asyncio.sleep(0.5)
+
+    async def blocked_by_the_first() -> bool:
+        # The second decides while the first has not committed: PostgreSQL shows its
+        # backend waiting on a lock the first one's holds.
+        async with store.db.engine.connect() as conn:
+            waiting = await conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE :pid = ANY(pg_blocking_pids(pid))"
+                ),
+                {"pid": holder[0]},
+            )
+            return bool(waiting.scalar_one())
+
+    await eventually(blocked_by_the_first, "the second decision to wait for the first's lock")
     go_on.set()
-    done = await asyncio.wait_for(asyncio.gather(holder, other), timeout=30)
+    done = await asyncio.wait_for(asyncio.gather(held, other), timeout=30)
     assert done == [False, True]

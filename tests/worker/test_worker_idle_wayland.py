@@ -414,13 +414,24 @@ def session_bus(tmp_path: Path) -> Iterator[str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_until(
-            lambda: (tmp_path / "bus").exists(), "dbus-daemon's socket", timeout_s=10, poll_s=0.01
-        )
+        # Until the bus answers a client's Hello: its socket file exists before it listens.
+        wait_until(lambda: _bus_answers(address, daemon), "dbus-daemon to answer", timeout_s=10)
         yield address
     finally:
         daemon.terminate()
         daemon.wait(10)
+
+
+def _bus_answers(address: str, daemon: subprocess.Popen[bytes]) -> bool:
+    from jeepney.io.blocking import open_dbus_connection
+
+    assert daemon.poll() is None, f"dbus-daemon exited with {daemon.returncode}"
+    try:
+        connection = open_dbus_connection(bus=address)
+    except OSError:
+        return False
+    connection.close()
+    return True
 
 
 class IdleMonitorService:
