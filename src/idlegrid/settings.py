@@ -196,6 +196,11 @@ class CoordinatorSettings:
         return self.worker_backoff_max_s + max(self.node_timeout_s, self.heartbeat_interval_s)
 
     @property
+    def p2p_listen_host(self) -> str:
+        """Where the bootstrap DHT peer listens: `p2p_host`, else the coordinator's host."""
+        return self.p2p_host or self.host
+
+    @property
     def database(self) -> str:
         return self.database_url or f"sqlite+idlegrid:///{self.data_dir / 'idlegrid.db'}"
 
@@ -203,11 +208,6 @@ class CoordinatorSettings:
     def trust(self) -> TrustSettings:
         return TrustSettings(
             prior_bad_fraction=self.prior_bad_fraction,
-    @property
-    def p2p_listen_host(self) -> str:
-        """Where the bootstrap DHT peer listens: `p2p_host`, else the coordinator's host."""
-        return self.p2p_host or self.host
-
             adaptive_after=self.adaptive_after,
             spot_check_rate=self.spot_check_rate,
             double_check_rate=self.double_check_rate,
