@@ -220,3 +220,29 @@ async def test_a_task_of_a_shard_with_a_result_goes_ahead_of_new_work(store: Sql
     assert rebuilt == {other.task_id: False, more.task_id: True}
     heads = {t.task_id: t.urgent for t in await store.scheduling.ready_heads(per_job=5)}
     assert heads == rebuilt
+
+
+async def test_an_admin_who_lifts_a_suspension_puts_the_node_on_probation(store: SqlStore) -> None:
+    from sqlalchemy import select, update
+    from store_helpers import _node
+
+    from idlegrid.store import ledger, web
+    from idlegrid.store.schema import node_trust, nodes
+
+    node = await _node(store, await _account(store))
+    async with store.db.tx() as conn:
+        await ledger.load_trust(conn, node.id, "sleep", "cpu", settings=store.trust, now=T0)
+        await conn.execute(
+            update(node_trust)
+            .where(node_trust.c.node_id == node.id)
+            .values(suspended=True, recent_invalid=3, consecutive_valid=2, valid_total=7)
+        )
+    assert await store.web.web_write(web.set_suspended, node.id, suspended=True, now=T0 + 1)
+    assert await store.web.web_write(web.set_suspended, node.id, suspended=False, now=T0 + 2)
+    async with store.engine.connect() as conn:
+        trust = (await conn.execute(select(node_trust))).one()
+        suspended_at = (await conn.execute(select(nodes.c.suspended_at))).scalar_one()
+    assert suspended_at is None
+    assert (trust.suspended, trust.recent_invalid, trust.consecutive_valid) == (False, 0, 0)
+    assert (trust.valid_total, trust.updated_at) == (7, T0 + 2)  # its record stays
+    assert not await store.web.web_write(web.set_suspended, 10_000, suspended=False, now=T0)

@@ -385,3 +385,68 @@ def test_quota_moves_with_the_verdicts_within_its_bounds() -> None:
     found = [result(1, node=1), result(2, node=2)]
     changes, _ = settle(found, {1: "valid", 2: "invalid"}, before={1: top, 2: low})
     assert [c.after.daily_quota for c in changes] == [SETTINGS.max_daily_quota, 1]
+
+
+# -- credit held while a lone result's dispute is open ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("credit", "held", "why"),
+    [
+        (PRICE, -PRICE, "paid (vouched for): the payment comes off while it is disputed"),
+        (None, None, "never paid: nothing to hold"),
+        (0.0, None, "paid once and taken back, or paid nothing: nothing to hold"),
+    ],
+)
+def test_a_disputed_lone_result_holds_what_it_was_paid(
+    credit: float | None, held: float | None, why: str
+) -> None:
+    found = ledger.held(result(1, mode="alone", credit=credit))
+    assert (found.amount if found else None) == held, why
+    if found:
+        assert (found.task_id, found.node_id, found.account_id, found.reason) == (1, 1, 10, "held")
+
+
+# -- late results: trust, and whether they are paid ---------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("agrees", "made_late", "outcome", "verdict", "is_paid"),
+    [
+        (True, False, "valid", "valid", False),  # a slow node: its shard's work was paid
+        (True, True, "valid", "valid", True),  # a coordinator start made it late
+        (False, True, "invalid", "invalid", False),  # a lie is never paid
+        (False, False, "invalid", "invalid", False),
+        (None, True, "moot", None, False),  # nothing to judge it by: no trust, no credit
+        (None, False, "moot", None, False),
+    ],
+)
+def test_a_late_result_counts_for_trust_and_is_paid_only_when_we_made_it_late(
+    agrees: bool | None, made_late: bool, outcome: str, verdict: str | None, is_paid: bool
+) -> None:
+    judgement = ledger.late_judgement(agrees, made_late=made_late)
+    assert (judgement.outcome, judgement.verdict, judgement.paid) == (outcome, verdict, is_paid)
+
+
+# -- an admin lifts a suspension ------------------------------------------------------------
+
+
+def test_a_lifted_suspension_starts_the_node_again_on_probation() -> None:
+    caught = Trust(
+        consecutive_valid=4,
+        valid_total=30,
+        invalid_total=3,
+        error_total=2,
+        recent_invalid=3,
+        daily_quota=2,
+        suspended=True,
+        suspicions=1,
+        held_streak=5,
+        probes_passed=1,
+    )
+    after = ledger.lifted(caught)
+    assert (after.suspended, after.recent_invalid, after.consecutive_valid) == (False, 0, 0)
+    # Its record stays: totals, quota, open suspicions.
+    assert (
+        dataclasses.replace(after, suspended=True, recent_invalid=3, consecutive_valid=4) == caught
+    )

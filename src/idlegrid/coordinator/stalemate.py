@@ -21,7 +21,7 @@ from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.verifier import Verifier, checked
 from idlegrid.store.base import JobRecord, ShardForVerify, StalledShard
-from idlegrid.verification import checking, judging, stalemate
+from idlegrid.verification import checking, judging, stalemate, trust
 from idlegrid.verification.quorum import Decision
 
 log = logging.getLogger(__name__)
@@ -72,7 +72,8 @@ class Stalemates:
         (nobody else can earn trust from it): any of those nodes may take it now, as
         once a check disagreed (`store.claims.escalate`)."""
         store = self._ctx.store.verification
-        if await store.trusted_among(nodes, shard.kind):
+        settings = self._ctx.settings.trust
+        if any(trust.is_trusted(t, settings) for t in await store.trust_on(nodes, shard.kind)):
             return
         opened = await store.open_checks(shard.shard_id)
         if opened:

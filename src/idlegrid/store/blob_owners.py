@@ -12,10 +12,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import ColumnElement, and_, exists, func, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import TaskState
+from idlegrid.store import dialect
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.schema import blob_owners, job_blobs, jobs, shards, tasks
 
@@ -30,8 +30,7 @@ async def add_job_blobs(conn: AsyncConnection, job_id: int, blob_hashes: Iterabl
 
 
 def _insert_ignoring_duplicates(conn: AsyncConnection, table: Any) -> Any:
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    return dialect.insert(table).on_conflict_do_nothing()
+    return dialect.insert(conn, table).on_conflict_do_nothing()
 
 
 def _held_since(since: float) -> ColumnElement[bool]:

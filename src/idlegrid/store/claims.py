@@ -8,14 +8,15 @@ replication changes after its first claim (`run_alone`, `escalate`, `raise_targe
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import case, exists, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
+from idlegrid.devtools import faults
 from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import check_routing, ledger, rows
+from idlegrid.store import check_routing, dialect, ledger, rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
 from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import in_state, move
@@ -62,6 +63,47 @@ def held_by(claimer: Claimer, now: float) -> dict[str, Any]:
         build=claimer.build or None,
         assigned_at=now,
     )
+
+
+async def claim(
+    conn: AsyncConnection,
+    claimer: Claimer,
+    kind: str,
+    take: Callable[[NodeTrust], Awaitable[Sequence[int]]],
+    *,
+    trust: TrustSettings,
+    now: float,
+) -> tuple[NodeTrust, list[int]] | ClaimMiss:
+    """The one way a node claims tasks, inside the caller's transaction: its standing (a
+    suspended node or one past its daily quota of `kind` claims nothing), the claim that
+    `take` makes (it gets the node's trust and returns the ids of the tasks it claimed),
+    and those claims counted in the node's daily quota. The count commits with the
+    claims, or neither does: a coordinator killed between the two leaves no claim the
+    quota misses (`claim-before-quota`, a fault point for the tests that prove it).
+    """
+    found = await standing(conn, claimer, kind, trust=trust, now=now)
+    if isinstance(found, ClaimMiss):
+        return found
+    claimed = list(await take(found))
+    if claimed:
+        faults.point("claim-before-quota")
+        await ledger.use_quota(
+            conn, claimer.node_id, kind, claimer.backend, count=len(claimed), now=now
+        )
+    return found, claimed
+
+
+async def give_back_attempts(conn: AsyncConnection, per_shard: Mapping[int, int]) -> None:
+    """Tasks that were no attempt of their shards after all (released unheard-of,
+    cancelled by adaptive replication, made known-answer checks): their shards' budgets
+    (`max_attempts`) keep them for real retries."""
+    for shard_id, count in sorted(per_shard.items()):
+        if count:
+            await conn.execute(
+                update(shards)
+                .where(shards.c.id == shard_id)
+                .values(attempts=shards.c.attempts - count)
+            )
 
 
 async def assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> list[Any]:
@@ -148,10 +190,62 @@ class Claims(Role):
         `check_build_wait_s` (a kind whose checks count only on the output's build): not
         while the shard's check waits for a node of another build (`check_routing`).
         """
-        found = await standing(conn, claimer, kind, trust=self.trust, now=now)
-        if isinstance(found, ClaimMiss):
-            return found
-        if distinct is not None and rows.row_locks(conn):
+        conflict: list[ClaimMiss] = []
+
+        async def take(found: NodeTrust) -> list[int]:
+            claimed = await self._claim_one(
+                conn,
+                task_id,
+                claimer,
+                found,
+                lease_deadline=lease_deadline,
+                distinct=distinct,
+                check_build_wait_s=check_build_wait_s,
+                now=now,
+            )
+            if claimed:
+                return [task_id]
+            state = (
+                await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
+            ).scalar_one_or_none()
+            conflict.append(
+                ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
+            )
+            return []
+
+        outcome = await claim(conn, claimer, kind, take, trust=self.trust, now=now)
+        if isinstance(outcome, ClaimMiss):
+            return outcome
+        found, claimed = outcome
+        if not claimed:
+            return conflict[0]
+        [row] = await assigned(conn, claimed, now=now)
+        others_out = (
+            await conn.execute(
+                select(func.count()).where(
+                    OTHER.c.shard_id == row.shard_id,
+                    OTHER.c.id != task_id,
+                    OTHER.c.node_id.is_not(None),
+                )
+            )
+        ).scalar_one()
+        first = others_out == 0 and row.mode is None
+        return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
+
+    async def _claim_one(
+        self,
+        conn: AsyncConnection,
+        task_id: int,
+        claimer: Claimer,
+        found: NodeTrust,
+        *,
+        lease_deadline: float,
+        distinct: Distinct | None,
+        check_build_wait_s: float | None,
+        now: float,
+    ) -> bool:
+        """`claim_task`'s conditional update: whether it claimed the task."""
+        if distinct is not None and dialect.row_locks(conn):
             # The "no replica on this node yet" check reads other rows: lock the shard
             # so two claims of its replicas for one node cannot both pass it.
             shard_of_task = select(tasks.c.shard_id).where(tasks.c.id == task_id)
@@ -161,7 +255,7 @@ class Claims(Role):
                 .with_for_update(key_share=True)
             )
         where = [tasks.c.id == task_id]
-        if rows.row_locks(conn):
+        if dialect.row_locks(conn):
             # A task another transaction is claiming now is skipped, not waited for (its
             # claim may be a whole batch long, and it will most likely win): the caller
             # tries its next candidate at once, as `claim_tasks` does.
@@ -185,24 +279,7 @@ class Claims(Role):
                 lease_deadline=lease_deadline,
             )
         )
-        if claimed.rowcount != 1:
-            state = (
-                await conn.execute(select(tasks.c.state).where(tasks.c.id == task_id))
-            ).scalar_one_or_none()
-            return ClaimMiss.CONFLICT if state == TaskState.READY.value else ClaimMiss.GONE
-        await ledger.use_quota(conn, claimer.node_id, kind, claimer.backend, now=now)
-        [row] = await assigned(conn, [task_id], now=now)
-        others_out = (
-            await conn.execute(
-                select(func.count()).where(
-                    OTHER.c.shard_id == row.shard_id,
-                    OTHER.c.id != task_id,
-                    OTHER.c.node_id.is_not(None),
-                )
-            )
-        ).scalar_one()
-        first = others_out == 0 and row.mode is None
-        return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
+        return claimed.rowcount == 1
 
     @retry_conflicts
     async def claim_tasks(
@@ -224,46 +301,35 @@ class Claims(Role):
         # A node waits for this commit with free slots: ahead of background commits.
         with urgent():
             async with self.db.tx() as conn:
-                found = await standing(conn, claimer, kind, trust=self.trust, now=now)
-                if isinstance(found, ClaimMiss):
-                    return found
-                room = found.trust.daily_quota - found.quota_used_today
-                wanted = sorted(lease_deadlines)[:room]
-                ready = [tasks.c.id.in_(wanted)]
-                if rows.row_locks(conn):
-                    # Tasks another process is claiming right now are skipped, not waited for: its
-                    # transaction may be a whole batch long, and they will be its tasks anyway.
-                    free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
-                    free = free.with_for_update(skip_locked=True, key_share=True)
-                    ready.append(tasks.c.id.in_(free.scalar_subquery()))
-                claimed = (
-                    (
-                        await conn.execute(
-                            move(
-                                tasks,
-                                TaskState.ASSIGNED,
-                                *ready,
-                                sources=_CLAIMABLE,
-                                **held_by(claimer, now),
-                                lease_deadline=case(
-                                    {t: lease_deadlines[t] for t in wanted}, value=tasks.c.id
-                                ),
-                            ).returning(tasks.c.id)
-                        )
+
+                async def take(found: NodeTrust) -> Sequence[int]:
+                    room = found.trust.daily_quota - found.quota_used_today
+                    wanted = sorted(lease_deadlines)[:room]
+                    ready = [tasks.c.id.in_(wanted)]
+                    if dialect.row_locks(conn):
+                        # Tasks another process is claiming right now are skipped, not waited
+                        # for: its transaction may be a whole batch long, and they will be its
+                        # tasks anyway.
+                        free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
+                        free = free.with_for_update(skip_locked=True, key_share=True)
+                        ready.append(tasks.c.id.in_(free.scalar_subquery()))
+                    deadlines = case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id)
+                    statement = move(
+                        tasks,
+                        TaskState.ASSIGNED,
+                        *ready,
+                        sources=_CLAIMABLE,
+                        **held_by(claimer, now),
+                        lease_deadline=deadlines,
                     )
-                    .scalars()
-                    .all()
-                )
+                    return (await conn.execute(statement.returning(tasks.c.id))).scalars().all()
+
+                outcome = await claim(conn, claimer, kind, take, trust=self.trust, now=now)
+                if isinstance(outcome, ClaimMiss):
+                    return outcome
+                found, claimed = outcome
                 if not claimed:
                     return []
-                await ledger.use_quota(
-                    conn,
-                    claimer.node_id,
-                    kind,
-                    claimer.backend,
-                    count=len(claimed),
-                    now=now,
-                )
                 found_rows = await assigned(conn, claimed, now=now)
                 return [
                     rows.assignment(row, lease_deadlines[row.id], found.trust) for row in found_rows
@@ -303,12 +369,7 @@ class Claims(Role):
             for row in released:
                 per_shard[row.shard_id] = per_shard.get(row.shard_id, 0) + 1
                 per_job.setdefault(row.job_id, []).append(row)
-            for shard_id, count in sorted(per_shard.items()):
-                await conn.execute(
-                    update(shards)
-                    .where(shards.c.id == shard_id)
-                    .values(attempts=shards.c.attempts - count)
-                )
+            await give_back_attempts(conn, per_shard)
             kinds = {
                 row.id: row.kind
                 for row in await conn.execute(
@@ -344,7 +405,7 @@ class Claims(Role):
         colluding checker meet an honest one. Nothing is cancelled either when the
         shard's mode was already set.
         """
-        if rows.row_locks(conn):
+        if dialect.row_locks(conn):
             # A claim of another replica locks the shard (key share) until it commits; this
             # lock waits for it, so the check below sees that replica: the shard then stays
             # replicated, rather than run "alone" on two nodes.
@@ -397,13 +458,7 @@ class Claims(Role):
             .scalars()
             .all()
         )
-        if cancelled:
-            # Not attempts of the shard after all: its budget stays for real retries.
-            await conn.execute(
-                update(shards)
-                .where(shards.c.id == shard_id)
-                .values(attempts=shards.c.attempts - len(cancelled))
-            )
+        await give_back_attempts(conn, {shard_id: len(cancelled)})
         return cancelled
 
     @write
@@ -527,7 +582,5 @@ class Claims(Role):
         ).scalar_one_or_none()
         if shard_id is None:
             return []
-        await conn.execute(
-            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts - 1)
-        )
+        await give_back_attempts(conn, {shard_id: 1})
         return (await top_up(conn, now=now, job_id=None, shard_id=shard_id)).ready

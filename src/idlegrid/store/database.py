@@ -31,8 +31,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 
+from idlegrid.store import dialect, totals
 from idlegrid.store import sqlite_driver as _sqlite_driver  # noqa: F401  registers sqlite+idlegrid
-from idlegrid.store import totals
 from idlegrid.store.base import StoreConflict
 from idlegrid.store.writelock import WriteLock
 from idlegrid.store.writelock import urgent as urgent_commit
@@ -122,7 +122,7 @@ class Database:
         self.engine: AsyncEngine = create_async_engine(
             url, echo=echo, connect_args=connect_args, **pool
         )
-        self.is_sqlite = self.engine.dialect.name == "sqlite"
+        self.is_sqlite = dialect.is_sqlite(self.engine)
         # Whether commits run one at a time (SQLite), so that fewer, bigger ones pay.
         self.serial_commits = self.is_sqlite
         self.write_lock = WriteLock() if self.is_sqlite else None

@@ -15,11 +15,10 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from sqlalchemy import bindparam, case, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import recheck, stats, totals
+from idlegrid.store import dialect, recheck, stats, totals
 from idlegrid.store.base import NodeTrust
 from idlegrid.store.schema import accounts, jobs, node_quota, node_trust, nodes, shards, tasks
 from idlegrid.verification import ledger as rules
@@ -59,9 +58,8 @@ async def load_trust(
     used = await _used_today(conn, node_id, kind, backend, now=now)
     if row is None:
         # ON CONFLICT: several claims of one new node may make its row at once.
-        dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
         await conn.execute(
-            dialect.insert(node_trust)
+            dialect.insert(conn, node_trust)
             .values(
                 node_id=node_id,
                 kind=kind,
@@ -111,9 +109,8 @@ async def use_quota(
     both read the same count and one claim would be lost from it. The row is reset when
     its day is past.
     """
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
     today = day_of(now)
-    statement = dialect.insert(node_quota).values(
+    statement = dialect.insert(conn, node_quota).values(
         node_id=node_id, kind=kind, backend=backend, day=today, used=count
     )
     await conn.execute(
@@ -423,17 +420,30 @@ async def _take_back(
 
 
 async def hold_credit(conn: AsyncConnection, task_id: int, *, now: float) -> None:
-    """A result run alone and now disputed is paid nothing while its dispute is open:
-    credit it was paid (vouched for since) is taken back, and the task is unpaid again,
-    so the shard's decision pays it if it is found valid, and nothing vouches for it
-    meanwhile (its shard is no longer run alone)."""
-    found = await _judged(conn, tasks.c.id == task_id, tasks.c.credit > 0.0)
-    amount = found[0].credit if found else None
-    if not found or amount is None:
-        return
-    await conn.execute(update(tasks).where(tasks.c.id == task_id).values(credit=None))
-    await totals.grant(conn, "nodes", found[0].node_id, -amount, now=now)
-    await totals.grant(conn, "accounts", found[0].account_id, -amount, now=now)
+    """Write `rules.held` for a result run alone and now disputed: the credit it was paid
+    comes off its node and account, and the task is unpaid again (nothing vouches for it
+    meanwhile: its shard is no longer run alone)."""
+    for result in await _judged(conn, tasks.c.id == task_id):
+        held = rules.held(result)
+        if held is None:
+            continue
+        await conn.execute(update(tasks).where(tasks.c.id == task_id).values(credit=None))
+        await totals.grant(conn, "nodes", held.node_id, held.amount, now=now)
+        await totals.grant(conn, "accounts", held.account_id, held.amount, now=now)
+
+
+async def lift_suspension(conn: AsyncConnection, node_id: int, *, now: float) -> None:
+    """Write `rules.lifted` to every trust row of a node whose suspension an admin lifted."""
+    query = (
+        select(node_trust)
+        .where(node_trust.c.node_id == node_id)
+        .order_by(node_trust.c.kind, node_trust.c.backend)
+    )
+    if dialect.row_locks(conn):
+        query = query.with_for_update(key_share=True)
+    for row in (await conn.execute(query)).all():
+        after = rules.lifted(trust_of(row))
+        await _save_trust(conn, node_id, row.kind, row.backend, after, now=now)
 
 
 async def withdraw_errors(

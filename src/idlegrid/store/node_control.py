@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import and_, or_, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import TaskState
-from idlegrid.store import rows
+from idlegrid.store import dialect, rows
 from idlegrid.store.base import NodeRecord
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.schema import jobs, node_activity, node_daily, node_settings, nodes, tasks
@@ -70,10 +69,6 @@ class TaskNow:
     assigned_at: float | None
 
 
-def _dialect(conn: AsyncConnection) -> Any:
-    return postgresql if conn.dialect.name == "postgresql" else sqlite
-
-
 class NodeControl(Role):
     """Settings and activity of nodes (`store.node_control`)."""
 
@@ -95,7 +90,7 @@ class NodeControl(Role):
                 "node_id": node_id, "name": row.name, "value": row.value,
                 "source": row.source, "changed_by": row.by[:100], "changed_at": row.at,
             }  # fmt: skip
-            insert = _dialect(conn).insert(node_settings).values(**values)
+            insert = dialect.insert(conn, node_settings).values(**values)
             excluded = insert.excluded
             newer = or_(
                 excluded.changed_at > node_settings.c.changed_at,
@@ -135,8 +130,8 @@ class NodeControl(Role):
         """Keep what the node said (`state`, `reason`, `device`, `settings_error`, and
         `devices`: a list of dicts)."""
         known = {k: v for k, v in fields.items() if k in node_activity.c and k != "node_id"}
-        insert = (
-            _dialect(conn).insert(node_activity).values(node_id=node_id, updated_at=now, **known)
+        insert = dialect.insert(conn, node_activity).values(
+            node_id=node_id, updated_at=now, **known
         )
         await conn.execute(
             insert.on_conflict_do_update(

@@ -9,11 +9,10 @@ import time
 from typing import Any
 
 from sqlalchemy import Float, bindparam, case, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import NodeState, TaskState
-from idlegrid.store import ledger, rows
+from idlegrid.store import dialect, ledger, rows
 from idlegrid.store.base import (
     NodeRecord,
     NodeTask,
@@ -158,13 +157,12 @@ class Nodes(Role):
             network=network,
             last_seen_at=now,
         )
-        upsert = postgresql.insert if conn.dialect.name == "postgresql" else sqlite.insert
         known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
         if known is None and limits is not None:
             await check_new_node(conn, account_id, address, limits, now=now)
         # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
         inserted = await conn.execute(
-            upsert(nodes)
+            dialect.insert(conn, nodes)
             .values(
                 account_id=account_id,
                 node_key=node_key,

@@ -13,7 +13,7 @@ from sqlalchemy import bindparam, func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import ending, rows
+from idlegrid.store import dialect, ending, rows
 from idlegrid.store.base import NodeTask, ReadyTask, Replenished
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
@@ -92,7 +92,7 @@ async def replenish(
     if shard_id is not None:
         query = query.where(shards.c.id == shard_id)
     found = (await conn.execute(query)).all()
-    if found and rows.row_locks(conn):
+    if found and dialect.row_locks(conn):
         found = await _lock_and_recount(conn, query, [row.id for row in found])
     new_tasks: list[dict[str, Any]] = []
     attempts: list[dict[str, Any]] = []

@@ -14,7 +14,7 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
-from idlegrid.store import ledger, rows
+from idlegrid.store import dialect, ledger
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.lifecycle import check_moved, check_row, move
@@ -134,7 +134,7 @@ class Results(Role):
                 .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
                 .order_by(tasks.c.id)
             )
-            if rows.row_locks(conn):
+            if dialect.row_locks(conn):
                 query = query.with_for_update(of=tasks, key_share=True)
             found = {row.id: row for row in (await conn.execute(query)).all()}
             receipts: list[ResultReceipt] = []

@@ -266,15 +266,3 @@ async def job(conn: AsyncConnection, job_id: int, *, with_counts: bool = True) -
 def states(*values: Any) -> list[str]:
     """The stored values of some state enums' members."""
     return [state.value for state in values]
-
-
-def row_locks(conn: AsyncConnection) -> bool:
-    """Whether to lock rows: PostgreSQL. SQLite has one writer at a time.
-
-    The store's row locks are `FOR NO KEY UPDATE` (`with_for_update(key_share=True)`): no
-    key ever changes, and a plain `FOR UPDATE` also waits for the `KEY SHARE` locks that
-    foreign-key checks take. A claim that sets a task's node holds one on the node's row,
-    so a result batch granting that node credit under `FOR UPDATE` and the claim asking
-    for the node's trust next deadlocked.
-    """
-    return conn.dialect.name != "sqlite"

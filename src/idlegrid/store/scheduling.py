@@ -17,16 +17,23 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, JobState, ShardState, TaskState
-from idlegrid.store import ledger, rows
-from idlegrid.store.base import Assignment, Claimer, ClaimMiss, ReadyTask, Replenished, RunningTask
-from idlegrid.store.claims import held_by, standing
+from idlegrid.store import dialect, rows
+from idlegrid.store.base import (
+    Assignment,
+    Claimer,
+    ClaimMiss,
+    NodeTrust,
+    ReadyTask,
+    Replenished,
+    RunningTask,
+)
+from idlegrid.store.claims import claim, held_by
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.replenish import replenish as top_up
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 
 _LIVE = tuple(state.value for state in LIVE_TASK_STATES)
 _OPEN_JOB = (JobState.QUEUED.value, JobState.RUNNING.value)
-_RAN = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value, TaskState.COMPLETED.value)
 
 
 # Made once, not per query: an alias copies the table's columns and foreign keys into
@@ -140,7 +147,7 @@ class Scheduling(Role):
         may claim nothing now (suspended, or its quota used up).
         """
         shard_query = select(shards).where(shards.c.id == shard_id)
-        if not self.db.is_sqlite:
+        if dialect.row_locks(conn):
             shard_query = shard_query.with_for_update(key_share=True)
         shard = (await conn.execute(shard_query)).first()
         if shard is None or shard.state != ShardState.OPEN.value:
@@ -175,38 +182,30 @@ class Scheduling(Role):
         claimer = Claimer(
             node_id=node_id, account_id=node.account_id, network=node.network, backend=backend
         )
-        found = await standing(conn, claimer, job.kind, trust=self.trust, now=now)
-        if isinstance(found, ClaimMiss):
-            return None
-        same_account = (
-            await conn.execute(
-                select(func.count()).where(
-                    tasks.c.shard_id == shard_id,
-                    tasks.c.account_id == node.account_id,
-                    tasks.c.state.in_(_RAN),
+
+        async def take(found: NodeTrust) -> list[int]:
+            inserted = await conn.execute(
+                insert(tasks).values(
+                    shard_id=shard_id,
+                    job_id=job.id,
+                    state=TaskState.ASSIGNED.value,
+                    created_at=now,
+                    lease_deadline=lease_deadline,
+                    **held_by(claimer, now),
                 )
             )
-        ).scalar_one()
-        # Backups keep the replica rules: never a suspended node, never a second replica of
-        # one account (networks are the caller's setting; accounts always count here).
-        if job.replication > 1 and same_account:
-            return None
-        inserted = await conn.execute(
-            insert(tasks).values(
-                shard_id=shard_id,
-                job_id=job.id,
-                state=TaskState.ASSIGNED.value,
-                created_at=now,
-                lease_deadline=lease_deadline,
-                **held_by(claimer, now),
+            await conn.execute(
+                update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
             )
-        )
-        await ledger.use_quota(conn, node_id, job.kind, backend, now=now)
-        await conn.execute(
-            update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
-        )
+            return [rows.pk(inserted)]
+
+        # A claim like any other: never for a suspended node or past its quota.
+        outcome = await claim(conn, claimer, job.kind, take, trust=self.trust, now=now)
+        if isinstance(outcome, ClaimMiss):
+            return None
+        [task_id] = outcome[1]
         return Assignment(
-            task_id=rows.pk(inserted),
+            task_id=task_id,
             shard_id=shard_id,
             job_id=job.id,
             shard_index=shard.idx,

@@ -2,8 +2,8 @@
 
 Whether a node can still run that replica is `verification.stalemate`'s question; this
 reads what it needs: each shard's replicas, with the node, account and network of each,
-and whether its ready replicas are spot checks only (`trusted_among` says whether a node
-may take one; `open_checks` lets anyone take them).
+and whether its ready replicas are spot checks only (`trust_on` reads the trust that says
+whether a node may take one; `open_checks` lets anyone take them).
 """
 
 from __future__ import annotations
@@ -15,10 +15,11 @@ from sqlalchemy import Exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
-from idlegrid.store import ending, rows
+from idlegrid.store import ending, ledger, rows
 from idlegrid.store.base import ShardReplica, StalledShard
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification.stalemate import late_until
+from idlegrid.verification.trust import Trust
 
 _RAN = (TaskState.ASSIGNED.value, TaskState.EXPIRED.value, TaskState.COMPLETED.value)
 
@@ -106,24 +107,17 @@ async def stalled_shards(
     ]
 
 
-async def trusted_among(
-    conn: AsyncConnection, node_ids: Sequence[int], kind: str, *, adaptive_after: int
-) -> bool:
-    """Whether one of these nodes is trusted on `kind` (on some backend): one that may
-    take a spot check (`verification.trust.is_trusted`)."""
+async def trust_on(conn: AsyncConnection, node_ids: Sequence[int], kind: str) -> list[Trust]:
+    """These nodes' trust on `kind`, on every backend they have one for (whether one of
+    them may take a spot check is `verification.trust.is_trusted`'s to say)."""
     if not node_ids:
-        return False
+        return []
     found = await conn.execute(
-        select(node_trust.c.node_id)
-        .where(
-            node_trust.c.node_id.in_(list(node_ids)),
-            node_trust.c.kind == kind,
-            node_trust.c.suspended.is_(False),
-            node_trust.c.consecutive_valid >= adaptive_after,
-        )
-        .limit(1)
+        select(node_trust)
+        .where(node_trust.c.node_id.in_(list(node_ids)), node_trust.c.kind == kind)
+        .order_by(node_trust.c.node_id, node_trust.c.backend)
     )
-    return found.first() is not None
+    return [ledger.trust_of(row) for row in found.all()]
 
 
 async def open_checks(conn: AsyncConnection, shard_id: int) -> int:

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sqlalchemy import bindparam, distinct, func, select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import JobState, NodeState
+from idlegrid.store import dialect
 from idlegrid.store.schema import accounts, grid_hourly, jobs, node_daily, nodes, teams
 from idlegrid.verification.credit import NO_RANK, CreditTotals
 
@@ -129,8 +129,7 @@ async def _add(
     conn: AsyncConnection, table: Any, rows: list[dict[str, Any]], keys: tuple[str, ...]
 ) -> None:
     """Insert each row, or add its figures to the row that has its key."""
-    dialect = postgresql if conn.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(table)
+    statement = dialect.insert(conn, table)
     statement = statement.on_conflict_do_update(
         index_elements=list(keys),
         set_={

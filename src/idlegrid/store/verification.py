@@ -24,6 +24,7 @@ from idlegrid.store import (
     audit,
     check_routing,
     collusion,
+    dialect,
     ending,
     ledger,
     recheck,
@@ -47,10 +48,11 @@ from idlegrid.store.base import (
 from idlegrid.store.database import Role, read, retry_conflicts, write
 from idlegrid.store.lifecycle import check_moved, move
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
+from idlegrid.verification import ledger as ledger_rules
 from idlegrid.verification import replication
 from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.replication import ResultVerdict
-from idlegrid.verification.trust import TrustSettings
+from idlegrid.verification.trust import Trust, TrustSettings
 
 log = logging.getLogger(__name__)
 
@@ -162,7 +164,7 @@ async def _take_final(
         )
         .order_by(shards.c.id)
     )
-    if rows.row_locks(conn):
+    if dialect.row_locks(conn):
         query = query.with_for_update(key_share=True)
     job_of = {row.id: row.job_id for row in (await conn.execute(query)).all()}
     taking = list({d.shard_id: d for d in final if d.shard_id in job_of}.values())
@@ -269,7 +271,7 @@ async def open_shards_left(conn: AsyncConnection, job_ids: Sequence[int]) -> dic
         return {}
     wanted = sorted(set(job_ids))
     counted = await _open_shards(conn, wanted)
-    if rows.row_locks(conn):
+    if dialect.row_locks(conn):
         near_end = [job_id for job_id in wanted if counted.get(job_id, 0) <= LOCK_JOB_BELOW]
         if near_end:
             await conn.execute(
@@ -437,13 +439,11 @@ class Verification(Role):
         return await check_routing.build_waits(conn, job_id, since=since, limit=limit)
 
     @read
-    async def trusted_among(
+    async def trust_on(
         self, conn: AsyncConnection, node_ids: Sequence[int], kind: str
-    ) -> bool:
-        """Whether one of these nodes may take a spot check of `kind` (it is trusted)."""
-        return await stalemate.trusted_among(
-            conn, node_ids, kind, adaptive_after=self.trust.adaptive_after
-        )
+    ) -> list[Trust]:
+        """These nodes' trust on `kind`, on every backend they have one for."""
+        return await stalemate.trust_on(conn, node_ids, kind)
 
     @write
     async def open_checks(self, conn: AsyncConnection, shard_id: int) -> int:
@@ -532,16 +532,16 @@ class Verification(Role):
     ) -> None:
         """A late result judged against its shard's canonical one; `agrees` None: nothing
         to judge it by ("moot": no trust change, no credit)."""
-        trust = self.trust
-        outcome = "moot" if agrees is None else "valid" if agrees else "invalid"
-        if await _judge_once(conn, task_id, outcome) and agrees is not None:
-            # It counts for its node's trust, as any check does; the shard's work was
-            # credited with its decision, and is paid again only if a coordinator start
-            # made this result late (`verification.credit.late_result_paid`).
-            verdict: ResultVerdict = "valid" if agrees else "invalid"
-            paid = agrees and await starts.made_late(conn, task_id)
+        # Whether a coordinator start made it late matters to a result that agrees only.
+        made_late = bool(agrees) and await starts.made_late(conn, task_id)
+        judgement = ledger_rules.late_judgement(agrees, made_late=made_late)
+        if await _judge_once(conn, task_id, judgement.outcome) and judgement.verdict:
             await ledger.apply_verdicts(
-                conn, [(task_id, verdict)], settings=trust, now=now, credit=paid
+                conn,
+                [(task_id, judgement.verdict)],
+                settings=self.trust,
+                now=now,
+                credit=judgement.paid,
             )
 
     @write

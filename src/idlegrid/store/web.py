@@ -17,13 +17,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState
-from idlegrid.store import database
+from idlegrid.store import database, ledger
 from idlegrid.store.base import AccountExists, NodeTrust
 from idlegrid.store.nodes import list_trust
 from idlegrid.store.schema import (
     accounts,
     jobs,
-    node_trust,
     nodes,
     shards,
     tasks,
@@ -450,17 +449,13 @@ async def live_tasks(conn: AsyncConnection, node_ids: list[int]) -> dict[int, in
 async def set_suspended(
     conn: AsyncConnection, node_id: int, *, suspended: bool, now: float
 ) -> bool:
-    """An admin suspends a node (it gets no tasks) or lifts a suspension (its trust's
-    suspension and recent invalid results are cleared, so it starts again on probation)."""
+    """An admin suspends a node (it gets no tasks) or lifts a suspension (its trust then
+    starts again on probation: `verification.ledger.lifted`)."""
     result = await conn.execute(
         update(nodes).where(nodes.c.id == node_id).values(suspended_at=now if suspended else None)
     )
     if not suspended:
-        await conn.execute(
-            update(node_trust)
-            .where(node_trust.c.node_id == node_id)
-            .values(suspended=False, recent_invalid=0, consecutive_valid=0, updated_at=now)
-        )
+        await ledger.lift_suspension(conn, node_id, now=now)
     return bool(result.rowcount)
 
 

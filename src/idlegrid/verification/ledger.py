@@ -32,7 +32,9 @@ TrustEvent = ResultVerdict | Literal["error withdrawn", "suspected", "checked", 
 # decided alone and a later check of its node vouches for it ("vouched").
 # A check that passed an output is paid when a known-answer check its node answered right
 # after it confirms its word ("confirmed").
-GrantReason = Literal["valid", "unchecked", "vouched", "confirmed", "taken back"]
+# Credit is taken back from a result found invalid ("taken back"), or held back from one
+# run alone whose dispute is open ("held": it may be paid again by its shard's decision).
+GrantReason = Literal["valid", "unchecked", "vouched", "confirmed", "taken back", "held"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -167,6 +169,11 @@ def step(trust: Trust, event: TrustEvent, settings: TrustSettings) -> Trust:
             return trust_rules.after_upheld(trust)
 
 
+def lifted(before: Trust) -> Trust:
+    """A node's trust on one kind and backend once an admin lifted its suspension."""
+    return trust_rules.after_suspension_lifted(before)
+
+
 def trust_change(group: TrustGroup, before: Trust, settings: TrustSettings) -> TrustChange:
     """The group's events stepped through one by one, from the node's trust `before`."""
     after = before
@@ -291,6 +298,36 @@ def credit_delta(
         if result.credit is None
     )
     return CreditDelta(taken_back=taken_back, grants=grants)
+
+
+def held(result: JudgedResult) -> Grant | None:
+    """A result run alone and now disputed is paid nothing while its dispute is open: the
+    credit it was paid (vouched for since) is taken back, and it is unpaid again, so its
+    shard's decision pays it if it is found valid. None: it was paid nothing to hold."""
+    if not result.credit or result.credit <= 0.0:
+        return None
+    return _grant(result, -result.credit, "held")
+
+
+@dataclass(frozen=True)
+class LateJudgement:
+    """What a result stored after its shard was decided comes to."""
+
+    outcome: Literal["valid", "invalid", "moot"]
+    verdict: ResultVerdict | None  # for its node's trust; None: no trust change
+    paid: bool  # whether it earns credit (`credit.late_result_paid`)
+
+
+def late_judgement(agrees: bool | None, *, made_late: bool) -> LateJudgement:
+    """A late result judged against its shard's canonical one (`agrees` None: nothing to
+    judge it by, "moot"). It counts for its node's trust as any check does; the shard's
+    work was credited with its decision, and is paid again only when it agrees and a
+    coordinator start made it late (`made_late`)."""
+    if agrees is None:
+        return LateJudgement("moot", None, paid=False)
+    if not agrees:
+        return LateJudgement("invalid", "invalid", paid=False)
+    return LateJudgement("valid", "valid", paid=made_late)
 
 
 def per_node(grants: Iterable[Grant]) -> dict[int, float]:

@@ -185,6 +185,12 @@ def after_error_withdrawn(trust: Trust) -> Trust:
     return dataclasses.replace(trust, error_total=max(0, trust.error_total - 1))
 
 
+def after_suspension_lifted(trust: Trust) -> Trust:
+    """An admin lifted the node's suspension: it starts again on probation, its recent
+    invalid results and its streak of checks passed cleared; its totals stay."""
+    return dataclasses.replace(trust, suspended=False, recent_invalid=0, consecutive_valid=0)
+
+
 def credibility(trust: Trust, settings: TrustSettings) -> float:
     """Probability that this node's next result is right (Sarmenta 2002, spot-checking).
 
