@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from idlegrid import __version__, dashboard
-from idlegrid.blobs.files import BlobStore
+from idlegrid.blobs.files import BlobStore, blob_too_large
 from idlegrid.broker import open_broker
 from idlegrid.coordinator import api, metrics
 from idlegrid.coordinator.auth import display_prefix, hash_token, new_token
@@ -284,7 +284,7 @@ class BodyLimit:
         limit = self.blob_limit if path.startswith("/v1/blobs/") else self.default_limit
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            await _send_413(send, limit)
+            await _send_413(send, _body_too_large(limit, int(declared), path=path))
             return
         received = 0
         response_started = False
@@ -295,7 +295,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _TooLarge(limit)
+                    raise _TooLarge(_body_too_large(limit, None, path=path))
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -305,27 +305,38 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except _TooLarge as exc:
             if not response_started:
-                await _send_413(send, limit)
+                await _send_413(send, str(exc.detail))
 
 
-def _body_too_large(limit: int) -> str:
+def _body_too_large(limit: int, size: int | None, *, path: str) -> str:
+    """Why a body is refused for its size, with the way around and the setting."""
+    if path.startswith("/v1/blobs/"):
+        return blob_too_large(size, limit)
+    if path.startswith("/v1/uploads/"):
+        return (
+            f"a chunk is over the {size_text(limit)} limit of one request: send chunks of at "
+            f"most {limit} bytes (the chunk_size that POST /v1/uploads answers)"
+        )
+    what = f"request body of {size_text(size)}" if size else "request body"
+    raise_to = f" to at least {size} (IDLEGRID_MAX_REQUEST_BYTES={size})" if size else ""
     return (
-        f"request body is over the {size_text(limit)} limit (max_request_bytes; blobs: "
-        "max_blob_bytes): send data as blobs, a few at a time"
+        f"{what} is over the {size_text(limit)} limit of one request (max_request_bytes "
+        f"{limit}): send large data as blobs (PUT /v1/blobs/SHA256, or in chunks: POST "
+        f"/v1/uploads) and name them, or ask the operator to raise max_request_bytes{raise_to}"
     )
 
 
 class _TooLarge(StarletteHTTPException):
     # An HTTPException, because FastAPI turns any other error raised while it reads a
     # JSON body into "400 There was an error parsing the body".
-    def __init__(self, limit: int) -> None:
-        super().__init__(413, _body_too_large(limit))
+    def __init__(self, message: str) -> None:
+        super().__init__(413, message)
 
 
-async def _send_413(send: Send, limit: int) -> None:
-    response = api.error_response(413, "too_large", _body_too_large(limit))
+async def _send_413(send: Send, message: str) -> None:
+    response = api.error_response(413, "too_large", message)
     await send(
         {
             "type": "http.response.start",

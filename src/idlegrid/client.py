@@ -15,7 +15,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +34,9 @@ TRAINING_KIND = "diloco-train"
 # Jobs whose progress shows in tokens (shards cut by a token budget).
 TOKEN_KIND = "llm-generate"
 MAX_WAIT_S = 60.0  # the coordinator's longest long poll of a job
+# Blobs larger than this upload in chunks (resumable); smaller ones in one request.
+CHUNKED_ABOVE = 8 * 1024 * 1024
+UPLOAD_RETRIES = 5  # failed chunks in a row before an upload gives up
 
 
 class IdlegridError(RuntimeError):
@@ -68,7 +71,9 @@ class Client:
         *,
         timeout: float = 120.0,
         transport: httpx.BaseTransport | None = None,
+        upload_progress: Callable[[str, int, int], None] | None = None,
     ) -> None:
+        """`upload_progress(name, bytes_sent, size)`: called as a chunked upload goes."""
         self.server = server or os.environ.get("IDLEGRID_SERVER") or "http://127.0.0.1:8000"
         token = token or os.environ.get("IDLEGRID_TOKEN")
         if not token:
@@ -79,6 +84,7 @@ class Client:
             transport=transport,
             headers={"Authorization": f"Bearer {token}"},
         )
+        self.upload_progress = upload_progress
 
     def close(self) -> None:
         self._http.close()
@@ -112,12 +118,45 @@ class Client:
 
     # -- blobs -----------------------------------------------------------------------------
 
-    def upload(self, data: bytes) -> str:
-        """Upload bytes as a content-addressed blob (skipped if already there)."""
+    def upload(self, data: bytes, *, name: str = "") -> str:
+        """Upload bytes as a content-addressed blob (skipped if already there). Past
+        `CHUNKED_ABOVE` bytes it goes in chunks (`POST /v1/uploads`), each retried
+        where it broke off, so a large model survives a dropped connection; an upload
+        of the same bytes that an earlier run left unfinished goes on from there."""
         blob_hash = hashlib.sha256(data).hexdigest()
-        if self.request_status("HEAD", f"/v1/blobs/{blob_hash}") != 200:
+        if self.request_status("HEAD", f"/v1/blobs/{blob_hash}") == 200:
+            return blob_hash
+        if len(data) <= CHUNKED_ABOVE:
             self.request("PUT", f"/v1/blobs/{blob_hash}", content=data)
+        else:
+            self._upload_chunks(blob_hash, data, name)
         return blob_hash
+
+    def _upload_chunks(self, blob_hash: str, data: bytes, name: str) -> None:
+        body = {"hash": blob_hash, "size": len(data), "name": name}
+        label = name or blob_hash[:12]
+        state: dict[str, Any] | None = None
+        failures = 0
+        while state is None or not state["done"]:
+            try:
+                if state is None:  # where to go on from: 0, or what arrived before
+                    state = self.request("POST", "/v1/uploads", json=body).json()
+                    continue
+                if self.upload_progress is not None:
+                    self.upload_progress(label, state["received"], len(data))
+                offset = state["received"]
+                chunk = data[offset : offset + state["chunk_size"]]
+                path, where = f"/v1/uploads/{state['id']}", {"offset": offset}
+                state = self.request("PUT", path, params=where, content=chunk).json()
+                failures = 0
+            except IdlegridError as exc:
+                if not _resumable(exc) or failures >= UPLOAD_RETRIES:
+                    raise
+                failures += 1
+                time.sleep(min(2.0**failures, 30.0))
+                state = None
+        if self.upload_progress is not None:
+            self.upload_progress(label, len(data), len(data))
 
     def download(self, blob_hash: str) -> bytes:
         data = self.request("GET", f"/v1/blobs/{blob_hash}").content
@@ -137,7 +176,7 @@ class Client:
         priority: int = 0,
     ) -> Job:
         """Upload inputs and submit a job of any built-in kind."""
-        refs = {name: self.upload(data) for name, data in (inputs or {}).items()}
+        refs = {name: self.upload(data, name=name) for name, data in (inputs or {}).items()}
         body: dict[str, Any] = {
             "kind": kind,
             "inputs": refs,
@@ -529,6 +568,12 @@ def _onnx_params(
         "tolerances": {k: dict(v) for k, v in tolerances.items()} if tolerances else None,
     }
     return {key: value for key, value in given.items() if value is not None}
+
+
+def _resumable(exc: IdlegridError) -> bool:
+    """A chunk that failed on the way (no answer, a chunk another request sent first,
+    a coordinator error) is sent again from where the upload stands; a refusal is not."""
+    return isinstance(exc, Unreachable) or exc.code == "wrong_offset" or exc.status >= 500
 
 
 def _error(response: httpx.Response) -> IdlegridError:

@@ -154,6 +154,10 @@ class CoordinatorSettings:
     quota_shards_per_job: int = 10_000
     quota_open_jobs: int = 100
     quota_tokens: int = 200
+    # A blob uploaded in chunks (POST /v1/uploads) that is not finished this long after
+    # it started is forgotten (swept at the account's next upload); until then an
+    # interrupted upload goes on from the bytes it has.
+    blob_upload_resume_s: float = 86_400.0
     # /metrics answers these addresses (or networks, e.g. 10.0.0.0/8) and admin tokens.
     metrics_allow: tuple[str, ...] = ("127.0.0.1", "::1")
     # Proxies whose X-Forwarded-For / X-Forwarded-Proto headers are believed: behind

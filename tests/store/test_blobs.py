@@ -186,3 +186,33 @@ def test_put_many_stores_each_in_order_a_few_at_a_time(
     assert over.value.status == 413
     assert not list((tmp_path / "many" / "tmp").iterdir())  # nothing half-written left
     assert store.exists(sha256_hex(b"z" * 500))  # the others ended before the error came back
+
+
+def test_blobs_the_coordinator_makes_have_no_size_limit(blobs: BlobStore) -> None:
+    checkpoint = b"w" * (LIMIT * 3)  # a round's weights: as large as the accepted model
+    with pytest.raises(BlobError):
+        blobs.put(checkpoint)  # what a client sends is bounded
+    assert blobs.read(blobs.keep(checkpoint)) == checkpoint
+
+
+def test_a_finished_file_is_stored_only_under_the_hash_named(
+    blobs: BlobStore, tmp_path: Path
+) -> None:
+    data = b"m" * (LIMIT * 2)
+    path = blobs.tmp_path("upload-1")
+    path.write_bytes(data + b"tail of a chunk written twice")
+    with pytest.raises(BlobError) as wrong:
+        blobs.put_file(
+            path, size=len(data), expected_hash=sha256_hex(b"other"), max_bytes=len(data)
+        )
+    assert wrong.value.status == 422 and sha256_hex(data) in wrong.value.message
+    assert not path.exists() and not blobs.exists(sha256_hex(data))
+    path.write_bytes(data)
+    with pytest.raises(BlobError) as over:  # the store's own limit, unless told another
+        blobs.put_file(path, size=len(data), expected_hash=sha256_hex(data))
+    assert over.value.status == 413 and "POST /v1/uploads" in over.value.message
+    path.write_bytes(data)
+    stored = blobs.put_file(
+        path, size=len(data), expected_hash=sha256_hex(data), max_bytes=len(data)
+    )
+    assert stored == sha256_hex(data) and blobs.read(stored) == data

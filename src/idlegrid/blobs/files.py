@@ -129,7 +129,14 @@ class BlobStore:
     def put(self, data: bytes) -> str:
         """Store bytes; return their hash."""
         if len(data) > self.max_bytes:
-            raise BlobError(413, _too_large(len(data), self.max_bytes))
+            raise BlobError(413, blob_too_large(len(data), self.max_bytes))
+        return self.keep(data)
+
+    def keep(self, data: bytes) -> str:
+        """Store bytes the coordinator made itself (a training round's weights, a job's
+        result); return their hash. No size limit: the size follows from a job that was
+        accepted (a model's checkpoint is as large as the model its owner uploaded, up
+        to their quota), and refusing it now would fail that job halfway."""
         blob_hash = sha256_hex(data)
         if not self.exists(blob_hash):
             fd, tmp = tempfile.mkstemp(dir=self.root / "tmp")
@@ -164,7 +171,7 @@ class BlobStore:
                 async for chunk in chunks:
                     size += len(chunk)
                     if size > limit:
-                        raise BlobError(413, _too_large(None, limit))
+                        raise BlobError(413, blob_too_large(None, limit))
                     digest.update(chunk)
                     out.write(chunk)
             if digest.hexdigest() != expected_hash:
@@ -184,21 +191,37 @@ class BlobStore:
             raise BlobError(422, f"not a temporary file name: {name[:80]!r}")
         return self.root / "tmp" / name
 
-    def put_file(self, path: Path, *, size: int) -> str:
+    def put_file(
+        self,
+        path: Path,
+        *,
+        size: int,
+        expected_hash: str | None = None,
+        max_bytes: int | None = None,
+    ) -> str:
         """Store a finished file (moved, not copied) of `size` bytes; return its hash.
 
         The file is cut to `size` first (a chunk written twice may have left a tail);
-        it is gone afterwards whatever happens.
+        it is gone afterwards whatever happens. With `expected_hash` a file that hashes
+        to anything else is refused (422) and never stored. `max_bytes`: the limit of
+        this one instead of the store's (a chunked upload: the account's quota).
         """
+        limit = self.max_bytes if max_bytes is None else max_bytes
         try:
-            if size > self.max_bytes:
-                raise BlobError(413, _too_large(size, self.max_bytes))
+            if size > limit:
+                raise BlobError(413, blob_too_large(size, limit))
             digest = hashlib.sha256()
             with open(path, "r+b") as handle:
                 handle.truncate(size)
                 while chunk := handle.read(1 << 20):
                     digest.update(chunk)
             blob_hash = digest.hexdigest()
+            if expected_hash is not None and blob_hash != expected_hash:
+                raise BlobError(
+                    422,
+                    f"the {size_text(size)} received hash to {blob_hash}, not {expected_hash}"
+                    " (the file changed while it was sent, or the hash named is not its)",
+                )
             if self.exists(blob_hash):
                 path.unlink()
             else:
@@ -215,10 +238,12 @@ class BlobStore:
         os.replace(tmp, target)
 
 
-def _too_large(size: int | None, limit: int) -> str:
+def blob_too_large(size: int | None, limit: int) -> str:
     """Why a blob is refused for its size, and what to do."""
     what = f"blob of {size_text(size)}" if size is not None else "blob"
+    raise_to = f" to at least {size} (IDLEGRID_MAX_BLOB_BYTES={size})" if size else ""
     return (
-        f"{what} is over the {size_text(limit)} limit of one blob: split the data into "
-        "several blobs, or ask the operator to raise max_blob_bytes"
+        f"{what} is over the {size_text(limit)} limit of one blob sent in one request "
+        f"(max_blob_bytes {limit}): send it in chunks (POST /v1/uploads; the SDK and CLI "
+        f"do so by themselves), or ask the operator to raise max_blob_bytes{raise_to}"
     )

@@ -111,7 +111,14 @@ def main(debug: bool) -> None:
     help="Seconds of silence before a node is offline and its tasks requeued.",
 )
 @click.option("--min-lease", type=float, default=None, help="Shortest task lease, seconds.")
-@click.option("--max-blob-mb", type=float, default=None, help="Largest upload, MiB.")
+@click.option(
+    "--max-blob-mb",
+    type=float,
+    default=None,
+    help="Largest blob sent in one request, MiB [default: 256] (env IDLEGRID_MAX_BLOB_BYTES, "
+    "in bytes). Larger ones (a model's weights) go in chunks, as the SDK and CLI send "
+    "them, up to the account's quota_blob_bytes (10 GiB).",
+)
 @click.option(
     "--replica-networks",
     type=click.Choice(["distinct", "address", "shared"]),

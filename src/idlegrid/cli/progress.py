@@ -137,3 +137,44 @@ def _open_round(metrics: dict[str, Any]) -> tuple[int, int, int] | None:
     if current is None or current["state"] != "open" or current["final"]:
         return None
     return current["round"], current["updates"] or 0, current["updates_needed"] or 0
+
+
+class UploadProgress:
+    """Shows each chunked upload (a model's weights): a bar with bytes on a terminal,
+    else a line at the start and one at the end (`Client(upload_progress=...)`)."""
+
+    def __init__(self, stream: IO[str] | None = None) -> None:
+        self._stream = stream or sys.stderr
+        self._progress: Progress | None = None
+        self._task: Any = None
+
+    def __call__(self, name: str, sent: int, size: int) -> None:
+        from rich.progress import DownloadColumn, TransferSpeedColumn
+
+        if self._progress is None:
+            if not self._stream.isatty():
+                self._plain(name, sent, size)
+                return
+            self._progress = Progress(
+                f"uploading {name}",
+                BarColumn(),
+                DownloadColumn(binary_units=True),
+                TransferSpeedColumn(),
+                console=Console(file=self._stream),
+            )
+            self._progress.start()
+            self._task = self._progress.add_task(name, total=size)
+        self._progress.update(self._task, completed=sent)
+        if sent >= size:
+            self._progress.stop()
+            self._progress = None
+
+    def _plain(self, name: str, sent: int, size: int) -> None:
+        if sent >= size:
+            state = "done"
+        elif name != self._task:  # its first call: from 0, or where a broken one ended
+            state = f"going on from byte {sent:,}" if sent else "starting"
+        else:
+            return
+        self._task = None if sent >= size else name
+        print(f"upload of {name} ({size:,} bytes): {state}", file=self._stream, flush=True)

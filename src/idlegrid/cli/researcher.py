@@ -32,6 +32,7 @@ json_option = click.option("--json", "as_json", is_flag=True, help="Print the ra
 def _client(server: str, token: str) -> Any:
     import logging
 
+    from idlegrid.cli.progress import UploadProgress
     from idlegrid.client import Client
 
     # The SDK logs its submission warnings; the CLI prints them itself, once.
@@ -40,7 +41,7 @@ def _client(server: str, token: str) -> Any:
     # Named in the one-line error of a failure (see errors.explain).
     ctx = click.get_current_context()
     ctx.find_root().meta["idlegrid.server"] = server
-    client = Client(server, token)
+    client = Client(server, token, upload_progress=UploadProgress())
     ctx.call_on_close(client.close)
     return client
 
@@ -323,7 +324,7 @@ def job(
     if as_json:
         click.echo(json.dumps(info, indent=2))
     else:
-        shards = info.pop("shards") or []
+        shards = info.get("shards") or []
         click.echo("\n".join(summary.job_lines(info) + summary.shard_lines(shards)))
     if ended_badly:
         sys.exit(1)

@@ -212,7 +212,7 @@ class RoundDriver:
         fetched = closed.fetched_bytes
         final = closed.weights.round >= training.plan.rounds
         stored = await asyncio.to_thread(self._save, closed.weights)
-        update_hash = await asyncio.to_thread(self._ctx.blobs.put, closed.update)
+        update_hash = await asyncio.to_thread(self._ctx.blobs.keep, closed.update)
         specs = await asyncio.to_thread(
             training.shards, closed.weights, published=published_chain(records, update_hash),
             keyframe=stored.checkpoint_hash, final=final,
@@ -345,9 +345,8 @@ class RoundDriver:
         )
 
     def _save(self, weights: RoundWeights) -> Stored:
-        return Stored(
-            weights, self._ctx.blobs.put(weights.checkpoint), self._ctx.blobs.put(weights.optimizer)
-        )
+        blobs = self._ctx.blobs
+        return Stored(weights, blobs.keep(weights.checkpoint), blobs.keep(weights.optimizer))
 
     def _evaluation(
         self, training: RoundJob, shard: ShardRecord | None

@@ -354,7 +354,7 @@ class Verifier:
         result = plan.kind.assemble_with_inputs(
             [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
         )
-        return blobs.put(result), len(result)
+        return blobs.keep(result), len(result)
 
 
 def _why(exc: Exception) -> str:

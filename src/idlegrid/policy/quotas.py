@@ -41,14 +41,16 @@ def blob_refusal(
         return QuotaExceeded(
             429, "quota_blobs", f"the account holds {blobs_held} blobs (quota_blobs {quotas.blobs})"
         )
-    if bytes_held + (new_bytes or 0) > quotas.blob_bytes:
+    needed = bytes_held + (new_bytes or 0)
+    if needed > quotas.blob_bytes:
         asked = f" and this one is {size_text(new_bytes)}" if new_bytes else ""
         return QuotaExceeded(
             413,
             "quota_blob_bytes",
             f"the account's blobs take {size_text(bytes_held)}{asked} "
             f"(quota_blob_bytes {quotas.blob_bytes}, {size_text(quotas.blob_bytes)}): "
-            "ask the operator to raise it",
+            f"ask the operator to raise quota_blob_bytes to at least {needed} "
+            f"(IDLEGRID_QUOTA_BLOB_BYTES={needed})",
         )
     return None
 

@@ -3,7 +3,7 @@
 Each role is one module and one class over the shared `Database` (store/database.py:
 engine, migrations, transactions, batches): `store.accounts`, `store.nodes`,
 `store.jobs`, `store.claims`, `store.scheduling`, `store.results`, `store.rounds`,
-`store.web`, `store.blob_owners`, `store.usage`, `store.verification`,
+`store.web`, `store.blob_owners`, `store.blob_uploads`, `store.usage`, `store.verification`,
 `store.node_control`. An operation is
 written once, as a method of its role that holds its SQL; callers write
 `store.jobs.create_job(...)`. `SqlStore` composes the roles and runs batches.
@@ -19,6 +19,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 from idlegrid.store.accounts import Accounts
 from idlegrid.store.blob_owners import BlobOwners
+from idlegrid.store.blob_uploads import BlobUploads
 from idlegrid.store.claims import Claims
 from idlegrid.store.database import Database
 from idlegrid.store.jobs import Jobs
@@ -67,6 +68,7 @@ class SqlStore:
         self.rounds = TrainingRounds(self.db)
         self.web = Web(self.db)
         self.blob_owners = BlobOwners(self.db)
+        self.blob_uploads = BlobUploads(self.db)
         self.usage = Usage(self.db)
         self.verification = Verification(self.db)
 

@@ -28,6 +28,9 @@ Purpose = Literal[
     "model-folder",
 ]
 PURPOSES: tuple[Purpose, ...] = ("texts", "dataset", "weights")
+# Rows of chunked uploads through the API (`store.blob_uploads`), which sweeps its own:
+# they may go on for longer than a browser's.
+API_PURPOSE = "blob"
 
 
 class OverQuota(ValueError):
@@ -91,6 +94,7 @@ async def start_upload(
             await conn.execute(
                 select(uploads.c.id).where(
                     uploads.c.account_id == account_id,
+                    uploads.c.purpose != API_PURPOSE,
                     uploads.c.state == UploadState.PARTIAL.value,
                     uploads.c.created_at < stale_before,
                 )

@@ -1,10 +1,10 @@
-"""The REST API under /v1: jobs, results, blobs, tokens, nodes.
+"""The REST API under /v1: jobs, results, blobs (whole or in chunks), tokens, nodes.
 
 Every error is JSON: {"error": <code>, "message": <human-readable text>}. Each resource
 has a module that registers its routes on the one `router`.
 """
 
-from idlegrid.coordinator.api import accounts, blobs, jobs
+from idlegrid.coordinator.api import accounts, blobs, jobs, uploads
 from idlegrid.coordinator.api.common import (
     ApiError,
     error_response,
@@ -22,4 +22,5 @@ __all__ = [
     "jobs",
     "metrics_reader",
     "router",
+    "uploads",
 ]

@@ -9,7 +9,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from idlegrid.blobs import access as blob_access
-from idlegrid.blobs.files import BlobError
+from idlegrid.blobs.files import BlobError, blob_too_large
 from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.api.common import (
     ApiError,
@@ -26,7 +26,6 @@ from idlegrid.protocol import MAX_ID
 from idlegrid.store.base import (
     TokenInfo,
 )
-from idlegrid.units import size_text
 
 
 class BlobOut(BaseModel):
@@ -117,10 +116,4 @@ async def readable(grid: Grid, token: TokenInfo, blob_hash: str) -> None:
 def check_length(request: Request, limit: int) -> None:
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise ApiError(
-            413,
-            "too_large",
-            f"body of {size_text(int(declared))} is over the {size_text(limit)} limit of one "
-            "blob: split the data into several blobs, or ask the operator to raise "
-            "max_blob_bytes",
-        )
+        raise ApiError(413, "too_large", blob_too_large(int(declared), limit))
