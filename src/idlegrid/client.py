@@ -305,7 +305,9 @@ class Client:
             replication=replication,
             priority=priority,
         )
-        return TrainingJob(self, job.id, job._info, base=base)
+        source = Path(model)
+        return TrainingJob(self, job.id, job._info, base=base,
+                           base_path=source if source.is_dir() else None)  # fmt: skip
 
     def generate(
         self,
@@ -506,13 +508,22 @@ class TrainingJob(Job):
     """A training job of a researcher's model, which `save` writes back as a folder."""
 
     def __init__(
-        self, client: Client, job_id: int, info: dict[str, Any] | None, *, base: hf_folder.HFModel
+        self,
+        client: Client,
+        job_id: int,
+        info: dict[str, Any] | None,
+        *,
+        base: hf_folder.HFModel,
+        base_path: Path | None = None,
     ) -> None:
         super().__init__(client, job_id, info)
         self.base = base
+        self.base_path = base_path
 
     def save(self, folder: str | Path) -> Path:
-        """Write the trained model (LoRA adapters merged) as a Hugging Face folder."""
+        """Write the trained model as the job asked: the submitted folder (tokenizer, chat
+        template, generation config) with trained weights, LoRA adapters merged in; or,
+        with `lora={"result": "adapter", ...}`, a PEFT adapter folder for the base."""
         from safetensors.numpy import load
 
         from idlegrid.training.hf_models import LoraSettings
@@ -520,8 +531,7 @@ class TrainingJob(Job):
         lora = ((self._info or self.info())["params"].get("model") or {}).get("lora")
         named = load(self.result_bytes())
         settings = None if lora is None else LoraSettings.model_validate(lora)
-        weights = hf_folder.trained_weights(self.base, named, settings)
-        hf_folder.write_folder(Path(folder), self.base.config, weights, self.base.tokenizer)
+        hf_folder.write_result(Path(folder), self.base, named, settings, base_path=self.base_path)
         return Path(folder)
 
 

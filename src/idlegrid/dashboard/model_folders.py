@@ -24,7 +24,7 @@ from idlegrid.store.base import JobRecord
 from idlegrid.training import hf_folder, hf_models
 
 KIND = "hf-causal-lm"  # the architecture, and the form's name among the job kinds
-FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+FOLDER_FILES = ("config.json", "model.safetensors", "tokenizer.json", *hf_folder.SIDE_FILES)
 IMPORT_TIMEOUT_S = 900.0
 
 
@@ -111,18 +111,18 @@ def offers_folder(job: JobRecord) -> bool:
 
 
 def folder_zip(base_path: Path, result_path: Path, lora: dict[str, Any] | None) -> Path:
-    """A temporary zip of the trained folder: the base's config and tokenizer, the result's
-    weights (or the base with the result's adapters merged in)."""
+    """A temporary zip of the trained folder: the base's config, tokenizer and side files
+    with the result's weights (or the base with the result's adapters merged in); or the
+    PEFT adapter folder, when the job asked for one."""
     from safetensors.numpy import load
 
     base = hf_folder.read_model_blob(base_path.read_bytes(), max_parameters=2**40)
     named = load(result_path.read_bytes())
     settings = None if lora is None else hf_models.LoraSettings.model_validate(lora)
-    weights = hf_folder.trained_weights(base, named, settings)
     handle, name = tempfile.mkstemp(prefix="idlegrid-model-", suffix=".zip")
     os.close(handle)
     with tempfile.TemporaryDirectory(prefix="idlegrid-folder-") as scratch:
-        hf_folder.write_folder(Path(scratch), base.config, weights, base.tokenizer)
+        hf_folder.write_result(Path(scratch), base, named, settings)
         with zipfile.ZipFile(name, "w", zipfile.ZIP_STORED) as archive:
             for file in sorted(Path(scratch).iterdir()):
                 archive.write(file, file.name)

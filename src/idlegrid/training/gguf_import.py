@@ -1,8 +1,9 @@
 """A GGUF file (llama.cpp's format) as a Hugging Face folder a training job takes.
 
 transformers reads GGUF (with the `gguf` package) and dequantizes its tensors to float32;
-the folder gets `config.json` (without the GGUF quantization note), `model.safetensors`
-and the tokenizer's `tokenizer.json`. Client side only: imports transformers (inside
+the folder gets `config.json` (without the GGUF quantization note), `model.safetensors`,
+the tokenizer's `tokenizer.json` and `tokenizer_config.json`, its chat template and
+`generation_config.json`. Client side only: imports transformers (inside
 functions: `load_model` of a folder needs none).
 """
 
@@ -50,7 +51,11 @@ def to_folder(source: Path, folder: Path) -> hf_folder.HFModel:
         if not (name == "lm_head.weight" and hf_folder.hf_models.tied(config))
     }
     folder.mkdir(parents=True, exist_ok=True)
+    # The tokenizer's settings, special tokens and chat template, and the generation
+    # defaults (its end-of-turn token): what makes the folder chat as the GGUF file did.
     tokenizer.save_pretrained(folder)
+    if model.generation_config is not None:
+        model.generation_config.save_pretrained(folder)
     tokenizer_json = folder / "tokenizer.json"
     text = tokenizer_json.read_text() if tokenizer_json.exists() else None
     hf_folder.write_folder(folder, config, weights, text)

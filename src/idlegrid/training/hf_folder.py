@@ -1,13 +1,15 @@
 """A Hugging Face model folder, and the one `model` blob a training job takes of it.
 
-The folder (`config.json`, `model.safetensors`, optionally `tokenizer.json`) travels as
-one idlegrid safetensors container: the weights as float32 tensors under their names, the
-config and the tokenizer's JSON text in the header. `read_model_blob` is the
-coordinator's check of it (ModelError names what is wrong: a tensor, the config, the
-tokenizer, a limit); `write_folder` turns a job's result back into a folder that
-`transformers.AutoModelForCausalLM.from_pretrained` loads. Numpy and safetensors only
-(bfloat16 is widened by hand: numpy has no such type); `tokenizers` is imported inside
-the functions that parse a tokenizer.
+The folder (`config.json`, `model.safetensors`, optionally `tokenizer.json` and the files
+that make it chat: `tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`,
+the special tokens' maps, `SIDE_FILES`) travels as one idlegrid safetensors container: the
+weights as float32 tensors under their names, the config, the tokenizer's JSON text and
+the side files' texts in the header. `read_model_blob` is the coordinator's check of it
+(ModelError names what is wrong: a tensor, the config, the tokenizer, a side file, a
+limit); `write_result` turns a job's result back into the folder that was submitted, its
+weights trained (LoRA merged in), or into a PEFT adapter folder. Numpy and safetensors
+only (bfloat16 is widened by hand: numpy has no such type); `tokenizers` is imported
+inside the functions that parse a tokenizer.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +35,22 @@ MODEL_FORMAT = "idlegrid/hf-model"
 # A `dataset` input of UTF-8 text holds its bytes under this name.
 TEXT_ARRAY = "text"
 _DTYPES = {"F32": "<f4", "F16": "<f2", "F64": "<f8"}
+# The folder's files besides config, weights and tokenizer.json that make the model load and
+# chat as it did: the tokenizer's settings and special tokens, its chat template (in its own
+# file since transformers 4.47; older folders keep it in tokenizer_config.json), and the
+# generation defaults (end-of-turn tokens, sampling).
+SIDE_FILES = (
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+MAX_SIDE_FILE_BYTES = 8 * 2**20
+# A PEFT adapter folder: what `PeftModel.from_pretrained` reads.
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
 class ModelError(ValueError):
@@ -44,6 +62,7 @@ class HFModel:
     config: dict[str, Any]
     weights: dict[str, np.ndarray]  # float32, in the config's parameter order
     tokenizer: str | None  # tokenizer.json's text
+    files: Mapping[str, str] = field(default_factory=dict)  # SIDE_FILES present: their text
 
     @property
     def parameters(self) -> int:
@@ -69,7 +88,46 @@ def read_folder(folder: Path) -> HFModel:
     weights = in_config_order(read_safetensors(weights_path.read_bytes()), config)
     tokenizer_path = folder / "tokenizer.json"
     tokenizer = tokenizer_path.read_text() if tokenizer_path.exists() else None
-    return HFModel(config, weights, tokenizer)
+    files = {name: _side_file(folder / name) for name in SIDE_FILES if (folder / name).is_file()}
+    return HFModel(config, weights, tokenizer, check_side_files(files))
+
+
+def _side_file(path: Path) -> str:
+    if path.stat().st_size > MAX_SIDE_FILE_BYTES:
+        raise ModelError(f"{path.name} is over {MAX_SIDE_FILE_BYTES // 2**20} MiB")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ModelError(f"{path.name} is not UTF-8 text ({exc})") from None
+
+
+def check_side_files(files: object) -> dict[str, str]:
+    """The side files of a model, checked: known names, text within the size limit, JSON
+    objects where the name says JSON, and no tokenizer that asks for remote code."""
+    if files is None:
+        return {}
+    if not isinstance(files, Mapping):
+        raise ModelError("model: the side files must be a JSON object of name -> text")
+    checked = {}
+    for name, text in files.items():
+        if name not in SIDE_FILES:
+            raise ModelError(f"model: {name!r} is not a file a model folder carries; "
+                             f"known: {', '.join(SIDE_FILES)}")  # fmt: skip
+        if not isinstance(text, str) or len(text.encode("utf-8")) > MAX_SIDE_FILE_BYTES:
+            raise ModelError(f"{name} must be text of at most {MAX_SIDE_FILE_BYTES // 2**20} MiB")
+        if name.endswith(".json"):
+            try:
+                parsed = json.loads(text)
+            except ValueError as exc:
+                raise ModelError(f"{name} is not JSON: {exc}") from None
+            if not isinstance(parsed, dict):
+                raise ModelError(f"{name} must be a JSON object")
+            remote = [key for key in hf_models.REMOTE_CODE_KEYS if parsed.get(key)]
+            if remote:
+                raise ModelError(f"{name} asks for remote code ({', '.join(remote)}): refused, "
+                                 "a model is data and never code")  # fmt: skip
+        checked[name] = text
+    return checked
 
 
 def in_config_order(
@@ -129,7 +187,12 @@ def token_dataset_blob(tokens: np.ndarray) -> bytes:
 
 def model_blob(model: HFModel) -> bytes:
     """The `model` input of a training job: weights, config and tokenizer in one file."""
-    header = {"format": MODEL_FORMAT, "config": model.config, "tokenizer": model.tokenizer}
+    header = {
+        "format": MODEL_FORMAT,
+        "config": model.config,
+        "tokenizer": model.tokenizer,
+        "files": dict(model.files),
+    }
     weights = {name: np.asarray(w, dtype=np.float32) for name, w in model.weights.items()}
     return pack(weights, header)
 
@@ -158,7 +221,7 @@ def read_model_blob(blob: bytes, *, max_parameters: int) -> HFModel:
     tokenizer = header.get("tokenizer")
     if tokenizer is not None:
         parse_tokenizer(tokenizer)
-    return HFModel(config, weights, tokenizer)
+    return HFModel(config, weights, tokenizer, check_side_files(header.get("files")))
 
 
 def check_weights(
@@ -224,14 +287,106 @@ def write_folder(
     config: Mapping[str, Any],
     weights: Mapping[str, np.ndarray],
     tokenizer: str | None,
+    files: Mapping[str, str] | None = None,
 ) -> None:
-    """A folder `AutoModelForCausalLM.from_pretrained` loads: config, weights, tokenizer."""
+    """A folder `AutoModelForCausalLM.from_pretrained` loads: config, weights, tokenizer
+    and the side files (tokenizer settings, chat template, generation config)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(dict(config), indent=2, default=str))
     tensors = {name: np.ascontiguousarray(w, dtype=np.float32) for name, w in weights.items()}
     save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_tokenizer(folder, tokenizer, files or {})
+
+
+def _write_tokenizer(folder: Path, tokenizer: str | None, files: Mapping[str, str]) -> None:
     if tokenizer is not None:
-        (folder / "tokenizer.json").write_text(tokenizer)
+        (folder / "tokenizer.json").write_text(tokenizer, encoding="utf-8")
+    for name, text in files.items():
+        (folder / name).write_text(text, encoding="utf-8")
+
+
+def write_result(
+    folder: Path,
+    base: HFModel,
+    named: Mapping[str, np.ndarray],
+    lora: hf_models.LoraSettings | None,
+    *,
+    base_path: Path | None = None,
+) -> str:
+    """The trained model as the job asked for it, in `folder`: the submitted folder with
+    its weights trained (LoRA adapters merged in), or, for `lora.result == "adapter"`, a
+    PEFT adapter folder (`base_path`: the base model's folder, named in its config).
+    Returns what was written: "model" or "adapter"."""
+    if lora is not None and lora.result == "adapter":
+        write_adapter_folder(folder, base, named, lora, base_path=base_path)
+        return "adapter"
+    weights = trained_weights(base, named, lora)
+    write_folder(folder, base.config, weights, base.tokenizer, base.files)
+    return "model"
+
+
+def write_adapter_folder(
+    folder: Path,
+    base: HFModel,
+    named: Mapping[str, np.ndarray],
+    lora: hf_models.LoraSettings,
+    *,
+    base_path: Path | None = None,
+) -> None:
+    """A PEFT LoRA adapter folder (`adapter_config.json`, `adapter_model.safetensors`), with
+    the base's tokenizer and side files, so that `PeftModel.from_pretrained(base, folder)`
+    (or `AutoPeftModelForCausalLM`, through `base_model_name_or_path`) loads it and its
+    tokenizer chats as the base's did."""
+    folder.mkdir(parents=True, exist_ok=True)
+    gpt2 = base.config["model_type"] == "gpt2"
+    tensors = {}
+    for module, _, _ in hf_models.lora_targets(base.config, lora):
+        for which in ("lora_A", "lora_B"):
+            array = np.ascontiguousarray(named[f"{module}.{which}"], dtype=np.float32)
+            tensors[f"base_model.model.{module}.{which}.weight"] = array
+    save_file(tensors, str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": None if base_path is None else str(base_path.resolve()),
+        "r": lora.rank,
+        "lora_alpha": lora.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(lora.targets),
+        "bias": "none",
+        "fan_in_fan_out": gpt2,
+        "use_rslora": False,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (folder / ADAPTER_CONFIG).write_text(json.dumps(adapter, indent=2))
+    _write_tokenizer(folder, base.tokenizer, base.files)
+
+
+def read_adapter_folder(folder: Path) -> tuple[hf_models.LoraSettings, dict[str, np.ndarray]]:
+    """The LoRA settings and adapters (idlegrid's names) of a PEFT adapter folder that
+    `write_adapter_folder` wrote (or peft saved with the same settings)."""
+    try:
+        adapter = json.loads((folder / ADAPTER_CONFIG).read_text())
+    except FileNotFoundError:
+        raise ModelError(f"{folder} has no {ADAPTER_CONFIG}") from None
+    except ValueError as exc:
+        raise ModelError(f"{ADAPTER_CONFIG} is not JSON: {exc}") from None
+    if adapter.get("peft_type") != "LORA" or adapter.get("use_rslora"):
+        raise ModelError(f"{ADAPTER_CONFIG}: only plain LoRA adapters (peft_type LORA, "
+                         "no rsLoRA) are read")  # fmt: skip
+    targets = adapter.get("target_modules") or []
+    try:
+        lora = hf_models.LoraSettings(
+            rank=adapter["r"], alpha=adapter["lora_alpha"], targets=tuple(targets)
+        )
+    except (KeyError, ValueError) as exc:
+        raise ModelError(f"{ADAPTER_CONFIG}: {exc}") from None
+    named = {}
+    for name, array in read_safetensors((folder / ADAPTER_WEIGHTS).read_bytes()).items():
+        stem = name.removeprefix("base_model.model.").removesuffix(".weight")
+        named[stem.replace(".default", "")] = array
+    return lora, named
 
 
 def trained_weights(
@@ -244,7 +399,11 @@ def trained_weights(
     merged = dict(base.weights)
     gpt2 = base.config["model_type"] == "gpt2"
     for module, _, _ in hf_models.lora_targets(base.config, lora):
-        delta = lora.scale * named[f"{module}.lora_B"] @ named[f"{module}.lora_A"]
+        try:
+            a, b = named[f"{module}.lora_A"], named[f"{module}.lora_B"]
+        except KeyError:
+            raise ModelError(f"the adapters have no {module}.lora_A and lora_B") from None
+        delta = lora.scale * b @ a
         name = f"{module}.weight"
         merged[name] = merged[name] + (delta.T if gpt2 else delta)
     return merged

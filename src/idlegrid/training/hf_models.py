@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -38,6 +38,11 @@ class LoraSettings(BaseModel):
     rank: int = Field(default=8, ge=1, le=1024)
     alpha: float = Field(default=16.0, gt=0.0, le=1e6)
     targets: tuple[str, ...] = Field(default=("q_proj", "v_proj"), min_length=1, max_length=8)
+    result: Literal["merged", "adapter"] = Field(
+        default="merged",
+        description="what the trained model comes back as: the model folder with the "
+        "adapters merged into its weights, or a PEFT adapter folder",
+    )
 
     @field_validator("targets")
     @classmethod
