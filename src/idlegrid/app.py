@@ -87,10 +87,13 @@ def _lifespan(
             store, settings.data_dir, interval_s=settings.web_export_interval_s
         )
         await exporter.start()
+        builder = dashboard.wheel_builder(app)  # /download's wheel, if missing and buildable
+        await builder.start()
         app.state.grid = grid
         try:
             yield
         finally:
+            await builder.stop()
             await exporter.stop()
             await monitor.stop()
             await swarm.stop()

@@ -8,8 +8,8 @@ import html
 import re
 import shlex
 
-from conftest import Api
-from test_dashboard import Browser
+from conftest import Api, off_loop
+from test_dashboard import Browser, _set_login
 
 from idlegrid import __version__
 from idlegrid.dashboard.downloads import node_commands
@@ -57,16 +57,36 @@ def test_the_download_page_lists_what_was_built_with_its_sha256(api: Api) -> Non
     assert hashlib.sha256(b"a rebuilt wheel").hexdigest() in api.client.get("/download").text
 
 
-def test_a_package_not_built_says_how_to_build_it(api: Api) -> None:
+def test_a_package_not_built_is_answered_without_server_paths(api: Api) -> None:
+    data_dir = str(api.settings.data_dir)
     page = api.client.get("/download")
-    assert "No package was built" in page.text and "scripts/build-downloads.sh" in page.text
+    assert "No worker package is served here yet" in page.text
+    assert data_dir not in page.text and "--data-dir" not in page.text
     assert api.client.get("/download/..%2Fidlegrid.db").status_code == 404
     for name in (WHEEL, "notes.txt", "idlegrid.db", "idlegrid-worker-linux-x86_64"):
         missing = api.client.get(f"/download/{name}")
         assert missing.status_code == 404, name
         assert missing.headers["content-type"].startswith("text/html")
-        assert "scripts/build-downloads.sh --data-dir" in missing.text
-        assert str(api.settings.data_dir) in missing.text
+        assert data_dir not in missing.text and "--data-dir" not in missing.text, name
+    assert "not built on this coordinator yet" in api.client.get(f"/download/{WHEEL}").text
+    assert "not a package this coordinator serves" in api.client.get("/download/notes.txt").text
+    # The operator, signed in as an admin, is told how to build them, and where.
+    off_loop(_set_login(api, "operator", "admin"))
+    operator = Browser(api.client)
+    assert operator.sign_in("operator").status_code == 303
+    page = operator.get("/download")
+    assert f"scripts/build-downloads.sh --data-dir {data_dir}" in html.unescape(page.text)
+
+
+def test_with_nothing_built_add_a_node_names_no_source_checkout(api: Api) -> None:
+    browser = Browser(api.client)
+    browser.sign_up("nina")
+    page = html.unescape(browser.post("/my/nodes/add", {"name": ""}).text)
+    assert "serves no worker package yet" in page
+    assert "checkout" not in page and 'pip install ".' not in page and "pip install -e" not in page
+    commands = re.findall(r'<code class="command">([^<]+)</code>', page)
+    assert len(commands) == 2  # saving the token and starting the worker; no install command
+    assert "idlegrid worker --server http://testserver" in commands[1]
 
 
 def test_add_node_commands_keep_the_token_off_the_command_line(api: Api) -> None:
@@ -108,4 +128,4 @@ def test_which_files_are_served_and_which_commands_they_give() -> None:
     )
     assert only_binary[-1][1].startswith("./idlegrid-worker --server http://c:8000 --token-file")
     nothing = node_commands("http://c:8000", [])
-    assert "a checkout of idlegrid's source" in nothing[0][0]
+    assert "serves no worker package yet" in nothing[0][0] and nothing[0][1] == ""

@@ -147,6 +147,13 @@ def main(debug: bool) -> None:
     default=None,
     help="Port of the bootstrap DHT peer (env IDLEGRID_P2P_PORT); default: any free one.",
 )
+@click.option(
+    "--build-downloads/--no-build-downloads",
+    default=None,
+    help="Build the worker wheel /download serves at start when DATA_DIR/downloads lacks "
+    "this version's and this install is a source checkout (seconds); default on "
+    "(env IDLEGRID_BUILD_DOWNLOADS). The one-file worker: scripts/build-downloads.sh.",
+)
 @click.option("--log-level", default="info", show_default=True)
 def serve(
     data_dir: Path,
@@ -164,6 +171,7 @@ def serve(
     p2p: str | None,
     p2p_host: str | None,
     p2p_port: int | None,
+    build_downloads: bool | None,
     log_level: str,
 ) -> None:
     """Run the coordinator: the REST API and the node WebSocket.
@@ -199,6 +207,7 @@ def serve(
         p2p=p2p or os.environ.get("IDLEGRID_P2P") or "auto",
         p2p_host=p2p_host,
         p2p_port=p2p_port,
+        build_downloads=_flag("IDLEGRID_BUILD_DOWNLOADS", build_downloads, default=True),
     )
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -214,6 +223,14 @@ def serve(
     click.echo(f"peer-to-peer training: {p2p_plan(settings)}")
     sys.stdout.flush()
     _run_profiled(lambda: server.run(sockets=[sock]), os.environ.get("IDLEGRID_PROFILE", ""))
+
+
+def _flag(variable: str, given: bool | None, *, default: bool) -> bool:
+    """A flag given on the command line, else its environment variable, else `default`."""
+    if given is not None:
+        return given
+    raw = os.environ.get(variable, "")
+    return raw.lower() in {"1", "true", "yes", "on"} if raw else default
 
 
 def p2p_plan(settings: Any) -> str:

@@ -27,12 +27,15 @@ from idlegrid.dashboard import (
 from idlegrid.dashboard.exports import Exporter
 from idlegrid.dashboard.forms import answer_invalid
 from idlegrid.dashboard.pages import (
+    Dashboard,
     PageError,
     SignInRequired,
     dashboard_of,
     finish,
     make_dashboard,
 )
+from idlegrid.dashboard.shelf import Shelf
+from idlegrid.dashboard.wheel_build import WheelBuilder
 from idlegrid.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
@@ -40,7 +43,15 @@ STATIC = Path(__file__).parent / "static"
 # Paths that answer JSON whatever the error: the API, the probes, the upload endpoints.
 _JSON_PATHS = ("/v1/", "/healthz", "/metrics", "/research/uploads", "/static/")
 
-__all__ = ["Exporter", "answer_invalid", "error_page", "mount", "wants_html"]
+__all__ = [
+    "Exporter",
+    "WheelBuilder",
+    "answer_invalid",
+    "error_page",
+    "mount",
+    "wants_html",
+    "wheel_builder",
+]
 
 
 def mount(app: FastAPI, settings: CoordinatorSettings) -> None:
@@ -64,6 +75,15 @@ def mount(app: FastAPI, settings: CoordinatorSettings) -> None:
         response = RedirectResponse("/signin?" + _query({"next": target}), status_code=303)
         finish(request, response)
         return response
+
+
+def wheel_builder(app: FastAPI) -> WheelBuilder:
+    """What builds /download's wheel when it is missing (if `build_downloads` asks), for
+    the app's lifespan to start and stop; /download reads how it went."""
+    dash: Dashboard = app.state.dashboard
+    builder = WheelBuilder(dash.settings.download_dir, enabled=dash.settings.build_downloads)
+    dash.shelf = Shelf(dash.settings.download_dir, builder=builder)
+    return builder
 
 
 def _query(values: dict[str, str]) -> str:

@@ -1,6 +1,10 @@
 """The coordinator serves its own worker: `/download` lists the packages built into its
-data directory (`scripts/build-downloads.sh`), each with its SHA-256, and the commands
-that install a worker against this coordinator with the node token in a private file.
+data directory (its wheel by `idlegrid serve` at start, `wheel_build.py`; any of them by
+`scripts/build-downloads.sh`), each with its SHA-256, and the commands that install a
+worker against this coordinator with the node token in a private file.
+
+Only admins see where the data directory is and what the build said; anyone else is
+told whether a package is coming, never a server path.
 """
 
 from __future__ import annotations
@@ -11,7 +15,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, PlainTextResponse, Response
 
 from idlegrid.dashboard.pages import PageError, Viewer, dashboard_of, finish, render
-from idlegrid.dashboard.shelf import BINARY, Package, Shelf
+from idlegrid.dashboard.shelf import BINARY, Package, Shelf, wanted
+from idlegrid.dashboard.wheel_build import BuildState
+from idlegrid.store.web import WebSession
 
 router = APIRouter()
 # Where the volunteer's worker keeps its node token; only its owner may read the file.
@@ -56,12 +62,14 @@ def node_commands(server: str, packages: list[Package], *, name: str = "") -> li
 
 
 def install_wheel(server: str, wheel: Package | None) -> tuple[str, str]:
-    """pip's command for this coordinator's wheel (pip checks the hash in the URL)."""
+    """pip's command for this coordinator's wheel (pip checks the hash in the URL); with
+    none served yet, no command: a step that says so (the step's command is empty)."""
     if wheel is None:
         return (
-            "Install the worker from a checkout of idlegrid's source "
-            "(this coordinator serves no package yet)",
-            'python3 -m pip install ".[worker]"',
+            "This coordinator serves no worker package yet: its operator builds one (the "
+            "coordinator builds its wheel at start where it can). Reload this page once "
+            "/download lists it.",
+            "",
         )
     url = f"{server}/download/{wheel.name}#sha256={wheel.sha256}"
     return (
@@ -81,9 +89,26 @@ def install_binary(server: str, binary: Package) -> tuple[str, str]:
     )
 
 
+def build_note(shelf: Shelf, session: WebSession | None, data_dir: object) -> tuple[str, str]:
+    """(what anyone is told, what only an admin is told) about packages not served yet."""
+    builder = shelf.builder
+    if builder is not None and builder.state is BuildState.BUILDING:
+        return "The worker package is being built (seconds): reload this page.", ""
+    public = (
+        "No worker package is served here yet: its operator builds one, and this page "
+        "lists it then."
+    )
+    if session is None or not session.account.is_admin:
+        return public, ""
+    why = f" ({builder.reason})" if builder is not None and builder.reason else ""
+    return public, f"Build them with: {BUILD.format(data_dir=data_dir)}{why}"
+
+
 @router.get("/download", response_class=HTMLResponse)
 async def download_page(request: Request, session: Viewer) -> Response:
-    packages = await shelf_of(request).packages()
+    shelf = shelf_of(request)
+    packages = await shelf.packages()
+    note, admin_note = build_note(shelf, session, dashboard_of(request).settings.data_dir)
     return await render(
         request,
         "download.html",
@@ -94,7 +119,8 @@ async def download_page(request: Request, session: Viewer) -> Response:
             for p in packages
             if not p.is_wheel and not p.name.endswith(".tar.gz")
         ],
-        build=BUILD.format(data_dir=dashboard_of(request).settings.data_dir),
+        note=note,
+        admin_note=admin_note,
     )
 
 
@@ -112,11 +138,17 @@ async def download(request: Request, name: str) -> Response:
     shelf = shelf_of(request)
     package = await shelf.find(name)
     if package is None:
-        build = BUILD.format(data_dir=dashboard_of(request).settings.data_dir)
+        if not wanted(name):
+            raise PageError(404, f"{name} is not a package this coordinator serves: "
+                            "/download lists those it does.", title="Not found")  # fmt: skip
+        builder = shelf.builder
+        if builder is not None and builder.state is BuildState.BUILDING:
+            raise PageError(404, f"{name} is being built: try again in a few seconds.",
+                            title="Being built")  # fmt: skip
         raise PageError(
             404,
-            f"{name} was not built on this coordinator. Its operator builds the packages "
-            f"it serves with: {build}",
+            f"{name} is not built on this coordinator yet: its operator builds it, and "
+            "/download lists it then.",
             title="Not built",
         )
     response = FileResponse(

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from idlegrid import __version__
+from idlegrid.dashboard.wheel_build import WheelBuilder
 
 BINARY = re.compile(r"idlegrid-worker-(linux|macos|windows)-(x86_64|aarch64|arm64)(\.exe)?")
 
@@ -53,8 +54,10 @@ def wanted(name: str) -> bool:
 class Shelf:
     """The download directory's packages, each file hashed once per size and mtime."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, *, builder: WheelBuilder | None = None) -> None:
         self.directory = directory
+        # What builds the wheel when it is missing (`idlegrid serve`), and how that went.
+        self.builder = builder
         self._hashes: dict[tuple[str, int, int], str] = {}
 
     async def packages(self) -> list[Package]:

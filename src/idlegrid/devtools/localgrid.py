@@ -63,6 +63,8 @@ class LocalGrid:
             "IDLEGRID_BACKOFF_MAX_S": str(backoff_max_s),
             "IDLEGRID_WORKER_BACKOFF_MAX_S": str(backoff_max_s),
             "IDLEGRID_P2P": "auto" if p2p else "off",
+            # Test and demo grids serve no /download: no wheel build at each start.
+            "IDLEGRID_BUILD_DOWNLOADS": "false",
             **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
             **(extra_env or {}),
         }
