@@ -175,6 +175,10 @@ class CoordinatorSettings:
     web_signin_window_s: float = 900.0
     # Bytes a researcher's uploads from the browser may take in all.
     web_upload_quota_bytes: int = 1024 * MIB
+    # Build the worker wheel that /download serves when the data directory lacks this
+    # version's and this install can (a source checkout): `idlegrid serve` asks for it;
+    # embedded apps and tests leave it to the operator (scripts/build-downloads.sh).
+    build_downloads: bool = False
     # The statistics exports (users, teams, nodes) are written this often.
     web_export_interval_s: float = 86_400.0
     # Peer-to-peer training rounds (the p2p extra, docs/training.md): "auto" runs a
@@ -326,9 +330,6 @@ class WorkerSettings:
     # "public" a full peer, "client" Hivemind's client mode (behind NAT: connects out
     # only), "auto" client mode only when the DHT is public and this machine is not.
     p2p_reachability: str = "auto"
-    # Sequences llm-generate decodes together in one model context (fewer where the
-    # memory does not hold their KV caches); 1: one prompt after another.
-    sequences: int = 32
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:
