@@ -61,6 +61,9 @@ class CoordinatorSettings:
     min_lease_s: float = 120.0
     max_lease_s: float = 6 * 3600.0
     lease_slack: float = 4.0
+    # A job whose estimated time on the connected fleet (policy/sizing.py) is longer than
+    # this gets a warning with the estimate at submission.
+    estimate_warning_s: float = 600.0
     # A node may still read a task's blobs (and upload its output) this long after the
     # task ended or its lease ran out.
     blob_grace_s: float = 600.0

@@ -169,8 +169,10 @@ def _lease_s(assign: dict[str, Any], clock: Clock) -> float:
 
 async def test_a_node_claiming_to_be_slow_gets_no_longer_lease(grid: Grid, clock: Clock) -> None:
     slow = protocol.Benchmark(matmul_gflops=1e-300, kind_rates={"sleep": 1e-300})
-    node = await _node(grid, benchmark=slow)
+    # Submitted before the node connects: with it connected, the job is refused (no
+    # connected node would finish a shard within its lease, by what it says).
     await _submit(grid, tasks=2, seconds=30.0)
+    node = await _node(grid, benchmark=slow)
     assign = await _take(grid, node)
     # 30 GFLOP at the kind's default 1 GFLOPS x slack 4: what the node said counts for nothing.
     assert _lease_s(assign, clock) == pytest.approx(120.0)

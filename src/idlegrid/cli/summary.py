@@ -15,6 +15,8 @@ from rich.table import Table
 from idlegrid.cli.progress import waiting_note
 
 SHARDS_SHOWN = 50
+# Kinds whose shards are cut by tokens: their progress reads in tokens.
+TOKEN_KINDS = ("llm-generate",)
 
 
 def local_time(epoch: float | None) -> str:
@@ -55,6 +57,16 @@ def job_lines(info: dict[str, Any], *, now: float | None = None) -> list[str]:
         f"job {info['id']}: {info['kind']}, {info['state']}",
         f"  progress     {done}/{total} shards ({info['progress']:.0%}), "
         f"{info['items_total']} items, {info['tasks_completed']} tasks run",
+    ]
+    if info["kind"] in TOKEN_KINDS and info.get("shards") is not None:
+        lines.append(f"  tokens       {_tokens(info)}")
+    estimate = info.get("estimate")
+    if estimate:
+        lines.append(
+            f"  estimate     about {duration(estimate['seconds'])} left on "
+            f"{estimate['nodes']} connected node(s) that can run it"
+        )
+    lines += [
         f"  replication  {_replication(info)}",
         f"  created      {local_time(info['created_at'])}",
     ]
@@ -75,6 +87,16 @@ def job_lines(info: dict[str, Any], *, now: float | None = None) -> list[str]:
     counts = ", ".join(f"{n} {state}" for state, n in sorted(info["shard_counts"].items()))
     lines.append(f"  shards       {counts or 'none'}")
     return lines
+
+
+def _tokens(info: dict[str, Any]) -> str:
+    """A generation job's progress in tokens (prompt plus max_tokens, the unit its shards
+    are cut by), running shards counted by their reported progress."""
+    total = int(info["items_total"])
+    done = int(sum(s["items"] * (1.0 if s["state"] == "done" else s["progress"])
+                   for s in info["shards"]))  # fmt: skip
+    share = done / total if total else 1.0
+    return f"{done:,}/{total:,} tokens ({share:.0%}, prompt plus max_tokens)"
 
 
 def _replication(info: dict[str, Any]) -> str:

@@ -46,6 +46,7 @@ from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.coordinator.stalemate import Stalemates
 from idlegrid.coordinator.verifier import Verifier
+from idlegrid.policy import sizing
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store
 from idlegrid.store.base import (
@@ -215,6 +216,14 @@ class Grid:
             + await self.stalemates.waiting_for(job)
             + await self.stalemates.build_waits(job)
         )
+
+    async def estimate(self, job: JobRecord) -> sizing.Estimate | None:
+        """How long a live job's remaining work takes on the nodes connected now."""
+        return await self.intake.estimate(job)
+
+    def submission_notes(self, job_id: int) -> list[str]:
+        """What sizing told of a job just submitted here: shards cut, a long estimate."""
+        return self.intake.submission_notes(job_id)
 
     async def doubts(self, job: JobRecord) -> list[str]:
         """An ended job's shards that rested on the word of a checker caught lying since,

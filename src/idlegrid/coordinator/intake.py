@@ -1,27 +1,33 @@
-"""Job intake: a researcher's job validated, split into shards, stored and queued.
+"""Job intake: a researcher's job validated, split into shards, sized against the
+connected fleet (coordinator/estimates.py), stored and queued.
 
-Also what a live job waits for that the fleet cannot give, and its cancellation.
+Also what a live job waits for that the fleet cannot give, how long it will take, and
+its cancellation.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
 from idlegrid.blobs.files import StoredInputs, is_blob_hash
 from idlegrid.coordinator import quota_checks as quotas
 from idlegrid.coordinator.context import Context, FanOut
+from idlegrid.coordinator.estimates import Estimates, Sized, TooLong
 from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.matching import Matcher
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import KindParams, ShardSpec, TaskKind, get_kind
 from idlegrid.kinds.base import Pool
-from idlegrid.policy import availability, sybil
+from idlegrid.policy import availability, sizing, sybil
 from idlegrid.store.base import JobRecord, NewJob, NewShard
 
 log = logging.getLogger(__name__)
+
+NOTES_KEPT = 256  # jobs whose submission notes wait for the answer that reads them
 
 
 class JobInputError(ValueError):
@@ -40,6 +46,8 @@ class Intake:
     ) -> None:
         self._ctx = ctx
         self._fleet = fleet
+        self._estimates = Estimates(ctx, fleet)
+        self._notes: OrderedDict[int, list[str]] = OrderedDict()
         self._fanout = fanout
         self._matcher = matcher
         self._rounds = rounds
@@ -63,7 +71,16 @@ class Intake:
         if pool is not None:
             parsed = kind.with_pool(parsed, await self._admit_pool(pool, replication))
         limited = await quotas.check_new_job(self._ctx.store, self._ctx.settings, account_id)
-        parsed, specs = await asyncio.to_thread(self._split, kind, parsed, inputs, limited)
+        settings = self._ctx.settings
+        replication = replication or kind.default_replication or settings.default_replication
+        parsed, cut = await asyncio.to_thread(self._split, kind, parsed, inputs)
+        sized = await self._sized(kind, parsed, inputs, cut, replication)
+        parsed = sized.params
+        if limited:
+            quotas.check_shards(settings, len(sized.specs))
+        hashes = await asyncio.to_thread(
+            self._ctx.blobs.put_many, [spec.payload for spec in sized.specs]
+        )
         shards = [
             NewShard(
                 index=s.index,
@@ -72,10 +89,8 @@ class Intake:
                 items=s.items,
                 cost_flops=s.cost_flops,
             )
-            for s, h in specs
+            for s, h in zip(sized.specs, hashes, strict=True)
         ]
-        settings = self._ctx.settings
-        replication = replication or kind.default_replication or settings.default_replication
         if max_total_results is not None and max_total_results < replication:
             raise JobInputError(
                 f"max_total_results ({max_total_results}) is below replication ({replication})"
@@ -102,7 +117,40 @@ class Intake:
         log.info(
             "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
         )
+        self._notes[record.id] = sized.notes
+        while len(self._notes) > NOTES_KEPT:
+            self._notes.popitem(last=False)
         return record
+
+    async def _sized(
+        self,
+        kind: TaskKind,
+        params: KindParams,
+        inputs: Mapping[str, str],
+        specs: list[ShardSpec],
+        replication: int,
+    ) -> Sized:
+        """The job's shards fitted to the leases of the connected nodes that can run it
+        (cut smaller, or refused: JobInputError), with the estimate's warning."""
+        speeds = await self._estimates.speeds(kind, params)
+        data = StoredInputs(self._ctx.blobs, inputs)
+
+        def resplit(cut: KindParams) -> list[ShardSpec]:
+            return kind.split(data, cut)
+
+        try:
+            sized = await asyncio.to_thread(self._estimates.fit, kind, params, specs, speeds,
+                                            resplit)  # fmt: skip
+        except TooLong as exc:
+            raise JobInputError(str(exc)) from None
+        stages = kind.work_stages(sized.params, [s.cost_flops for s in sized.specs], replication)
+        estimate = sizing.estimate(stages, speeds)
+        return Sized(sized.params, sized.specs, sized.notes + self._estimates.warnings(estimate))
+
+    def submission_notes(self, job_id: int) -> list[str]:
+        """What sizing told of a job this process just accepted (shards cut, a long
+        estimate), once."""
+        return self._notes.pop(job_id, [])
 
     async def resubmit(self, job: JobRecord) -> JobRecord:
         """A new job of an ended job's shards that did not complete (failed, or ended with
@@ -199,18 +247,18 @@ class Intake:
                 raise JobInputError(f"input {name!r}: no blob {blob_hash}; upload it first")
 
     def _split(
-        self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str], limited: bool
-    ) -> tuple[KindParams, list[tuple[ShardSpec, str]]]:
+        self, kind: TaskKind, params: KindParams, inputs: Mapping[str, str]
+    ) -> tuple[KindParams, list[ShardSpec]]:
         """The job's params with what the kind derives from its inputs, and its shards
-        with their payloads stored (none stored when they are over the quota)."""
-        blobs = self._ctx.blobs
-        data = StoredInputs(blobs, inputs)
+        (their payloads stored once sizing has settled them)."""
+        data = StoredInputs(self._ctx.blobs, inputs)
         params = kind.derive_params(data, params)
-        specs = kind.split(data, params)
-        if limited:
-            quotas.check_shards(self._ctx.settings, len(specs))
-        hashes = blobs.put_many([spec.payload for spec in specs])
-        return params, list(zip(specs, hashes, strict=True))
+        return params, kind.split(data, params)
+
+    async def estimate(self, job: JobRecord) -> sizing.Estimate | None:
+        """How long the job's remaining work takes on the nodes connected now (None: it
+        ended, or no connected node can run it)."""
+        return await self._estimates.remaining(job)
 
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words; [] if nothing:

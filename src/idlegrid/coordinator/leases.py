@@ -12,13 +12,13 @@ a new task (`Leases.replenish`, which also fails shards out of attempts).
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Sequence
 
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.hub import NodeSession
 from idlegrid.kinds import UnknownKind, get_kind
+from idlegrid.policy import sizing
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store.base import NodeTask, ReadyTask
 
@@ -40,10 +40,13 @@ def lease_for(
     """Lease length for a shard of nominal `cost_flops` on a node measured at
     `measured_flops` FLOP/s for the kind (None: not measured yet)."""
     speed = measured_flops if measured_flops and measured_flops > 0 else default_speed(kind)
-    estimate = max(0.0, cost_flops) / speed * settings.lease_slack
-    if not math.isfinite(estimate):
-        estimate = settings.max_lease_s
-    return min(settings.max_lease_s, max(settings.min_lease_s, estimate))
+    return sizing.lease_seconds(cost_flops, speed, lease_rule(settings))
+
+
+def lease_rule(settings: CoordinatorSettings) -> sizing.LeaseRule:
+    return sizing.LeaseRule(
+        slack=settings.lease_slack, min_s=settings.min_lease_s, max_s=settings.max_lease_s
+    )
 
 
 def default_speed(kind: str) -> float:

@@ -289,6 +289,10 @@ class TaskKind(ABC):
     # Speed (GFLOPS of a shard's nominal cost) the coordinator assumes of a node it has
     # not yet timed on this kind, for its leases: a slow machine's.
     default_gflops: ClassVar[float] = 1.0
+    # The share of a node's benchmarked matmul GFLOPS (its `Benchmark.matmul_gflops`)
+    # that this kind's tasks reach in FLOP/s of their nominal cost: a node's speed for the
+    # kind before the coordinator has timed it (policy/sizing.py), for estimates only.
+    benchmark_share: ClassVar[float] = 0.25
     # Whether a node may hold a task of this kind in its buffer (`--prefetch`), beyond
     # its slots. False where a job's shards must run side by side (a training round):
     # one node buffering a round's shards would leave other nodes idle and the round
@@ -346,6 +350,26 @@ class TaskKind(ABC):
     def requirements(self, params: KindParams) -> Requirements:
         """Hardware a node needs to run a shard of this job."""
         return Requirements()
+
+    def work_stages(
+        self, params: KindParams, shard_costs: Sequence[float], replication: int
+    ) -> list[list[float]]:
+        """The job's tasks as stages run one after another, each the nominal costs (FLOPs)
+        of tasks that may run at once: by default one stage of every shard's `replication`
+        tasks (of a kind verified by checks: its outputs; a check is a prefill pass)."""
+        copies = 1 if self.checks else max(1, replication)
+        return [[cost for cost in shard_costs for _ in range(copies)]]
+
+    def cut(self, params: KindParams, max_cost: float) -> KindParams | None:
+        """Settings that cut the job into shards of at most `max_cost` FLOPs where they
+        can be (the job is split again with them); None: this kind's shards are as its
+        settings make them, and only other settings make them smaller."""
+        return None
+
+    def describe_shard(self, spec: ShardSpec, params: KindParams) -> tuple[str, str]:
+        """A shard in the researcher's words, for a refusal: what it is, and which
+        settings make it smaller."""
+        return f"shard {spec.index} ({spec.items:,} items)", "make the job's shards smaller"
 
     @abstractmethod
     def run(self, payload: bytes, params: KindParams, ctx: RunContext) -> bytes:

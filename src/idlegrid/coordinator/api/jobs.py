@@ -23,7 +23,7 @@ from idlegrid.coordinator.api.common import (
     router,
     validation_message,
 )
-from idlegrid.coordinator.api.views import JobOut, job_out
+from idlegrid.coordinator.api.views import JobOut, estimate_out, job_out
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.intake import JobInputError
 from idlegrid.coordinator.jobwatch import RECHECK_S
@@ -112,7 +112,8 @@ async def create_job(body: JobCreate, token: Researcher, grid: GridDep) -> JobOu
         raise ApiError(exc.status, "quota_exceeded", exc.message) from None
     out = await job_out(grid, job, with_shards=False)
     out.waiting_for = await grid.waiting_for(job)
-    out.warnings = _submission_warnings(job, out.waiting_for)
+    out.warnings = grid.submission_notes(job.id) + _submission_warnings(job, out.waiting_for)
+    out.estimate = estimate_out(await grid.estimate(job))
     return out
 
 
@@ -167,6 +168,8 @@ async def get_job(
     if not shards:
         out.waiting_for = await grid.waiting_for(job)
         out.doubts = await grid.doubts(job)
+    else:  # it reads every shard: with the shard list, not in a progress bar's long polls
+        out.estimate = estimate_out(await grid.estimate(job))
     return out
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pydantic import BaseModel, Field
 
 from idlegrid.coordinator.api.common import BlobHash
 from idlegrid.coordinator.grid import Grid
+from idlegrid.policy.sizing import Estimate
 from idlegrid.store.base import (
     JobRecord,
     NodeRecord,
@@ -26,6 +28,12 @@ class ShardOut(BaseModel):
     error: str | None = Field(
         default=None, description="why the shard failed (None unless it failed)"
     )
+
+
+class EstimateOut(BaseModel):
+    seconds: float = Field(description="the job's remaining work on the nodes connected now")
+    nodes: int = Field(description="connected nodes that can run it")
+    slots: int = Field(description="their task slots")
 
 
 class JobOut(BaseModel):
@@ -54,6 +62,12 @@ class JobOut(BaseModel):
     warnings: list[str] = Field(
         default_factory=list,
         description="at submission: what will keep the job waiting, with the fix",
+    )
+    estimate: EstimateOut | None = Field(
+        default=None,
+        description="how long its remaining work takes on the connected nodes that can run "
+        "it, from their measured speeds or benchmarks (submission, and the single-job view "
+        "with its shards; None: it ended, or no connected node can run it)",
     )
     doubts: list[str] = Field(
         default_factory=list,
@@ -173,3 +187,10 @@ def node_out(node: NodeRecord, *, online: bool, now: float, activity: str = "") 
         activity=activity,
         **credit_out(node.credit, now),
     )
+
+
+def estimate_out(estimate: Estimate | None) -> EstimateOut | None:
+    if estimate is None or not math.isfinite(estimate.seconds):
+        return None
+    return EstimateOut(seconds=round(estimate.seconds, 1), nodes=estimate.nodes,
+                       slots=estimate.slots)  # fmt: skip

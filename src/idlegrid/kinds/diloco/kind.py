@@ -171,6 +171,20 @@ class DilocoKind(TaskKind):
             )
         return Requirements(min_memory_mb=256 + math.ceil(4 * copies * count / 2**20))
 
+    def work_stages(
+        self, params: KindParams, shard_costs: Sequence[float], replication: int
+    ) -> list[list[float]]:
+        """Its rounds one after another, each `workers` training tasks (times replication)."""
+        assert isinstance(params, DilocoParams)
+        copies = params.workers * max(1, replication)
+        return [[train_flops(params, r)] * copies for r in range(params.rounds)]
+
+    def describe_shard(self, spec: ShardSpec, params: KindParams) -> tuple[str, str]:
+        assert isinstance(params, DilocoParams)
+        return (f"a round's training task ({spec.items:,} inner steps of "
+                f"{params.inner.batch_size} windows of {params.inner.seq_len} tokens)",
+                "lower inner.steps (more rounds of fewer steps) or inner.batch_size")  # fmt: skip
+
     def pool(self, params: KindParams) -> Pool | None:
         assert isinstance(params, DilocoParams)
         if params.averaging != "p2p" or params.pool is None:

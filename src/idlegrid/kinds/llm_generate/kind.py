@@ -54,6 +54,10 @@ from idlegrid.kinds.llm_generate.shard import (
 )
 from idlegrid.kinds.llm_generate.tokens import count_tokens
 
+# FLOP/s of a node's llama.cpp (two FLOPs per weight per token, prompt and generated)
+# over its benchmark's matmul GFLOPS: 0.17 to 0.28 on SmolLM2-135M Q4_1 on this project's
+# 2-core VM (benchmarks/llm_benchmark_share.py, docs/llm-generate.md).
+BENCHMARK_SHARE = 0.2
 # The context a shard's model is loaded with is rounded up to this many tokens, so that
 # shards of one job (and jobs of one model) share a loaded model.
 CONTEXT_STEP = 256
@@ -76,6 +80,9 @@ class LlmGenerateKind(TaskKind):
     default_replication = 2
     # The loaded model stays in the task process for the next shard of it (runtime.Models).
     holds_state = True
+    # llama.cpp's decoding is bound by memory, not arithmetic: a small share of a node's
+    # matmul peak (measured: docs/llm-generate.md, "A job sized against its fleet").
+    benchmark_share = BENCHMARK_SHARE
 
     def derive_params(self, inputs: Mapping[str, bytes], params: KindParams) -> KindParams:
         assert isinstance(params, LlmGenerateParams)
@@ -120,6 +127,22 @@ class LlmGenerateKind(TaskKind):
             group.append(_payload_prompt(prompt, count))
         shards.append(_shard(len(shards), model, group, params, facts))
         return shards
+
+    def cut(self, params: KindParams, max_cost: float) -> KindParams | None:
+        """A token budget whose shards cost at most `max_cost` (a prompt over it stays a
+        shard of its own)."""
+        assert isinstance(params, LlmGenerateParams)
+        budget = int(max_cost // facts_of(params).flops_per_token())
+        if budget >= params.token_budget:
+            return None
+        return params.model_copy(update={"token_budget": max(16, budget)})
+
+    def describe_shard(self, spec: ShardSpec, params: KindParams) -> tuple[str, str]:
+        numbers = sorted(p.index + 1 for p in read_payload(spec.payload).prompts)
+        named = ", ".join(map(str, numbers[:3])) + (", ..." if len(numbers) > 3 else "")
+        lines = f"line{'s' if len(numbers) > 1 else ''} {named}"
+        return (f"prompts {lines} ({spec.items:,} tokens with max_tokens)",
+                "lower max_tokens, or shorten the prompt")  # fmt: skip
 
     def requirements(self, params: KindParams) -> Requirements:
         assert isinstance(params, LlmGenerateParams)
