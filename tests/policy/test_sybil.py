@@ -69,3 +69,20 @@ def test_the_shortfall_names_the_axis_that_binds_and_its_fix() -> None:
     assert (
         replication_shortfall(3, one_lab, distinct_accounts=True, distinct_networks=False) is None
     )
+
+
+def test_too_few_nodes_each_on_its_own_account_asks_for_nodes_not_accounts() -> None:
+    # The quickstart's three volunteers, one connected while the others still benchmark.
+    first = [(1, "127.0.0.0/24")]
+    reason = replication_shortfall(3, first, distinct_accounts=True, distinct_networks=False)
+    assert reason is not None
+    assert "connect 2 more node(s) on accounts of their own" in reason
+    assert "benchmark" in reason
+    assert "give each volunteer's nodes an account of their own" not in reason
+    two_on_one_account = [(1, "a"), (1, "b")]
+    reason = replication_shortfall(
+        3, two_on_one_account, distinct_accounts=True, distinct_networks=True
+    )
+    assert reason is not None and "connect 1 more node(s)" in reason
+    assert "give each volunteer's nodes an account of their own" in reason  # they share one
+    assert "DISTINCT_NETWORKS" not in reason  # each is on a network of its own

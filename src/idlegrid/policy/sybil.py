@@ -61,15 +61,23 @@ def replication_shortfall(
 
 
 def _fixes(replication: int, usable: int, limits: dict[str, int]) -> str:
-    """What lets the job run, for the axes that bind (fewer than `replication`)."""
+    """What lets the job run, for the axes that bind. An axis binds only where nodes share
+    it (fewer accounts than nodes, say): while nodes are too few (some still benchmark
+    before they connect), more nodes is the fix, not accounts that every node has."""
     fixes = []
+    nodes = limits["nodes"]
     if usable >= 1:
         fixes.append(f"submit with replication={usable} (CLI: --replication {usable})")
-    if limits["nodes"] < replication:
-        fixes.append(f"connect {replication - limits['nodes']} more node(s)")
-    if limits.get("accounts", replication) < replication:
+    if nodes < replication:
+        own = " and ".join(axis for axis in ("accounts", "networks") if axis in limits)
+        fixes.append(
+            f"connect {replication - nodes} more node(s)"
+            + (f" on {own} of their own" if own else "")
+            + " (a worker connects once its first benchmark is done)"
+        )
+    if limits.get("accounts", nodes) < min(replication, nodes):
         fixes.append("give each volunteer's nodes an account of their own")
-    if limits.get("networks", replication) < replication:
+    if limits.get("networks", nodes) < min(replication, nodes):
         fixes.append(
             "if these nodes share one network you trust (a lab, an office, one machine), "
             "the coordinator's operator restarts it with `idlegrid serve --replica-networks "
