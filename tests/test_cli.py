@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -253,3 +254,50 @@ def test_web_account_refuses_a_data_dir_without_a_database_and_changes_nothing(
         main, [*args, "--data-dir", str(wrong)], input="a long passphrase\n", env=env
     )
     assert again.exit_code == 0, again.output  # the database exists now: no --create needed
+
+
+def test_submit_help_lists_every_kind_with_an_example_that_parses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shlex
+
+    from idlegrid.cli.researcher import submit
+    from idlegrid.kinds import KINDS
+
+    text = CliRunner().invoke(main, ["submit", "--help"], terminal_width=80).output
+    lines = text.splitlines()
+    assert all(len(line) <= 80 for line in lines), max(lines, key=len)
+    # A kind's line: its name (or names) at the indent of the text, then its inputs.
+    firsts = [line[2:].split("  ")[0] for line in lines if re.match(r"  [a-z]", line)]
+    listed = {name.strip() for first in firsts for name in first.split(",")}
+    assert set(KINDS) <= listed, set(KINDS) - listed
+    # Each example, its continuation lines joined, is a command the CLI accepts as it is.
+    examples: list[str] = []
+    for line in (line.strip() for line in lines):
+        if line.startswith("idlegrid submit") or (examples and examples[-1].endswith("\\")):
+            if examples and examples[-1].endswith("\\"):
+                examples[-1] = examples[-1][:-1] + line
+            else:
+                examples.append(line)
+    kinds_shown = {shlex.split(example)[2] for example in examples}
+    assert kinds_shown >= {"embed-text", "onnx-infer", "llm-generate", "diloco-train"}
+    monkeypatch.chdir(tmp_path)
+    for name in ("texts.jsonl", "model.onnx", "data.safetensors", "model.gguf",
+                 "prompts.jsonl", "notes.txt"):  # fmt: skip
+        (tmp_path / name).write_text("x")
+    (tmp_path / "SmolLM2").mkdir()
+    for example in examples:
+        args = shlex.split(example)[2:]
+        context = submit.make_context("submit", [*args, "--token", "t"])
+        assert context.params["kind"] in KINDS, example
+
+
+def test_serve_help_says_what_listens_and_the_blob_limits_defaults() -> None:
+    text = " ".join(CliRunner().invoke(main, ["serve", "--help"]).output.split())
+    assert "It prints every address it listens on" in text
+    assert "--p2p-host TEXT Address the bootstrap DHT peer listens on" in text
+    assert "--max-blob-mb FLOAT Largest blob sent in one request, MiB [default: 256]" in text
+    assert "quota_blob_bytes (10 GiB)" in text
+    settings = CoordinatorSettings()
+    assert settings.max_blob_bytes == 256 * 1024 * 1024  # what the help says
+    assert settings.quota_blob_bytes == 10 * 1024**3

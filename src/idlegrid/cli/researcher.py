@@ -112,17 +112,28 @@ def submit(
     """Submit a job: KIND and its inputs as NAME=PATH, or PATHs in the kind's input order.
 
     \b
-    idlegrid submit embed-text texts.jsonl --wait -o vectors.npy
-    idlegrid submit sleep -p tasks=20 -p seconds=0.5
-    idlegrid submit onnx-infer model.onnx data.safetensors --wait -o out.safetensors
-    idlegrid submit onnx-infer model.onnx photos/ --wait -o out.safetensors \\
-        -p 'preprocess={"crop": [224, 224], "resize": 256, "mean": [0.485, 0.456, 0.406],
-                        "std": [0.229, 0.224, 0.225]}'
+    Kinds, their inputs, and an example of each:
+    embed-text    texts: JSON Lines, a string or {"text": ...} a line
+      idlegrid submit embed-text texts.jsonl --wait -o vectors.npy
+    onnx-infer    model (.onnx), data (.safetensors, .npy or a folder of images)
+      idlegrid submit onnx-infer model.onnx data.safetensors \\
+          --wait -o out.safetensors
+    llm-generate  model (.gguf), prompts: JSON Lines, {"prompt": ...} or
+                  {"messages": [...]} a line
+      idlegrid submit llm-generate model.gguf prompts.jsonl \\
+          -p max_tokens=128 --wait -o answers.jsonl
+    diloco-train  a model (--model: a Hugging Face folder or a .gguf) and
+                  --text, or a dataset of token ids (.safetensors)
+      idlegrid submit diloco-train --model SmolLM2/ --text notes.txt \\
+          -p rounds=4 -p 'model={"lora": {"rank": 8}}' -o SmolLM2-tuned/
+    vectors       no input: a fixed network's vectors (checks, benchmarks)
+      idlegrid submit vectors -p items=1000 -p shard_size=100
+    sleep, noop   no input: shards that wait, or do nothing (tests)
+      idlegrid submit sleep -p tasks=20 -p seconds=0.5
 
-    idlegrid submit diloco-train --model SmolLM2/ --text notes.txt -o SmolLM2-tuned/ \
-        -p rounds=4 -p 'model={"lora": {"rank": 8}}'
-
-    A folder as onnx-infer's data is its .jpg/.jpeg/.png files, in name order.
+    A folder as onnx-infer's data is its .jpg/.jpeg/.png files, in name order,
+    with -p 'preprocess={...}'. Each kind's settings (-p): docs/onnx.md,
+    docs/llm-generate.md, docs/training.md; a wrong one is refused with its name.
     """
     from idlegrid.kinds import UnknownKind, get_kind
 
