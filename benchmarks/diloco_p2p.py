@@ -1,4 +1,5 @@
-"""Peer-to-peer averaging (Hivemind) against coordinator mode: bytes, time and loss.
+"""Peer-to-peer averaging (standing averagers, compressed all-reduce) against coordinator
+mode: what a volunteer pays in bytes and time, and the loss.
 
     PYTHONPATH=src .venv/bin/python benchmarks/diloco_p2p.py [--workers 4 --rounds 6]
         [--inner-steps 20 --width 64 --layers 2] [--timeout 1800] [--group-timeout 120]
@@ -6,21 +7,23 @@
 One real grid (`LocalGrid`: `idlegrid serve` with its bootstrap DHT peer, K `idlegrid
 worker` processes of one trusted account, over WebSockets and Hivemind's p2p daemon on
 this machine) trains the character transformer on the shipped corpus twice, with the
-same seed: once with `averaging: "p2p"` and once in coordinator mode. Per round and per
-mode it prints:
+same seed and the same compression (the job's default: int8 up, int8 down): once with
+`averaging: "p2p"` and once in coordinator mode. Per round and per mode it prints:
 
 - coordinator bytes: what the grid's round metrics count through the coordinator (every
   payload a node fetched, every update or keyframe a task fetched, every result uploaded);
 - per-worker bytes: coordinator mode, the coordinator's bytes / K (all of a worker's
-  traffic goes through it); p2p, the coordinator's bytes / K plus what Hivemind's
-  butterfly all-reduce moves per member, sent and received, computed from the vector's
-  size: 2 (K-1)/K of the float32 vector each way (the fixed-point integers that make the
-  members' means agree bit for bit travel as float32), not measured on the wire;
+  traffic goes through it); p2p, the coordinator's bytes / K plus the mean of what each
+  member's all-reduce sent and received, as the members measured it on their streams
+  (every frame of every attempt: contributions, answers, headers; not the p2p daemon's
+  own framing, encryption or the DHT's meetings);
 - wall time (the round's open to close) and the round's train and held-out losses.
 
-Last line: `coordinator_bytes_ratio: X loss_diff: Y%`: the coordinator's bytes of the
-whole job, coordinator mode over p2p, and the final held-out loss of p2p against
-coordinator mode's (relative difference). Targets: X >= K, |Y| <= 0.1%.
+Last line: `coordinator_bytes_ratio: X worker_bytes_ratio: Y round_time_ratio: Z
+loss_diff: W%`: X, the coordinator's bytes of the whole job, coordinator mode over p2p;
+Y, a worker's bytes over the training rounds, p2p over coordinator mode; Z, the mean
+training round's time, p2p over coordinator mode; W, the final held-out loss of p2p
+against coordinator mode's (relative difference).
 """
 
 from __future__ import annotations
@@ -65,12 +68,21 @@ def through(row: dict[str, Any]) -> int:
     return int((row["bytes_up"] or 0) + (row["bytes_down"] or 0))
 
 
-def report(mode: str, metrics: dict[str, Any], workers: int, allreduce: int) -> None:
+def per_worker(row: dict[str, Any], workers: int) -> float:
+    """A worker's bytes in one round: its share of the coordinator's, plus its all-reduce's."""
+    wire = row.get("wire_bytes") or {}
+    p2p = sum(wire.values()) / len(wire) if wire else 0.0
+    return through(row) / workers + p2p
+
+
+def training(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    return [row for row in metrics["rounds"] if not row["final"]]
+
+
+def report(mode: str, metrics: dict[str, Any], workers: int) -> None:
     print(f"{mode}: {metrics['wall_s']:.1f} s for the job")
     print("  round  coordinator_B  per_worker_B  wall_s  train_loss  eval_loss  averaging")
     for row in metrics["rounds"]:
-        extra = allreduce if row.get("averaging") == "p2p" else 0
-        per_worker = through(row) // workers + extra
         train = "-" if row["train_loss"] is None else f"{row['train_loss']:.5f}"
         held = "-" if row["eval_loss"] is None else f"{row['eval_loss']:.5f}"
         how = "final" if row["final"] else row.get("averaging") or "coordinator"
@@ -78,8 +90,13 @@ def report(mode: str, metrics: dict[str, Any], workers: int, allreduce: int) -> 
             how += f" ({row['agreeing']} agreeing)"
         if row.get("fallback_reason"):
             how += f": {row['fallback_reason'][:100]}"
-        print(f"  {row['round']:5d}  {through(row):13d}  {per_worker:12d}  "
+        print(f"  {row['round']:5d}  {through(row):13d}  {per_worker(row, workers):12.0f}  "
               f"{row['round_time_s'] or 0:6.1f}  {train:>10}  {held:>9}  {how}")  # fmt: skip
+    rows = training(metrics)
+    bytes_ = sum(per_worker(row, workers) for row in rows) / len(rows)
+    times = [row["round_time_s"] or 0.0 for row in rows]
+    print(f"  a training round, per worker: {bytes_:.0f} bytes sent and received, "
+          f"{sum(times) / len(times):.2f} s (min {min(times):.2f}, max {max(times):.2f})")
 
 
 def main() -> None:
@@ -101,7 +118,6 @@ def main() -> None:
     config = models.parse_config("transformer-lm", base["model"])
     size = models.parameter_count("transformer-lm", config)
     k = options.workers
-    allreduce = int(2 * 2 * (k - 1) / k * 4 * size)  # sent and received, float32
     with tempfile.TemporaryDirectory() as scratch, LocalGrid(
         options.root or Path(scratch), heartbeat_s=0.5, node_timeout_s=10.0, min_lease_s=600.0,
         p2p=True,
@@ -114,11 +130,21 @@ def main() -> None:
         coordinated = run(local, base, options.timeout)
     print(f"{k} workers, {options.rounds} rounds of {options.inner_steps} inner steps, "
           f"{size} parameters")  # fmt: skip
-    report("p2p", peer, k, allreduce)
-    report("coordinator", coordinated, k, allreduce)
+    report("p2p", peer, k)
+    report("coordinator", coordinated, k)
     ratio = sum(map(through, coordinated["rounds"])) / sum(map(through, peer["rounds"]))
+    worker = sum(per_worker(r, k) for r in training(peer)) / sum(
+        per_worker(r, k) for r in training(coordinated)
+    )
+    time_ratio = _mean_time(peer) / _mean_time(coordinated)
     mine, theirs = peer["rounds"][-1]["eval_loss"], coordinated["rounds"][-1]["eval_loss"]
-    print(f"coordinator_bytes_ratio: {ratio:.2f} loss_diff: {100 * (mine - theirs) / theirs:.4f}%")
+    print(f"coordinator_bytes_ratio: {ratio:.2f} worker_bytes_ratio: {worker:.2f} "
+          f"round_time_ratio: {time_ratio:.2f} loss_diff: {100 * (mine - theirs) / theirs:.4f}%")
+
+
+def _mean_time(metrics: dict[str, Any]) -> float:
+    times = [row["round_time_s"] or 0.0 for row in training(metrics)]
+    return sum(times) / len(times)
 
 
 if __name__ == "__main__":

@@ -3,11 +3,9 @@ group and the exact mean that every member of a group reads back."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from idlegrid.kinds.diloco.agreement import Decision, Report, decide
-from idlegrid.p2p.averaging import fixed_scale, from_fixed, to_fixed
 from idlegrid.p2p.group import Group, GroupError, group_key, reporter
 
 
@@ -64,24 +62,3 @@ def test_group_keys_are_per_job_and_round_and_groups_are_checked() -> None:
     for bad in ({"min_size": 4}, {"members": (0, 0)}, {"peers": ()}, {"key": "a.b"}):
         with pytest.raises(GroupError):
             Group(**{**good.__dict__, **bad})
-
-
-@pytest.mark.parametrize("members", [2, 3, 4, 7, 64])
-def test_fixed_point_means_agree_bit_for_bit_whatever_the_float_rounding(members: int) -> None:
-    """Hivemind reduces in float32 and leaves each member its vector (float32, as sent)
-    plus the difference to the mean, in float32: the fixed-point mean read back is the
-    same bytes on every member."""
-    rng = np.random.default_rng(members)
-    vectors = [
-        (rng.standard_normal(50_000) * 10 ** rng.uniform(-6, 0, 50_000)).astype(np.float32)
-        for _ in range(members)
-    ]
-    scale = fixed_scale(max(float(np.abs(v).max()) for v in vectors), members)
-    fixed = [to_fixed(v, scale) for v in vectors]
-    mean = (np.sum(fixed, axis=0, dtype=np.float32) / np.float32(members)).astype(np.float32)
-    assert float(np.abs(np.sum(fixed, axis=0)).max()) < 2**20
-    sent = [f.astype(np.float32) for f in fixed]
-    assert all(np.array_equal(s, f) for s, f in zip(sent, fixed, strict=True))  # exact
-    read = [from_fixed(s + (mean - s), members, scale) for s in sent]
-    assert all(np.array_equal(r, read[0]) for r in read)
-    assert np.abs(read[0] - np.mean(vectors, axis=0)).max() < 2 / scale

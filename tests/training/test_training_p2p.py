@@ -103,15 +103,18 @@ def test_p2p_rounds_match_coordinator_mode_and_stay_in_the_pool(grid: LocalGrid)
     assert p2p_metrics["rounds_done"] == P2P["rounds"], rounds
     training = rounds[:-1]
     # Every round averaged peer to peer, all four agreeing; or, if its group never formed
-    # in time (members start Hivemind's daemon each round: slow on a loaded machine), fell
-    # back to coordinator mode with the reason. Two rounds in a row must be peer to peer.
+    # in time (round 0's members start their standing averagers: slow on a loaded
+    # machine), fell back to coordinator mode with the reason. Two rounds in a row must be
+    # peer to peer.
     how = [(r["averaging"], r["agreeing"], r["fallback_reason"]) for r in training]
     peer = [r["averaging"] == "p2p" and r["agreeing"] == 4 for r in training]
     fell_back = [r["averaging"] == "coordinator" and r["fallback_reason"] for r in training]
     assert all(p or f for p, f in zip(peer, fell_back, strict=True)), how
     assert any(peer[i - 1] and peer[i] for i in range(1, len(peer))), how
-    # The same seeds give the same losses, round by round, within float tolerance: the
-    # group's mean is the coordinator's, up to the order of float additions. Compared
+    # The same seeds give the same losses, round by round, within 0.1%: both modes send
+    # int8 codes, but the group's codes share each chunk's scale (the largest member's)
+    # where coordinator mode's uploads each have their own, so their rounding differs
+    # (round 0's train loss, before any averaging, is the same to the bit). Compared
     # while every round so far had all four members' updates in both jobs: a round that
     # a slow member missed is decided without it, by the rule, and the weights part.
     summary = [(r["round"], r["averaging"], r["updates"], r["train_loss"]) for r in rounds]
@@ -120,9 +123,15 @@ def test_p2p_rounds_match_coordinator_mode_and_stay_in_the_pool(grid: LocalGrid)
             break
         for loss in ("train_loss", "eval_loss"):
             if theirs[loss] is not None:
-                assert mine[loss] == pytest.approx(theirs[loss], rel=1e-4, abs=1e-6), (
+                assert mine[loss] == pytest.approx(theirs[loss], rel=1e-3, abs=1e-6), (
                     loss, summary, [(r["updates"], r["train_loss"]) for r in expected]
                 )  # fmt: skip
+
+    # Every member measured its all-reduce's bytes: at int8, about 2 (K-1)/K x (1 + 10/8)
+    # bytes a parameter sent and received (codes up, exact 10-bit sums back), each way.
+    for row in training:
+        if row["averaging"] == "p2p":
+            assert len(row["wire_bytes"]) == 4 and all(b > 0 for b in row["wire_bytes"].values())
 
     # Through the coordinator pass the members' small reports and one published update a
     # round. Coordinator mode moves K updates up and, after round 0, K down (each member
@@ -148,28 +157,59 @@ def _through(row: dict[str, Any]) -> int:
     return int(row["bytes_up"] + row["bytes_down"])
 
 
-def _averaging_of(worker: psutil.Process) -> bool:
-    """Whether the worker's averaging child holds its vector: it is averaging now (the
-    child starts with the task; the vector comes when training ends)."""
+def _averaging(worker: psutil.Process, key: str) -> bool:
+    """Whether the worker's standing averager has taken the round of group `key`: it says
+    so in its log (its stderr) when the member hands it its vector, after training."""
     try:
         for child in worker.children(recursive=True):
             if "idlegrid.p2p.averaging" not in " ".join(child.cmdline()):
                 continue
             for handle in child.open_files():
-                if handle.path.endswith("averaging.log"):
-                    return Path(handle.path).with_name("in.safetensors").exists()
+                if Path(handle.path).name.startswith("averager-"):
+                    return f"averaging {key} " in Path(handle.path).read_text(errors="replace")
     except psutil.Error:
         pass
     return False
 
 
-def test_a_member_killed_mid_averaging_leaves_the_round_to_the_rule(grid: LocalGrid) -> None:
+def _averagers(worker: psutil.Process) -> set[int]:
+    try:
+        return {c.pid for c in worker.children(recursive=True)
+                if "idlegrid.p2p.averaging" in " ".join(c.cmdline())}  # fmt: skip
+    except psutil.Error:
+        return set()
+
+
+def test_standing_averagers_last_across_rounds_and_jobs(grid: LocalGrid) -> None:
+    """Each member's averager process is the same through a job's rounds and the next
+    job's: a round pays for the all-reduce, not for starting Hivemind."""
+    alive = grid.workers[: len(MEMBERS)]
+    params = {**P2P, "rounds": 2}
+    before: dict[int, set[int]] = {}
+    with grid.client() as client:
+        for attempt in range(2):
+            job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
+                                params=params)  # fmt: skip
+            job.wait(timeout=600)
+            rounds = job.metrics()["rounds"]
+            assert all(r["averaging"] == "p2p" for r in rounds[:-1]), rounds
+            now = {w.pid: _averagers(psutil.Process(w.pid)) for w in alive}
+            if attempt:
+                assert now == before and all(len(pids) == 1 for pids in now.values()), now
+            before = now
+
+
+def test_a_member_killed_mid_round_leaves_the_round_to_the_others(grid: LocalGrid) -> None:
+    """m4 is killed (its worker and its averager) once it has handed its averager the
+    round's vector: the other three average among themselves on the retry, and the
+    round closes peer to peer with them, m4 named."""
     params = {**P2P, "rounds": 2, "min_updates": 3, "group_timeout_s": 30.0}
     victim = grid.workers[MEMBERS.index("m4")]
     with grid.client() as client:
         job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
                             params=params)  # fmt: skip
-        wait_until(lambda: _averaging_of(psutil.Process(victim.pid)), "m4 to average",
+        key = f"-job{job.id}-round0"
+        wait_until(lambda: _averaging(psutil.Process(victim.pid), key), "m4 to average",
                    timeout_s=300, poll_s=0.05)  # fmt: skip
         os.killpg(victim.pid, signal.SIGKILL)
         victim.wait()
@@ -177,10 +217,8 @@ def test_a_member_killed_mid_averaging_leaves_the_round_to_the_rule(grid: LocalG
         metrics = job.metrics()
     rounds = metrics["rounds"]
     assert metrics["state"] == "completed" and metrics["rounds_done"] == 2, rounds
-    # The round m4 died in, and the next: the other three averaged on the retry (a
-    # majority), or fell back to coordinator mode; m4's update is in neither.
-    for row in rounds[:-1]:
-        assert row["averaging"] in ("p2p", "coordinator"), rounds
-        assert row["updates"] <= 4 and (row["agreeing"] or 0) <= 4
-    assert any(r["agreeing"] == 3 or r["averaging"] == "coordinator" for r in rounds[:-1])
+    first = rounds[0]
+    assert first["averaging"] == "p2p" and first["agreeing"] == 3, first
+    assert MEMBERS.index("m4") in first["blamed"], first
+    assert "retry" in (first["fallback_reason"] or ""), first
     assert rounds[-1]["eval_loss"] is not None

@@ -41,12 +41,16 @@ def _average(
     joining = {
         s: averaging.join(group, shard=s, reachability_setting=settings[s]) for s in settings
     }
-    with ThreadPoolExecutor(len(joining)) as pool:
-        futures = {
-            s: pool.submit(j.average, vectors[s], shard=s, holds_state=True)
-            for s, j in joining.items()
-        }
-        return {s: f.result() for s, f in futures.items()}
+    try:
+        with ThreadPoolExecutor(len(joining)) as pool:
+            futures = {
+                s: pool.submit(j.average, vectors[s], shard=s, holds_state=True)
+                for s, j in joining.items()
+            }
+            return {s: f.result() for s, f in futures.items()}
+    finally:
+        for handle in joining.values():
+            handle.close()
 
 
 def test_a_client_mode_member_averages_with_full_peers(peers: tuple[str, ...]) -> None:

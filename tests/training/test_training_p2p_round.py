@@ -1,6 +1,6 @@
 """One peer-to-peer round in one process: real training, the members' steps and the
-coordinator's close, with Hivemind's all-reduce replaced by its result (the float64 mean
-of the members' vectors, rounded to float32) handed to every member at once.
+coordinator's close, with the all-reduce's transport replaced by its parts reduced in
+process (`p2p.parts`, as each reducer reduces them), handed to every member at once.
 
 The real all-reduce, processes and sockets are tests/training/test_training_p2p.py's.
 """
@@ -22,9 +22,10 @@ from idlegrid.kinds.diloco.params import DilocoParams
 from idlegrid.kinds.diloco.rounds import DilocoRounds
 from idlegrid.kinds.diloco.run import run_task
 from idlegrid.kinds.diloco.worker_state import WorkerState
-from idlegrid.p2p import averaging
+from idlegrid.p2p import averaging, parts
 from idlegrid.p2p.averaging import Averaged
 from idlegrid.p2p.group import Group
+from idlegrid.training.compression import Compression
 
 SETTINGS: dict[str, Any] = {
     "model": {"width": 16, "layers": 1, "heads": 2, "context": 16},
@@ -39,7 +40,7 @@ PEERS = ("/ip4/127.0.0.1/tcp/1/p2p/12D3KooWtest",)
 
 
 class AllReduce:
-    """What Hivemind's all-reduce gives each member: the group's mean, once all came."""
+    """What the all-reduce gives each member: the group's mean, once all came."""
 
     def __init__(self, members: int) -> None:
         self.barrier = threading.Barrier(members, timeout=60)
@@ -48,18 +49,31 @@ class AllReduce:
     def join(self, group: Group, *, shard: int, reachability_setting: str) -> AllReduce:
         return self
 
-    def average(self, values: np.ndarray, *, shard: int, holds_state: bool) -> Averaged:
-        self.given[shard] = (values.astype(np.float64), holds_state)
+    def average(self, values: np.ndarray, *, shard: int, holds_state: bool,
+                settings: Compression | None = None) -> Averaged:  # fmt: skip
+        self.given[shard] = (np.asarray(values, np.float32), holds_state)
         self.barrier.wait()
-        mean = np.mean([v for v, _ in self.given.values()], axis=0).astype(np.float32)
-        return Averaged(mean, {s: held for s, (_, held) in self.given.items()}, attempt=1)
+        settings = settings or Compression(method="none")
+        shards = sorted(self.given)
+        cut = parts.bounds(values.size, settings.chunk_size, len(shards))
+        sides = {s: parts.Reduction(self.given[s][0], settings, len(shards), cut) for s in shards}
+        for step in parts.exchanges(settings):
+            for index, (start, end) in enumerate(cut):
+                sent = {s: side.contribution(step, index) for s, side in sides.items()}
+                answer = parts.reduce(step, settings, end - start, sent)
+                for side in sides.values():
+                    side.take(step, index, answer)
+        members = {s: held for s, (_, held) in self.given.items()}
+        return Averaged(sides[shard].mean(), members, attempt=1,
+                        residual=sides[shard].residual())  # fmt: skip
 
     def close(self) -> None:
         pass
 
 
 class NoDaemon(AllReduce):
-    def average(self, values: np.ndarray, *, shard: int, holds_state: bool) -> Averaged:
+    def average(self, values: np.ndarray, *, shard: int, holds_state: bool,
+                settings: Compression | None = None) -> Averaged:  # fmt: skip
         return Averaged(None, reason="the p2p daemon did not start: test")
 
 
@@ -147,7 +161,8 @@ def test_a_group_that_never_forms_falls_back_to_coordinator_mode(
 class ClientsOnly(AllReduce):
     """Every member behind NAT, in client mode: nobody serves the all-reduce."""
 
-    def average(self, values: np.ndarray, *, shard: int, holds_state: bool) -> Averaged:
+    def average(self, values: np.ndarray, *, shard: int, holds_state: bool,
+                settings: Compression | None = None) -> Averaged:  # fmt: skip
         return Averaged(None, reason=averaging.ALL_CLIENTS, attempt=1, reachability="client")
 
 

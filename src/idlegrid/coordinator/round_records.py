@@ -129,6 +129,12 @@ def round_row(
         "fallback_reason": metrics.get("fallback_reason"),
         # Members (shards) that averaged in Hivemind's client mode (behind NAT).
         "client_members": metrics.get("client_members"),
+        # Bytes each member (shard) sent and received in its all-reduce, on the wire;
+        # members its group could not do without (dead, unreachable, a part that did not
+        # decode) and members left out of the agreeing group.
+        "wire_bytes": metrics.get("wire_bytes"),
+        "blamed": metrics.get("blamed"),
+        "left_out": metrics.get("left_out"),
         "weights_digest": record.weights_digest,
         "checkpoint": record.checkpoint_hash,
     }

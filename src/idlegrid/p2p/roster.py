@@ -1,83 +1,29 @@
-"""A group whose members the coordinator named, formed without electing a leader.
+"""Where a round's members meet in the DHT before they all-reduce: each writes what it
+brings (its shard, peer id and addresses, its mode, whether it holds the outer state,
+its vector's length) under the attempt's meeting key, and reads the others'.
 
-Hivemind's matchmaking finds a group among peers that do not know each other: each
-declares itself a potential leader in the DHT and asks the others to follow it, with
-short request timeouts that unstick two members that asked each other at once. On a
-loaded machine (answers slower than the timeouts) members can ask and time out until the
-group's whole timeout has passed, although all of them were there.
-
-A round's first attempt needs no election: the coordinator named every member, and
-the attempt runs only if all of them come. So each member writes its peer id and its
-gathered data under the step's roster key in the DHT (once its averager serves, so no
-part is sent to it before it can take one) and waits until it reads every named
-member's entry, its own as it wrote it among them;
-then all of them hold the same roster and derive the same group from it: the same id,
-the same order of peers, the same gathered data. A retry (some member missing: who is
-in is then a choice) goes through Hivemind's own matchmaking.
+The first attempt's group is the one the coordinator named: it meets once every named
+member wrote (`meet`), so every member holds the same entries. A retry's group is the
+named members no one blamed for the first attempt's failure (`gather`). Members dial
+each other at the addresses they wrote (`dial`): libp2p's own routing often does not yet
+find a peer that joined seconds before.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 # Seconds between reads of the roster while members are missing.
 POLL_S = 0.25
 # Seconds after which a member writes its entry again.
 REWRITE_S = 10.0
+# (Entries expire at wall-clock times: Hivemind's DHT time is time.time().)
 # Seconds a member waits to connect to another at the addresses that one wrote.
 DIAL_S = 10.0
-
-
-def group_order(key: str, peers: Mapping[int, bytes]) -> list[int]:
-    """The members (shards) in the group's order: by a hash of the key and each peer id,
-    so that no member chooses its place (Hivemind's leader shuffles for the same reason)."""
-    return sorted(peers, key=lambda shard: hashlib.sha256(key.encode() + peers[shard]).digest())
-
-
-def group_id(key: str, peers: Mapping[int, bytes]) -> bytes:
-    """The group's id: the same on every member that holds the same roster."""
-    digest = hashlib.sha256(key.encode())
-    for shard in sorted(peers):
-        digest.update(shard.to_bytes(4, "big") + peers[shard])
-    return digest.digest()[:20]
-
-
-def complete(found: Any, members: tuple[int, ...]) -> dict[int, tuple[bytes, bytes]] | None:
-    """Every named member's (peer id, gathered data) from a DHT read of the roster, or
-    None while one is missing or an entry is malformed."""
-    if found is None or not isinstance(found.value, dict):
-        return None
-    entries: dict[int, tuple[bytes, bytes]] = {}
-    for subkey, entry in found.value.items():
-        value = entry.value
-        if not (isinstance(subkey, int) and isinstance(value, (list, tuple))
-                and len(value) in (2, 3)):  # fmt: skip
-            continue
-        peer, gathered = value[0], value[1]
-        if isinstance(peer, bytes) and isinstance(gathered, bytes):
-            entries[subkey] = (peer, gathered)
-    if not set(members) <= set(entries):
-        return None
-    return {shard: entries[shard] for shard in members}
-
-
-def addresses(found: Any) -> dict[int, tuple[str, ...]]:
-    """The addresses each member wrote beside its entry (the third part; none in an entry
-    of two), as multiaddr strings."""
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    known: dict[int, tuple[str, ...]] = {}
-    for subkey, entry in found.value.items():
-        value = entry.value
-        three = isinstance(value, (list, tuple)) and len(value) == 3
-        if isinstance(subkey, int) and three and isinstance(value[2], (list, tuple)):
-            known[subkey] = tuple(a for a in value[2] if isinstance(a, str))
-    return known
 
 
 async def dial(p2p: Any, peers: Mapping[int, bytes], known: Mapping[int, tuple[str, ...]],
@@ -105,76 +51,22 @@ def own_addresses(maddrs: Any) -> list[str]:
     return [str(a).split("/p2p/")[0] for a in maddrs]
 
 
-def named_matchmaking(averager: Any, *, members: tuple[int, ...], shard: int) -> Callable[..., Any]:
-    """A `look_for_group(step)` for `averager` (run in its process) that forms the group
-    of `members` from the roster; `shard`: this member's. It raises Hivemind's
-    MatchmakingException naming the members still missing at the step's deadline."""
-    from hivemind.averaging.group_info import GroupInfo
-    from hivemind.averaging.matchmaking import MatchmakingException
-    from hivemind.p2p import PeerID
-    from hivemind.utils import get_dht_time
-
-    key = f"{averager.prefix}-roster"
-
-    async def look_for_group(step: Any) -> Any:
-        # Hivemind's averager holds its process's replica of the DHT's p2p daemon here.
-        p2p = averager._p2p
-        own = (averager.peer_id.to_bytes(), step.data_for_gather)
-        entry = (*own, own_addresses(await p2p.get_visible_maddrs()))
-        started, stored_at, seen = get_dht_time(), None, set[int]()
-        while get_dht_time() < step.deadline:
-            # Written again now and then: a store can fail or reach few peers while a
-            # loaded machine's DHT is slow to answer.
-            due = stored_at is None or get_dht_time() - stored_at > REWRITE_S
-            if due and await averager.dht.store(key, entry, step.deadline + 60, subkey=shard,
-                                                return_future=True):  # fmt: skip
-                stored_at = get_dht_time()
-            found = await averager.dht.get(key, latest=True, return_future=True)
-            if found is not None and isinstance(found.value, dict):
-                seen |= {sub for sub in found.value if isinstance(sub, int)}
-            roster = complete(found, members)
-            # Its own entry as read back, not the store's answer, says it is in: a store
-            # can answer False (some of the peers it went to did not take it) while the
-            # others read the entry and form the group with this member.
-            if roster is not None and roster[shard] == own:
-                peers = {member: peer for member, (peer, _) in roster.items()}
-                await dial(p2p, peers, addresses(found), shard)
-                order = group_order(averager.prefix, peers)
-                return GroupInfo(
-                    group_id(averager.prefix, peers),
-                    tuple(PeerID(peers[member]) for member in order),
-                    tuple(roster[member][1] for member in order),
-                )
-            await asyncio.sleep(POLL_S)
-        missing = sorted(set(members) - seen)
-        waited = get_dht_time() - started
-        raise MatchmakingException(
-            f"the named group under {averager.prefix} did not fill in {waited:.0f} s: "
-            f"members {missing} never wrote its roster"
-            + ("" if stored_at is not None else " (nor could this member)")
-        )
-
-    return look_for_group
-
-
 def meet(
     dht: Any, key: str, members: tuple[int, ...], shard: int, gathered: dict[str, Any],
     timeout_s: float,
-) -> tuple[list[dict[str, Any]] | None, str]:  # fmt: skip
+) -> tuple[list[dict[str, Any]] | None, str, list[int]]:  # fmt: skip
     """A first attempt's meeting, without an all-reduce: each named member writes what it
     brings (`gathered`: its shard, whether it holds the outer state, its peak) under the
     step's meeting key, and all of them read the same entries once every member has
     written (its own, as written, among them). Returns what each member brings, in
-    `members`' order, and ""; or None and why not."""
-    from hivemind.utils import get_dht_time
-
+    `members`' order, "" and []; or None, why not and the members that never came."""
     meeting = f"{key}-meet"
     deadline = time.monotonic() + timeout_s
     stored_at: float | None = None
     seen: set[int] = set()
     while time.monotonic() < deadline:
         due = stored_at is None or time.monotonic() - stored_at > REWRITE_S
-        if due and dht.store(meeting, gathered, get_dht_time() + timeout_s + 60, subkey=shard):
+        if due and dht.store(meeting, gathered, time.time() + timeout_s + 60, subkey=shard):
             stored_at = time.monotonic()
         found = dht.get(meeting, latest=True)
         entries: dict[int, dict[str, Any]] = {}
@@ -183,10 +75,58 @@ def meet(
                        if isinstance(sub, int) and isinstance(entry.value, dict)}  # fmt: skip
         seen |= set(entries)
         if set(members) <= set(entries) and entries[shard] == gathered:
-            return [entries[member] for member in members], ""
+            return [entries[member] for member in members], "", []
         time.sleep(POLL_S)
     missing = sorted(set(members) - seen)
     return None, (
         f"the named group under {key} did not meet in {timeout_s:g} s: members {missing} "
         "never came" + ("" if stored_at is not None or shard in seen else " (nor could this one)")
-    )
+    ), missing
+
+
+# Seconds a retry's meeting must see no new member before those present form the group.
+QUIET_S = 3.0
+
+
+def _entries(found: Any) -> dict[int, dict[str, Any]]:
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {sub: entry.value for sub, entry in found.value.items()
+            if isinstance(sub, int) and isinstance(entry.value, dict)}  # fmt: skip
+
+
+def gather(
+    dht: Any, key: str, candidates: tuple[int, ...], shard: int, gathered: dict[str, Any],
+    min_size: int, timeout_s: float,
+) -> tuple[dict[int, dict[str, Any]] | None, str]:  # fmt: skip
+    """A retry's meeting: the members left (`candidates`: the named ones no member blamed
+    for the first attempt's failure) write what they bring, with whom they blame
+    (`gathered["blamed"]`); a member blamed in any entry is left out. The group is every
+    candidate not left out once all of them wrote, or, with at least `min_size`, those
+    present once `QUIET_S` passed without a newcomer. Members that read different
+    entries derive different groups (their all-reduce then fails for both, and they fall
+    back): the group is never formed from what only some of them saw."""
+    meeting = f"{key}-meet"
+    deadline = time.monotonic() + timeout_s
+    stored_at: float | None = None
+    last: frozenset[int] = frozenset()
+    since = time.monotonic()
+    while time.monotonic() < deadline:
+        due = stored_at is None or time.monotonic() - stored_at > REWRITE_S
+        if due and dht.store(meeting, gathered, time.time() + timeout_s + 60, subkey=shard):
+            stored_at = time.monotonic()
+        entries = {s: e for s, e in _entries(dht.get(meeting, latest=True)).items()
+                   if s in candidates}  # fmt: skip
+        left_out = {int(b) for e in entries.values() for b in e.get("blamed", ())}
+        if shard in left_out:
+            return None, f"this member was left out of the retry under {key}"
+        live = frozenset(s for s in entries if s not in left_out)
+        if live != last:
+            last, since = live, time.monotonic()
+        everyone = live == set(candidates) - left_out
+        quiet = len(live) >= min_size and time.monotonic() - since >= QUIET_S
+        if entries.get(shard) == gathered and (everyone or quiet):
+            return {s: entries[s] for s in sorted(live)}, ""
+        time.sleep(POLL_S)
+    return None, (f"no retry group of {min_size}+ formed under {key} in {timeout_s:g} s "
+                  f"(seen: {sorted(last)})")  # fmt: skip

@@ -5,7 +5,9 @@ A member has trained and compressed its pseudo-gradient as in coordinator mode. 
 1. finds the outer optimizer's state of the round's weights: its own (it took the last
    round's step), the coordinator's blob (round 0's zeros, or a state a member uploaded),
    or none (it joined late: it averages but does not step this round);
-2. averages the decoded update with its group through Hivemind (`idlegrid.p2p`);
+2. averages its accumulator (its pseudo-gradient plus what error feedback owes) with its
+   group, each part compressed as its upload would be (`idlegrid.p2p`), and keeps what
+   its contributions missed as its residual;
 3. if it holds the outer state, applies the same outer step as every other such member
    (`training.closing.close_round` on the group's mean: the coordinator's own function),
    and keeps the new weights and state for the next round;
@@ -45,9 +47,14 @@ def average_round(
     losses: tuple[float, float, float],
     fetch: Callable[[str], bytes] | None,
     joining: averaging.Joining,
+    *,
+    accumulator: np.ndarray,
+    upload: Compression,
 ) -> tasks.TaskResult:
     """One member's round after its inner steps (see the module's steps); `steps`: the
-    job's outer optimizer and download compression; `joining`: its averaging child."""
+    job's outer optimizer and download compression; `own`: its update compressed alone
+    (what it sends if no group forms); `accumulator`: what that update compressed;
+    `joining`: its handle on the standing averager."""
     assert task.group is not None
     own_delta = decode(own)
     try:
@@ -55,10 +62,15 @@ def average_round(
     except BaseException:
         joining.close()
         raise
-    done = joining.average(own_delta, shard=task.shard, holds_state=outer is not None)
+    try:
+        done = joining.average(accumulator, shard=task.shard, holds_state=outer is not None,
+                               settings=upload)  # fmt: skip
+    finally:
+        joining.close()
     base = tasks.TaskResult(
         "train", task.round, task.shard, task.seed, task.target.digest, *losses,
         update_norm=float(np.linalg.norm(own_delta)), reachability=done.reachability,
+        wire_bytes=done.wire_bytes, blamed=done.blamed,
     )  # fmt: skip
     lead = reporter(done.members) if done.values is not None else None
     if done.values is None or lead is None:
@@ -66,6 +78,8 @@ def average_round(
         return dataclasses.replace(base, averaging="fallback", reason=reason, update=own,
                                    sketch=verify.sketch(own_delta), outer=outer)  # fmt: skip
     mean = done.values
+    if upload.stateful and done.residual is not None:
+        state.set_residual(task.stream, done.residual)  # what the group's codes missed
     result = dataclasses.replace(
         base, averaging="p2p", averaged_digest=digest(mean), members=tuple(sorted(done.members)),
         reason="" if done.attempt <= 1 else "averaged on the retry: a member left",
@@ -85,8 +99,8 @@ def average_round(
     if lead != task.shard:
         return result
     whole = set(done.members) == set(task.group.members) and all(done.members.values())
-    upload = kept if task.report_state or not whole else None
-    return dataclasses.replace(result, published=closed.message, outer=upload)
+    sent_state = kept if task.report_state or not whole else None
+    return dataclasses.replace(result, published=closed.message, outer=sent_state)
 
 
 def outer_state(

@@ -45,6 +45,11 @@ def close(
         "update_norms": {str(r.shard): r.update_norm for r in results},
         # Members that took part in Hivemind's client mode (behind NAT: reduced no part).
         "client_members": sorted(r.shard for r in results if r.reachability == "client"),
+        # What each member's all-reduce moved on the wire (sent and received, all attempts).
+        "wire_bytes": {str(r.shard): r.wire_bytes for r in results if r.averaging},
+        # Members some member's attempt could not do without: dead, unreachable, or a part
+        # that did not decode (left out of the retry, so of the round's mean).
+        "blamed": sorted({b for r in results for b in r.blamed}),
     }
     reasons = sorted({r.reason for r in results if r.reason})
     clients_only = results and all(r.reachability == "client" for r in results)

@@ -117,7 +117,11 @@ def run_task(
 
         losses = (trained.loss_first, trained.loss_mean, trained.loss_last)
         steps = (spec.outer, spec.download)
-        return member.average_round(task, steps, state, weights, message, losses, fetch, joining)
+        accumulator = delta if owed is None else delta + owed
+        return member.average_round(
+            task, steps, state, weights, message, losses, fetch, joining,
+            accumulator=accumulator, upload=spec.upload,
+        )  # fmt: skip
     return tasks.TaskResult(
         "train", task.round, task.shard, task.seed, task.target.digest,
         trained.loss_first, trained.loss_mean, trained.loss_last,

@@ -159,6 +159,11 @@ class TaskResult:
     # How the member took part: "public" (a full peer) or "client" (Hivemind's client
     # mode, behind NAT); "" in coordinator mode.
     reachability: Literal["", "public", "client"] = ""
+    # Bytes the member sent and received in its all-reduce (every attempt), on the wire.
+    wire_bytes: int = 0
+    # Members its attempts could not do without (dead, unreachable, a part that did not
+    # decode): named in the round's record.
+    blamed: tuple[int, ...] = ()
 
 
 # -- payload ----------------------------------------------------------------------------
@@ -412,6 +417,8 @@ def encode_result(result: TaskResult) -> bytes:
         "members": list(result.members),
         "reason": result.reason,
         "reachability": result.reachability,
+        "wire_bytes": result.wire_bytes,
+        "blamed": list(result.blamed),
         "published": published_meta,
         "outer": outer_meta,
     }
@@ -443,6 +450,8 @@ def _p2p_fields(header: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> 
         "members": tuple(int(m) for m in header.get("members", [])),
         "reason": str(header.get("reason", ""))[:2000],
         "reachability": reachability,
+        "wire_bytes": max(0, int(header.get("wire_bytes", 0))),
+        "blamed": tuple(int(b) for b in header.get("blamed", [])),
         "published": None
         if published_meta is None
         else compression.from_arrays(published_meta, arrays, "published."),
