@@ -320,8 +320,8 @@ uploads = Table(
     Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
     Column("name", String(200), nullable=False),
     Column("purpose", String(16), nullable=False),  # uploads.Purpose
-    Column("size", Integer, nullable=False),
-    Column("received", Integer, nullable=False, default=0),
+    Column("size", BigInteger, nullable=False),
+    Column("received", BigInteger, nullable=False, default=0),
     Column("state", String(16), nullable=False),  # UploadState: "partial" or "done"
     Column("blob_hash", String(64), nullable=True),
     Column("created_at", Double, nullable=False),
