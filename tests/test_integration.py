@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -164,32 +165,38 @@ def test_malformed_frames_over_a_real_socket(grid: LocalGrid) -> None:
         assert client.jobs() == []
 
 
-def test_demo_runs_and_leaves_no_process(tmp_path: Path) -> None:
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def test_demo_runs_on_the_port_given_and_leaves_no_process(tmp_path: Path) -> None:
     before = {p.pid for p in psutil.process_iter()}
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "idlegrid",
-            "demo",
-            "--texts",
-            "120",
-            "--workers",
-            "2",
-            "--shard-size",
-            "30",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    port = _free_port()
+    demo = [sys.executable, "-m", "idlegrid", "demo", "--texts", "120", "--workers", "2",
+            "--shard-size", "30", "--port", str(port)]  # fmt: skip
+    result = subprocess.run(demo, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout and "texts/s" in result.stdout
+    assert f"coordinator: http://127.0.0.1:{port} " in result.stdout
     # Its processes were told to stop; give the last ones a moment to leave the table.
     try:
         wait_until(lambda: not _demo_processes(before), "the demo's processes to end")
     except AssertionError:
         raise AssertionError(f"the demo left {_demo_processes(before)}") from None
+
+
+def test_a_demo_on_a_taken_port_says_so_and_how_to_pick_another() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        demo = [sys.executable, "-m", "idlegrid", "demo", "--port", str(port)]
+        result = subprocess.run(demo, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    said = " ".join(result.stdout.split())
+    assert f"port {port} on 127.0.0.1 is taken" in said and "--port 0" in said
 
 
 def _demo_processes(before: set[int]) -> list[str]:

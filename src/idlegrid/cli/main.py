@@ -452,6 +452,13 @@ for _command in COMMANDS:
 @click.option(
     "--keep", is_flag=True, help="Keep the grid running for the dashboard; Ctrl-C stops it."
 )
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=0,
+    show_default=True,
+    help="The coordinator's port on 127.0.0.1; 0: any free one (printed).",
+)
 def demo(
     kind: str,
     texts: int,
@@ -462,6 +469,7 @@ def demo(
     replication: int,
     shard_size: int,
     keep: bool,
+    port: int,
 ) -> None:
     """Run the whole grid on this machine: a coordinator, workers, a real job.
 
@@ -478,7 +486,8 @@ def demo(
     if kind == "llm-generate":
         from idlegrid.devtools.llm_demo import run_llm_demo
 
-        sys.exit(run_llm_demo(prompts=prompts, workers=workers, max_tokens=max_tokens, keep=keep))
+        sys.exit(run_llm_demo(prompts=prompts, workers=workers, max_tokens=max_tokens,
+                              keep=keep, port=port))  # fmt: skip
     if kind == "onnx-infer":
         sys.exit(
             run_onnx_demo(
@@ -487,6 +496,7 @@ def demo(
                 replication=replication,
                 shard_size=shard_size,
                 keep=keep,
+                port=port,
             )
         )
     sys.exit(
@@ -496,6 +506,7 @@ def demo(
             replication=replication,
             shard_size=shard_size,
             keep=keep,
+            port=port,
         )
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -19,15 +20,25 @@ COSINE_FLOOR = 0.999
 
 
 def run_demo(
-    *, texts: int, workers: int, replication: int, shard_size: int, keep: bool = False
+    *,
+    texts: int,
+    workers: int,
+    replication: int,
+    shard_size: int,
+    keep: bool = False,
+    port: int = 0,
 ) -> int:
     """Run the demo; return the process exit code (0 when every row checked out).
 
     `keep`: leave the coordinator and workers running after the job, print the
-    dashboard's URL and a demo sign-in, and stop everything on Ctrl-C.
+    dashboard's URL and a demo sign-in, and stop everything on Ctrl-C. `port`: the
+    coordinator's (0: any free one).
     """
     console = Console()
     from idlegrid.kinds.embed_text.samples import stdlib_paragraphs
+
+    if not port_is_free(port, console):
+        return 2
 
     if workers < replication:
         if workers:
@@ -39,7 +50,7 @@ def run_demo(
     console.print(f"corpus: {len(corpus)} paragraphs of standard-library docstrings")
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp,
-        LocalGrid(Path(tmp), replication=replication) as grid,
+        LocalGrid(Path(tmp), replication=replication, port=port) as grid,
     ):
         console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
         threads = 1 if workers > 1 else 0
@@ -138,7 +149,13 @@ def _check(console: Console, corpus: list[str], vectors: np.ndarray) -> int:
 
 
 def run_onnx_demo(
-    *, images: int, workers: int, replication: int, shard_size: int, keep: bool = False
+    *,
+    images: int,
+    workers: int,
+    replication: int,
+    shard_size: int,
+    keep: bool = False,
+    port: int = 0,
 ) -> int:
     """The image flow end to end: a small convolutional network built here, drawn images
     as files, workers that decode them with Pillow and run ONNX Runtime; every row is
@@ -148,11 +165,13 @@ def run_onnx_demo(
     from idlegrid.kinds.onnx import examples as onnx_examples
 
     console = Console()
+    if not port_is_free(port, console):
+        return 2
     workers = max(workers, replication)
     model = onnx_examples.conv_net()
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp,
-        LocalGrid(Path(tmp), replication=replication) as grid,
+        LocalGrid(Path(tmp), replication=replication, port=port) as grid,
     ):
         paths = _draw_images(Path(tmp) / "images", images)
         console.print(f"{len(paths)} images drawn in {paths[0].parent}; model: conv_net (ONNX)")
@@ -233,3 +252,20 @@ def _check_onnx(
         )
         ok = ok and agree
     return 0 if ok else 1
+
+
+def port_is_free(port: int, console: Console) -> bool:
+    """Whether the coordinator can listen on 127.0.0.1:`port` (0: any port is); if not,
+    says so, with the option that picks another."""
+    if port == 0:
+        return True
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as exc:
+            console.print(
+                f"[red]port {port} on 127.0.0.1 is taken ({exc.strerror}): give another "
+                "with --port, or --port 0 for any free one"
+            )
+            return False
+    return True

