@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1  # the major version, in every message's `v`
 # This side's minor version, in `hello` and `welcome`. 1: `minor` itself, and peers that
-# ignore the fields of a newer minor. A message without `minor` is from a 1.0 peer.
-PROTOCOL_MINOR = 1
+# ignore the fields of a newer minor; 2: `hello.sequences`. A message without `minor` is
+# from a 1.0 peer.
+PROTOCOL_MINOR = 2
 MAX_MINOR = 10_000
 _SPOKEN = f"{PROTOCOL_VERSION} ({PROTOCOL_VERSION}.{PROTOCOL_MINOR})"  # in refusals
 # The minor version a field was added in, where that is after 1.0 (`encode` leaves it out
@@ -176,6 +177,8 @@ class Hello(_Message):
     # as BOINC keeps one): the next task is there when a short one ends.
     prefetch: int = Field(default=0, ge=0, le=256)
     kinds: list[KindName] = Field(max_length=64)
+    # Prompts its llm-generate decodes together at most (WorkerSettings.sequences).
+    sequences: int = Field(default=1, ge=1, le=256, json_schema_extra=_since(2))
     # Tasks still running or finished-but-unreported from before a reconnect.
     running: list[TaskId] = Field(default_factory=list, max_length=1024)
 

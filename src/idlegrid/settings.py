@@ -333,6 +333,9 @@ class WorkerSettings:
     # "public" a full peer, "client" Hivemind's client mode (behind NAT: connects out
     # only), "auto" client mode only when the DHT is public and this machine is not.
     p2p_reachability: str = "auto"
+    # Sequences llm-generate decodes together in one model context (fewer where the
+    # memory does not hold their KV caches); 1: one prompt after another.
+    sequences: int = 32
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> WorkerSettings:

@@ -221,8 +221,8 @@ async def _register(
         )
     )
     log.info(
-        "node %s (%s) connected: protocol %d.%d, %d slots, kinds %s",
-        node.id, hello.name, hello.v, hello.minor, hello.slots, kinds,
+        "node %s (%s) connected: protocol %d.%d, %d slots, %d sequences, kinds %s",
+        node.id, hello.name, hello.v, hello.minor, hello.slots, hello.sequences, kinds,
     )  # fmt: skip
     return session
 

@@ -137,6 +137,8 @@ class RunContext:
     check: bytes | None = None
     # How a peer-to-peer training round's member joins the network (WorkerSettings).
     p2p_reachability: str = "auto"
+    # Sequences a kind that decodes prompts together may run at once (WorkerSettings).
+    sequences: int = 1
 
 
 @dataclass(frozen=True)

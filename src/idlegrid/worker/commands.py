@@ -77,6 +77,9 @@ def _policy_options(command: Any) -> Any:
         click.option("--p2p-reachability", type=click.Choice(["auto", "public", "client"]),
                      default=None, help="Peer-to-peer training: a full peer (public), "
                      "Hivemind's client mode behind NAT (client), or auto (default)."),
+        click.option("--sequences", type=click.IntRange(1, 256), default=None,
+                     help="LLM generation: prompts decoded together in one model context "
+                     "(32; fewer where memory is short; 1: one after another)."),
     ]  # fmt: skip
     for option in reversed(options):
         command = option(command)

@@ -421,6 +421,7 @@ class Worker(Execution, Stepping, Transfers):
             slots=len(self.hosts),
             prefetch=self.settings.prefetch,
             kinds=[*self.kinds, *self.capabilities],
+            sequences=self.settings.sequences,
             running=sorted(set(self.running) | set(self.outbox)),
         )
         await ws.send(hello.model_dump_json())

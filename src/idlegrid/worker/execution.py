@@ -213,6 +213,7 @@ class Execution:
             checkpoint_every_s=self.settings.checkpoint_every_s,
             check=task.check,
             p2p_reachability=self.settings.p2p_reachability,
+            sequences=self.settings.sequences,
         )
         progress = lambda fraction: setattr(task, "progress", fraction)  # noqa: E731
         try:

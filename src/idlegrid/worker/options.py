@@ -70,6 +70,7 @@ def _settings(options: dict[str, Any]) -> Any:
                 "daily_download_mb",
                 "control_port",
                 "p2p_reachability",
+                "sequences",
             )
         },  # fmt: skip
     )

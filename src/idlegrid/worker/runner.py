@@ -8,7 +8,8 @@ across tasks, so what a kind keeps between tasks (a loaded model, a training run
 weights) survives; a dead child is started again for the next task.
 
 The parent and child speak over a pipe, in tuples: ("run", task_id, kind, params,
-payload, device, threads, slowdown, scratch, checkpoint_every_s, check, p2p_reachability)
+payload, device, threads, slowdown, scratch, checkpoint_every_s, check, p2p_reachability,
+sequences)
 and ("cancel", task_id)
 and ("blob", task_id, hash, bytes | None) to the child; ("progress", task_id, fraction),
 ("fetch", task_id, hash), ("done", task_id, output) and ("failed", task_id, reason) back.
@@ -64,6 +65,8 @@ class TaskSpec:
     check: bytes | None = None
     # WorkerSettings.p2p_reachability, for peer-to-peer training rounds.
     p2p_reachability: str = "auto"
+    # WorkerSettings.sequences, for llm-generate.
+    sequences: int = 1
 
 
 class TaskHost:
@@ -221,7 +224,7 @@ class TaskHost:
                 self._send,
                 ("run", spec.task_id, spec.kind, spec.params, spec.payload, spec.device,
                  spec.threads, spec.slowdown, spec.scratch, spec.checkpoint_every_s, spec.check,
-                 spec.p2p_reachability),
+                 spec.p2p_reachability, spec.sequences),
             )  # fmt: skip
             while True:
                 try:
@@ -432,7 +435,7 @@ class _Child:
     def run(
         self, task_id: int, kind_name: str, raw: dict[str, object], payload: bytes,
         device: str, threads: int, slowdown: float, scratch: str, checkpoint_every_s: float,
-        check: bytes | None = None, p2p_reachability: str = "auto",
+        check: bytes | None = None, p2p_reachability: str = "auto", sequences: int = 1,
     ) -> None:  # fmt: skip
         from idlegrid.kinds import RunContext, get_kind
 
@@ -455,6 +458,7 @@ class _Child:
             checkpoint_every_s=checkpoint_every_s,
             check=check,
             p2p_reachability=p2p_reachability,
+            sequences=sequences,
         )
         try:
             kind = get_kind(kind_name)

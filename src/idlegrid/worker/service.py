@@ -38,7 +38,7 @@ PASSED_OPTIONS = (
     "name", "slots", "prefetch", "kinds", "device", "threads", "cpu_mode", "gpu_mode",
     "idle_after_s", "cpu_cores", "cpu_percent", "in_use_cpu_percent", "memory_percent",
     "suspend_cpu_usage", "suspend_gpu_usage", "min_battery_percent", "windows",
-    "max_cpu_temp_c", "control_port", "p2p_reachability",
+    "max_cpu_temp_c", "control_port", "p2p_reachability", "sequences",
 )  # fmt: skip
 FLAG_NAMES = {"idle_after_s": "--idle-after", "max_cpu_temp_c": "--max-cpu-temp"}
 # What the one-file build makes besides the console program (packaging/build_worker.py;

@@ -30,7 +30,14 @@ import numpy as np
 
 from idlegrid.kinds.base import Cancelled, RunContext
 from idlegrid.kinds.llm_generate import runtime
-from idlegrid.kinds.llm_generate.generate import decode, stop_index, token_logprobs
+from idlegrid.kinds.llm_generate.generate import (
+    Settings,
+    decode,
+    settings_of,
+    stop_index,
+    token_logprobs,
+    wants_pieces,
+)
 from idlegrid.kinds.llm_generate.sampler import Sampling, draw, interval
 from idlegrid.kinds.llm_generate.shard import (
     Completion,
@@ -142,9 +149,15 @@ def check_shard(
     for prompt, completion in zip(payload.prompts, claimed.completions, strict=True):
         if ctx is not None and ctx.is_cancelled():
             raise Cancelled()
-        problem = rules(llm, completion, params) or _completion(
-            llm, prompt, completion, params, margins, report, stop_early
-        )
+        settings = settings_of(prompt, params)
+        if completion.finish == "error":
+            problem = _could_not_run(llm, prompt, settings, payload.n_ctx)
+        else:
+            problem = (
+                rules(llm, completion, settings)
+                or _pieces(llm, prompt, completion)
+                or _completion(llm, prompt, completion, settings, margins, report, stop_early)
+            )
         if problem:
             report.fail(f"prompt {prompt.index}, {problem}")
             if stop_early:
@@ -158,11 +171,32 @@ def check_shard(
     return report
 
 
+def _pieces(llm: Any, prompt: PayloadPrompt, completion: Completion) -> str | None:
+    """What is wrong with a completion's token bytes: there where its request asked for
+    log-probabilities, each the token's own."""
+    if wants_pieces(prompt) != (completion.pieces is not None):
+        return "token bytes are missing" if wants_pieces(prompt) else "token bytes not asked for"
+    if completion.pieces is None:
+        return None
+    for at, (token, piece) in enumerate(zip(completion.tokens, completion.pieces, strict=True)):
+        if runtime.piece(llm, token) != piece:
+            return f"token {at}: its bytes are not the token's"
+    return None
+
+
+def _could_not_run(llm: Any, prompt: PayloadPrompt, settings: Settings, n_ctx: int) -> str | None:
+    """What is wrong with a claim that a prompt could not run (None: it could not)."""
+    needed = len(runtime.tokenize(llm, prompt.text)) + settings.max_tokens
+    if needed <= n_ctx:
+        return f"claimed it could not run, but its {needed} tokens fit the context of {n_ctx}"
+    return None
+
+
 def _completion(
     llm: Any,
     prompt: PayloadPrompt,
     completion: Completion,
-    params: LlmGenerateParams,
+    settings: Settings,
     margins: Margins,
     report: CheckReport,
     stop_early: bool,
@@ -178,7 +212,7 @@ def _completion(
         for offset, token in enumerate(tokens):
             at = position + offset
             problem = _token(rows[offset], token, float(checked[offset]), completion.logprobs[at],
-                             prompt.seed, at, params, margins, report)  # fmt: skip
+                             prompt.seed, at, settings.sampling, margins, report)  # fmt: skip
             if problem == MISSED_DRAW:
                 misses += 1
             elif problem and first is None:
@@ -191,13 +225,13 @@ def _completion(
     return first
 
 
-def rules(llm: Any, completion: Completion, params: LlmGenerateParams) -> str | None:
+def rules(llm: Any, completion: Completion, settings: Settings) -> str | None:
     """What breaks the stop and length rules in a completion (None: nothing)."""
     tokens = completion.tokens
     if not tokens:
         return "no token generated"
-    if len(tokens) > params.max_tokens:
-        return f"{len(tokens)} tokens, over max_tokens {params.max_tokens}"
+    if len(tokens) > settings.max_tokens:
+        return f"{len(tokens)} tokens, over max_tokens {settings.max_tokens}"
     vocab = llm.n_vocab()
     if any(not 0 <= t < vocab for t in tokens):
         return f"a token id is outside the vocabulary of {vocab}"
@@ -207,20 +241,20 @@ def rules(llm: Any, completion: Completion, params: LlmGenerateParams) -> str | 
     ended = bool(ends)
     body = tokens[:-1] if ended else tokens
     text = decode(b"".join(runtime.piece(llm, t) for t in body))
-    cut = stop_index(text, params.stop) if params.stop else None
+    cut = stop_index(text, settings.stop) if settings.stop else None
     if ended or completion.finish == "length":
         expected_finish = "stop" if ended else "length"
         if completion.finish != expected_finish:
             return f"finish is {completion.finish!r}; the tokens say {expected_finish!r}"
-        if not ended and len(tokens) != params.max_tokens:
-            return f"finish 'length' after {len(tokens)} of {params.max_tokens} tokens"
+        if not ended and len(tokens) != settings.max_tokens:
+            return f"finish 'length' after {len(tokens)} of {settings.max_tokens} tokens"
         if cut is not None:
             return "a stop string appears and generation went on"
         return None if completion.text == text else "the text is not what the tokens decode to"
     if cut is None:
         return "finish 'stop' without an end token or stop string"
     before = decode(b"".join(runtime.piece(llm, t) for t in tokens[:-1]))
-    if stop_index(before, params.stop) is not None:
+    if stop_index(before, settings.stop) is not None:
         return "a stop string appears before the last token"
     return None if completion.text == text[:cut] else "the text is not what the tokens decode to"
 
@@ -235,7 +269,7 @@ def _token(
     claimed: float,
     seed: int,
     position: int,
-    params: LlmGenerateParams,
+    sampling: Sampling,
     margins: Margins,
     report: CheckReport,
 ) -> str | None:
@@ -245,7 +279,6 @@ def _token(
     error = abs(logprob - claimed)
     report.logprob_error = max(report.logprob_error, error)
     report.errors.append(error)
-    sampling = params.sampling()
     gap = float(np.max(row)) - float(row[token]) if sampling.greedy else 0.0
     report.greedy_gap = max(report.greedy_gap, gap)
     if error > margins.logprob:

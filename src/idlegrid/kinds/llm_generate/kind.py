@@ -34,12 +34,14 @@ from idlegrid.kinds.base import (
     required_input,
     required_input_hash,
 )
-from idlegrid.kinds.llm_generate import defects
+from idlegrid.kinds.llm_generate import defects, openai_batch
 from idlegrid.kinds.llm_generate.check import CROSS
+from idlegrid.kinds.llm_generate.generate import settings_of
 from idlegrid.kinds.llm_generate.model import GgufFacts, inspect_gguf
 from idlegrid.kinds.llm_generate.prompts import Prompt, check_template, parse_prompts
 from idlegrid.kinds.llm_generate.shard import (
     CheckVerdict,
+    Completion,
     LlmGenerateParams,
     Output,
     Payload,
@@ -61,6 +63,9 @@ BENCHMARK_SHARE = 0.2
 # The context a shard's model is loaded with is rounded up to this many tokens, so that
 # shards of one job (and jobs of one model) share a loaded model.
 CONTEXT_STEP = 256
+# Prompts whose first this many characters (some 60 tokens) are the same are cut into
+# shards side by side.
+GROUP_PREFIX_CHARS = 256
 
 
 class LlmGenerateKind(TaskKind):
@@ -94,12 +99,13 @@ class LlmGenerateKind(TaskKind):
             prompts = parse_prompts(required_input(inputs, "prompts"), facts, job_seed=params.seed)
             counts, _ = count_tokens(path, [p.text for p in prompts])
         for prompt, count in zip(prompts, counts, strict=True):
-            if count + params.max_tokens > facts.context_length:
+            most = _max_tokens(prompt, params)
+            if count + most > facts.context_length:
                 raise InputError(
                     f"prompts line {prompt.index + 1}: {count} prompt tokens and max_tokens "
-                    f"{params.max_tokens} exceed the model's context of {facts.context_length}"
+                    f"{most} exceed the model's context of {facts.context_length}"
                 )
-        longest = max(counts) + params.max_tokens
+        longest = max(c + _max_tokens(p, params) for p, c in zip(prompts, counts, strict=True))
         n_ctx = min(facts.context_length, -(-longest // CONTEXT_STEP) * CONTEXT_STEP)
         if params.token_budget < longest:
             raise InputError(
@@ -120,8 +126,9 @@ class LlmGenerateKind(TaskKind):
         model = required_input_hash(inputs, "model")
         shards: list[ShardSpec] = []
         group: list[PayloadPrompt] = []
-        for prompt, count in zip(prompts, counts, strict=True):
-            if group and _budget(group, params) + count + params.max_tokens > params.token_budget:
+        for prompt, count in _grouped(prompts, counts):
+            cost = count + _max_tokens(prompt, params)
+            if group and _budget(group, params) + cost > params.token_budget:
                 shards.append(_shard(len(shards), model, group, params, facts))
                 group = []
             group.append(_payload_prompt(prompt, count))
@@ -169,11 +176,14 @@ class LlmGenerateKind(TaskKind):
         if [c.index for c in claimed.completions] != indexes:
             raise InputError(f"output answers prompts {[c.index for c in claimed.completions]}")
         vocab = facts_of(params).vocab
-        for completion in claimed.completions:
-            if not 1 <= len(completion.tokens) <= params.max_tokens:
+        for prompt, completion in zip(shard.prompts, claimed.completions, strict=True):
+            if completion.finish == "error":
+                continue  # no tokens (read_output); the check confirms it could not run
+            most = settings_of(prompt, params).max_tokens
+            if not 1 <= len(completion.tokens) <= most:
                 raise InputError(
                     f"prompt {completion.index}: {len(completion.tokens)} tokens "
-                    f"(1 to {params.max_tokens} allowed)"
+                    f"(1 to {most} allowed)"
                 )
             if max(completion.tokens) >= vocab:
                 raise InputError(f"prompt {completion.index}: a token id is past the vocabulary")
@@ -229,22 +239,19 @@ class LlmGenerateKind(TaskKind):
         return Verdict.AGREE
 
     def assemble(self, outputs: Sequence[bytes], params: KindParams) -> bytes:
-        lines = []
-        expected = 0
-        for output in outputs:
-            for completion in read_output(output).completions:
-                if completion.index != expected:
-                    raise InputError("shards do not cover the job's prompts in order")
-                expected += 1
-                record = {
-                    "index": completion.index,
-                    "text": completion.text,
-                    "tokens": completion.tokens,
-                    "logprobs": completion.logprobs,
-                    "finish_reason": completion.finish,
-                }
-                lines.append(json.dumps(record, ensure_ascii=False) + "\n")
-        return "".join(lines).encode("utf-8")
+        completions = _by_index(outputs)
+        return _write_result([completions[index] for index in range(len(completions))])
+
+    def assemble_with_inputs(
+        self, payloads: Sequence[bytes], outputs: Sequence[bytes], params: KindParams
+    ) -> bytes:
+        """The result in input order: OpenAI Batch API output lines for a batch file's
+        job, else the project's own lines."""
+        shards = [read_payload(payload) for payload in payloads]
+        completions = _by_index(outputs)
+        if any(p.request is not None for shard in shards for p in shard.prompts):
+            return openai_batch.write_lines(shards, completions)
+        return self.assemble(outputs, params)
 
 
 def _compare_checks(
@@ -261,18 +268,68 @@ def _compare_checks(
     return Verdict.AGREE if check.passed else Verdict.DISAGREE
 
 
+def _grouped(prompts: list[Prompt], counts: list[int]) -> list[tuple[Prompt, int]]:
+    """Prompts that start with the same `GROUP_PREFIX_CHARS` characters (a long system
+    prompt, few-shot examples) side by side, so they share shards, where the prefix is
+    evaluated once (batched.py); groups in the order of their first prompt, prompts in
+    input order within each (prompts with no such prefix stay in input order)."""
+    groups: dict[str, list[tuple[Prompt, int]]] = {}
+    for prompt, count in zip(prompts, counts, strict=True):
+        groups.setdefault(prompt.text[:GROUP_PREFIX_CHARS], []).append((prompt, count))
+    return [pair for group in groups.values() for pair in group]
+
+
+def _by_index(outputs: Sequence[bytes]) -> dict[int, Completion]:
+    """The shards' completions by prompt index; InputError unless they are each prompt once."""
+    completions: dict[int, Completion] = {}
+    for output in outputs:
+        for completion in read_output(output).completions:
+            completions.setdefault(completion.index, completion)
+    if sorted(completions) != list(range(len(completions))):
+        raise InputError("shards do not cover the job's prompts once each")
+    return completions
+
+
+def _write_result(completions: list[Completion]) -> bytes:
+    lines = []
+    for completion in completions:
+        record: dict[str, object] = {
+            "index": completion.index,
+            "text": completion.text,
+            "tokens": completion.tokens,
+            "logprobs": completion.logprobs,
+            "finish_reason": completion.finish,
+        }
+        if completion.error:
+            record["error"] = completion.error
+        lines.append(json.dumps(record, ensure_ascii=False) + "\n")
+    return "".join(lines).encode("utf-8")
+
+
+def _max_tokens(prompt: Prompt, params: LlmGenerateParams) -> int:
+    return params.max_tokens if prompt.max_tokens is None else prompt.max_tokens
+
+
 def generated_tokens(output: bytes) -> int:
     """Tokens a shard output (or a job result) holds: the progress a researcher sees."""
     return sum(len(c.tokens) for c in read_output(output).completions)
 
 
 def _budget(group: list[PayloadPrompt], params: LlmGenerateParams) -> int:
-    return sum(p.prompt_tokens + params.max_tokens for p in group)
+    return sum(p.prompt_tokens + settings_of(p, params).max_tokens for p in group)
 
 
 def _payload_prompt(prompt: Prompt, count: int) -> PayloadPrompt:
     return PayloadPrompt(
-        index=prompt.index, text=prompt.text, seed=prompt.seed, prompt_tokens=count
+        index=prompt.index,
+        text=prompt.text,
+        seed=prompt.seed,
+        prompt_tokens=count,
+        max_tokens=prompt.max_tokens,
+        temperature=prompt.temperature,
+        top_p=prompt.top_p,
+        stop=prompt.stop,
+        request=prompt.request,
     )
 
 

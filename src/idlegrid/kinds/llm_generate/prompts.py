@@ -6,6 +6,9 @@ template in jinja2's immutable sandbox (a template is the researcher's, so it ma
 reach attributes or callables beyond plain data). An optional `"seed"` (an integer) picks
 the sampler's draws for that prompt; without one a prompt's seed is the job's seed plus
 its line's index among the prompts.
+
+A file of OpenAI Batch API lines (`openai_batch`) is read too: each line's chat messages
+or prompt, and its own sampling settings.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from idlegrid.kinds.base import InputError
+from idlegrid.kinds.llm_generate import openai_batch
+from idlegrid.kinds.llm_generate.shard import Request
 
 if TYPE_CHECKING:
     from idlegrid.kinds.llm_generate.model import GgufFacts
@@ -38,6 +43,12 @@ class Prompt:
     index: int
     text: str
     seed: int
+    # A request's own settings (an OpenAI Batch API line's); None: the job's.
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] | None = None
+    request: Request | None = None
 
 
 def parse_prompts(data: bytes, facts: GgufFacts, *, job_seed: int) -> list[Prompt]:
@@ -47,6 +58,8 @@ def parse_prompts(data: bytes, facts: GgufFacts, *, job_seed: int) -> list[Promp
     except UnicodeDecodeError as exc:
         raise InputError(f"prompts are not UTF-8 text (byte {exc.start})") from None
     prompts: list[Prompt] = []
+    batch: bool | None = None  # whether the file is OpenAI Batch API lines
+    seen: set[str] = set()
     for number, line in enumerate(content.splitlines(), start=1):
         if not line.strip():
             continue
@@ -55,13 +68,53 @@ def parse_prompts(data: bytes, facts: GgufFacts, *, job_seed: int) -> list[Promp
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise InputError(f"prompts line {number}: not JSON ({exc.msg})") from None
+            raise InputError(
+                f"prompts line {number}: not JSON ({exc.msg} at column {exc.colno})"
+            ) from None
+        if batch is None:
+            batch = openai_batch.is_batch_line(record)
+        elif batch != openai_batch.is_batch_line(record):
+            raise InputError(
+                f"prompts line {number}: mixes OpenAI Batch API lines and prompt lines; a "
+                "file holds one or the other"
+            )
+        default = job_seed + len(prompts)
+        if batch:
+            prompts.append(_batch_prompt(record, facts, number, len(prompts), default, seen))
+            continue
         text = _text(record, facts, number)
-        seed = _seed(record, number, default=job_seed + len(prompts))
+        seed = _seed(record, number, default=default)
         prompts.append(Prompt(index=len(prompts), text=text, seed=seed))
     if not prompts:
         raise InputError("prompts: no prompt (every line is blank)")
     return prompts
+
+
+def _batch_prompt(
+    record: dict[str, Any], facts: GgufFacts, number: int, index: int, seed: int, seen: set[str]
+) -> Prompt:
+    line = openai_batch.read_line(record, number, seen)
+    if line.messages is not None:
+        messages = [
+            {"role": "system" if m["role"] == "developer" else m["role"], "content": m["content"]}
+            for m in line.messages
+        ]
+        text = render_chat(facts, _messages(messages, number), where=f"line {number}")
+    else:
+        assert line.text is not None
+        text = line.text
+    if len(text) > MAX_PROMPT_CHARS:
+        raise InputError(f"prompts line {number}: over {MAX_PROMPT_CHARS} characters")
+    return Prompt(
+        index=index,
+        text=text,
+        seed=seed if line.seed is None else line.seed,
+        max_tokens=line.max_tokens,
+        temperature=line.temperature,
+        top_p=line.top_p,
+        stop=line.stop,
+        request=line.request,
+    )
 
 
 def _text(record: Any, facts: GgufFacts, number: int) -> str:

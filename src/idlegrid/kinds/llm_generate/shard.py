@@ -10,6 +10,7 @@ and why it stopped; plus the llama.cpp backend that ran it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -64,11 +65,27 @@ def check_stops(stops: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+class Request:
+    """Where an OpenAI Batch API line came from, to write its output line."""
+
+    custom_id: str
+    url: str  # "/v1/chat/completions" or "/v1/completions"
+    model: str = ""
+    logprobs: bool = False
+
+
+@dataclass(frozen=True)
 class PayloadPrompt:
     index: int
     text: str
     seed: int
     prompt_tokens: int
+    # A request's own settings (an OpenAI Batch API line's); None: the job's.
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: tuple[str, ...] | None = None
+    request: Request | None = None
 
 
 @dataclass(frozen=True)
@@ -78,18 +95,33 @@ class Payload:
     prompts: list[PayloadPrompt]
 
 
+_OWN = ("max_tokens", "temperature", "top_p", "stop")
+
+
 def write_payload(payload: Payload) -> bytes:
     return json.dumps(
         {
             "model": payload.model,
             "n_ctx": payload.n_ctx,
-            "prompts": [
-                {"index": p.index, "text": p.text, "seed": p.seed, "tokens": p.prompt_tokens}
-                for p in payload.prompts
-            ],
+            "prompts": [_write_prompt(p) for p in payload.prompts],
         },
         ensure_ascii=False,
     ).encode()
+
+
+def _write_prompt(prompt: PayloadPrompt) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "index": prompt.index,
+        "text": prompt.text,
+        "seed": prompt.seed,
+        "tokens": prompt.prompt_tokens,
+    }
+    for name in _OWN:
+        if getattr(prompt, name) is not None:
+            record[name] = getattr(prompt, name)
+    if prompt.request is not None:
+        record["request"] = dataclasses.asdict(prompt.request)
+    return record
 
 
 def read_payload(data: bytes) -> Payload:
@@ -98,16 +130,30 @@ def read_payload(data: bytes) -> Payload:
         return Payload(
             model=str(raw["model"]),
             n_ctx=int(raw["n_ctx"]),
-            prompts=[
-                PayloadPrompt(int(p["index"]), str(p["text"]), int(p["seed"]), int(p["tokens"]))
-                for p in raw["prompts"]
-            ],
+            prompts=[_read_prompt(p) for p in raw["prompts"]],
         )
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"shard payload: {exc}") from None
 
 
-Finish = Literal["stop", "length"]
+def _read_prompt(raw: dict[str, Any]) -> PayloadPrompt:
+    request = raw.get("request")
+    stop = raw.get("stop")
+    return PayloadPrompt(
+        index=int(raw["index"]),
+        text=str(raw["text"]),
+        seed=int(raw["seed"]),
+        prompt_tokens=int(raw["tokens"]),
+        max_tokens=None if raw.get("max_tokens") is None else int(raw["max_tokens"]),
+        temperature=None if raw.get("temperature") is None else float(raw["temperature"]),
+        top_p=None if raw.get("top_p") is None else float(raw["top_p"]),
+        stop=None if stop is None else tuple(str(s) for s in stop),
+        request=None if request is None else Request(**request),
+    )
+
+
+# "error": the prompt could not run (`Completion.error` says why); it has no tokens.
+Finish = Literal["stop", "length", "error"]
 
 
 @dataclass(frozen=True)
@@ -119,6 +165,10 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     finish: Finish
+    error: str = ""
+    # Each token's bytes, where the prompt's request asked for log-probabilities (an
+    # OpenAI Batch API line's `logprobs`); None: not asked.
+    pieces: list[bytes] | None = None
 
 
 @dataclass(frozen=True)
@@ -128,6 +178,8 @@ class Output:
     # The llama.cpp build that made it (`runtime.build`): a checker on the same build
     # reproduces its logits exactly and holds it to the tight margins.
     build: str = ""
+    # Sequences the node decoded together (batched.Engine); 0: not said.
+    sequences: int = 0
 
 
 def write_output(output: Output) -> bytes:
@@ -135,19 +187,26 @@ def write_output(output: Output) -> bytes:
         {
             "backend": output.backend,
             "build": output.build,
-            "results": [
-                {
-                    "index": c.index,
-                    "text": c.text,
-                    "tokens": c.tokens,
-                    "logprobs": [round(lp, 6) for lp in c.logprobs],
-                    "finish": c.finish,
-                }
-                for c in output.completions
-            ],
+            "sequences": output.sequences,
+            "results": [_write_completion(c) for c in output.completions],
         },
         ensure_ascii=False,
     ).encode()
+
+
+def _write_completion(completion: Completion) -> dict[str, Any]:
+    record: dict[str, Any] = {
+        "index": completion.index,
+        "text": completion.text,
+        "tokens": completion.tokens,
+        "logprobs": [round(lp, 6) for lp in completion.logprobs],
+        "finish": completion.finish,
+    }
+    if completion.error:
+        record["error"] = completion.error
+    if completion.pieces is not None:
+        record["pieces"] = [piece.hex() for piece in completion.pieces]
+    return record
 
 
 def read_output(data: bytes) -> Output:
@@ -161,8 +220,16 @@ def read_output(data: bytes) -> Output:
         build = raw.get("build", "")
         if not isinstance(build, str):
             raise TypeError("build")
+        sequences = raw.get("sequences", 0)
+        if not isinstance(sequences, int) or isinstance(sequences, bool) or sequences < 0:
+            raise TypeError("sequences")
         completions = [_completion(r) for r in results]
-        return Output(completions=completions, backend=backend[:100], build=build[:500])
+        return Output(
+            completions=completions,
+            backend=backend[:100],
+            build=build[:500],
+            sequences=min(sequences, 1 << 16),
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise InputError(f"output: {exc}") from None
 
@@ -177,14 +244,28 @@ def _completion(raw: Any) -> Completion:
         raise TypeError("token ids must be non-negative integers")
     if not all(isinstance(lp, int | float) and math.isfinite(lp) and lp <= 0 for lp in logprobs):
         raise ValueError("log-probabilities must be finite and at most 0")
-    if raw["finish"] not in ("stop", "length") or not isinstance(raw["text"], str):
-        raise ValueError("finish must be 'stop' or 'length', text a string")
+    if raw["finish"] not in ("stop", "length", "error") or not isinstance(raw["text"], str):
+        raise ValueError("finish must be 'stop', 'length' or 'error', text a string")
+    error = raw.get("error", "")
+    if not isinstance(error, str) or (raw["finish"] == "error") != bool(error):
+        raise ValueError("an 'error' finish, and only that, says why in 'error'")
+    if raw["finish"] == "error" and (tokens or raw["text"]):
+        raise ValueError("a prompt that could not run has no tokens and no text")
+    pieces = raw.get("pieces")
+    if pieces is not None and (
+        not isinstance(pieces, list)
+        or len(pieces) != len(tokens)
+        or not all(isinstance(p, str) and len(p) <= 256 for p in pieces)
+    ):
+        raise ValueError("pieces must be one hex string per token")
     return Completion(
         index=int(raw["index"]),
         text=raw["text"],
         tokens=tokens,
         logprobs=[float(lp) for lp in logprobs],
         finish=raw["finish"],
+        error=error[:500],
+        pieces=None if pieces is None else [bytes.fromhex(p) for p in pieces],
     )
 
 
