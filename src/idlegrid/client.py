@@ -326,9 +326,11 @@ class Client:
     ) -> Job:
         """Generate text with a GGUF model (bytes or a path) over prompts: strings, objects
         (`{"prompt": ...}` or `{"messages": [...]}`, an optional `"seed"`), or a path to a
-        JSON Lines file of those objects. `temperature` 0 (the default) is greedy.
-        `job.result()` is one dict per prompt, in order: text, token ids, each token's
-        log-probability, finish_reason ("stop" or "length")."""
+        JSON Lines file of those objects, or of OpenAI Batch API input lines (each with
+        its own settings). `temperature` 0 (the default) is greedy. `job.result()` is one
+        dict per prompt, in order: text, token ids, each token's log-probability,
+        finish_reason ("stop", "length", or "error" with `error` saying why); for a batch
+        file, OpenAI Batch API output lines (`custom_id`, `response`, `error`)."""
         if isinstance(prompts, str | Path):
             data = Path(prompts).read_bytes()
         else:
