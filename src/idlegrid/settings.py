@@ -179,7 +179,8 @@ class CoordinatorSettings:
     # Bytes a researcher's uploads from the browser may take in all.
     web_upload_quota_bytes: int = 1024 * MIB
     # Build the worker wheel that /download serves when the data directory lacks this
-    # version's and this install can (a source checkout): `idlegrid serve` asks for it;
+    # version's and this install can (a source checkout, or an install from a wheel,
+    # packed again): `idlegrid serve` asks for it;
     # embedded apps and tests leave it to the operator (scripts/build-downloads.sh).
     build_downloads: bool = False
     # The statistics exports (users, teams, nodes) are written this often.

@@ -151,8 +151,9 @@ def main(debug: bool) -> None:
     "--build-downloads/--no-build-downloads",
     default=None,
     help="Build the worker wheel /download serves at start when DATA_DIR/downloads lacks "
-    "this version's and this install is a source checkout (seconds); default on "
-    "(env IDLEGRID_BUILD_DOWNLOADS). The one-file worker: scripts/build-downloads.sh.",
+    "this version's, from this install (a source checkout, or the wheel it came from; "
+    "seconds); default on (env IDLEGRID_BUILD_DOWNLOADS). The one-file worker: "
+    "scripts/build-downloads.sh.",
 )
 @click.option("--log-level", default="info", show_default=True)
 def serve(
