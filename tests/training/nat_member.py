@@ -25,6 +25,8 @@ def main(argv: list[str]) -> int:
     shard, setting, given, taken = int(argv[1]), argv[2], Path(argv[3]), Path(argv[4])
     joining = averaging.join(group, shard=shard, reachability_setting=setting)
     done = joining.average(np.load(given), shard=shard, holds_state=shard == 0)
+    joining.close()
+    averaging.REGISTRY.close()
     values = None if done.values is None else [float(v) for v in done.values]
     taken.write_text(json.dumps({
         "chosen": joining.mode, "ran": done.reachability, "values": values,

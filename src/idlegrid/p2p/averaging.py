@@ -144,7 +144,14 @@ class Standing:
         return " | ".join(lines)[:500]
 
     def close(self) -> None:
-        """End the process (if it still runs) and remove its files."""
+        """End the process and its children (Hivemind's DHT process and p2p daemon, which
+        outlive a killed parent) and remove its files."""
+        import psutil
+
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(self.process.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
@@ -198,10 +205,10 @@ class Registry:
                 self._idle.append(standing)
 
     def replace(self, standing: Standing, why: str) -> Standing:
-        """Kill an averager that stopped answering and start another in its place."""
+        """Kill an averager that stopped answering and start another in its place (the
+        caller's round reports `why`)."""
         log.warning("restarting the standing averager: %s", why)
         with self._lock:
-            self.replaced.append(why)
             if standing in self._held:
                 self._held.remove(standing)
             standing.close()
