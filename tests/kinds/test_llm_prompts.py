@@ -41,6 +41,16 @@ def test_prompts_and_messages_render_with_seeds() -> None:
     assert second.seed == 99
 
 
+def test_a_broken_json_line_is_said_whole_with_the_fix() -> None:
+    data = b'{"prompt": "a"}\n{"prompt": "an unfinished line}\n'
+    with pytest.raises(InputError) as raised:
+        parse_prompts(data, facts(), job_seed=0)
+    assert str(raised.value) == (
+        "prompts line 2: not JSON: Unterminated string starting at column 12; write each "
+        'line as one JSON object, e.g. {"prompt": "..."} or {"messages": [...]}'
+    )
+
+
 @pytest.mark.parametrize(
     ("data", "message"),
     [

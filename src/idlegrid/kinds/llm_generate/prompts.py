@@ -68,8 +68,11 @@ def parse_prompts(data: bytes, facts: GgufFacts, *, job_seed: int) -> list[Promp
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
+            # json's message ends where its position would go ("Unterminated string
+            # starting at"): the column completes it.
             raise InputError(
-                f"prompts line {number}: not JSON ({exc.msg} at column {exc.colno})"
+                f"prompts line {number}: not JSON: {exc.msg} column {exc.colno}; write each "
+                'line as one JSON object, e.g. {"prompt": "..."} or {"messages": [...]}'
             ) from None
         if batch is None:
             batch = openai_batch.is_batch_line(record)
