@@ -117,7 +117,11 @@ def test_texts_to_jsonl_refuses_non_strings() -> None:
 @pytest.mark.parametrize(
     ("blob", "message"),
     [
-        (b'"a"\n"b"\n"c"\n"d"\n"e"\n"f"\n{broken\n', "line 7: not valid JSON: "),
+        (
+            b'"a"\n"b"\n"c"\n"d"\n"e"\n"f"\n{broken\n',
+            "line 7: not valid JSON: Expecting property name enclosed in double quotes column "
+            '2; write each line as a JSON string ("a text") or an object {"text": "..."}',
+        ),
         (b'"a"\n\n42\n', "line 3: expected a string or an object with a 'text' string"),
         (b'{"body": "x"}\n', "line 1: expected a string or an object with a 'text' string"),
         (b'"ok"\n{"text": 5}\n', "line 2: expected a string or an object with a 'text' string"),

@@ -213,8 +213,12 @@ def parse_jsonl(data: bytes) -> list[str]:
 def _parse_line(line: str, line_number: int) -> str:
     try:
         value: Any = json.loads(line)
-    except ValueError as exc:
-        raise InputError(f"line {line_number}: not valid JSON: {exc}") from None
+    except json.JSONDecodeError as exc:
+        # json counts lines within this one line: its column is what locates the fault.
+        raise InputError(
+            f"line {line_number}: not valid JSON: {exc.msg} column {exc.colno}; write each "
+            'line as a JSON string ("a text") or an object {"text": "..."}'
+        ) from None
     if isinstance(value, dict):
         value = value.get("text")
     if not isinstance(value, str):
