@@ -133,7 +133,7 @@ def test_an_unsupported_line_is_named(model: bytes, change: Any, message: str) -
 
 def test_a_broken_or_mixed_file_is_named(model: bytes) -> None:
     broken = jsonl(BATCH[:1]) + b'{"custom_id": "x", "body": {\n'
-    with pytest.raises(InputError, match=r"line 2: not JSON \(.* at column \d+\)"):
+    with pytest.raises(InputError, match=r"line 2: not JSON: .* column \d+"):
         KIND.derive_params({"model": model, "prompts": broken}, KIND.parse_params({}))
     mixed = jsonl([BATCH[0], {"prompt": "Hi"}])
     with pytest.raises(InputError, match="line 2: mixes OpenAI Batch API lines and prompt"):
