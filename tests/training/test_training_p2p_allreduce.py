@@ -108,6 +108,8 @@ async def group(
 @pytest.fixture(autouse=True)
 def _hivemind() -> None:
     require_p2p("the all-reduce's frames are Hivemind's P2P helpers")
+    # Imported now, not inside the first exchange, whose deadline it would eat (seconds).
+    import hivemind.p2p  # noqa: F401
 
 
 def vectors(count: int, length: int = 1000) -> dict[int, np.ndarray]:
