@@ -2,11 +2,12 @@
 
 A training round in `averaging: "p2p"` mode moves its bytes between the round's members,
 not through the coordinator: each member averages its pseudo-gradient with the group the
-coordinator named, through Hivemind's `DecentralizedAverager` over its DHT. Hivemind
-imports torch, so it runs only in child processes: the coordinator's bootstrap DHT peer
-(`bootstrap`) and a member's averaging step (`averaging`). What the parent processes
-import here (`group`, `reachability`, `supervisor`, `unavailable`) needs neither torch
-nor hivemind.
+coordinator named, meeting in Hivemind's DHT (`roster`) and all-reducing its parts,
+compressed as uploads are, over Hivemind's p2p daemon (`parts`, `allreduce`, `attempts`).
+Hivemind imports torch, so it runs only in child processes: the coordinator's bootstrap
+DHT peer (`bootstrap`) and each worker's standing averager (`averaging`). What the parent
+processes import here (`group`, `reachability`, `supervisor`, `averaging`'s member side,
+`parts`, `unavailable`) needs neither torch nor hivemind.
 """
 
 from __future__ import annotations
