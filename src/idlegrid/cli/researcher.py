@@ -119,7 +119,7 @@ def submit(
       idlegrid submit onnx-infer model.onnx data.safetensors \\
           --wait -o out.safetensors
     llm-generate  model (.gguf), prompts: JSON Lines, {"prompt": ...} or
-                  {"messages": [...]} a line
+                  {"messages": [...]} a line, or OpenAI Batch API lines
       idlegrid submit llm-generate model.gguf prompts.jsonl \\
           -p max_tokens=128 --wait -o answers.jsonl
     diloco-train  a model (--model: a Hugging Face folder or a .gguf) and
