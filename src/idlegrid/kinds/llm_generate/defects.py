@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from idlegrid.kinds.llm_generate.shard import Completion, Output
+from idlegrid.kinds.llm_generate.shard import Output
 
 # How far a shifted log-probability moves: beyond the cross-build margin per token
 # (`check.CROSS.logprob`) with room, and below the checker's own value, so the claim
@@ -58,14 +58,9 @@ def _shift_logprobs(output: Output, rng: random.Random) -> Output:
 
 def _replay(output: Output) -> Output:
     moved = output.completions[1:] + output.completions[:1]
+    # Each completion whole (its finish, error and token bytes too): only its place moves.
     completions = [
-        Completion(
-            index=home.index,
-            text=other.text,
-            tokens=list(other.tokens),
-            logprobs=list(other.logprobs),
-            finish=other.finish,
-        )
+        dataclasses.replace(other, index=home.index)
         for home, other in zip(output.completions, moved, strict=True)
     ]
     if [c.tokens for c in completions] == [c.tokens for c in output.completions]:
