@@ -35,6 +35,8 @@ HANDLER = "idlegrid-allreduce"
 FORGET_S = 60.0
 # Bytes of a frame's length prefix (Hivemind's P2P.HEADER_LEN).
 FRAME = 8
+# Seconds a member waits for its reducers' answers past the attempt's deadline.
+GRACE_S = 2.0
 # No attempt lasts longer than this (a group's timeout is capped below it).
 MAX_ATTEMPT_S = 3600.0
 
@@ -80,7 +82,9 @@ class _Slot:
     length: int = 0
     contributions: dict[int, bytes] = field(default_factory=dict)
     answer: asyncio.Future[tuple[dict[str, Any], bytes]] | None = None
-    created: float = field(default_factory=time.monotonic)
+    # When it is forgotten: its attempt's deadline plus FORGET_S once this member expects
+    # it; until then (contributions of a group this member never joined) MAX_ATTEMPT_S.
+    forget_at: float = field(default_factory=lambda: time.monotonic() + MAX_ATTEMPT_S)
 
 
 class Reducer:
@@ -102,7 +106,7 @@ class Reducer:
     def _forget_old(self) -> None:
         now = time.monotonic()
         for ident, slot in list(self._slots.items()):
-            if now - slot.created > FORGET_S + MAX_ATTEMPT_S:
+            if now > slot.forget_at:
                 self._slots.pop(ident)
 
     def expect(self, plan: Plan, step: str, index: int, deadline: float) -> None:
@@ -111,6 +115,7 @@ class Reducer:
         start, end = plan.bounds()[index]
         slot = self._slot((plan.group_id, step, index))
         slot.members, slot.settings, slot.length = plan.members, plan.settings, end - start
+        slot.forget_at = deadline + FORGET_S
         self._maybe_reduce(slot)
         loop = asyncio.get_running_loop()
         loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, slot)
@@ -129,6 +134,7 @@ class Reducer:
         if not set(slot.members) <= set(slot.contributions):
             return
         given = {m: slot.contributions[m] for m in slot.members}
+        slot.contributions = {m: b"" for m in slot.contributions}  # reduced: keep no copies
         try:
             answer = parts.reduce(slot.step, slot.settings, slot.length, given)
             slot.answer.set_result(({"ok": True}, answer))
@@ -156,6 +162,9 @@ class Reducer:
             ident = (group, str(header["step"]), int(header["part"]))
             self.moved[group] += len(raw_header) + len(data) + 2 * FRAME
             slot = self.add(ident, int(header["shard"]), data)
+            if slot.members is None:  # a group this member has not joined (yet)
+                wait_s = float(header["wait_s"])
+                slot.forget_at = min(slot.forget_at, time.monotonic() + wait_s + FORGET_S)
             assert slot.answer is not None
             status, answer = await asyncio.wait_for(asyncio.shield(slot.answer),
                                                     float(header["wait_s"]))  # fmt: skip
@@ -208,8 +217,9 @@ async def run(p2p: Any, reducer: Reducer, plan: Plan, shard: int,
         calls = [one(index, r) for index, r in enumerate(plan.reducers)
                  if cut[index][1] > cut[index][0]]  # fmt: skip
         try:
-            answers = await asyncio.wait_for(asyncio.gather(*calls),
-                                             max(0.1, deadline - time.monotonic()))  # fmt: skip
+            # A little past the deadline: reducers answer at it, naming who sent nothing.
+            left = max(0.1, deadline - time.monotonic()) + GRACE_S
+            answers = await asyncio.wait_for(asyncio.gather(*calls), left)
         except TimeoutError:
             raise AllReduceFailed(f"the {step} exchange ran past the attempt's deadline") from None
         for index, answer in answers:
@@ -227,7 +237,7 @@ async def _call(p2p: Any, peer: Any, ident: tuple[str, str, int], shard: int, da
     from hivemind.p2p import P2P
 
     group, step, index = ident
-    wait_s = max(0.1, deadline - time.monotonic())
+    wait_s = max(0.1, deadline - time.monotonic()) + GRACE_S
     header = json.dumps({"group": group, "step": step, "part": index, "shard": shard,
                          "wait_s": wait_s}).encode()  # fmt: skip
     try:
