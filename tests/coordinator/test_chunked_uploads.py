@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -134,6 +135,28 @@ def test_bytes_that_do_not_hash_to_the_named_blob_are_never_stored(api: Api) -> 
         assert api.client.head(f"/v1/blobs/{blob}", headers=api.admin).status_code == 404
     assert api.client.get(f"/v1/uploads/{state['id']}", headers=bearer(alice)).status_code == 404
     assert not list((api.settings.blob_dir / "tmp").iterdir())  # no partial file left
+
+
+def test_a_full_disk_at_the_last_chunk_is_the_coordinators_507_and_leaves_nothing(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alice = api.token(account="alice")
+    grid = api.client.app.state.grid  # type: ignore[attr-defined]
+
+    def full_disk(path: Any, **kwargs: Any) -> str:
+        path.unlink()  # as put_file leaves it: gone whatever happens
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(grid.blobs, "put_file", full_disk)
+    state = _start(api, alice, MODEL).json()
+    while state["received"] + state["chunk_size"] < len(MODEL):
+        state = _chunk(api, alice, state["id"], MODEL, state["received"], state["chunk_size"])
+        state = state.json()
+    last = _chunk(api, alice, state["id"], MODEL, state["received"], state["chunk_size"])
+    message = assert_error(last, 507, "insufficient_storage")
+    assert "No space left on device" in message and "POST /v1/uploads" in message
+    assert api.client.get(f"/v1/uploads/{state['id']}", headers=bearer(alice)).status_code == 404
+    assert not list((api.settings.blob_dir / "tmp").iterdir())
 
 
 def test_the_account_quota_bounds_chunked_uploads_with_those_still_arriving(

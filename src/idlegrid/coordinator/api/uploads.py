@@ -206,6 +206,13 @@ async def _store_blob(grid: Grid, token: TokenInfo, upload: BlobUpload, path: Pa
             "invalid_upload",
             f"upload {upload.id}: {exc.message}; upload the file again (POST /v1/uploads)",
         ) from None
+    except OSError as exc:  # the coordinator's disk, not the request
+        raise ApiError(
+            507,
+            "insufficient_storage",
+            f"upload {upload.id}: the coordinator could not store the blob ({exc.strerror}); "
+            "its operator frees space, then upload the file again (POST /v1/uploads)",
+        ) from None
     finally:
         await grid.store.blob_uploads.remove(upload.id, token.account_id)
     await grid.store.blob_owners.add_blob_owner(
