@@ -2,9 +2,10 @@
 # Build the packages a coordinator serves at /download into its data directory:
 #   scripts/build-downloads.sh --data-dir /var/lib/idlegrid            # wheel + one-file worker
 #   scripts/build-downloads.sh --data-dir /var/lib/idlegrid --no-binary  # the wheel alone (seconds)
-# The wheel is this checkout's version (pip wheel, no dependencies); the one-file Linux
-# worker comes from scripts/build-worker-binary.sh (about a minute of CPU, 55 MB). The
-# coordinator hashes what it finds there (SHA-256) and lists it on its /download page.
+# The wheel is this checkout's version (pip wheel, no dependencies; `idlegrid serve` also
+# builds it by itself at start when it is missing); the one-file Linux worker comes from
+# scripts/build-worker-binary.sh (about a minute of CPU, 55 MB). The coordinator hashes
+# what it finds there (SHA-256) and lists it on its /download page.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
