@@ -31,6 +31,7 @@ def peers() -> Iterator[tuple[str, ...]]:
     try:
         yield bootstrap.start()
     finally:
+        averaging.REGISTRY.close()  # the standing averagers of this process's members
         bootstrap.stop()
 
 

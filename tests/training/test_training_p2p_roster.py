@@ -119,6 +119,7 @@ def bootstrap() -> Iterator[Any]:
     try:
         yield dht
     finally:
+        averaging.REGISTRY.close()  # the standing averagers of this process's members
         dht.shutdown()
 
 

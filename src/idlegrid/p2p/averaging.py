@@ -108,13 +108,15 @@ class Standing:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
         )  # fmt: skip
         self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         self.rounds = 0
 
     def _read(self) -> None:
         assert self.process.stdout is not None
-        for line in self.process.stdout:
-            self._lines.put(line)
+        with contextlib.suppress(ValueError, OSError):  # closed by `close`
+            for line in self.process.stdout:
+                self._lines.put(line)
         self._lines.put("")  # the process closed its stdout: it is gone
 
     def alive(self) -> bool:
@@ -155,9 +157,14 @@ class Standing:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        with contextlib.suppress(OSError):
-            if self.process.stdin is not None:
-                self.process.stdin.close()
+        # Its reader sees the end of stdout once the process and its children are gone;
+        # closing the pipe under a reader that still reads would block.
+        self._reader.join(timeout=2.0)
+        pipes = [self.process.stdin] + ([] if self._reader.is_alive() else [self.process.stdout])
+        for pipe in pipes:
+            with contextlib.suppress(OSError, ValueError):
+                if pipe is not None:
+                    pipe.close()
         self._log.close()
         self._scratch.cleanup()
 
