@@ -179,3 +179,28 @@ def test_a_group_of_client_members_closes_in_coordinator_mode_and_says_why(
     assert closed.notes["averaging"] == "coordinator"
     assert closed.notes["client_members"] == [0, 1, 2]
     assert closed.notes["fallback_reason"].count(averaging.ALL_CLIENTS) == 1
+
+
+class Replaced(AllReduce):
+    """A member whose standing averager was replaced before it averaged."""
+
+    def average(self, values: np.ndarray, *, shard: int, holds_state: bool,
+                settings: Compression | None = None) -> Averaged:  # fmt: skip
+        done = super().average(values, shard=shard, holds_state=holds_state, settings=settings)
+        if shard != 1:
+            return done
+        why = "the standing averager had exited (-9): killed"
+        return Averaged(done.values, done.members, done.attempt, why, residual=done.residual)
+
+
+def test_a_replaced_averager_is_said_in_the_round_record_of_a_round_that_averaged(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    job, start, payloads = round_zero("p2p")
+    monkeypatch.setattr(averaging, "join", Replaced(3).join)
+    results = train(payloads, job.params)
+    assert {r.averaging for r in results} == {"p2p"}
+    assert [bool(r.reason) for r in results] == [False, True, False]
+    closed = job.close(start.checkpoint, start.optimizer, [tasks.encode_result(r) for r in results])
+    assert closed.notes["averaging"] == "p2p" and closed.notes["agreeing"] == 3
+    assert "the standing averager had exited (-9)" in closed.notes["fallback_reason"]

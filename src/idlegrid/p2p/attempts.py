@@ -57,6 +57,7 @@ def attempt_all(server: Any, values: np.ndarray, group: Group, shard: int, holds
         outcome.wire_bytes, outcome.attempt = wire, attempt
         if outcome.mean is not None:
             outcome.blamed = blamed
+            outcome.reason = "; ".join(reasons)  # why the first attempt failed, if it did
             return outcome
         reasons.append(outcome.reason)
         blamed |= outcome.blamed - {shard}

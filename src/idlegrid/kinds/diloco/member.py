@@ -82,7 +82,11 @@ def average_round(
         state.set_residual(task.stream, done.residual)  # what the group's codes missed
     result = dataclasses.replace(
         base, averaging="p2p", averaged_digest=digest(mean), members=tuple(sorted(done.members)),
-        reason="" if done.attempt <= 1 else "averaged on the retry: a member left",
+        # What the attempts met on the way (a first attempt that failed, a standing
+        # averager replaced), said in the round's record even though the round averaged.
+        reason=done.reason if done.attempt <= 1 else "; ".join(
+            filter(None, ["averaged on the retry: a member left", done.reason])
+        ),
     )  # fmt: skip
     if outer is None:
         return result  # joined late: the next round's weights come from the coordinator
