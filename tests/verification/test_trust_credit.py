@@ -263,3 +263,28 @@ def test_a_late_result_is_paid_when_a_coordinator_start_made_it_late(
         )
         == paid
     )
+
+
+@pytest.mark.parametrize(
+    ("node_suspended", "trust_suspended", "quota", "used", "refused", "left"),
+    [
+        (False, False, 10, 0, None, 10),
+        (False, False, 10, 9, None, 1),
+        (False, False, 10, 10, "quota", 0),  # its daily quota claimed
+        (False, False, 10, 12, "quota", 0),  # over it (a smaller quota since): none, not less
+        (True, False, 10, 0, "suspended", 0),  # an admin suspended the node
+        (False, True, 10, 0, "suspended", 0),  # its trust on the kind is suspended
+        (True, True, 10, 10, "suspended", 0),  # suspended says why before the quota
+    ],
+)
+def test_who_may_claim_and_how_many(
+    node_suspended: bool,
+    trust_suspended: bool,
+    quota: int,
+    used: int,
+    refused: str | None,
+    left: int,
+) -> None:
+    found = trust.Trust(daily_quota=quota, suspended=trust_suspended)
+    assert trust.claim_refused(found, node_suspended=node_suspended, used_today=used) == refused
+    assert trust.claims_left(found, node_suspended=node_suspended, used_today=used) == left

@@ -27,6 +27,7 @@ from idlegrid.dashboard.pages import (
     store_of,
 )
 from idlegrid.store import Store, web
+from idlegrid.store import accounts as store_accounts
 from idlegrid.store.base import AccountExists
 
 router = APIRouter()
@@ -59,7 +60,7 @@ async def signup(
     if error is None:
         try:
             account_id = await store_of(request).web.web_write(
-                web.create_account,
+                store_accounts.sign_up,
                 username,
                 email=email,
                 password_hash=await security.hash_password(password),
@@ -127,7 +128,7 @@ async def signin(
     if wait > 0:
         error = f"Too many failed sign-ins. Try again in {max(1, round(wait / 60))} minute(s)."
         return await _signin_again(request, login, next, error, status=429)
-    account = await store_of(request).web.web_read(web.account_by_login, login)
+    account = await store_of(request).web.web_read(store_accounts.account_by_login, login)
     stored = account.password_hash if account else None
     matches = await security.check_password(stored, password)
     if not matches or account is None or account.disabled_at is not None:
@@ -189,7 +190,9 @@ async def _account(
     new_secret: str | None = None,
     status: int = 200,
 ) -> HTMLResponse:
-    tokens = await store_of(request).web.web_read(web.list_tokens, session.account.id)
+    tokens = await store_of(request).accounts.list_tokens(
+        session.account.id, include_revoked=True, for_page=True
+    )
     return await render(
         request,
         "account.html",
@@ -216,7 +219,10 @@ async def change_password(
     if problem:
         return await _account(request, session, error=problem, status=422)
     await store_of(request).web.web_write(
-        web.set_password, account.id, await security.hash_password(new), keep_session=session.id
+        store_accounts.set_password,
+        account.id,
+        await security.hash_password(new),
+        keep_session=session.id,
     )
     return redirect(request, "/account", flash="Password changed; other sessions are signed out.")
 
@@ -257,10 +263,10 @@ async def make_token(
 
 @router.post("/account/tokens/{token_id}/revoke", dependencies=[Csrf])
 async def revoke_token(request: Request, token_id: Id, session: SignedIn) -> Response:
-    revoked = await store_of(request).web.web_write(
-        web.revoke_token, session.account.id, token_id, now=grid_of(request).clock()
+    revoked = await store_of(request).accounts.revoke_token(
+        token_id, account_id=session.account.id, now=grid_of(request).clock()
     )
-    if not revoked:
+    if revoked is None:
         raise PageError(404, f"You have no live token {token_id}.")
     return redirect(request, "/account", flash="Token revoked.")
 
@@ -271,7 +277,7 @@ async def set_login(
     *,
     email: str | None,
     password: str,
-    role: web.Role,
+    role: store_accounts.AccountRole,
     now: float | None = None,
 ) -> int:
     """Give an account (made if missing) a password and a role (the CLI, the demo)."""
@@ -282,7 +288,7 @@ async def set_login(
         raise ValueError(problem)
     dashboard_store = cast(Store, store)
     return await dashboard_store.web.web_write(
-        web.set_login,
+        store_accounts.set_login,
         name,
         email=email,
         password_hash=await security.hash_password(password),

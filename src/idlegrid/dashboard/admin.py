@@ -19,6 +19,7 @@ from idlegrid.dashboard.pages import (
     render,
     store_of,
 )
+from idlegrid.store import accounts as store_accounts
 from idlegrid.store import web
 
 router = APIRouter(prefix="/admin")
@@ -35,7 +36,11 @@ async def admin_page(
     limit, offset = page_bounds(page, 50)
     store = store_of(request)
     accounts = await store.web.web_read(
-        web.list_accounts, search=q.strip(), flagged=flagged, limit=limit + 1, offset=offset
+        store_accounts.list_accounts,
+        search=q.strip(),
+        flagged=flagged,
+        limit=limit + 1,
+        offset=offset,
     )
     suspended = await store.web.web_read(web.list_all_nodes, suspended=True, limit=50, offset=0)
     recent = await store.web.web_read(web.list_all_nodes, suspended=False, limit=20, offset=0)
@@ -63,9 +68,9 @@ async def set_role(
 ) -> Response:
     if account_id == session.account.id and role != "admin":
         raise PageError(409, "You cannot take the admin role from yourself.")
-    if not await store_of(request).web.web_write(web.set_role, account_id, role):
+    if not await store_of(request).web.web_write(store_accounts.set_role, account_id, role):
         raise PageError(404, f"There is no account {account_id}.")
-    account = await store_of(request).web.web_read(web.account_by_id, account_id)
+    account = await store_of(request).web.web_read(store_accounts.web_account, account_id)
     name = account.name if account is not None else f"Account {account_id}"
     return redirect(request, "/admin", flash=f"{name} is now a {role}.")
 
@@ -81,7 +86,7 @@ async def disable(
         raise PageError(409, "You cannot disable your own account.")
     now = grid_of(request).clock()
     if not await store_of(request).web.web_write(
-        web.set_disabled, account_id, disabled=disabled, now=now
+        store_accounts.set_disabled, account_id, disabled=disabled, now=now
     ):
         raise PageError(404, f"There is no account {account_id}.")
     what = "disabled; its sessions and tokens are revoked" if disabled else "enabled"
@@ -90,7 +95,7 @@ async def disable(
 
 @router.post("/accounts/{account_id}/unflag", dependencies=[Csrf])
 async def unflag(request: Request, account_id: Id, session: Admin) -> Response:
-    if not await store_of(request).web.web_write(web.clear_flag, account_id):
+    if not await store_of(request).web.web_write(store_accounts.clear_flag, account_id):
         raise PageError(404, f"There is no account {account_id}.")
     return redirect(request, "/admin?flagged=true", flash=f"Account {account_id} is cleared.")
 

@@ -22,6 +22,7 @@ from idlegrid.dashboard.pages import (
     render,
     store_of,
 )
+from idlegrid.store import accounts as store_accounts
 from idlegrid.store import stats, web
 
 router = APIRouter()
@@ -123,7 +124,7 @@ async def leaderboard(
 @router.get("/users/{account_id}", response_class=HTMLResponse)
 async def profile(request: Request, account_id: Id) -> Response:
     store = store_of(request)
-    account = await store.web.web_read(web.account_by_id, account_id)
+    account = await store.web.web_read(store_accounts.web_account, account_id)
     if account is None:
         raise PageError(404, "There is no such volunteer.")
     standing = await store.web.web_read(stats.standing, "accounts", account.id)

@@ -11,13 +11,11 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple
 
 from idlegrid.states import JobState, NodeState, ShardState, TaskState, TrainingRoundState
 from idlegrid.verification.credit import CreditTotals
 from idlegrid.verification.trust import Trust
-
-T = TypeVar("T")
 
 
 class AccountExists(ValueError):

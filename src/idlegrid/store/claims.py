@@ -2,25 +2,30 @@
 
 The `store.claims` role; each method is one transaction (store/database.py). A claim is a
 conditional update (`WHERE state = 'ready'`) checked by its row count, so two claims of
-one task, in one process or in several, cannot both win. Also here: how a shard's
-replication changes after its first claim (`run_alone`, `escalate`, `raise_target`).
+one task, in one process or in several, cannot both win. Every claim goes through `claim`
+(its standing, the claim, its count in the daily quota, in one transaction): one task
+(`claim_task`), a batch of a replication-1 job's tasks (`claim_tasks`) and a backup copy
+(`store.scheduling.add_backup_task`). How a shard's replication changes after its first
+claim is store/replication.py's, part of this role.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from sqlalchemy import case, exists, func, or_, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.devtools import faults
-from idlegrid.states import JobState, ShardState, TaskState
-from idlegrid.store import check_routing, dialect, ledger, rows
+from idlegrid.states import JobState, TaskState
+from idlegrid.store import check_routing, dialect, rows
+from idlegrid.store import trust as trust_rows
 from idlegrid.store.base import Assignment, Claimer, ClaimMiss, Distinct, NodeTrust, ReadyTask
-from idlegrid.store.database import Role, read, retry_conflicts, write
+from idlegrid.store.database import read, retry_conflicts, write
 from idlegrid.store.lifecycle import in_state, move
 from idlegrid.store.replenish import replenish as top_up
+from idlegrid.store.replication import Replication, give_back_attempts
 from idlegrid.store.schema import jobs, nodes, shards, tasks
 from idlegrid.store.writelock import urgent
 from idlegrid.verification import trust as trust_policy
@@ -43,13 +48,14 @@ async def standing(
     suspended = (
         await conn.execute(select(nodes.c.suspended_at).where(nodes.c.id == claimer.node_id))
     ).scalar_one_or_none()
-    found = await ledger.load_trust(
+    found = await trust_rows.load_trust(
         conn, claimer.node_id, kind, claimer.backend, settings=trust, now=now
     )
-    if suspended is not None or found.trust.suspended:
-        return ClaimMiss.SUSPENDED
-    if found.quota_used_today >= found.trust.daily_quota:
-        return ClaimMiss.QUOTA
+    refused = trust_policy.claim_refused(
+        found.trust, node_suspended=suspended is not None, used_today=found.quota_used_today
+    )
+    if refused is not None:
+        return ClaimMiss(refused)
     return found
 
 
@@ -87,23 +93,10 @@ async def claim(
     claimed = list(await take(found))
     if claimed:
         faults.point("claim-before-quota")
-        await ledger.use_quota(
+        await trust_rows.use_quota(
             conn, claimer.node_id, kind, claimer.backend, count=len(claimed), now=now
         )
     return found, claimed
-
-
-async def give_back_attempts(conn: AsyncConnection, per_shard: Mapping[int, int]) -> None:
-    """Tasks that were no attempt of their shards after all (released unheard-of,
-    cancelled by adaptive replication, made known-answer checks): their shards' budgets
-    (`max_attempts`) keep them for real retries."""
-    for shard_id, count in sorted(per_shard.items()):
-        if count:
-            await conn.execute(
-                update(shards)
-                .where(shards.c.id == shard_id)
-                .values(attempts=shards.c.attempts - count)
-            )
 
 
 async def assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> list[Any]:
@@ -157,7 +150,22 @@ def distinct_from(claimer: Claimer, distinct: Distinct | None) -> list[Any]:
     ]
 
 
-class Claims(Role):
+async def _others_out(conn: AsyncConnection, shard_id: int, task_id: int) -> int:
+    """How many other tasks of the shard were handed to a node (none: a first replica)."""
+    return int(
+        (
+            await conn.execute(
+                select(func.count()).where(
+                    OTHER.c.shard_id == shard_id,
+                    OTHER.c.id != task_id,
+                    OTHER.c.node_id.is_not(None),
+                )
+            )
+        ).scalar_one()
+    )
+
+
+class Claims(Replication):
     """Ready tasks and their claims; how a shard's replication changes (`store.claims`)."""
 
     @read
@@ -220,16 +228,7 @@ class Claims(Role):
         if not claimed:
             return conflict[0]
         [row] = await assigned(conn, claimed, now=now)
-        others_out = (
-            await conn.execute(
-                select(func.count()).where(
-                    OTHER.c.shard_id == row.shard_id,
-                    OTHER.c.id != task_id,
-                    OTHER.c.node_id.is_not(None),
-                )
-            )
-        ).scalar_one()
-        first = others_out == 0 and row.mode is None
+        first = row.mode is None and not await _others_out(conn, row.shard_id, task_id)
         return rows.assignment(row, lease_deadline, found.trust, first_replica=first)
 
     async def _claim_one(
@@ -303,7 +302,10 @@ class Claims(Role):
             async with self.db.tx() as conn:
 
                 async def take(found: NodeTrust) -> Sequence[int]:
-                    room = found.trust.daily_quota - found.quota_used_today
+                    # Its standing was checked: not suspended.
+                    room = trust_policy.claims_left(
+                        found.trust, node_suspended=False, used_today=found.quota_used_today
+                    )
                     wanted = sorted(lease_deadlines)[:room]
                     ready = [tasks.c.id.in_(wanted)]
                     if dialect.row_locks(conn):
@@ -382,157 +384,8 @@ class Claims(Role):
                     key = (kinds[job_id], row.backend or "cpu")
                     used[key] = used.get(key, 0) + 1
             for (kind, backend), count in sorted(used.items()):
-                await ledger.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
+                await trust_rows.give_back_quota(conn, node_id, kind, backend, count=count, now=now)
             return sorted(row.id for row in released)
-
-    @write(retry_conflicts=True)
-    async def run_alone(
-        self,
-        conn: AsyncConnection,
-        shard_id: int,
-        task_id: int,
-        *,
-        spot_check: bool,
-        checkers: int = 1,
-    ) -> list[int]:
-        """Let the first replica of a shard run unreplicated (adaptive replication).
-
-        With `spot_check`, `checkers` other replicas stay, for trusted nodes only. Returns the
-        ready tasks cancelled (to drop from the queue); none if another replica was
-        handed out meanwhile (then the shard stays fully replicated).
-
-        Only a trusted node's first replica: a spot check by two `checkers` makes a
-        colluding checker meet an honest one. Nothing is cancelled either when the
-        shard's mode was already set.
-        """
-        if dialect.row_locks(conn):
-            # A claim of another replica locks the shard (key share) until it commits; this
-            # lock waits for it, so the check below sees that replica: the shard then stays
-            # replicated, rather than run "alone" on two nodes.
-            await conn.execute(select(shards.c.id).where(shards.c.id == shard_id).with_for_update())
-        changed = await conn.execute(
-            update(shards)
-            .where(
-                shards.c.id == shard_id,
-                shards.c.state == ShardState.OPEN.value,
-                shards.c.mode.is_(None),
-                ~exists().where(
-                    OTHER.c.shard_id == shard_id,
-                    OTHER.c.id != task_id,
-                    OTHER.c.node_id.is_not(None),
-                ),
-            )
-            .values(
-                target=1 + checkers if spot_check else 1,
-                quorum=2 if spot_check else 1,
-                mode="spot" if spot_check else "alone",
-            )
-        )
-        if changed.rowcount != 1:
-            return []
-        ready = list(
-            (
-                await conn.execute(
-                    select(tasks.c.id)
-                    .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
-                    .order_by(tasks.c.id)
-                )
-            )
-            .scalars()
-            .all()
-        )
-        keep, drop = (ready[:checkers], ready[checkers:]) if spot_check else ([], ready)
-        if keep:
-            await conn.execute(update(tasks).where(tasks.c.id.in_(keep)).values(trusted_only=True))
-        if not drop:
-            return []
-        # Only what this update cancelled: another node may have claimed one of them since.
-        cancelled = sorted(
-            (
-                await conn.execute(
-                    move(
-                        tasks, TaskState.CANCELLED, tasks.c.id.in_(drop), sources=[TaskState.READY]
-                    ).returning(tasks.c.id)
-                )
-            )
-            .scalars()
-            .all()
-        )
-        await give_back_attempts(conn, {shard_id: len(cancelled)})
-        return cancelled
-
-    @write
-    async def escalate(
-        self,
-        conn: AsyncConnection,
-        shard_id: int,
-        *,
-        target: int,
-        quorum: int,
-        now: float,
-    ) -> bool:
-        """Send a shard run alone back to full replication (a spot check disagreed); its
-        lone node runs nothing alone until it passes checks again.
-        """
-        lone = (
-            (
-                await conn.execute(
-                    select(tasks.c.id).where(
-                        tasks.c.shard_id == shard_id,
-                        tasks.c.state == TaskState.COMPLETED.value,
-                        tasks.c.trusted_only.is_(False),  # the spot check's task is trusted-only
-                    )
-                )
-            )
-            .scalars()
-            .all()
-        )
-        changed = await conn.execute(
-            update(shards)
-            .where(
-                shards.c.id == shard_id,
-                shards.c.state == ShardState.OPEN.value,
-                shards.c.mode.in_(["alone", "spot"]),
-            )
-            .values(target=target, quorum=quorum, mode="escalated")
-        )
-        if changed.rowcount == 1:
-            # A spot check still waiting for a trusted node may go to anyone now.
-            await conn.execute(
-                update(tasks)
-                .where(tasks.c.shard_id == shard_id, tasks.c.state == TaskState.READY.value)
-                .values(trusted_only=False)
-            )
-            for task_id in lone:
-                await ledger.suspect(conn, task_id, settings=self.trust, now=now)
-        return changed.rowcount == 1
-
-    @write
-    async def raise_target(
-        self, conn: AsyncConnection, shard_id: int, *, results_seen: int
-    ) -> bool:
-        """One more result for an open shard whose results so far did not decide it."""
-        changed = await conn.execute(
-            update(shards)
-            .where(
-                shards.c.id == shard_id,
-                shards.c.state == ShardState.OPEN.value,
-                shards.c.target <= results_seen,
-            )
-            .values(target=shards.c.target + 1)
-        )
-        return changed.rowcount == 1
-
-    @write
-    async def set_target(self, conn: AsyncConnection, shard_id: int, *, target: int) -> bool:
-        """An open shard verified by checks asks for `target` results: those that still
-        count and one more task (its next check, or a new output after a lie)."""
-        changed = await conn.execute(
-            update(shards)
-            .where(shards.c.id == shard_id, shards.c.state == ShardState.OPEN.value)
-            .values(target=target)
-        )
-        return changed.rowcount == 1
 
     @write
     async def assign_check(
@@ -548,21 +401,6 @@ class Claims(Role):
             update(tasks).where(tasks.c.id == task_id).values(checks_hash=row.output_hash)
         )
         return str(row.output_hash), int(row.output_size or 0)
-
-    @write
-    async def want_quorum(self, conn: AsyncConnection, shard_id: int, *, quorum: int) -> bool:
-        """Raise an open shard's quorum to `quorum` (a checked shard drawn for a second
-        pass: `verification.probes.wants_second_pass`); never lowers it."""
-        changed = await conn.execute(
-            update(shards)
-            .where(
-                shards.c.id == shard_id,
-                shards.c.state == ShardState.OPEN.value,
-                shards.c.quorum < quorum,
-            )
-            .values(quorum=quorum)
-        )
-        return changed.rowcount == 1
 
     @write
     async def make_known_answer(

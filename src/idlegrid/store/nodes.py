@@ -12,7 +12,8 @@ from sqlalchemy import Float, bindparam, case, func, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import NodeState, TaskState
-from idlegrid.store import dialect, ledger, rows
+from idlegrid.store import dialect, rows
+from idlegrid.store import trust as trust_rows
 from idlegrid.store.base import (
     NodeRecord,
     NodeTask,
@@ -113,11 +114,45 @@ async def list_trust(
             row.node_id,
             row.kind,
             row.backend,
-            ledger.trust_of(row),
-            ledger.used_today(row.quota_day, row.used, at),
+            trust_rows.trust_of(row),
+            trust_rows.used_today(row.quota_day, row.used, at),
         )
         for row in found
     ]
+
+
+async def _insert_or_refresh(
+    conn: AsyncConnection, account_id: int, node_key: str, values: dict[str, Any], *, now: float
+) -> None:
+    """A new node inserted online, or a known one of this account refreshed (and online)."""
+    # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
+    inserted = await conn.execute(
+        dialect.insert(conn, nodes)
+        .values(
+            account_id=account_id,
+            node_key=node_key,
+            created_at=now,
+            connected_seconds=0.0,
+            state=NodeState.ONLINE.value,
+            **values,
+        )
+        .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
+    )
+    if inserted.rowcount != 1:
+        # Known and online already (a reconnect before its old connection was missed):
+        # still refreshed, so `or_already`.
+        updated = await conn.execute(
+            move(
+                nodes,
+                NodeState.ONLINE,
+                nodes.c.node_key == node_key,
+                nodes.c.account_id == account_id,
+                or_already=True,
+                **values,
+            )
+        )
+        if updated.rowcount != 1:
+            raise RegistrationRefused("this node key belongs to another account")
 
 
 class Nodes(Role):
@@ -160,34 +195,7 @@ class Nodes(Role):
         known = (await conn.execute(select(nodes.c.id).where(nodes.c.node_key == node_key))).first()
         if known is None and limits is not None:
             await check_new_node(conn, account_id, address, limits, now=now)
-        # INSERT .. ON CONFLICT: two processes registering one new node both succeed.
-        inserted = await conn.execute(
-            dialect.insert(conn, nodes)
-            .values(
-                account_id=account_id,
-                node_key=node_key,
-                created_at=now,
-                connected_seconds=0.0,
-                state=NodeState.ONLINE.value,
-                **values,
-            )
-            .on_conflict_do_nothing(index_elements=[nodes.c.node_key])
-        )
-        if inserted.rowcount != 1:
-            # Known and online already (a reconnect before its old connection was missed):
-            # still refreshed, so `or_already`.
-            updated = await conn.execute(
-                move(
-                    nodes,
-                    NodeState.ONLINE,
-                    nodes.c.node_key == node_key,
-                    nodes.c.account_id == account_id,
-                    or_already=True,
-                    **values,
-                )
-            )
-            if updated.rowcount != 1:
-                raise RegistrationRefused("this node key belongs to another account")
+        await _insert_or_refresh(conn, account_id, node_key, values, now=now)
         row = (await conn.execute(select(nodes).where(nodes.c.node_key == node_key))).one()
         return rows.node(row)
 

@@ -15,6 +15,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
 from idlegrid.store import dialect, ledger
+from idlegrid.store import trust as trust_rows
 from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.lifecycle import check_moved, check_row, move
@@ -176,7 +177,7 @@ class Results(Role):
             if changes:
                 done = await conn.execute(_TAKE, changes)
                 await check_moved(conn, done, tasks, list(taken), TaskState.COMPLETED)
-            await ledger.withdraw_errors(conn, delivered_late, settings=self.trust, now=now)
+            await trust_rows.withdraw_errors(conn, delivered_late, settings=self.trust, now=now)
             return receipts
 
     @read

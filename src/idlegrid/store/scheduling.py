@@ -88,6 +88,41 @@ def _running_shards_query(limit: int) -> Any:
     )
 
 
+async def _straggling(conn: AsyncConnection, shard_id: int, node_id: int) -> tuple[Any, Any] | None:
+    """The shard (locked on PostgreSQL) and its job, if the node may get a backup of it:
+    open, in an open job of replication 1, under `max_attempts`, without a ready task or
+    a backup yet, and with no task of it ever on this node."""
+    shard_query = select(shards).where(shards.c.id == shard_id)
+    if dialect.row_locks(conn):
+        shard_query = shard_query.with_for_update(key_share=True)
+    shard = (await conn.execute(shard_query)).first()
+    if shard is None or shard.state != ShardState.OPEN.value:
+        return None
+    job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
+    # Replicated shards are not backed up: their replicas race to a quorum already, and a
+    # backup would spend the shard's max_total_results budget that a dispute needs.
+    if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts or job.replication > 1:
+        return None
+    live, ready = (
+        await conn.execute(
+            select(
+                func.count(),
+                func.count().filter(tasks.c.state == TaskState.READY.value),
+            ).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
+        )
+    ).one()
+    on_node = (
+        await conn.execute(
+            select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
+        )
+    ).scalar_one()
+    # One backup at most: a shard's live tasks never exceed its target plus one. A
+    # shard with a task still waiting in the queue is not straggling.
+    if live > shard.target or ready or on_node:
+        return None
+    return shard, job
+
+
 class Scheduling(Role):
     """The ready queue's heads, stragglers and their backups, the top-up (`store.scheduling`)."""
 
@@ -146,34 +181,10 @@ class Scheduling(Role):
         attempts (`max_attempts`), the node already holds or held a task of it, or it
         may claim nothing now (suspended, or its quota used up).
         """
-        shard_query = select(shards).where(shards.c.id == shard_id)
-        if dialect.row_locks(conn):
-            shard_query = shard_query.with_for_update(key_share=True)
-        shard = (await conn.execute(shard_query)).first()
-        if shard is None or shard.state != ShardState.OPEN.value:
+        found = await _straggling(conn, shard_id, node_id)
+        if found is None:
             return None
-        job = (await conn.execute(select(jobs).where(jobs.c.id == shard.job_id))).one()
-        # Replicated shards are not backed up: their replicas race to a quorum already, and a
-        # backup would spend the shard's max_total_results budget that a dispute needs.
-        if job.state not in _OPEN_JOB or shard.attempts >= job.max_attempts or job.replication > 1:
-            return None
-        live, ready = (
-            await conn.execute(
-                select(
-                    func.count(),
-                    func.count().filter(tasks.c.state == TaskState.READY.value),
-                ).where(tasks.c.shard_id == shard_id, tasks.c.state.in_(_LIVE))
-            )
-        ).one()
-        on_node = (
-            await conn.execute(
-                select(func.count()).where(tasks.c.shard_id == shard_id, tasks.c.node_id == node_id)
-            )
-        ).scalar_one()
-        # One backup at most: a shard's live tasks never exceed its target plus one. A
-        # shard with a task still waiting in the queue is not straggling.
-        if live > shard.target or ready or on_node:
-            return None
+        shard, job = found
         node = (
             await conn.execute(
                 select(nodes.c.account_id, nodes.c.network).where(nodes.c.id == node_id)

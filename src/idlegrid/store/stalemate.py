@@ -15,7 +15,8 @@ from sqlalchemy import Exists, select, update
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
-from idlegrid.store import ending, ledger, rows
+from idlegrid.store import ending, rows
+from idlegrid.store import trust as trust_rows
 from idlegrid.store.base import ShardReplica, StalledShard
 from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification.stalemate import late_until
@@ -28,29 +29,11 @@ def _has(*where: Any) -> Exists:
     return select(tasks.c.id).where(tasks.c.shard_id == shards.c.id, *where).exists()
 
 
-async def stalled_shards(
-    conn: AsyncConnection, *, limit: int, job_ids: Sequence[int] | None = None
-) -> list[StalledShard]:
-    """Open shards of open jobs with a result, a ready replica, and no replica held."""
-    query = (
-        select(shards.c.id, shards.c.job_id, shards.c.idx, jobs.c.kind)
-        .join(jobs, jobs.c.id == shards.c.job_id)
-        .where(
-            shards.c.state == ShardState.OPEN.value,
-            jobs.c.state.in_(ending.OPEN_JOB),
-            _has(tasks.c.state == TaskState.READY.value),
-            ~_has(tasks.c.state == TaskState.ASSIGNED.value),
-            _has(*rows.counting_result(tasks)),
-        )
-        .order_by(shards.c.id)
-        .limit(limit)
-    )
-    if job_ids is not None:
-        query = query.where(shards.c.job_id.in_(list(job_ids)))
-    found = (await conn.execute(query)).all()
-    if not found:
-        return []
-    replicas: dict[int, list[ShardReplica]] = {row.id: [] for row in found}
+async def _replicas(
+    conn: AsyncConnection, shard_ids: Sequence[int]
+) -> dict[int, list[ShardReplica]]:
+    """The replicas of these shards that a node holds or held, in task order."""
+    replicas: dict[int, list[ShardReplica]] = {shard_id: [] for shard_id in shard_ids}
     held = await conn.execute(
         select(
             tasks.c.shard_id,
@@ -81,6 +64,32 @@ async def stalled_shards(
                 bars=not r.bars_nobody,
             )
         )
+    return replicas
+
+
+async def stalled_shards(
+    conn: AsyncConnection, *, limit: int, job_ids: Sequence[int] | None = None
+) -> list[StalledShard]:
+    """Open shards of open jobs with a result, a ready replica, and no replica held."""
+    query = (
+        select(shards.c.id, shards.c.job_id, shards.c.idx, jobs.c.kind)
+        .join(jobs, jobs.c.id == shards.c.job_id)
+        .where(
+            shards.c.state == ShardState.OPEN.value,
+            jobs.c.state.in_(ending.OPEN_JOB),
+            _has(tasks.c.state == TaskState.READY.value),
+            ~_has(tasks.c.state == TaskState.ASSIGNED.value),
+            _has(*rows.counting_result(tasks)),
+        )
+        .order_by(shards.c.id)
+        .limit(limit)
+    )
+    if job_ids is not None:
+        query = query.where(shards.c.job_id.in_(list(job_ids)))
+    found = (await conn.execute(query)).all()
+    if not found:
+        return []
+    replicas = await _replicas(conn, [row.id for row in found])
     open_to_any = set(
         (
             await conn.execute(
@@ -117,7 +126,7 @@ async def trust_on(conn: AsyncConnection, node_ids: Sequence[int], kind: str) ->
         .where(node_trust.c.node_id.in_(list(node_ids)), node_trust.c.kind == kind)
         .order_by(node_trust.c.node_id, node_trust.c.backend)
     )
-    return [ledger.trust_of(row) for row in found.all()]
+    return [trust_rows.trust_of(row) for row in found.all()]
 
 
 async def open_checks(conn: AsyncConnection, shard_id: int) -> int:

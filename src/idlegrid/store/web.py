@@ -1,7 +1,8 @@
-"""SQL of the web dashboard: password accounts, browser sessions, tokens, teams, admin.
+"""SQL of the web dashboard: browser sessions, teams, the admin's node and job lists.
 
 Module functions over an `AsyncConnection`, like store/ledger.py. The `store.web` role
-runs any of them, or of store/stats.py and store/uploads.py, in a read or a write
+runs any of them, or of store/accounts.py (password accounts, roles, flags: accounts have
+one module), store/stats.py and store/uploads.py, in a read or a write
 transaction: `await store.web.web_read(stats.leaderboard, "accounts", ...)`, so
 the dashboard names what it wants without holding a connection or writing SQL.
 """
@@ -10,15 +11,20 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Concatenate, Literal, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import LIVE_TASK_STATES, ShardState
-from idlegrid.store import database, ledger
-from idlegrid.store.base import AccountExists, NodeTrust
+from idlegrid.store import database
+from idlegrid.store import trust as trust_rows
+from idlegrid.store.accounts import WebAccount, web_account_of
+
+# The dashboard reads an account by name through `store.web` too.
+from idlegrid.store.accounts import account_by_name as account_by_name
+from idlegrid.store.base import NodeTrust
 from idlegrid.store.nodes import list_trust
 from idlegrid.store.schema import (
     accounts,
@@ -27,15 +33,12 @@ from idlegrid.store.schema import (
     shards,
     tasks,
     teams,
-    tokens,
     web_sessions,
 )
 from idlegrid.verification.credit import CreditTotals
 
 P = ParamSpec("P")
 R = TypeVar("R")
-Role = Literal["volunteer", "researcher", "admin"]
-ROLES: tuple[Role, ...] = ("volunteer", "researcher", "admin")
 
 
 class Conflict(ValueError):
@@ -75,178 +78,6 @@ class Web(database.Role):
             raise Conflict("taken a moment ago; try another name") from exc
 
 
-# -- accounts ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class WebAccount:
-    id: int
-    name: str
-    email: str | None
-    role: Role
-    password_hash: str | None
-    created_at: float
-    disabled_at: float | None
-    team_id: int | None
-    flagged_at: float | None
-    flag_reason: str | None
-    credit: CreditTotals
-    validated: int
-
-    @property
-    def is_admin(self) -> bool:
-        return self.role == "admin"
-
-    @property
-    def is_researcher(self) -> bool:
-        """Researchers (and admins) upload data and submit jobs from the browser."""
-        return self.role in ("researcher", "admin")
-
-
-def _web_account(row: Any) -> WebAccount:
-    return WebAccount(
-        id=row.id,
-        name=row.name,
-        email=row.email,
-        role="admin" if row.is_admin else row.role,
-        password_hash=row.password_hash,
-        created_at=row.created_at,
-        disabled_at=row.disabled_at,
-        team_id=row.team_id,
-        flagged_at=row.flagged_at,
-        flag_reason=row.flag_reason,
-        credit=CreditTotals(row.credit_total, row.credit_decayed, row.credit_updated_at),
-        validated=row.validated_total,
-    )
-
-
-async def create_account(
-    conn: AsyncConnection, name: str, *, email: str, password_hash: str, role: Role, now: float
-) -> int:
-    """A new password account; `AccountExists` names what is taken (name or email)."""
-    taken = await conn.execute(
-        select(accounts.c.name, accounts.c.email).where(
-            or_(func.lower(accounts.c.name) == name.lower(), accounts.c.email == email)
-        )
-    )
-    for row in taken.all():
-        what = "username" if row.name.lower() == name.lower() else "email address"
-        raise AccountExists(f"that {what} is taken")
-    # A concurrent sign-up that took it a moment ago: `web_write` raises `Conflict`.
-    result = await conn.execute(
-        insert(accounts).values(
-            name=name,
-            email=email,
-            password_hash=password_hash,
-            role=role,
-            is_admin=role == "admin",
-            created_at=now,
-        )
-    )
-    return int(result.inserted_primary_key[0])  # type: ignore[index]
-
-
-async def account_by_login(conn: AsyncConnection, login: str) -> WebAccount | None:
-    """The account a sign-in names, by username (any case) or email address."""
-    login = login.strip()
-    column = accounts.c.email if "@" in login else func.lower(accounts.c.name)
-    row = (await conn.execute(select(accounts).where(column == login.lower()))).first()
-    return _web_account(row) if row else None
-
-
-async def account_by_id(conn: AsyncConnection, account_id: int) -> WebAccount | None:
-    row = (await conn.execute(select(accounts).where(accounts.c.id == account_id))).first()
-    return _web_account(row) if row else None
-
-
-async def account_by_name(conn: AsyncConnection, name: str) -> WebAccount | None:
-    row = (await conn.execute(select(accounts).where(accounts.c.name == name))).first()
-    return _web_account(row) if row else None
-
-
-async def set_password(
-    conn: AsyncConnection, account_id: int, password_hash: str, *, keep_session: str | None
-) -> None:
-    """Change a password and end every other browser session of the account."""
-    await conn.execute(
-        update(accounts).where(accounts.c.id == account_id).values(password_hash=password_hash)
-    )
-    query = delete(web_sessions).where(web_sessions.c.account_id == account_id)
-    if keep_session is not None:
-        query = query.where(web_sessions.c.id != keep_session)
-    await conn.execute(query)
-
-
-async def set_login(
-    conn: AsyncConnection,
-    name: str,
-    *,
-    email: str | None,
-    password_hash: str,
-    role: Role,
-    now: float,
-) -> int:
-    """Give an account (made if missing) a password and a role: the operator's way in."""
-    row = (await conn.execute(select(accounts.c.id).where(accounts.c.name == name))).first()
-    values = {"password_hash": password_hash, "role": role, "is_admin": role == "admin"}
-    if email is not None:
-        values["email"] = email.lower()
-    if row is None:
-        result = await conn.execute(insert(accounts).values(name=name, created_at=now, **values))
-        return int(result.inserted_primary_key[0])  # type: ignore[index]
-    await conn.execute(update(accounts).where(accounts.c.id == row.id).values(**values))
-    return int(row.id)
-
-
-async def set_role(conn: AsyncConnection, account_id: int, role: Role) -> bool:
-    result = await conn.execute(
-        update(accounts)
-        .where(accounts.c.id == account_id)
-        .values(role=role, is_admin=role == "admin")
-    )
-    return bool(result.rowcount)
-
-
-async def set_disabled(
-    conn: AsyncConnection, account_id: int, *, disabled: bool, now: float
-) -> bool:
-    """Disable an account (its sessions end, its tokens are revoked), or enable it again."""
-    result = await conn.execute(
-        update(accounts)
-        .where(accounts.c.id == account_id)
-        .values(disabled_at=now if disabled else None)
-    )
-    if disabled:
-        await conn.execute(delete(web_sessions).where(web_sessions.c.account_id == account_id))
-        await conn.execute(
-            update(tokens)
-            .where(tokens.c.account_id == account_id, tokens.c.revoked_at.is_(None))
-            .values(revoked_at=now)
-        )
-    return bool(result.rowcount)
-
-
-async def clear_flag(conn: AsyncConnection, account_id: int) -> bool:
-    result = await conn.execute(
-        update(accounts)
-        .where(accounts.c.id == account_id)
-        .values(flagged_at=None, flag_reason=None)
-    )
-    return bool(result.rowcount)
-
-
-async def list_accounts(
-    conn: AsyncConnection, *, search: str, flagged: bool, limit: int, offset: int
-) -> list[WebAccount]:
-    """Accounts for the admin page, newest first; `search` matches a name's start."""
-    query = select(accounts).order_by(accounts.c.id.desc()).limit(limit).offset(offset)
-    if search:
-        query = query.where(accounts.c.name.startswith(search, autoescape=True))
-    if flagged:
-        query = query.where(accounts.c.flagged_at.is_not(None))
-    return [_web_account(row) for row in (await conn.execute(query)).all()]
-
-
 # -- browser sessions ----------------------------------------------------------------------
 
 
@@ -282,7 +113,7 @@ async def find_session(conn: AsyncConnection, session_id: str, *, now: float) ->
     row = (await conn.execute(query)).first()
     if row is None:
         return None
-    return WebSession(session_id, _web_account(row), row.csrf, row.expires_at)
+    return WebSession(session_id, web_account_of(row), row.csrf, row.expires_at)
 
 
 async def end_session(conn: AsyncConnection, session_id: str, *, now: float) -> None:
@@ -292,48 +123,6 @@ async def end_session(conn: AsyncConnection, session_id: str, *, now: float) -> 
             or_(web_sessions.c.id == session_id, web_sessions.c.expires_at <= now)
         )
     )
-
-
-# -- tokens --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TokenRow:
-    id: int
-    kind: str
-    prefix: str
-    label: str
-    created_at: float
-    revoked_at: float | None
-
-
-async def list_tokens(conn: AsyncConnection, account_id: int) -> list[TokenRow]:
-    query = (
-        select(tokens)
-        .where(tokens.c.account_id == account_id)
-        .order_by(tokens.c.revoked_at.is_not(None), tokens.c.id.desc())
-        .limit(200)
-    )
-    return [
-        TokenRow(r.id, r.kind, r.prefix, r.label, r.created_at, r.revoked_at)
-        for r in (await conn.execute(query)).all()
-    ]
-
-
-async def revoke_token(
-    conn: AsyncConnection, account_id: int, token_id: int, *, now: float
-) -> bool:
-    """Revoke one of the account's own tokens; False if it has no such live token."""
-    result = await conn.execute(
-        update(tokens)
-        .where(
-            tokens.c.id == token_id,
-            tokens.c.account_id == account_id,
-            tokens.c.revoked_at.is_(None),
-        )
-        .values(revoked_at=now)
-    )
-    return bool(result.rowcount)
 
 
 # -- teams ---------------------------------------------------------------------------------
@@ -455,7 +244,7 @@ async def set_suspended(
         update(nodes).where(nodes.c.id == node_id).values(suspended_at=now if suspended else None)
     )
     if not suspended:
-        await ledger.lift_suspension(conn, node_id, now=now)
+        await trust_rows.lift_suspension(conn, node_id, now=now)
     return bool(result.rowcount)
 
 

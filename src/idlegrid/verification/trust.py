@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Literal
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -203,6 +204,26 @@ def credibility(trust: Trust, settings: TrustSettings) -> float:
         return 0.0
     clean = 1.0 - settings.prior_bad_fraction / (trust.consecutive_valid + 1)
     return clean * 0.5**trust.recent_invalid
+
+
+def claim_refused(
+    trust: Trust, *, node_suspended: bool, used_today: int
+) -> Literal["suspended", "quota"] | None:
+    """Why a node may claim no task of a kind now (None: it may): it or its trust on the
+    kind is suspended, or it claimed its daily quota of the kind today."""
+    if node_suspended or trust.suspended:
+        return "suspended"
+    if used_today >= trust.daily_quota:
+        return "quota"
+    return None
+
+
+def claims_left(trust: Trust, *, node_suspended: bool, used_today: int) -> int:
+    """How many more tasks of a kind the node may claim today: none while it or its trust
+    on the kind is suspended, else what its daily quota leaves (BOINC's daily quota)."""
+    if node_suspended or trust.suspended:
+        return 0
+    return max(0, trust.daily_quota - used_today)
 
 
 def is_trusted(trust: Trust, settings: TrustSettings) -> bool:
