@@ -25,7 +25,7 @@ from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.p2p import averaging, parts
 from idlegrid.p2p.averaging import Averaged
 from idlegrid.p2p.group import Group
-from idlegrid.training.compression import Compression
+from idlegrid.training.compression import Compression, compress, decode
 
 SETTINGS: dict[str, Any] = {
     "model": {"width": 16, "layers": 1, "heads": 2, "context": 16},
@@ -45,6 +45,7 @@ class AllReduce:
     def __init__(self, members: int) -> None:
         self.barrier = threading.Barrier(members, timeout=60)
         self.given: dict[int, tuple[np.ndarray, bool]] = {}
+        self.residuals: dict[int, np.ndarray] = {}
 
     def join(self, group: Group, *, shard: int, reachability_setting: str) -> AllReduce:
         return self
@@ -64,8 +65,9 @@ class AllReduce:
                 for side in sides.values():
                     side.take(step, index, answer)
         members = {s: held for s, (_, held) in self.given.items()}
+        self.residuals[shard] = sides[shard].residual()
         return Averaged(sides[shard].mean(), members, attempt=1,
-                        residual=sides[shard].residual())  # fmt: skip
+                        residual=self.residuals[shard])  # fmt: skip
 
     def close(self) -> None:
         pass
@@ -204,3 +206,29 @@ def test_a_replaced_averager_is_said_in_the_round_record_of_a_round_that_average
     closed = job.close(start.checkpoint, start.optimizer, [tasks.encode_result(r) for r in results])
     assert closed.notes["averaging"] == "p2p" and closed.notes["agreeing"] == 3
     assert "the standing averager had exited (-9)" in closed.notes["fallback_reason"]
+
+
+def test_error_feedback_keeps_what_the_groups_codes_missed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """int4 with error feedback: each member's residual is what its codes under the
+    group's shared scales missed (not what its own upload's would have), and its mean is
+    the group's."""
+    job, _, payloads = round_zero("p2p")
+    params = job.params.model_copy(update={"upload": Compression(method="int4",
+                                                                 error_feedback=True)})  # fmt: skip
+    fake = AllReduce(3)
+    monkeypatch.setattr(averaging, "join", fake.join)
+    states = [WorkerState() for _ in payloads]
+    with ThreadPoolExecutor(len(payloads)) as pool:
+        results = list(pool.map(lambda ps: run_task(ps[0], params.train_spec(), ps[1]),
+                                zip(payloads, states, strict=True)))  # fmt: skip
+    assert {r.averaging for r in results} == {"p2p"}
+    assert len({r.averaged_digest for r in results}) == 1
+    for result, state in zip(results, states, strict=True):
+        kept = state.residual(payloads[0].stream)
+        accumulator = fake.given[result.shard][0]
+        assert kept is not None and np.array_equal(kept, fake.residuals[result.shard])
+        # Not what its own upload's scales would have missed (the shared scale is coarser
+        # where another member's chunk peaks higher).
+        alone = accumulator - decode(compress(accumulator, params.upload)[0])
+        assert not np.array_equal(kept, alone)
+
