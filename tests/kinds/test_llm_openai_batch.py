@@ -40,7 +40,7 @@ BATCH = [
               "logprobs": True, "n": 1}},
     {"custom_id": "request-3", "method": "POST", "url": "/v1/completions",
      "body": {"model": "smollm2", "prompt": "1, 2, 3, 4,", "max_tokens": 8, "stop": ["7"],
-              "temperature": 0}},
+              "temperature": 0, "logprobs": 1}},
 ]  # fmt: skip
 
 
@@ -88,7 +88,12 @@ def assert_output_line(line: dict[str, Any], request: dict[str, Any]) -> None:
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     most = request["body"].get("max_tokens") or request["body"].get("max_completion_tokens")
     assert usage["completion_tokens"] <= most
-    if request["body"].get("logprobs"):
+    if request["body"].get("logprobs") and not chat:
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"])
+        assert choice["text"] in "".join(logprobs["tokens"])
+        assert logprobs["text_offset"][0] == 0
+    elif request["body"].get("logprobs"):
         content = choice["logprobs"]["content"]
         assert len(content) == usage["completion_tokens"]
         text = b"".join(bytes(entry["bytes"]) for entry in content).decode(errors="replace")

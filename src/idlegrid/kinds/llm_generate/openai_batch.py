@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -221,9 +222,11 @@ def _stop(stop: Any, where: str) -> tuple[str, ...] | None:
 
 
 def write_lines(
-    payloads: Sequence[Payload], completions: dict[int, Completion], *, created: int = 0
+    payloads: Sequence[Payload], completions: dict[int, Completion], *, created: int | None = None
 ) -> bytes:
-    """The job's result as OpenAI Batch API output lines, in input order."""
+    """The job's result as OpenAI Batch API output lines, in input order; `created`: the
+    Unix time the completions carry (default: now)."""
+    created = int(time.time()) if created is None else created
     prompts = sorted((p for payload in payloads for p in payload.prompts), key=lambda p: p.index)
     lines = []
     for prompt in prompts:
@@ -248,7 +251,10 @@ def _line(request: Request, prompt_tokens: int, completion: Completion, created:
         choice["message"] = {"role": "assistant", "content": completion.text}
     else:
         choice["text"] = completion.text
-    choice["logprobs"] = _logprobs(completion) if request.logprobs else None
+    if not request.logprobs:
+        choice["logprobs"] = None
+    else:
+        choice["logprobs"] = _logprobs(completion) if chat else _text_logprobs(completion)
     body = {
         "id": f"{'chatcmpl' if chat else 'cmpl'}-{digest}",
         "object": "chat.completion" if chat else "text_completion",
@@ -269,7 +275,24 @@ def _line(request: Request, prompt_tokens: int, completion: Completion, created:
     }
 
 
+def _text_logprobs(completion: Completion) -> dict[str, Any]:
+    """A text completion's log-probabilities, as /v1/completions writes them."""
+    pieces = completion.pieces or [b""] * len(completion.tokens)
+    tokens = [piece.decode("utf-8", errors="replace") for piece in pieces]
+    offsets, at = [], 0
+    for token in tokens:
+        offsets.append(at)
+        at += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(completion.logprobs),
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
 def _logprobs(completion: Completion) -> dict[str, Any]:
+    """A chat completion's log-probabilities, as /v1/chat/completions writes them."""
     pieces = completion.pieces or [b""] * len(completion.tokens)
     return {
         "content": [
