@@ -127,3 +127,11 @@ def test_members_of_one_process_get_averagers_of_their_own() -> None:
     three = averaging.Joining(GROUP, shard=0, reachability_setting="public", registry=reg)
     assert three.standing in (one.standing, two.standing)
     three.close()
+
+
+def test_an_averager_that_left_idle_is_started_again_without_a_word() -> None:
+    reg = registry("answers", "answers")
+    average(reg)
+    FakeStanding.made[0].process.code = 0  # it left after IDLE_S without a round
+    done = average(reg)
+    assert done.values is not None and done.reason == "" and len(FakeStanding.made) == 2

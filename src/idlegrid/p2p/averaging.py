@@ -191,10 +191,11 @@ class Registry:
                     standing.close()
                 elif not standing.alive():
                     self._idle.remove(standing)
-                    self.replaced.append(
-                        f"the standing averager had exited ({standing.process.poll()}): "
-                        f"{standing.tail()}"
-                    )
+                    if standing.process.poll() != 0:  # 0: it left after IDLE_S, as meant
+                        self.replaced.append(
+                            f"the standing averager had exited ({standing.process.poll()}): "
+                            f"{standing.tail()}"
+                        )
                     standing.close()
             for standing in self._idle:
                 if standing.mode == mode:
