@@ -178,7 +178,7 @@ def exactness(path: Path, threads: int, max_tokens: int) -> None:
     from idlegrid.kinds.llm_generate.shard import Output
 
     short = chat_prompts(16)
-    long = [{"messages": [{"role": "system", "content": SYSTEM}, *r["messages"]]}  # type: ignore[list-item]
+    long = [{"messages": [{"role": "system", "content": SYSTEM}, *r["messages"]]}  # type: ignore[list-item,misc]
             for r in chat_prompts(8)]  # fmt: skip
     for name, records in (("short", short), ("long", long)):
         for sampled in (False, True):
@@ -240,7 +240,7 @@ def main() -> None:
     llm.close()
 
     shared = [
-        {"messages": [{"role": "system", "content": SYSTEM}, *r["messages"]]}  # type: ignore[list-item]
+        {"messages": [{"role": "system", "content": SYSTEM}, *r["messages"]]}  # type: ignore[list-item,misc]
         for r in chat_prompts(args.prefix_prompts)
     ]
     payload, params = shard_of(path, shared, args.max_tokens // 2)
