@@ -6,7 +6,7 @@ processes); gauges from the store and the broker describe the whole grid.
 
 from __future__ import annotations
 
-from idlegrid.coordinator.context import Context
+from idlegrid.coordinator.context import Context, Counters
 from idlegrid.states import JobState, TaskState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -33,8 +33,15 @@ def _by(label: str, values: dict[str, int], keys: tuple[str, ...]) -> dict[str, 
 
 async def render(ctx: Context) -> str:
     """The metrics page of this process."""
-    tasks, jobs = await ctx.store.jobs.state_counts()
     out = _Exposition()
+    await _gauges(ctx, out)
+    _counters(ctx.counters, out)
+    return out.text()
+
+
+async def _gauges(ctx: Context, out: _Exposition) -> None:
+    """What the grid holds now: nodes, the ready queue, tasks and jobs by state."""
+    tasks, jobs = await ctx.store.jobs.state_counts()
     out.metric(
         "idlegrid_connected_nodes",
         "gauge",
@@ -65,7 +72,10 @@ async def render(ctx: Context) -> str:
         "Jobs in the store by state.",
         _by("state", jobs, tuple(s.value for s in JobState)),
     )
-    counters = ctx.counters
+
+
+def _counters(counters: Counters, out: _Exposition) -> None:
+    """What this process has counted since it started."""
     out.metric(
         "idlegrid_results_total",
         "counter",
@@ -90,4 +100,3 @@ async def render(ctx: Context) -> str:
         "Speculative backup copies of straggling shards this process handed out.",
         {"": counters.backups},
     )
-    return out.text()
