@@ -296,6 +296,8 @@ class Joining:
                 notes.append(f"the standing averager had exited "
                              f"({self.standing.process.poll()}): {self.standing.tail()}")
                 self.standing = self.registry.replace(self.standing, notes[-1])
+                # The new one has to start first: it gets the time a first round's has.
+                deadline = max(deadline, time.monotonic() + budget + STARTUP_S)
             left = deadline - time.monotonic()
             if left <= 1.0:
                 break
