@@ -99,6 +99,41 @@ async def claim(
     return found, claimed
 
 
+async def _claim_batch(
+    conn: AsyncConnection,
+    lease_deadlines: dict[int, float],
+    claimer: Claimer,
+    found: NodeTrust,
+    *,
+    now: float,
+) -> Sequence[int]:
+    """`claim_tasks`'s one update: the ready ones of these tasks, as many as the node's
+    quota leaves, lowest ids first; the ids it claimed."""
+    # Its standing was checked: not suspended.
+    room = trust_policy.claims_left(
+        found.trust, node_suspended=False, used_today=found.quota_used_today
+    )
+    wanted = sorted(lease_deadlines)[:room]
+    ready = [tasks.c.id.in_(wanted)]
+    if dialect.row_locks(conn):
+        # Tasks another process is claiming right now are skipped, not waited
+        # for: its transaction may be a whole batch long, and they will be its
+        # tasks anyway.
+        free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
+        free = free.with_for_update(skip_locked=True, key_share=True)
+        ready.append(tasks.c.id.in_(free.scalar_subquery()))
+    deadlines = case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id)
+    statement = move(
+        tasks,
+        TaskState.ASSIGNED,
+        *ready,
+        sources=_CLAIMABLE,
+        **held_by(claimer, now),
+        lease_deadline=deadlines,
+    )
+    return (await conn.execute(statement.returning(tasks.c.id))).scalars().all()
+
+
 async def assigned(conn: AsyncConnection, task_ids: Sequence[int], *, now: float) -> list[Any]:
     """Rows of `rows.ASSIGNED_COLUMNS` for tasks just claimed; their jobs start running."""
     found = (
@@ -302,29 +337,7 @@ class Claims(Replication):
             async with self.db.tx() as conn:
 
                 async def take(found: NodeTrust) -> Sequence[int]:
-                    # Its standing was checked: not suspended.
-                    room = trust_policy.claims_left(
-                        found.trust, node_suspended=False, used_today=found.quota_used_today
-                    )
-                    wanted = sorted(lease_deadlines)[:room]
-                    ready = [tasks.c.id.in_(wanted)]
-                    if dialect.row_locks(conn):
-                        # Tasks another process is claiming right now are skipped, not waited
-                        # for: its transaction may be a whole batch long, and they will be its
-                        # tasks anyway.
-                        free = select(tasks.c.id).where(*ready, in_state(tasks, *_CLAIMABLE))
-                        free = free.with_for_update(skip_locked=True, key_share=True)
-                        ready.append(tasks.c.id.in_(free.scalar_subquery()))
-                    deadlines = case({t: lease_deadlines[t] for t in wanted}, value=tasks.c.id)
-                    statement = move(
-                        tasks,
-                        TaskState.ASSIGNED,
-                        *ready,
-                        sources=_CLAIMABLE,
-                        **held_by(claimer, now),
-                        lease_deadline=deadlines,
-                    )
-                    return (await conn.execute(statement.returning(tasks.c.id))).scalars().all()
+                    return await _claim_batch(conn, lease_deadlines, claimer, found, now=now)
 
                 outcome = await claim(conn, claimer, kind, take, trust=self.trust, now=now)
                 if isinstance(outcome, ClaimMiss):

@@ -95,6 +95,32 @@ async def decide(
     return decided
 
 
+async def _outputs(conn: AsyncConnection, task_ids: Sequence[int]) -> dict[int, Any]:
+    """The outputs (hash, size, and the output it checks, if a check) of these tasks."""
+    if not task_ids:
+        return {}
+    query = select(tasks.c.id, tasks.c.output_hash, tasks.c.output_size, tasks.c.checks_hash).where(
+        tasks.c.id.in_(task_ids)
+    )
+    return {row.id: row for row in (await conn.execute(query)).all()}
+
+
+def _without_check_verdicts(
+    decisions: Sequence[ShardDecision], outputs: dict[int, Any]
+) -> list[ShardDecision]:
+    """A check's verdict is never a shard's result: a decision that names one is refused
+    (the shard stays open), whatever rule made it."""
+    verdicts = {t for t, row in outputs.items() if row.checks_hash is not None}
+    for d in decisions:
+        if d.canonical_task_id in verdicts:
+            log.error(
+                "shard %s: refused a decision that makes check task %s's verdict its result",
+                d.shard_id,
+                d.canonical_task_id,
+            )
+    return [d for d in decisions if d.canonical_task_id not in verdicts]
+
+
 async def _take_final(
     conn: AsyncConnection, final: Sequence[ShardDecision], *, now: float
 ) -> Decided:
@@ -115,30 +141,8 @@ async def _take_final(
     taking = list({d.shard_id: d for d in final if d.shard_id in job_of}.values())
     if not taking:
         return Decided(job_of=job_of)
-    canonical = [d.canonical_task_id for d in taking if d.canonical_task_id]
-    outputs = {}
-    if canonical:
-        outputs = {
-            row.id: row
-            for row in (
-                await conn.execute(
-                    select(
-                        tasks.c.id, tasks.c.output_hash, tasks.c.output_size, tasks.c.checks_hash
-                    ).where(tasks.c.id.in_(canonical))
-                )
-            ).all()
-        }
-    # A check's verdict is never a shard's result: a decision that names one is refused
-    # (the shard stays open), whatever rule made it.
-    verdicts = {t for t, row in outputs.items() if row.checks_hash is not None}
-    for d in taking:
-        if d.canonical_task_id in verdicts:
-            log.error(
-                "shard %s: refused a decision that makes check task %s's verdict its result",
-                d.shard_id,
-                d.canonical_task_id,
-            )
-    taking = [d for d in taking if d.canonical_task_id not in verdicts]
+    outputs = await _outputs(conn, [d.canonical_task_id for d in taking if d.canonical_task_id])
+    taking = _without_check_verdicts(taking, outputs)
     if not taking:
         return Decided(job_of=job_of)
     for state, statement in _DECIDE_SHARD.items():

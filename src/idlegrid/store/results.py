@@ -8,6 +8,7 @@ duplicate, one with another output is refused.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import bindparam, select
@@ -16,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import ShardState, TaskState
 from idlegrid.store import dialect, ledger
 from idlegrid.store import trust as trust_rows
-from idlegrid.store.base import NewResult, NodeTask, ResultReceipt, TaskInput
+from idlegrid.store.base import NewResult, NodeTask, ReceiptStatus, ResultReceipt, TaskInput
 from idlegrid.store.database import Role, read, write
 from idlegrid.store.lifecycle import check_moved, check_row, move
 from idlegrid.store.schema import shards, tasks
@@ -84,6 +85,74 @@ async def expire(
     return [NodeTask(task_id=r.id, node_id=r.node_id, state=TaskState.EXPIRED) for r in found]
 
 
+async def _held_rows(conn: AsyncConnection, task_ids: Sequence[int]) -> dict[int, Any]:
+    """The tasks results name, with their shards' states: one read for a batch, the rows
+    locked on PostgreSQL (in id order, so two batches cannot deadlock; SQLite holds its
+    write lock meanwhile)."""
+    query = (
+        select(
+            tasks.c.id,
+            tasks.c.node_id,
+            tasks.c.state,
+            tasks.c.output_hash,
+            tasks.c.shard_id,
+            tasks.c.job_id,
+            shards.c.state.label("shard_state"),
+        )
+        .join(shards, shards.c.id == tasks.c.shard_id)
+        .where(tasks.c.id.in_(sorted(set(task_ids))))
+        .order_by(tasks.c.id)
+    )
+    if dialect.row_locks(conn):
+        query = query.with_for_update(of=tasks, key_share=True)
+    return {row.id: row for row in (await conn.execute(query)).all()}
+
+
+@dataclass
+class _Taking:
+    """What a batch of results comes to: a receipt each, and the rows to write."""
+
+    receipts: list[ResultReceipt] = field(default_factory=list)
+    changes: list[dict[str, Any]] = field(default_factory=list)
+    taken: dict[int, str] = field(default_factory=dict)  # task id -> output hash
+    delivered_late: list[int] = field(default_factory=list)  # expired, delivered after all
+
+
+def _taking(
+    found: dict[int, Any], results: Sequence[NewResult], node_id: int, *, now: float
+) -> _Taking:
+    """Each result judged against its task's row (`judge_result`), in the batch's order."""
+    taking = _Taking()
+    for result in results:
+        if result.task_id in taking.taken:  # the same task twice in one batch
+            taking.receipts.append(_repeat(result, taking.taken[result.task_id]))
+            continue
+        row = found.get(result.task_id)
+        receipt = judge_result(row, result.task_id, node_id, result.output_hash)
+        if receipt is not None:
+            taking.receipts.append(receipt)
+            continue
+        assert row is not None
+        shard_open = row.shard_state == ShardState.OPEN.value
+        check_row(tasks, row.id, TaskState(row.state), TaskState.COMPLETED)
+        taking.taken[result.task_id] = result.output_hash
+        if row.state == TaskState.EXPIRED.value:
+            taking.delivered_late.append(result.task_id)
+        taking.changes.append(
+            {
+                "b_task": result.task_id,
+                "b_output_hash": result.output_hash,
+                "b_output_size": result.output_size,
+                "b_elapsed_s": result.elapsed_s,
+                "b_now": now,
+                "b_outcome": None if shard_open else "late",
+            }
+        )
+        status: ReceiptStatus = "accepted" if shard_open else "late"
+        taking.receipts.append(ResultReceipt(status, shard_id=row.shard_id, job_id=row.job_id))
+    return taking
+
+
 class Results(Role):
     """What comes back from nodes: results, failures, missed leases (`store.results`)."""
 
@@ -117,68 +186,15 @@ class Results(Role):
         if not results:
             return []
         async with self.db.tx() as conn:
-            if not results:
-                return []
-            # One read and one write for the batch. The rows are locked on PostgreSQL (in id
-            # order, so two batches cannot deadlock); SQLite holds its write lock meanwhile.
-            query = (
-                select(
-                    tasks.c.id,
-                    tasks.c.node_id,
-                    tasks.c.state,
-                    tasks.c.output_hash,
-                    tasks.c.shard_id,
-                    tasks.c.job_id,
-                    shards.c.state.label("shard_state"),
-                )
-                .join(shards, shards.c.id == tasks.c.shard_id)
-                .where(tasks.c.id.in_(sorted({r.task_id for r in results})))
-                .order_by(tasks.c.id)
+            found = await _held_rows(conn, [r.task_id for r in results])
+            taking = _taking(found, results, node_id, now=now)
+            if taking.changes:
+                done = await conn.execute(_TAKE, taking.changes)
+                await check_moved(conn, done, tasks, list(taking.taken), TaskState.COMPLETED)
+            await trust_rows.withdraw_errors(
+                conn, taking.delivered_late, settings=self.trust, now=now
             )
-            if dialect.row_locks(conn):
-                query = query.with_for_update(of=tasks, key_share=True)
-            found = {row.id: row for row in (await conn.execute(query)).all()}
-            receipts: list[ResultReceipt] = []
-            changes: list[dict[str, Any]] = []
-            taken: dict[int, str] = {}  # task id -> output hash, taken in this batch
-            delivered_late: list[int] = []  # expired tasks that delivered after all
-            for result in results:
-                if result.task_id in taken:  # the same task twice in one batch
-                    receipts.append(_repeat(result, taken[result.task_id]))
-                    continue
-                row = found.get(result.task_id)
-                receipt = judge_result(row, result.task_id, node_id, result.output_hash)
-                if receipt is not None:
-                    receipts.append(receipt)
-                    continue
-                assert row is not None
-                shard_open = row.shard_state == ShardState.OPEN.value
-                check_row(tasks, row.id, TaskState(row.state), TaskState.COMPLETED)
-                taken[result.task_id] = result.output_hash
-                if row.state == TaskState.EXPIRED.value:
-                    delivered_late.append(result.task_id)
-                changes.append(
-                    {
-                        "b_task": result.task_id,
-                        "b_output_hash": result.output_hash,
-                        "b_output_size": result.output_size,
-                        "b_elapsed_s": result.elapsed_s,
-                        "b_now": now,
-                        "b_outcome": None if shard_open else "late",
-                    }
-                )
-                receipts.append(
-                    ResultReceipt(
-                        "accepted" if shard_open else "late",
-                        shard_id=row.shard_id,
-                        job_id=row.job_id,
-                    )
-                )
-            if changes:
-                done = await conn.execute(_TAKE, changes)
-                await check_moved(conn, done, tasks, list(taken), TaskState.COMPLETED)
-            await trust_rows.withdraw_errors(conn, delivered_late, settings=self.trust, now=now)
-            return receipts
+            return taking.receipts
 
     @read
     async def task_inputs(

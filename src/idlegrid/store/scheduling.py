@@ -123,6 +123,26 @@ async def _straggling(conn: AsyncConnection, shard_id: int, node_id: int) -> tup
     return shard, job
 
 
+async def _insert_backup(
+    conn: AsyncConnection, shard: Any, claimer: Claimer, lease_deadline: float, *, now: float
+) -> int:
+    """A backup task of the shard, inserted already claimed by `claimer`: an attempt."""
+    inserted = await conn.execute(
+        insert(tasks).values(
+            shard_id=shard.id,
+            job_id=shard.job_id,
+            state=TaskState.ASSIGNED.value,
+            created_at=now,
+            lease_deadline=lease_deadline,
+            **held_by(claimer, now),
+        )
+    )
+    await conn.execute(
+        update(shards).where(shards.c.id == shard.id).values(attempts=shards.c.attempts + 1)
+    )
+    return rows.pk(inserted)
+
+
 class Scheduling(Role):
     """The ready queue's heads, stragglers and their backups, the top-up (`store.scheduling`)."""
 
@@ -195,20 +215,7 @@ class Scheduling(Role):
         )
 
         async def take(found: NodeTrust) -> list[int]:
-            inserted = await conn.execute(
-                insert(tasks).values(
-                    shard_id=shard_id,
-                    job_id=job.id,
-                    state=TaskState.ASSIGNED.value,
-                    created_at=now,
-                    lease_deadline=lease_deadline,
-                    **held_by(claimer, now),
-                )
-            )
-            await conn.execute(
-                update(shards).where(shards.c.id == shard_id).values(attempts=shards.c.attempts + 1)
-            )
-            return [rows.pk(inserted)]
+            return [await _insert_backup(conn, shard, claimer, lease_deadline, now=now)]
 
         # A claim like any other: never for a suspended node or past its quota.
         outcome = await claim(conn, claimer, job.kind, take, trust=self.trust, now=now)

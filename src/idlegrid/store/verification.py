@@ -44,7 +44,7 @@ from idlegrid.store.schema import jobs, node_trust, shards, tasks
 from idlegrid.verification import ledger as ledger_rules
 from idlegrid.verification import trust as trust_rules
 from idlegrid.verification.replication import ResultVerdict
-from idlegrid.verification.trust import Trust
+from idlegrid.verification.trust import Trust, TrustSettings
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,48 @@ _RESULTS_WITH_TRUST = (
 )
 
 
+async def _live_tasks(conn: AsyncConnection, shard_ids: Sequence[int]) -> dict[int, int]:
+    """Per shard, its live tasks (known-answer checks aside)."""
+    query = (
+        select(tasks.c.shard_id, func.count().label("n"))
+        .where(
+            tasks.c.shard_id.in_(shard_ids),
+            tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)),
+            tasks.c.known_answer.is_(None),
+        )
+        .group_by(tasks.c.shard_id)
+    )
+    return {row.shard_id: row.n for row in (await conn.execute(query)).all()}
+
+
+async def _results_with_trust(
+    conn: AsyncConnection, shard_ids: Sequence[int], *, settings: TrustSettings
+) -> dict[int, list[ShardResult]]:
+    """Per shard, its results that still count, each with its node's trust on the kind
+    (a new node's trust where it has none yet)."""
+    by_shard: dict[int, list[ShardResult]] = {}
+    found = await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(shard_ids)))
+    for r in found.all():
+        by_shard.setdefault(r.shard_id, []).append(
+            ShardResult(
+                task_id=r.id,
+                node_id=r.node_id,
+                output_hash=r.output_hash,
+                output_size=r.output_size,
+                outcome=r.outcome,
+                checks_hash=r.checks_hash,
+                build=r.build,
+                finished_at=r.finished_at,
+                trust=(
+                    trust_rows.trust_of(r)
+                    if r.valid_total is not None
+                    else trust_rules.new_trust(settings)
+                ),
+            )
+        )
+    return by_shard
+
+
 class Verification(Role):
     """What the verifier reads and decides: shards with results to judge, their decisions,
     late results, and the checks that follow a caught lie (`store.verification`)."""
@@ -110,7 +152,6 @@ class Verification(Role):
         self, conn: AsyncConnection, shard_ids: Sequence[int]
     ) -> dict[int, ShardForVerify]:
         """Each shard with its job and its results not found invalid, with their nodes' trust."""
-        trust = self.trust
         ids = sorted(set(shard_ids))
         if not ids:
             return {}
@@ -122,41 +163,13 @@ class Verification(Role):
             job = await rows.job(conn, job_id, with_counts=False)
             assert job is not None
             job_of[job_id] = job
-        found = (await conn.execute(_RESULTS_WITH_TRUST.where(tasks.c.shard_id.in_(ids)))).all()
-        live_query = (
-            select(tasks.c.shard_id, func.count().label("n"))
-            .where(
-                tasks.c.shard_id.in_(ids),
-                tasks.c.state.in_(rows.states(*LIVE_TASK_STATES)),
-                tasks.c.known_answer.is_(None),
-            )
-            .group_by(tasks.c.shard_id)
-        )
-        live = {row.shard_id: row.n for row in (await conn.execute(live_query)).all()}
-        by_shard: dict[int, list[ShardResult]] = {row.id: [] for row in shard_rows}
-        for r in found:
-            by_shard[r.shard_id].append(
-                ShardResult(
-                    task_id=r.id,
-                    node_id=r.node_id,
-                    output_hash=r.output_hash,
-                    output_size=r.output_size,
-                    outcome=r.outcome,
-                    checks_hash=r.checks_hash,
-                    build=r.build,
-                    finished_at=r.finished_at,
-                    trust=(
-                        trust_rows.trust_of(r)
-                        if r.valid_total is not None
-                        else trust_rules.new_trust(trust)
-                    ),
-                )
-            )
+        live = await _live_tasks(conn, ids)
+        by_shard = await _results_with_trust(conn, ids, settings=self.trust)
         return {
             row.id: ShardForVerify(
                 shard=rows.shard(row, live=live.get(row.id, 0)),
                 job=job_of[row.job_id],
-                results=by_shard[row.id],
+                results=by_shard.get(row.id, []),
             )
             for row in shard_rows
         }
