@@ -133,6 +133,18 @@ def test_the_task_is_given_back_and_the_worker_stops_at_once(
     assert "given back: the worker was stopped" in log and "Traceback" not in log
 
 
+def _alive_in_group(pgid: int) -> list[int]:
+    """The processes of a process group still running (zombies have ended)."""
+    alive = []
+    for process in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(process.pid) == pgid and process.info["status"] != psutil.STATUS_ZOMBIE:
+                alive.append(process.pid)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return alive
+
+
 def test_sigterm_to_the_group_after_embeddings_stops_without_warnings(grid: LocalGrid) -> None:
     """As `systemctl stop` does: SIGTERM to the daemon and its task processes at once,
     after a task process made progress bars (tqdm's lock between processes)."""
@@ -144,7 +156,9 @@ def test_sigterm_to_the_group_after_embeddings_stops_without_warnings(grid: Loca
         wait_until(lambda: _running_task(grid.root / "e"), "the sleep task to start", timeout_s=60)
     os.killpg(worker.pid, signal.SIGTERM)
     assert worker.wait(30) == 0
-    time.sleep(1)  # the resource tracker warns as it ends, after the daemon
+    # The resource tracker (it ignores SIGTERM) warns as it ends, after the daemon: every
+    # process of the group has ended once its warnings are in the log.
+    wait_until(lambda: not _alive_in_group(worker.pid), "the worker's processes to end")
     log = (grid.root / "e.log").read_text()
     assert "given back: the worker was stopped" in log
     for bad in ("resource_tracker", "leaked", "Traceback", "Exception ignored"):
