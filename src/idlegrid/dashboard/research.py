@@ -181,6 +181,20 @@ async def submit_diloco(
     )
 
 
+def _onnx_params(values: dict[str, Any]) -> dict[str, Any]:
+    """The onnx-infer params of the form's values; `ValueError` for bad preprocessing."""
+    params: dict[str, Any] = {
+        "shard_size": values["shard_size"],
+        "batch_size": values["batch_size"],
+        "outputs": [name.strip() for name in values["outputs"].split(",") if name.strip()],
+    }
+    if values["crop"].strip():
+        params["preprocess"] = form_fields.preprocess(
+            *(values[k] for k in ("crop", "resize", "color", "layout", "scale", "mean", "std"))
+        )
+    return params
+
+
 @router.post("/jobs/new/onnx-infer", response_class=HTMLResponse, dependencies=[Csrf])
 async def submit_onnx(
     request: Request,
@@ -216,15 +230,7 @@ async def submit_onnx(
         error = "Choose one of your uploaded model inputs (arrays or an image archive)."
     else:
         try:
-            params: dict[str, Any] = {
-                "shard_size": shard_size,
-                "batch_size": batch_size,
-                "outputs": [name.strip() for name in outputs.split(",") if name.strip()],
-            }
-            if crop.strip():
-                params["preprocess"] = form_fields.preprocess(
-                    crop, resize, color, layout, scale, mean, std
-                )
+            params = _onnx_params(values)
         except ValueError as exc:
             error = f"Image preprocessing: {exc}"
         else:
