@@ -72,7 +72,7 @@ def grid(path: Path, records: list[dict], max_tokens: int, threads: int) -> tupl
 
 
 def raw_parallel(
-    llm: Any, prompts: list[list[int]], max_tokens: int, sequences: int, n_ctx: int
+    llm: Any, prompts: list[list[int]], max_tokens: int, sequences: int, n_ctx: int, threads: int
 ) -> tuple[int, float]:
     """(tokens, seconds) of llama.cpp alone: continuous batching, its greedy sampler."""
     import llama_cpp
@@ -81,7 +81,7 @@ def raw_parallel(
     params.n_ctx = sequences * n_ctx
     params.n_seq_max = sequences
     params.kv_unified = True  # any mix of sequences in one micro-batch, as its server
-    params.n_threads = params.n_threads_batch = llm.n_threads
+    params.n_threads = params.n_threads_batch = threads
     params.flash_attn_type = llm.context_params.flash_attn_type
     ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
     sampler = llama_cpp.llama_sampler_init_greedy()
@@ -228,8 +228,10 @@ def main() -> None:
     sequences = min(WorkerSettings().sequences, len(payload.prompts))
     llm = runtime.load(path, n_ctx=payload.n_ctx, threads=args.threads)
     prompts = [runtime.tokenize(llm, p.text) for p in payload.prompts]
-    raw_parallel(llm, prompts[:2], 4, 2, payload.n_ctx)  # warm-up
-    raw_tokens, raw_s = raw_parallel(llm, prompts, args.max_tokens, sequences, payload.n_ctx)
+    raw_parallel(llm, prompts[:2], 4, 2, payload.n_ctx, args.threads)  # warm-up
+    raw_tokens, raw_s = raw_parallel(
+        llm, prompts, args.max_tokens, sequences, payload.n_ctx, args.threads
+    )
     one_tokens, one_s = one_at_a_time(llm, payload, params)
     grid_rate, raw_rate, one_rate = grid_tokens / grid_s, raw_tokens / raw_s, one_tokens / one_s
     print(f"raw parallel llama.cpp ({sequences} sequences): {raw_tokens} tokens in {raw_s:.2f} s "

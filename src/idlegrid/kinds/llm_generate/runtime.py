@@ -31,6 +31,15 @@ MODELS_KEPT = 1  # loaded models a task process keeps (each holds its weights in
 # batched check reproduces a token-by-token generation's logits bit for bit on the same
 # build, whatever the batch size or thread count (measured: benchmarks/llm_verify.py).
 UBATCH = 32
+# Threads of a micro-batch of one token (llama.cpp's n_threads; n_threads_batch serves
+# the others). From 512 cached positions on, ggml's CPU flash attention splits a lone
+# query's cache across its threads and adds the parts in another order than the kernel a
+# batch runs: on two threads a lone token's logits were off by up to 0.16 in a
+# log-probability from the check's (benchmarks/llm_generate.py --exactness). On one
+# thread the split is one part, and the logits are the batch kernel's bit for bit. A lone
+# token is rare when prompts are decoded together (batched.py): the last sequence of a
+# shard, or a shard of one prompt.
+LONE_TOKEN_THREADS = 1
 
 
 class ModelLoadFailed(RuntimeError):
@@ -103,7 +112,7 @@ def load(path: Path, *, n_ctx: int, threads: int, n_batch: int = 512) -> Any:
                 n_batch=n_batch,
                 n_ubatch=min(n_batch, UBATCH),
                 flash_attn=True,
-                n_threads=max(1, threads),
+                n_threads=LONE_TOKEN_THREADS,
                 n_threads_batch=max(1, threads),
                 n_gpu_layers=-1,
                 seed=0,
