@@ -177,3 +177,30 @@ def test_sequences_follow_the_memory(model: bytes) -> None:
     tight = facts.file_bytes + 5 * per_sequence
     assert batched.sequences_for(params, 80, cap=32, memory_bytes=tight) == 5
     assert batched.sequences_for(params, 80, cap=32, memory_bytes=facts.file_bytes) == 1
+
+
+def test_long_prompts_on_two_threads_are_exact(model: bytes, tmp_path: Path) -> None:
+    """Past 256 cached positions (512 cells attended) llama.cpp's CPU flash attention
+    splits a lone token's cache across threads (runtime.LONE_TOKEN_THREADS): the last
+    sequence of a shard and a shard of one prompt are still the check's logits bit for
+    bit."""
+    system = "Answer plainly and briefly, with one everyday example for each idea. " * 36
+    records = [
+        {"messages": [{"role": "system", "content": system}, {"role": "user", "content": q}]}
+        for q in ("What is rain?", "What is a map?")
+    ]
+    payload, params = shard(model, records, max_tokens=6)
+    assert min(p.prompt_tokens for p in payload.prompts) > 256
+    ctx = dataclasses.replace(context(model, tmp_path), threads=2)
+    llm = worker.loaded(payload, ctx)
+    alone = generate.generate_shard(llm, payload, params, ctx)
+    engine = batched.Engine(llm, sequences=2, n_ctx=payload.n_ctx)
+    try:
+        together = batched.generate_shard(engine, payload, params, ctx)
+    finally:
+        engine.close()
+    for completions in (alone, together):
+        claim = Output(completions=completions, backend="cpu")
+        report = check_shard(llm, payload, claim, params, None, EXACT, stop_early=False)
+        assert report.passed and report.logprob_error == 0.0, report
+    assert [c.logprobs for c in alone] == [c.logprobs for c in together]

@@ -32,8 +32,8 @@ MODELS_KEPT = 1  # loaded models a task process keeps (each holds its weights in
 # build, whatever the batch size or thread count (measured: benchmarks/llm_verify.py).
 UBATCH = 32
 # Threads of a micro-batch of one token (llama.cpp's n_threads; n_threads_batch serves
-# the others). From 512 cached positions on, ggml's CPU flash attention splits a lone
-# query's cache across its threads and adds the parts in another order than the kernel a
+# the others). Past 256 cached positions (512 cells attended, the cache padded to 256),
+# ggml's CPU flash attention splits a lone query's cache across its threads and adds the parts in another order than the kernel a
 # batch runs: on two threads a lone token's logits were off by up to 0.16 in a
 # log-probability from the check's (benchmarks/llm_generate.py --exactness). On one
 # thread the split is one part, and the logits are the batch kernel's bit for bit. A lone
