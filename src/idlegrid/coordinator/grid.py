@@ -38,8 +38,8 @@ from idlegrid.coordinator.fanout import GridFanOut
 from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.intake import Intake, JobInputError
-from idlegrid.coordinator.leases import Leases, lease_for, lease_seconds
-from idlegrid.coordinator.matching import Matcher, Shares, node_reliability
+from idlegrid.coordinator.leases import Leases, lease_seconds
+from idlegrid.coordinator.matching import Matcher, Shares
 from idlegrid.coordinator.node_control import NodeControl, NodeNotFound, SettingRefused
 from idlegrid.coordinator.plans import JobPlan, Plans
 from idlegrid.coordinator.result_path import ResultPath
@@ -206,9 +206,6 @@ class Grid:
     async def plan(self, job_id: int) -> JobPlan | None:
         return await self.plans.get(job_id)
 
-    def forget_plan(self, job_id: int) -> None:
-        self.plans.forget(job_id)
-
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words ([] if nothing)."""
         return (
@@ -246,14 +243,8 @@ class Grid:
         """Offer queued work to every connected node that asked for some."""
         await self.dispatcher.fill_waiting()
 
-    def node_reliability(self, session: NodeSession) -> float:
-        return node_reliability(session)
-
     def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
         return lease_seconds(self.settings, session, entry)
-
-    def lease_for(self, kind: str, *, cost_flops: float, measured_flops: float | None) -> float:
-        return lease_for(self.settings, kind, cost_flops=cost_flops, measured_flops=measured_flops)
 
     async def replenish(self) -> None:
         await self.leases.replenish()
@@ -325,10 +316,6 @@ class Grid:
     async def publish(self, message: dict[str, Any]) -> None:
         """Tell the other coordinator processes (see `peers`)."""
         await self.fanout.publish(message)
-
-    async def cancel_locally(self, node_id: int, task_id: int, reason: str) -> bool:
-        """Tell a node connected to this process to drop a task; False if it is not here."""
-        return await self.hub.cancel(node_id, task_id, reason)
 
     async def on_peer_message(self, message: dict[str, Any]) -> None:
         """Handle what another coordinator process published on the grid channel."""

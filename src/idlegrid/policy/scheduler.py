@@ -64,7 +64,7 @@ class NodeView:
     onnx_opset: int | None = None
     # Measured items per second per kind (its benchmark).
     kind_rates: Mapping[str, float] = field(default_factory=dict)
-    # Trust in the node's results, 0..1 (fed by the grid's `node_reliability` hook).
+    # Trust in the node's results, 0..1 (fed by `coordinator.matching.node_reliability`).
     reliability: float = 0.5
     # Chance the node returns a task before its deadline, from its history (0..1).
     on_time: float = 0.5
