@@ -33,12 +33,12 @@ MODELS_KEPT = 1  # loaded models a task process keeps (each holds its weights in
 UBATCH = 32
 # Threads of a micro-batch of one token (llama.cpp's n_threads; n_threads_batch serves
 # the others). Past 256 cached positions (512 cells attended, the cache padded to 256),
-# ggml's CPU flash attention splits a lone query's cache across its threads and adds the parts in another order than the kernel a
-# batch runs: on two threads a lone token's logits were off by up to 0.16 in a
-# log-probability from the check's (benchmarks/llm_generate.py --exactness). On one
-# thread the split is one part, and the logits are the batch kernel's bit for bit. A lone
-# token is rare when prompts are decoded together (batched.py): the last sequence of a
-# shard, or a shard of one prompt.
+# ggml's CPU flash attention splits a lone query's cache across its threads and adds the
+# parts in another order than the kernel a batch runs: on two threads a lone token's
+# logits were off by up to 0.16 in a log-probability from the check's
+# (benchmarks/llm_generate.py --exactness). On one thread the split is one part, and the
+# logits are the batch kernel's bit for bit. A lone token is rare when prompts are
+# decoded together (batched.py): the last sequence of a shard, or a shard of one prompt.
 LONE_TOKEN_THREADS = 1
 
 
@@ -190,7 +190,14 @@ def build() -> str:
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode(errors="replace")
-    return f"llama-cpp-python {llama_cpp.__version__}; {backend()}; {' '.join(info.split())}"
+    # The settings that decide the logits too: a worker that ran a lone token on several
+    # threads (before LONE_TOKEN_THREADS) names no such part and is held to the
+    # cross-build margins, which its honest long outputs pass.
+    settings = f"lone token on {LONE_TOKEN_THREADS} thread"
+    return (
+        f"llama-cpp-python {llama_cpp.__version__}; {backend()}; {settings}; "
+        f"{' '.join(info.split())}"
+    )
 
 
 # -- the token loop and the prefill -----------------------------------------------------
