@@ -12,13 +12,14 @@ in one run and on the same threads.
   (unified KV cache, 512-token micro-batches): what llama.cpp's `batched` example and its
   server's parallel slots do, with nothing of the grid's (no log-probabilities, no text).
 - one at a time: this process, the project's one-prompt-after-another loop
-  (generate.generate_shard), which workers ran before prompts were decoded together.
+  (generate.generate_shard) on a model loaded as workers loaded it before prompts were
+  decoded together (every token on all `--threads`).
 
 Also the shared-prefix figure: `--prefix-prompts` prompts behind one system prompt of
 about 400 tokens, decoded together with the prefix evaluated once and copied, and with it
 evaluated for each prompt.
 
-    PYTHONPATH=src python benchmarks/llm_generate.py [--prompts 32] [--max-tokens 64]
+    PYTHONPATH=src python benchmarks/llm_generate.py [--prompts 64] [--max-tokens 96]
     PYTHONPATH=src python benchmarks/llm_generate.py --exactness
 
 `--exactness` measures instead whether prompts decoded together are what the check
@@ -81,11 +82,12 @@ def raw_parallel(
     params.n_ctx = sequences * n_ctx
     params.n_seq_max = sequences
     params.kv_unified = True  # any mix of sequences in one micro-batch, as its server
+    params.n_batch = RAW_BATCH
     params.n_threads = params.n_threads_batch = threads
     params.flash_attn_type = llm.context_params.flash_attn_type
     ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
     sampler = llama_cpp.llama_sampler_init_greedy()
-    batch = llama_cpp.llama_batch_init(max(512, sequences), 0, 1)
+    batch = llama_cpp.llama_batch_init(RAW_BATCH, 0, 1)
     memory = llama_cpp.llama_get_memory(ctx)
     vocab = llm._model.vocab
     queue = list(range(len(prompts)))
@@ -96,7 +98,8 @@ def raw_parallel(
     while queue or slots:
         batch.n_tokens = 0
         for seq in range(sequences):
-            if seq not in slots and queue:
+            room = RAW_BATCH - batch.n_tokens - sequences
+            if seq not in slots and queue and len(prompts[queue[0]]) <= room:
                 index = queue.pop(0)
                 llama_cpp.llama_memory_seq_rm(memory, seq, -1, -1)
                 for position, token in enumerate(prompts[index]):
@@ -125,6 +128,9 @@ def raw_parallel(
     llama_cpp.llama_sampler_free(sampler)
     llama_cpp.llama_free(ctx)
     return tokens, elapsed
+
+
+RAW_BATCH = 2048  # tokens one llama_decode takes (llama.cpp's default n_batch)
 
 
 def _add(batch: Any, token: int, position: int, seq: int, logits: bool) -> None:
@@ -204,8 +210,8 @@ def exactness(path: Path, threads: int, max_tokens: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prefix-prompts", type=int, default=16)
     parser.add_argument("--exactness", action="store_true")
@@ -232,6 +238,10 @@ def main() -> None:
     raw_tokens, raw_s = raw_parallel(
         llm, prompts, args.max_tokens, sequences, payload.n_ctx, args.threads
     )
+    llm.close()
+    runtime.LONE_TOKEN_THREADS = args.threads  # as workers ran a lone token before
+    llm = runtime.load(path, n_ctx=payload.n_ctx, threads=args.threads)
+    runtime.LONE_TOKEN_THREADS = 1
     one_tokens, one_s = one_at_a_time(llm, payload, params)
     grid_rate, raw_rate, one_rate = grid_tokens / grid_s, raw_tokens / raw_s, one_tokens / one_s
     print(f"raw parallel llama.cpp ({sequences} sequences): {raw_tokens} tokens in {raw_s:.2f} s "
