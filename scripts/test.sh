@@ -34,7 +34,7 @@ command -v dbus-daemon >/dev/null || missing+=(dbus)
 # The tray's tests host it in trayer; the tray and the app window draw through GTK and
 # WebKitGTK, whose Python bindings (the desktop extra) build against the -dev packages.
 command -v trayer >/dev/null || missing+=(trayer)
-# The NAT test (tests/training/test_training_p2p_nat.py) builds a masquerading router in a
+# The NAT test (tests/p2p/test_training_p2p_nat.py) builds a masquerading router in a
 # network namespace with iptables (as root; iproute2 is there already).
 command -v iptables >/dev/null || missing+=(iptables)
 for package in libgirepository1.0-dev libcairo2-dev pkg-config gir1.2-gtk-3.0 \

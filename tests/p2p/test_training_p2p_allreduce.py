@@ -1,7 +1,8 @@
 """The all-reduce's protocol (p2p/allreduce.py) over an in-memory transport: every member
 reads back the same bytes of the mean, and a member whose part does not decode, a member
 that sends nothing, or a reducer that cannot be reached, is named. Real streams of
-Hivemind's p2p daemon: tests/training/test_training_p2p_roster.py and test_training_p2p.py."""
+Hivemind's p2p daemon: tests/p2p/test_training_p2p_roster.py and
+tests/training/test_training_p2p.py."""
 
 from __future__ import annotations
 
