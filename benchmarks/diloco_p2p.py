@@ -95,8 +95,10 @@ def report(mode: str, metrics: dict[str, Any], workers: int) -> None:
     rows = training(metrics)
     bytes_ = sum(per_worker(row, workers) for row in rows) / len(rows)
     times = [row["round_time_s"] or 0.0 for row in rows]
-    print(f"  a training round, per worker: {bytes_:.0f} bytes sent and received, "
-          f"{sum(times) / len(times):.2f} s (min {min(times):.2f}, max {max(times):.2f})")
+    print(
+        f"  a training round, per worker: {bytes_:.0f} bytes sent and received, "
+        f"{sum(times) / len(times):.2f} s (min {min(times):.2f}, max {max(times):.2f})"
+    )
 
 
 def main() -> None:
@@ -142,8 +144,10 @@ def main() -> None:
     later = _mean_time(peer, skip=1) / _mean_time(coordinated, skip=1)
     print(f"after round 0: round_time_ratio: {later:.2f}")
     mine, theirs = peer["rounds"][-1]["eval_loss"], coordinated["rounds"][-1]["eval_loss"]
-    print(f"coordinator_bytes_ratio: {ratio:.2f} worker_bytes_ratio: {worker:.2f} "
-          f"round_time_ratio: {time_ratio:.2f} loss_diff: {100 * (mine - theirs) / theirs:.4f}%")
+    print(
+        f"coordinator_bytes_ratio: {ratio:.2f} worker_bytes_ratio: {worker:.2f} "
+        f"round_time_ratio: {time_ratio:.2f} loss_diff: {100 * (mine - theirs) / theirs:.4f}%"
+    )
 
 
 def _mean_time(metrics: dict[str, Any], *, skip: int = 0) -> float:

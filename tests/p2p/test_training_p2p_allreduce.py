@@ -88,6 +88,7 @@ async def group(
         reduction = parts.Reduction(vectors[shard], settings, len(vectors), shared.bounds())
         if shard == garble:
             honest = reduction.contribution
+
             def garbled(step: str, index: int) -> bytes:
                 return honest(step, index)[:-1]
 

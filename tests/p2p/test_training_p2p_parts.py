@@ -126,8 +126,10 @@ def test_an_answer_that_does_not_decode_is_refused() -> None:
         side.take("codes", 0, parts._pack_bits(np.full(16, 63), 6))
 
 
-@pytest.mark.parametrize(("length", "chunk", "reducers"), [(1000, 64, 4), (10, 256, 3), (0, 8, 2),
-                                                            (4096, 256, 4), (1025, 8, 7)])
+@pytest.mark.parametrize(
+    ("length", "chunk", "reducers"),
+    [(1000, 64, 4), (10, 256, 3), (0, 8, 2), (4096, 256, 4), (1025, 8, 7)],
+)
 def test_bounds_cover_the_vector_at_chunk_edges(length: int, chunk: int, reducers: int) -> None:
     cut = parts.bounds(length, chunk, reducers)
     assert len(cut) == reducers and cut[0][0] == 0 and cut[-1][1] == length

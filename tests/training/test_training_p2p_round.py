@@ -231,4 +231,3 @@ def test_error_feedback_keeps_what_the_groups_codes_missed(monkeypatch: pytest.M
         # where another member's chunk peaks higher).
         alone = accumulator - decode(compress(accumulator, params.upload)[0])
         assert not np.array_equal(kept, alone)
-

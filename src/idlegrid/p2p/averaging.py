@@ -293,8 +293,10 @@ class Joining:
         deadline = time.monotonic() + budget + startup
         for tries in range(2):
             if not self.standing.alive():
-                notes.append(f"the standing averager had exited "
-                             f"({self.standing.process.poll()}): {self.standing.tail()}")
+                notes.append(
+                    f"the standing averager had exited "
+                    f"({self.standing.process.poll()}): {self.standing.tail()}"
+                )
                 self.standing = self.registry.replace(self.standing, notes[-1])
                 # The new one has to start first: it gets the time a first round's has.
                 deadline = max(deadline, time.monotonic() + budget + STARTUP_S)
@@ -442,8 +444,12 @@ def _serve_requests(server: Server | None, failed: str) -> None:
         if server is not None:
             meta["reachability"] = server.mode
         Path(request["out"]).write_bytes(pack(out, meta))
-        print(f"averaged {group.key}: attempt {outcome.attempt}, {outcome.wire_bytes} bytes"
-              + (f", {outcome.reason}" if outcome.reason else ""), file=sys.stderr, flush=True)
+        print(
+            f"averaged {group.key}: attempt {outcome.attempt}, {outcome.wire_bytes} bytes"
+            + (f", {outcome.reason}" if outcome.reason else ""),
+            file=sys.stderr,
+            flush=True,
+        )
         print(json.dumps({"id": request["id"]}), flush=True)
 
 

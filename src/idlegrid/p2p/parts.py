@@ -367,7 +367,7 @@ def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
         raise PartError(f"{len(data)} bytes for {count} values of {width} bits")
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * width,
                          bitorder="little")  # fmt: skip
-    weights = (1 << np.arange(width, dtype=np.int64))
+    weights = 1 << np.arange(width, dtype=np.int64)
     return bits.reshape(count, width).astype(np.int64) @ weights
 
 

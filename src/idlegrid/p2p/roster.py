@@ -78,10 +78,15 @@ def meet(
             return [entries[member] for member in members], "", []
         time.sleep(POLL_S)
     missing = sorted(set(members) - seen)
-    return None, (
-        f"the named group under {key} did not meet in {timeout_s:g} s: members {missing} "
-        "never came" + ("" if stored_at is not None or shard in seen else " (nor could this one)")
-    ), missing
+    return (
+        None,
+        (
+            f"the named group under {key} did not meet in {timeout_s:g} s: members {missing} "
+            "never came"
+            + ("" if stored_at is not None or shard in seen else " (nor could this one)")
+        ),
+        missing,
+    )
 
 
 # Seconds a retry's meeting must see no new member before those present form the group.
