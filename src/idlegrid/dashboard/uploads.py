@@ -28,7 +28,6 @@ from idlegrid.dashboard.pages import (
     store_of,
 )
 from idlegrid.store import uploads
-from idlegrid.units import size_text
 
 router = APIRouter()  # under the researcher pages' prefix (research.py)
 CHUNK_BYTES = 4 * 1024 * 1024
@@ -53,7 +52,9 @@ async def files_page(request: Request, session: Researcher) -> Response:
         files=files,
         used=used,
         quota=dashboard_of(request).settings.web_upload_quota_bytes,
-        max_file=grid_of(request).blobs.max_bytes,
+        # One file is bounded by the account's upload quota alone, as the API's chunked
+        # uploads are (a model of several hundred MB is one file).
+        max_file=dashboard_of(request).settings.web_upload_quota_bytes,
         chunk=_chunk_bytes(request),
     )
 
@@ -80,13 +81,6 @@ async def start_upload(request: Request, session: Researcher) -> Response:
         body = UploadStart.model_validate(await request.json())
     except (ValidationError, ValueError) as exc:
         return _json_error(422, f"bad upload request: {exc}")
-    limit = grid_of(request).blobs.max_bytes
-    if body.size > limit:
-        return _json_error(
-            413,
-            f"this file is over the {size_text(limit)} limit of one file: split it into "
-            "several files, or ask the operator to raise max_blob_bytes",
-        )
     now = grid_of(request).clock()
     try:
         upload_id, stale = await store_of(request).web.web_write(
@@ -145,7 +139,7 @@ async def finish_upload(request: Request, upload_id: Id, session: Researcher) ->
     blobs = grid_of(request).blobs
     try:
         blob_hash = await asyncio.to_thread(
-            blobs.put_file, _tmp(request, upload_id), size=upload.size
+            blobs.put_file, _tmp(request, upload_id), size=upload.size, max_bytes=upload.size
         )
     except (BlobError, OSError) as exc:
         await store.web.web_write(uploads.delete_upload, upload_id, session.account.id)
