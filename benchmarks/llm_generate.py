@@ -8,9 +8,10 @@ in one run and on the same threads.
   then finds it loaded (as every shard after a node's first does). Submission to result.
 - raw parallel llama.cpp: this process, the model loaded as the worker loads it, the
   prompts as parallel sequences in one context at the worker's parallelism, with
-  continuous batching, llama.cpp's own greedy sampler and llama.cpp's default context
-  (unified KV cache, 512-token micro-batches): what llama.cpp's `batched` example and its
-  server's parallel slots do, with nothing of the grid's (no log-probabilities, no text).
+  continuous batching, llama.cpp's own greedy sampler and 512-token micro-batches, with a
+  unified KV cache and with a KV stream per sequence (the faster of the two counts): what
+  llama.cpp's `batched` example and its server's parallel slots do, with nothing of the
+  grid's (no log-probabilities, no text).
 - one at a time: this process, the project's one-prompt-after-another loop
   (generate.generate_shard) on a model loaded as workers loaded it before prompts were
   decoded together (every token on all `--threads`).
@@ -73,7 +74,14 @@ def grid(path: Path, records: list[dict], max_tokens: int, threads: int) -> tupl
 
 
 def raw_parallel(
-    llm: Any, prompts: list[list[int]], max_tokens: int, sequences: int, n_ctx: int, threads: int
+    llm: Any,
+    prompts: list[list[int]],
+    max_tokens: int,
+    sequences: int,
+    n_ctx: int,
+    threads: int,
+    *,
+    unified: bool = True,
 ) -> tuple[int, float]:
     """(tokens, seconds) of llama.cpp alone: continuous batching, its greedy sampler."""
     import llama_cpp
@@ -81,7 +89,7 @@ def raw_parallel(
     params = llama_cpp.llama_context_default_params()
     params.n_ctx = sequences * n_ctx
     params.n_seq_max = sequences
-    params.kv_unified = True  # any mix of sequences in one micro-batch, as its server
+    params.kv_unified = unified
     params.n_batch = RAW_BATCH
     params.n_threads = params.n_threads_batch = threads
     params.flash_attn_type = llm.context_params.flash_attn_type
@@ -235,9 +243,16 @@ def main() -> None:
     llm = runtime.load(path, n_ctx=payload.n_ctx, threads=args.threads)
     prompts = [runtime.tokenize(llm, p.text) for p in payload.prompts]
     raw_parallel(llm, prompts[:2], 4, 2, payload.n_ctx, args.threads)  # warm-up
-    raw_tokens, raw_s = raw_parallel(
-        llm, prompts, args.max_tokens, sequences, payload.n_ctx, args.threads
-    )
+    raw_runs = {
+        unified: raw_parallel(
+            llm, prompts, args.max_tokens, sequences, payload.n_ctx, args.threads, unified=unified
+        )
+        for unified in (True, False)
+    }
+    for unified, (tokens, seconds) in raw_runs.items():
+        cache = "unified KV cache" if unified else "a KV stream per sequence"
+        print(f"raw parallel llama.cpp, {cache}: {tokens / seconds:.1f} tokens/s")
+    raw_tokens, raw_s = max(raw_runs.values(), key=lambda run: run[0] / run[1])
     llm.close()
     runtime.LONE_TOKEN_THREADS = args.threads  # as workers ran a lone token before
     llm = runtime.load(path, n_ctx=payload.n_ctx, threads=args.threads)
