@@ -9,7 +9,7 @@
 11.0.0.0/24 is a public (globally routed) range, so that `auto` sees what it would see at
 home: a public bootstrap peer and no public address of its own. The namespaces have no
 way out of the test, so nothing reaches the real owner of the range. Every member runs as
-a worker's task does (`tests/training/nat_member.py`: `averaging.join` and its averaging
+a worker's task does (`tests/p2p/nat_member.py`: `averaging.join` and its averaging
 child) inside its namespace. Needs root, `ip` and `iptables`.
 """
 

@@ -188,7 +188,8 @@ def test_a_node_keeps_local_weights_per_shard_for_the_next_round_only() -> None:
 
 torch = pytest.importorskip("torch")
 
-from idlegrid.kinds.diloco import simulate  # noqa: E402
+import diloco_simulate as simulate  # noqa: E402
+
 from idlegrid.kinds.diloco.inner import InnerSettings  # noqa: E402
 from idlegrid.training.fragments import StreamingSettings  # noqa: E402
 

@@ -2,7 +2,7 @@
 chooses the member's mode from this machine's addresses and starts the averaging child),
 then `Joining.average`. A test's stand-in for a worker, run inside a network namespace:
 
-    ip netns exec NS python tests/training/nat_member.py GROUP_JSON SHARD SETTING IN OUT
+    ip netns exec NS python tests/p2p/nat_member.py GROUP_JSON SHARD SETTING IN OUT
 
 IN: the member's vector (.npy). OUT: what it came to, as JSON (the mean as a list of
 floats, or null with the reason).
