@@ -10,6 +10,7 @@ functions: `load_model` of a folder needs none).
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 from idlegrid.training import hf_folder
@@ -34,7 +35,11 @@ def to_folder(source: Path, folder: Path) -> hf_folder.HFModel:
         ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
+        with warnings.catch_warnings():
+            # huggingface_hub says it cannot, where HF_HUB_DISABLE_PROGRESS_BARS is set
+            # (the embedding kinds set it); the bars then stay off, as asked.
+            warnings.simplefilter("ignore", UserWarning)
+            hf_logging.enable_progress_bar()
     config = model.config.to_dict()
     for key in (
         "quantization_config",
