@@ -79,7 +79,12 @@ def _partial_file(grid: Grid, upload_id: int) -> Path:
     return grid.blobs.tmp_path(f"upload-{upload_id}")
 
 
-@router.post("/uploads", response_model=UploadOut, tags=["blobs"])
+@router.post(
+    "/uploads",
+    response_model=UploadOut,
+    tags=["blobs"],
+    responses={201: {"model": UploadOut, "description": "a new upload: send its chunks"}},
+)
 async def start_upload(body: UploadStart, token: Researcher, grid: GridDep) -> Response:
     """Start (or go on with) the upload of one blob in chunks; 201 for a new upload.
 
@@ -157,8 +162,8 @@ async def put_chunk(
             f"at offset {upload.received} (GET /v1/uploads/{upload_id} says where)",
         )
     data = await request.body()
-    if not data:
-        raise ApiError(422, "invalid_upload", "the chunk is empty: send the bytes as the body")
+    if not data:  # nothing to add: where the upload stands, as GET says
+        return _out(grid, upload)
     if offset + len(data) > upload.size:
         raise ApiError(
             422,
