@@ -13,8 +13,7 @@ GGUF, and asked a question through the generation form.
 Deviations of setup, not of the commands: `idlegrid` is this test run's, the workers skip
 their benchmark, the password that `web-account` asks for comes on stdin
 (`--password-file -`), `notes.txt` (the researcher's own text) is written here, and
-`serve` gets `--max-blob-mb 1024`: the dashboard takes one file up to max_blob_bytes, and
-the model folder's zip is 500 MB.
+`serve` gets `--max-blob-mb 1024`, for the model folder's 500 MB zip.
 """
 
 from __future__ import annotations
@@ -280,9 +279,7 @@ def test_the_one_machine_quickstart_and_a_researcher_on_its_dashboard(tmp_path: 
     with socket.socket() as sock:  # the quickstart's port, as its shell expects it
         if sock.connect_ex(("127.0.0.1", 8000)) == 0:
             pytest.fail("something listens on 127.0.0.1:8000, where the quickstart serves")
-    # The dashboard takes one file up to max_blob_bytes (256 MiB by default), and the
-    # README's SmolLM2.zip is 500 MB: the flag the quickstart needs for it, until the
-    # dashboard's uploads go up to the account's quota as the API's do.
+    # The README's SmolLM2.zip is 500 MB, over max_blob_bytes (256 MiB by default).
     serve += " --max-blob-mb 1024"
     with (
         _started(serve, env, tmp_path, tmp_path / "serve.log"),
