@@ -31,6 +31,7 @@ from idlegrid.dashboard.pages import (
     Id,
     PageError,
     Researcher,
+    dashboard_of,
     grid_of,
     researcher,
     signed_in,
@@ -121,12 +122,20 @@ async def _upload(
 
 
 async def _store(request: Request, session: WebSession, data: bytes) -> str:
-    """Put a blob made from the researcher's files; it is theirs, like the files."""
+    """Put a blob made from the researcher's files; it is theirs, like the files. It is
+    bounded as those are, by the account's upload quota (not by max_blob_bytes: a model
+    of several hundred MB is one blob)."""
     grid = grid_of(request)
+    quota = dashboard_of(request).settings.web_upload_quota_bytes
+    if len(data) > quota:
+        raise FormProblem(
+            f"The model is {len(data):,} bytes, over the upload quota of {quota:,} bytes "
+            "(web_upload_quota_bytes): ask the operator to raise it."
+        )
     try:
-        blob_hash = await asyncio.to_thread(grid.blobs.put, data)
-    except BlobError as exc:
-        raise FormProblem(f"The model is too large to store: {exc}") from None
+        blob_hash = await asyncio.to_thread(grid.blobs.keep, data)
+    except (BlobError, OSError) as exc:
+        raise FormProblem(f"The model could not be stored: {exc}") from None
     await grid.store.blob_owners.add_blob_owner(
         blob_hash, session.account.id, size=len(data), now=grid.clock()
     )
