@@ -143,7 +143,12 @@ async def upload_state(upload_id: ObjectId, token: Researcher, grid: GridDep) ->
     return _out(grid, await _arriving(grid, token, upload_id))
 
 
-@router.put("/uploads/{upload_id}", response_model=UploadOut, tags=["blobs"])
+@router.put(
+    "/uploads/{upload_id}",
+    response_model=UploadOut,
+    tags=["blobs"],
+    responses={409: {"description": "not the upload's next offset: GET it to go on"}},
+)
 async def put_chunk(
     upload_id: ObjectId,
     request: Request,
