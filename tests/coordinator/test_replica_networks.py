@@ -12,7 +12,7 @@ from urllib.parse import urlparse
 import pytest
 from click.testing import CliRunner
 
-from idlegrid.cli.main import replica_rule
+from idlegrid.cli.serve import replica_rule
 from idlegrid.coordinator.monitor import STALEMATE_INTERVAL_S
 from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.settings import REPLICA_NETWORKS, CoordinatorSettings
