@@ -135,14 +135,29 @@ def submit(
     with -p 'preprocess={...}'. Each kind's settings (-p): docs/onnx.md,
     docs/llm-generate.md, docs/training.md; a wrong one is refused with its name.
     """
-    from idlegrid.kinds import UnknownKind, get_kind
-
     if output is not None and wait is False:
         raise click.UsageError("-o/--output saves the result once the job ends: drop --no-wait")
     if model_source is not None or text is not None:
         _train(kind, model_source, text, inputs, params, replication, priority, wait, output,
                server, token)  # fmt: skip
         return
+    _submit_inputs(kind, inputs, params, replication, priority, wait, output, server, token)
+
+
+def _submit_inputs(
+    kind: str,
+    inputs: tuple[str, ...],
+    params: tuple[str, ...],
+    replication: int | None,
+    priority: int,
+    wait: bool | None,
+    output: Path | None,
+    server: str,
+    token: str,
+) -> None:
+    """`submit KIND INPUTS`: the kind's input files as they are, the result saved as a file."""
+    from idlegrid.kinds import UnknownKind, get_kind
+
     try:
         names = get_kind(kind).input_names
     except UnknownKind as exc:
