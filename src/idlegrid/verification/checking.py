@@ -106,19 +106,9 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
         passes = [c for c in of if _passed(c)]
         passed = [c.task_id for c in passes]
         failed = [c.task_id for c in of if not _passed(c)]
-        # The same bytes made again by another node (on the same build) back it as a
-        # pass does, and are paid as outputs.
-        twins = [
-            g.task_id
-            for g in generations
-            if g.task_id != generation.task_id
-            and g.output_hash == generation.output_hash
-            and g.credibility > 0.0
-        ]
+        twins = _twins(generation, generations)
         backing = len(passed) + len(twins)
-        alone = not second_pass and any(c.established for c in passes)
-        enough = backing >= CONFIRMING_PASSES or alone
-        if backing > len(failed) and enough:
+        if backing > len(failed) and _confirmed(backing, passes, second_pass=second_pass):
             return CheckedOutcome(
                 Decision(
                     canonical=generation.task_id,
@@ -142,6 +132,25 @@ def decide(votes: Sequence[CheckedVote], *, second_pass: bool = False) -> Checke
         more=True,
         awaiting=awaiting,
     )
+
+
+def _twins(generation: CheckedVote, generations: Sequence[CheckedVote]) -> list[int]:
+    """The same bytes made again by other nodes (on the same build): they back the output
+    as a pass does, and are paid as outputs."""
+    return [
+        g.task_id
+        for g in generations
+        if g.task_id != generation.task_id
+        and g.output_hash == generation.output_hash
+        and g.credibility > 0.0
+    ]
+
+
+def _confirmed(backing: int, passes: Sequence[CheckedVote], *, second_pass: bool) -> bool:
+    """Whether an output is backed enough to be canonical: twice, or by one established
+    checker's pass alone (unless the shard was drawn for a second check)."""
+    alone = not second_pass and any(c.established for c in passes)
+    return backing >= CONFIRMING_PASSES or alone
 
 
 def confirmation_reason(shard_index: int, checker_nodes: Sequence[int], left_s: float) -> str:

@@ -61,31 +61,60 @@ def decide(
     """
     if min_quorum < 1:
         raise ValueError("min_quorum must be at least 1")
-    cred = {task_id: (credibility or {}).get(task_id, 1.0) for task_id, _ in results}
-    voters = [(task_id, output) for task_id, output in results if cred[task_id] > 0.0]
+    cred, voters = _voters(results, credibility)
     if not voters:
         return Decision(canonical=None, valid=(), invalid=())
     found = groups(voters, compare)
-    disputed = any(
+    disputed = _disputed(voters, found, compare)
+    if disputed:
+        cred = {task: min(c, dispute_credibility) for task, c in cred.items()}
+    best, rival, best_posterior = _leader(voters, found, cred)
+    if (
+        len(best) < min_quorum
+        or (rival and len(best) - rival < dispute_margin)
+        or (credibility is not None and best_posterior < min_credibility)
+    ):
+        suspects = _suspects(voters, best, compare) if disputed and len(best) > rival else ()
+        return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
+    return decided(results, voters, best, compare)
+
+
+def _voters(
+    results: Sequence[tuple[int, bytes]], credibility: Mapping[int, float] | None
+) -> tuple[dict[int, float], list[tuple[int, bytes]]]:
+    """Each result's credibility (1 when none is given), and the results that vote: those
+    whose credibility is above 0."""
+    cred = {task_id: (credibility or {}).get(task_id, 1.0) for task_id, _ in results}
+    voters = [(task_id, output) for task_id, output in results if cred[task_id] > 0.0]
+    return cred, voters
+
+
+def _disputed(
+    voters: Sequence[tuple[int, bytes]],
+    found: Sequence[Sequence[int]],
+    compare: Callable[[bytes, bytes], Verdict],
+) -> bool:
+    """Whether two groups of voters disagree (not merely fail to agree)."""
+    return any(
         compare(voters[g[0]][1], voters[h[0]][1]) == Verdict.DISAGREE
         for g in found
         for h in found
         if g is not h
     )
-    if disputed:
-        cred = {task: min(c, dispute_credibility) for task, c in cred.items()}
+
+
+def _leader(
+    voters: Sequence[tuple[int, bytes]],
+    found: Sequence[Sequence[int]],
+    cred: Mapping[int, float],
+) -> tuple[Sequence[int], int, float]:
+    """The leading group (the largest; ties: the most credible, then the earliest), the
+    voters of the largest group outside it, and the probability that its answer is right."""
     posterior = group_posteriors([[voters[i][0] for i in g] for g in found], cred)
     ranked = sorted(range(len(found)), key=lambda g: (-len(found[g]), -posterior[g], found[g][0]))
     best = found[ranked[0]]
     rival = max((len(set(found[g]) - set(best)) for g in ranked[1:]), default=0)
-    if (
-        len(best) < min_quorum
-        or (rival and len(best) - rival < dispute_margin)
-        or (credibility is not None and posterior[ranked[0]] < min_credibility)
-    ):
-        suspects = _suspects(voters, best, compare) if disputed and len(best) > rival else ()
-        return Decision(canonical=None, valid=(), invalid=(), suspects=suspects)
-    return decided(results, voters, best, compare)
+    return best, rival, posterior[ranked[0]]
 
 
 def _suspects(
