@@ -78,39 +78,8 @@ def is_batch_line(record: Any) -> bool:
 def read_line(record: dict[str, Any], number: int, seen: set[str]) -> BatchLine:
     """One OpenAI Batch API input line; InputError naming the line and the field."""
     where = f"prompts line {number}"
-    unknown = set(record) - LINE_KEYS
-    if unknown:
-        raise InputError(f"{where}: unknown field {sorted(unknown)[0]!r} (a batch line has "
-                         "custom_id, method, url, body)")  # fmt: skip
-    custom_id = record.get("custom_id")
-    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID:
-        raise InputError(
-            f"{where}: 'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters"
-        )
-    if custom_id in seen:
-        raise InputError(f"{where}: 'custom_id' {custom_id!r} is used by an earlier line")
-    seen.add(custom_id)
-    if record.get("method", "POST") != "POST":
-        raise InputError(f"{where}: 'method' must be \"POST\"")
-    url = record.get("url")
-    if url not in (CHAT, COMPLETIONS):
-        raise InputError(
-            f"{where}: 'url' {url!r} is not an endpoint this grid runs ({CHAT} or {COMPLETIONS})"
-        )
-    body = record.get("body")
-    if not isinstance(body, dict):
-        raise InputError(f"{where}: 'body' must be an object")
-    prompt_field = "messages" if url == CHAT else "prompt"
-    allowed = _SETTINGS | _IGNORED | set(_OFF) | {prompt_field}
-    for name in sorted(body):
-        if name not in allowed:
-            raise InputError(f"{where}: body field {name!r} is not supported for {url}")
-        if name in _OFF and not _OFF[name](body[name]):
-            raise InputError(
-                f"{where}: body field {name!r} = {body[name]!r} is not supported (only its default)"
-            )
-    if body.get("n", 1) != 1:
-        raise InputError(f"{where}: body field 'n' must be 1 (one completion per line)")
+    custom_id, url, body = _envelope(record, where, seen)
+    _check_body_fields(body, url, where)
     messages, text = None, None
     if url == CHAT:
         messages = _messages(body.get("messages"), where)
@@ -135,6 +104,50 @@ def read_line(record: dict[str, Any], number: int, seen: set[str]) -> BatchLine:
         top_p=_number(body, "top_p", where, 0.0, 1.0, open_low=True),
         stop=_stop(body.get("stop"), where),
     )
+
+
+def _envelope(
+    record: dict[str, Any], where: str, seen: set[str]
+) -> tuple[str, str, dict[str, Any]]:
+    """A line's own fields, checked: its custom_id (added to `seen`), url and body."""
+    unknown = set(record) - LINE_KEYS
+    if unknown:
+        raise InputError(f"{where}: unknown field {sorted(unknown)[0]!r} (a batch line has "
+                         "custom_id, method, url, body)")  # fmt: skip
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not 1 <= len(custom_id) <= MAX_CUSTOM_ID:
+        raise InputError(
+            f"{where}: 'custom_id' must be a string of 1 to {MAX_CUSTOM_ID} characters"
+        )
+    if custom_id in seen:
+        raise InputError(f"{where}: 'custom_id' {custom_id!r} is used by an earlier line")
+    seen.add(custom_id)
+    if record.get("method", "POST") != "POST":
+        raise InputError(f"{where}: 'method' must be \"POST\"")
+    url = record.get("url")
+    if url not in (CHAT, COMPLETIONS):
+        raise InputError(
+            f"{where}: 'url' {url!r} is not an endpoint this grid runs ({CHAT} or {COMPLETIONS})"
+        )
+    body = record.get("body")
+    if not isinstance(body, dict):
+        raise InputError(f"{where}: 'body' must be an object")
+    return custom_id, url, body
+
+
+def _check_body_fields(body: dict[str, Any], url: str, where: str) -> None:
+    """Refuse a body field the endpoint lacks, one set away from its default, and n != 1."""
+    prompt_field = "messages" if url == CHAT else "prompt"
+    allowed = _SETTINGS | _IGNORED | set(_OFF) | {prompt_field}
+    for name in sorted(body):
+        if name not in allowed:
+            raise InputError(f"{where}: body field {name!r} is not supported for {url}")
+        if name in _OFF and not _OFF[name](body[name]):
+            raise InputError(
+                f"{where}: body field {name!r} = {body[name]!r} is not supported (only its default)"
+            )
+    if body.get("n", 1) != 1:
+        raise InputError(f"{where}: body field 'n' must be 1 (one completion per line)")
 
 
 def _messages(messages: Any, where: str) -> list[dict[str, str]]:
