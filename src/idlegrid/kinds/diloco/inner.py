@@ -168,8 +168,6 @@ def train_inner(
     own whenever the checkpointer says it is due. `base`: the frozen weights of a LoRA
     model (`hf-causal-lm`). A batch runs as micro-batches whose gradients accumulate.
     """
-    import torch
-
     check_fits(architecture, config, data, settings.seq_len)
     resumed = checkpoint.load(weights.size) if checkpoint is not None else None
     if resumed is not None and resumed.step >= settings.steps:
@@ -177,21 +175,65 @@ def train_inner(
     module, trained = load_trainable(
         architecture, config, weights if resumed is None else resumed.local, device, base
     )
+    optimizer = _adamw(trained, settings, _starting_moments(resumed, state, weights.size))
+    task = models.get_architecture(architecture).task
+    stream = batches(
+        data, seed=seed, count=settings.steps, batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+    )  # fmt: skip
+    losses = _inner_steps(
+        module, trained, optimizer, stream, settings,
+        task=task, device=device, resumed=resumed, checkpoint=checkpoint, on_step=on_step,
+    )  # fmt: skip
+    # In place: one copy of a full model's size fewer at the task's peak.
+    delta = flat_values(trained)
+    np.subtract(weights, delta, out=delta)
+    kept = _save_state(optimizer) if settings.keep_state else None
+    return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1], kept)
+
+
+def _starting_moments(
+    resumed: InnerProgress | None, state: OptimizerState | None, size: int
+) -> OptimizerState | None:
+    """AdamW's moments to start from: the checkpoint's, else an earlier task's that fit."""
+    if resumed is not None:
+        return resumed.optimizer
+    return state if state is not None and state.fits(size) else None
+
+
+def _adamw(
+    trained: list[torch.nn.Parameter], settings: InnerSettings, moments: OptimizerState | None
+) -> torch.optim.AdamW:
+    """A fresh AdamW of the task's settings, starting from `moments` if given."""
+    import torch
+
     optimizer = torch.optim.AdamW(
         trained,
         lr=settings.lr,
         betas=(settings.beta1, settings.beta2),
         weight_decay=settings.weight_decay,
     )
-    if resumed is not None:
-        _load_state(optimizer, resumed.optimizer)
-    elif state is not None and state.fits(weights.size):
-        _load_state(optimizer, state)
-    task = models.get_architecture(architecture).task
-    stream = batches(
-        data, seed=seed, count=settings.steps, batch_size=settings.batch_size,
-        seq_len=settings.seq_len,
-    )  # fmt: skip
+    if moments is not None:
+        _load_state(optimizer, moments)
+    return optimizer
+
+
+def _inner_steps(
+    module: torch.nn.Module,
+    trained: list[torch.nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    stream: Iterable[tuple[np.ndarray, np.ndarray]],
+    settings: InnerSettings,
+    *,
+    task: str,
+    device: str,
+    resumed: InnerProgress | None,
+    checkpoint: Checkpointer | None,
+    on_step: Callable[[int], None] | None,
+) -> list[float]:
+    """The inner steps, from where `resumed` left off, saving progress when due; the losses."""
+    import torch
+
     losses = list(resumed.losses) if resumed is not None else []
     first = resumed.step if resumed is not None else 0
     for step, (inputs, targets) in enumerate(stream):
@@ -211,11 +253,7 @@ def train_inner(
             )
         if on_step is not None:
             on_step(step + 1)
-    # In place: one copy of a full model's size fewer at the task's peak.
-    delta = flat_values(trained)
-    np.subtract(weights, delta, out=delta)
-    kept = _save_state(optimizer) if settings.keep_state else None
-    return InnerResult(delta, losses[0], float(np.mean(losses)), losses[-1], kept)
+    return losses
 
 
 def accumulate(

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from idlegrid.kinds.diloco import tasks
 from idlegrid.kinds.diloco.data import Dataset
-from idlegrid.kinds.diloco.inner import InnerSettings
+from idlegrid.kinds.diloco.inner import InnerResult, InnerSettings
 from idlegrid.kinds.diloco.task_checkpoint import Checkpointer
 from idlegrid.kinds.diloco.worker_state import WorkerState
 from idlegrid.training import fragments, models, verify
-from idlegrid.training.compression import Compression, compress
+from idlegrid.training.compression import Compression, Message, compress
 from idlegrid.training.flat import weights_from_safetensors
 from idlegrid.training.outer import OuterSettings
+
+if TYPE_CHECKING:
+    from idlegrid.p2p.averaging import Joining
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,46 @@ def run_task(
     data = tasks.load_data(task.data)
     if task.mode == "eval":
         return _evaluate(task, spec, weights, data, device, _base(spec, fetch))
+    trained, start, joining = _train(
+        task, spec, state, weights, data, device=device, on_step=on_step, fetch=fetch,
+        checkpoint=checkpoint, p2p_reachability=p2p_reachability,
+    )  # fmt: skip
+    delta, part = _pseudo_gradient(task, state, weights, start, trained.delta)
+    message, owed = _compress_upload(task, spec, state, weights, delta, part)
+    if joining is not None:
+        from idlegrid.kinds.diloco import member
+
+        losses = (trained.loss_first, trained.loss_mean, trained.loss_last)
+        steps = (spec.outer, spec.download)
+        accumulator = delta if owed is None else delta + owed
+        return member.average_round(
+            task, steps, state, weights, message, losses, fetch, joining,
+            accumulator=accumulator, upload=spec.upload,
+        )  # fmt: skip
+    return tasks.TaskResult(
+        "train", task.round, task.shard, task.seed, task.target.digest,
+        trained.loss_first, trained.loss_mean, trained.loss_last,
+        update=message, sketch=verify.sketch(delta),
+    )  # fmt: skip
+
+
+def _train(
+    task: tasks.TaskPayload,
+    spec: TrainSpec,
+    state: WorkerState,
+    weights: np.ndarray,
+    data: Dataset,
+    *,
+    device: str,
+    on_step: Callable[[int], None] | None,
+    fetch: Callable[[str], bytes] | None,
+    checkpoint: Checkpointer | None,
+    p2p_reachability: str,
+) -> tuple[InnerResult, np.ndarray, Joining | None]:
+    """The inner steps from the task's starting weights, its p2p group joined meanwhile.
+
+    Returns the training's result, the weights it started from and the group's handle.
+    """
     from idlegrid.kinds.diloco import inner
 
     # The task's place in the run's lr schedule (warmup and decay over all rounds).
@@ -96,12 +139,37 @@ def run_task(
         raise
     if trained.state is not None:
         state.set_optimizer_state(task.stream, task.shard, task.round, trained.state)
-    delta, part = trained.delta, slice(None)
-    if task.streaming is not None:
-        local_after = start - trained.delta
-        state.set_local_weights(task.stream, task.shard, task.round, local_after)
-        delta = fragments.pseudo_gradient(task.streaming, task.round, weights, local_after)
-        part = task.streaming.synced(task.round).slice
+    return trained, start, joining
+
+
+def _pseudo_gradient(
+    task: tasks.TaskPayload,
+    state: WorkerState,
+    weights: np.ndarray,
+    start: np.ndarray,
+    trained_delta: np.ndarray,
+) -> tuple[np.ndarray, slice]:
+    """The update the task sends and the part of the weights it covers: all, or a fragment."""
+    if task.streaming is None:
+        return trained_delta, slice(None)
+    local_after = start - trained_delta
+    state.set_local_weights(task.stream, task.shard, task.round, local_after)
+    delta = fragments.pseudo_gradient(task.streaming, task.round, weights, local_after)
+    return delta, task.streaming.synced(task.round).slice
+
+
+def _compress_upload(
+    task: tasks.TaskPayload,
+    spec: TrainSpec,
+    state: WorkerState,
+    weights: np.ndarray,
+    delta: np.ndarray,
+    part: slice,
+) -> tuple[Message, np.ndarray | None]:
+    """The update compressed with error feedback; returns it and the residual it carried.
+
+    The residual left out of this message is kept in `state` for the stream's next task.
+    """
     # The error-feedback residual covers the whole vector; a fragment uses its slice.
     residual = state.residual(task.stream) if spec.upload.stateful else None
     if residual is not None and residual.shape != weights.shape:
@@ -112,21 +180,7 @@ def run_task(
         residual = np.zeros_like(weights) if residual is None else residual.copy()
         residual[part] = kept
     state.set_residual(task.stream, None if kept is None else residual)
-    if joining is not None:
-        from idlegrid.kinds.diloco import member
-
-        losses = (trained.loss_first, trained.loss_mean, trained.loss_last)
-        steps = (spec.outer, spec.download)
-        accumulator = delta if owed is None else delta + owed
-        return member.average_round(
-            task, steps, state, weights, message, losses, fetch, joining,
-            accumulator=accumulator, upload=spec.upload,
-        )  # fmt: skip
-    return tasks.TaskResult(
-        "train", task.round, task.shard, task.seed, task.target.digest,
-        trained.loss_first, trained.loss_mean, trained.loss_last,
-        update=message, sketch=verify.sketch(delta),
-    )  # fmt: skip
+    return message, owed
 
 
 def _evaluate(
