@@ -1,8 +1,10 @@
-"""Where members meet before they all-reduce (p2p/roster.py): the rules of the first
-attempt's and the retry's meetings over a DHT in memory, and three real averagers."""
+"""Where members meet before they all-reduce (p2p/roster.py) and how the coordinator
+names a retry group (p2p/namer.py): the rules of the first attempt's and the retry's
+meetings over a DHT in memory, and three real averagers."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,7 +15,7 @@ import numpy as np
 import pytest
 from helpers import require_p2p
 
-from idlegrid.p2p import averaging, roster
+from idlegrid.p2p import averaging, namer, roster
 from idlegrid.p2p.group import Group
 
 
@@ -32,23 +34,32 @@ def _found(entries: dict[Any, Any]) -> Found:
 
 
 class FakeDHT:
-    """The DHT's store and read of subkeyed entries, in memory; `arrive`: entries that
-    other members write once this one has read the meeting `after` times."""
+    """The DHT's store and read of plain and subkeyed entries, in memory; `arrive`:
+    entries that other members write once the meeting was read `after` times."""
 
     def __init__(self, arrive: dict[int, list[tuple[int, Any]]] | None = None) -> None:
         self.entries: dict[str, dict[Any, Any]] = {}
+        self.plain: dict[str, Any] = {}
         self.reads = 0
         self.arrive = arrive or {}
+        self.lock = threading.Lock()  # the namer reads and writes from its own thread
 
-    def store(self, key: str, value: Any, expiration: float, *, subkey: Any) -> bool:
-        self.entries.setdefault(key, {})[subkey] = value
+    def store(self, key: str, value: Any, expiration: float, *, subkey: Any = None) -> bool:
+        with self.lock:
+            if subkey is None:
+                self.plain[key] = value
+            else:
+                self.entries.setdefault(key, {})[subkey] = value
         return True
 
     def get(self, key: str, *, latest: bool) -> Found | None:
-        self.reads += 1
-        for sub, value in self.arrive.pop(self.reads, []):
-            self.entries.setdefault(key, {})[sub] = value
-        return _found(self.entries[key]) if key in self.entries else None
+        with self.lock:
+            if key in self.plain:
+                return Found(self.plain[key])
+            self.reads += 1
+            for sub, value in self.arrive.pop(self.reads, []):
+                self.entries.setdefault(key, {})[sub] = value
+            return _found(dict(self.entries[key])) if key in self.entries else None
 
 
 def entry(shard: int, blamed: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -58,7 +69,8 @@ def entry(shard: int, blamed: tuple[int, ...] = ()) -> dict[str, Any]:
 @pytest.fixture
 def quick(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(roster, "POLL_S", 0.01)
-    monkeypatch.setattr(roster, "QUIET_S", 0.2)
+    monkeypatch.setattr(namer, "QUIET_S", 0.2)
+    monkeypatch.setattr(namer, "POLL_S", 0.01)
 
 
 def test_the_first_attempt_meets_when_every_named_member_wrote(quick: None) -> None:
@@ -74,33 +86,111 @@ def test_a_named_member_that_never_writes_is_named(quick: None) -> None:
     assert found is None and missing == [2] and "members [2] never came" in reason
 
 
-def test_a_retry_forms_of_every_member_left_at_once(quick: None) -> None:
+@pytest.fixture
+def named(quick: None) -> Iterator[FakeDHT]:
+    """A DHT in memory with the coordinator's namer passing over it in a thread."""
+    dht = FakeDHT()
+    done = threading.Event()
+    thread = threading.Thread(target=namer.Namer(dht).run, args=(done.is_set,), daemon=True)
+    thread.start()
+    yield dht
+    done.set()
+    thread.join(5)
+
+
+def others(dht: FakeDHT, key: str, *entries: dict[str, Any]) -> None:
+    for found in entries:
+        dht.store(f"{key}-meet", found, 0.0, subkey=found["shard"])
+
+
+def test_the_coordinator_names_every_member_left_at_once(named: FakeDHT) -> None:
     # The first attempt blamed member 3 (dead); the others wrote: no quiet wait needed.
-    dht = FakeDHT({2: [(1, entry(1, (3,))), (2, entry(2, (3,)))]})
+    others(named, "k", entry(1, (3,)), entry(2, (3,)))
     started = time.monotonic()
-    found, reason = roster.gather(dht, "k", (0, 1, 2), 0, entry(0, (3,)), 2, 5.0)
+    found, reason = roster.gather(named, "k", (0, 1, 2), 0, entry(0, (3,)), 2, 5.0)
     assert reason == "" and sorted(found or {}) == [0, 1, 2]
-    assert time.monotonic() - started < roster.QUIET_S
+    assert (found or {})[1] == entry(1, (3,))  # the entries the namer read, by shard
+    assert time.monotonic() - started < namer.QUIET_S
 
 
-def test_a_retry_goes_on_without_a_silent_member_after_a_quiet_spell(quick: None) -> None:
-    dht = FakeDHT({2: [(1, entry(1))]})
-    found, reason = roster.gather(dht, "k", (0, 1, 2), 0, entry(0), 2, 5.0)
+def test_the_coordinator_names_those_present_after_a_quiet_spell(named: FakeDHT) -> None:
+    others(named, "k", entry(1))
+    started = time.monotonic()
+    found, reason = roster.gather(named, "k", (0, 1, 2), 0, entry(0), 2, 5.0)
     assert reason == "" and sorted(found or {}) == [0, 1]
-    # Fewer than min_size: no group, and why.
-    found, reason = roster.gather(FakeDHT(), "k2", (0, 1, 2), 0, entry(0), 2, 0.5)
-    assert found is None and "no retry group of 2+" in reason
+    assert time.monotonic() - started >= namer.QUIET_S
 
 
-def test_a_member_blamed_by_another_is_left_out_of_the_retry(quick: None) -> None:
+def test_fewer_than_the_minimum_left_fall_back_at_once_and_say_why(named: FakeDHT) -> None:
+    others(named, "k", entry(1, (2,)))  # member 1 blames 2: two left of a minimum of three
+    started = time.monotonic()
+    found, reason = roster.gather(named, "k", (0, 1, 2), 0, entry(0), 3, 5.0)
+    assert found is None and time.monotonic() - started < 2.0
+    assert "named no retry group under k: 2 member(s) left [0, 1], fewer than the job's " \
+           "minimum 3" in reason  # fmt: skip
+
+
+def test_a_member_blamed_by_another_is_left_out_of_the_retry(named: FakeDHT) -> None:
     # Member 1 says member 2's part did not decode: 0 and 1 go on without it; 2 learns it.
-    def blaming() -> FakeDHT:
-        return FakeDHT({2: [(1, entry(1, (2,)))]})
+    others(named, "k", entry(1, (2,)), entry(0))
+    found, reason = roster.gather(named, "k", (0, 1, 2), 2, entry(2), 2, 5.0)
+    assert found is None and "left out of the retry group named under k" in reason
+    found, reason = roster.gather(named, "k", (0, 1, 2), 0, entry(0), 2, 5.0)
+    assert reason == "" and sorted(found or {}) == [0, 1]
 
-    found, _ = roster.gather(blaming(), "k", (0, 1, 2), 0, entry(0), 2, 5.0)
-    assert sorted(found or {}) == [0, 1]
-    found, reason = roster.gather(blaming(), "k", (0, 1, 2), 2, entry(2), 2, 5.0)
-    assert found is None and "left out" in reason
+
+def test_without_the_coordinators_namer_the_retry_waits_out_its_timeout(quick: None) -> None:
+    dht = FakeDHT()
+    others(dht, "k", entry(1), entry(2))
+    found, reason = roster.gather(dht, "k", (0, 1, 2), 0, entry(0), 2, 0.3)
+    assert found is None and "named no retry group under k in 0.3 s" in reason
+    # It asked: the request is there for a namer to read.
+    assert namer.Request.from_json(dht.entries[namer.REQUESTS]["k"]) == namer.Request(
+        (0, 1, 2), 2, 0.3
+    )
+
+
+@pytest.mark.parametrize(
+    ("present", "candidates", "min_size", "quiet_for_s", "expected"),
+    [
+        ({0: (), 1: (), 2: ()}, (0, 1, 2), 2, 0.0, (0, 1, 2)),  # everyone: at once
+        ({0: (), 1: ()}, (0, 1, 2), 2, 0.0, None),  # one missing: too early
+        ({0: (), 1: ()}, (0, 1, 2), 2, 3.0, (0, 1)),  # ... until a quiet spell
+        ({0: ()}, (0, 1, 2), 2, 60.0, None),  # under the minimum: never by quiet
+        ({0: (), 1: (2,)}, (0, 1, 2), 2, 0.0, (0, 1)),  # 2 blamed: everyone left, at once
+        ({0: (), 1: (2,), 2: ()}, (0, 1, 2), 2, 0.0, (0, 1)),  # blamed though present
+        ({0: (), 1: (0,)}, (0, 1), 2, 0.0, "1 member(s) left [1], fewer than the job's minimum 2"),
+        ({0: (), 1: (), 7: ()}, (0, 1), 2, 0.0, (0, 1)),  # a stranger is not a member
+    ],
+)
+def test_the_retry_rule(
+    present: dict[int, tuple[int, ...]], candidates: tuple[int, ...], min_size: int,
+    quiet_for_s: float, expected: object,
+) -> None:  # fmt: skip
+    entries = {shard: entry(shard, blamed) for shard, blamed in present.items()}
+    assert namer.decide(entries, candidates, min_size, quiet_for_s) == expected
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [None, "k", {"candidates": [0, 1], "min_size": 3, "timeout_s": 5},
+     {"candidates": [], "min_size": 1, "timeout_s": 5},
+     {"candidates": [0, 1], "min_size": 2, "timeout_s": -1},
+     {"candidates": ["x"], "min_size": 1, "timeout_s": 5},
+     {"candidates": list(range(65)), "min_size": 2, "timeout_s": 5}],
+)  # fmt: skip
+def test_a_malformed_request_is_not_named(quick: None, raw: object) -> None:
+    dht = FakeDHT()
+    dht.store(namer.REQUESTS, raw, 0.0, subkey="k")
+    others(dht, "k", entry(0), entry(1))
+    assert namer.Namer(dht).step() == [] and "k-named" not in dht.plain
+
+
+def test_a_decision_that_does_not_match_its_entries_is_not_read() -> None:
+    good = namer.Decision((0, 1), "", (entry(0), entry(1)))
+    assert namer.Decision.from_json(good.to_json()) == good
+    assert namer.Decision.from_json({**good.to_json(), "members": [0, 2]}) is None
+    assert namer.Decision.from_json({"members": "x"}) is None
 
 
 def test_own_addresses_drop_the_peer_id() -> None:
@@ -116,9 +206,14 @@ def bootstrap() -> Iterator[Any]:
     import hivemind
 
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    done = threading.Event()
+    names = threading.Thread(target=namer.Namer(dht).run, args=(done.is_set,), daemon=True)
+    names.start()  # it names retry groups, as the coordinator's peer does
     try:
         yield dht
     finally:
+        done.set()
+        names.join(5)
         averaging.REGISTRY.close()  # the standing averagers of this process's members
         dht.shutdown()
 

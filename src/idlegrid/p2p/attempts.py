@@ -5,8 +5,9 @@ An attempt is a meeting in the DHT (`roster`) and an all-reduce (`allreduce`). T
 first attempt waits for every named member (`roster.meet`). If it fails, each member
 knows whom it could not do without (a member that never came, a reducer that did not
 answer, a member whose part did not decode, a member a reducer waited for in vain:
-`blamed`), and the retry meets among the named members that no one blamed
-(`roster.gather`), if at least the group's `min_size` of them are left. A round's
+`blamed`), and the retry meets among the named members that no one blamed, in the
+group the coordinator names for it (`roster.gather`, `namer`), if at least the group's
+`min_size` (the job's minimum) of them are left. A round's
 attempts together take at most twice the group's timeout.
 """
 

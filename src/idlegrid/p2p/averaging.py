@@ -16,7 +16,8 @@ up to two attempts (`attempts`):
 1. the whole group (every member named) under the round's key;
 2. if that fails (a member died before or during the all-reduce, never came, or sent a
    part that does not decode), a retry under the key + "-retry" among the members
-   left, if at least `min_size` of them (`roster.gather`).
+   left, if at least `min_size` of them, in the group the coordinator's bootstrap DHT
+   peer names (`roster.gather`, `namer`).
 
 Each attempt has the members meet in the DHT (each writes its peer id, addresses, mode
 and whether it holds the outer state; `roster`), then all-reduce their parts compressed

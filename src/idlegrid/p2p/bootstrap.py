@@ -3,8 +3,10 @@
 A child process of `idlegrid serve` (the coordinator itself never imports torch, which
 Hivemind needs). It prints one line, `{"peers": [multiaddress, ...], "listen": "host:port"}`,
 once the DHT listens, then serves until its standard input closes (the coordinator exited
-or stopped it) or its parent is gone. With `--identity` its peer id survives restarts, so
-the addresses in tasks already handed out stay good.
+or stopped it) or its parent is gone. Meanwhile it names the retry groups of peer-to-peer
+rounds (`namer`): the members left after a failed attempt all-reduce with the group it
+names. With `--identity` its peer id survives restarts, so the addresses in tasks already
+handed out stay good.
 
 It listens on `--host` only (the coordinator passes its own host unless the operator
 named another), and asks no router to forward a port: a coordinator that serves on
@@ -20,9 +22,9 @@ import os
 import socket
 import sys
 import threading
-import time
 
 from idlegrid import p2p
+from idlegrid.p2p import namer
 
 
 def main(argv: list[str]) -> int:
@@ -59,8 +61,8 @@ def main(argv: list[str]) -> int:
         closed.set()
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
-    while not closed.is_set() and os.getppid() == parent:
-        time.sleep(0.5)
+    # The coordinator names each round's retry group, as it named the first (`namer`).
+    namer.Namer(dht).run(lambda: closed.is_set() or os.getppid() != parent)
     dht.shutdown()
     return 0
 

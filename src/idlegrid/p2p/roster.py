@@ -4,7 +4,8 @@ its vector's length) under the attempt's meeting key, and reads the others'.
 
 The first attempt's group is the one the coordinator named: it meets once every named
 member wrote (`meet`), so every member holds the same entries. A retry's group is the
-named members no one blamed for the first attempt's failure (`gather`). Members dial
+named members no one blamed for the first attempt's failure, as the coordinator's
+bootstrap DHT peer names it (`gather`, `namer`). Members dial
 each other at the addresses they wrote (`dial`): libp2p's own routing often does not yet
 find a peer that joined seconds before.
 """
@@ -16,6 +17,8 @@ import contextlib
 import time
 from collections.abc import Mapping
 from typing import Any
+
+from idlegrid.p2p import namer
 
 # Seconds between reads of the roster while members are missing.
 POLL_S = 0.25
@@ -89,49 +92,35 @@ def meet(
     )
 
 
-# Seconds a retry's meeting must see no new member before those present form the group.
-QUIET_S = 3.0
-
-
-def _entries(found: Any) -> dict[int, dict[str, Any]]:
-    if found is None or not isinstance(found.value, dict):
-        return {}
-    return {sub: entry.value for sub, entry in found.value.items()
-            if isinstance(sub, int) and isinstance(entry.value, dict)}  # fmt: skip
-
-
 def gather(
     dht: Any, key: str, candidates: tuple[int, ...], shard: int, gathered: dict[str, Any],
     min_size: int, timeout_s: float,
 ) -> tuple[dict[int, dict[str, Any]] | None, str]:  # fmt: skip
     """A retry's meeting: the members left (`candidates`: the named ones no member blamed
     for the first attempt's failure) write what they bring, with whom they blame
-    (`gathered["blamed"]`); a member blamed in any entry is left out. The group is every
-    candidate not left out once all of them wrote, or, with at least `min_size`, those
-    present once `QUIET_S` passed without a newcomer. Members that read different
-    entries derive different groups (their all-reduce then fails for both, and they fall
-    back): the group is never formed from what only some of them saw."""
-    meeting = f"{key}-meet"
+    (`gathered["blamed"]`), ask the coordinator for a group (`namer.REQUESTS`) and wait
+    for the one it names (`namer.decide`: everyone left, or at least `min_size` once no
+    newcomer came for a while). Returns each named member's entry by shard and "", or
+    None and why not (this member left out, too few left, no group named in time)."""
+    meeting, answer = f"{key}-meet", f"{key}-named"
+    request = namer.Request(candidates, min_size, timeout_s).to_json()
     deadline = time.monotonic() + timeout_s
     stored_at: float | None = None
-    last: frozenset[int] = frozenset()
-    since = time.monotonic()
     while time.monotonic() < deadline:
-        due = stored_at is None or time.monotonic() - stored_at > REWRITE_S
-        if due and dht.store(meeting, gathered, time.time() + timeout_s + 60, subkey=shard):
-            stored_at = time.monotonic()
-        entries = {s: e for s, e in _entries(dht.get(meeting, latest=True)).items()
-                   if s in candidates}  # fmt: skip
-        left_out = {int(b) for e in entries.values() for b in e.get("blamed", ())}
-        if shard in left_out:
-            return None, f"this member was left out of the retry under {key}"
-        live = frozenset(s for s in entries if s not in left_out)
-        if live != last:
-            last, since = live, time.monotonic()
-        everyone = live == set(candidates) - left_out
-        quiet = len(live) >= min_size and time.monotonic() - since >= QUIET_S
-        if entries.get(shard) == gathered and (everyone or quiet):
-            return {s: entries[s] for s in sorted(live)}, ""
+        if stored_at is None or time.monotonic() - stored_at > REWRITE_S:
+            expiration = time.time() + timeout_s + 60
+            if dht.store(meeting, gathered, expiration, subkey=shard) and dht.store(
+                namer.REQUESTS, request, expiration, subkey=key
+            ):
+                stored_at = time.monotonic()
+        found = dht.get(answer, latest=True)
+        decision = namer.Decision.from_json(getattr(found, "value", None))
+        if decision is not None:
+            if not decision.members:
+                return None, f"the coordinator named no retry group under {key}: {decision.reason}"
+            if shard not in decision.members:
+                return None, f"this member was left out of the retry group named under {key}"
+            return decision.met(), ""
         time.sleep(POLL_S)
-    return None, (f"no retry group of {min_size}+ formed under {key} in {timeout_s:g} s "
-                  f"(seen: {sorted(last)})")  # fmt: skip
+    return None, (f"the coordinator named no retry group under {key} in {timeout_s:g} s "
+                  "(its bootstrap DHT peer names them: is it running?)")  # fmt: skip

@@ -13,8 +13,9 @@ Each member reports how its averaging went (`Report`). The rule:
    this round or a later one (the round closes once, in one transaction).
 4. A round with neither closes empty: the weights stay, the reason is in its metrics.
 
-A retry group needs a majority of the round's members, so two groups of one round can
-never both form: rule 2 decides between a group and the members that fell back.
+A round has one retry group at most (the coordinator names it once, `p2p.namer`), so a
+round sees the first group, its retry group, and members that fell back: rule 2 decides
+between them.
 """
 
 from __future__ import annotations

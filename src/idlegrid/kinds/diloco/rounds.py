@@ -316,7 +316,8 @@ class DilocoRoundJob(RoundJob):
         group = Group(
             key=group_key(self.swarm.job_id, weights.round, self.stream),
             members=tuple(range(workers)),
-            min_size=max(2, workers // 2 + 1),  # a retry group is a majority
+            # A retry goes on with the job's minimum (`min_updates`), or a majority.
+            min_size=self.params.min_updates or max(2, workers // 2 + 1),
             timeout_s=self.params.group_timeout_s,
             peers=self.swarm.peers,
         )
