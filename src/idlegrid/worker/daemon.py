@@ -75,6 +75,27 @@ def available_kinds() -> list[str]:
     return [k for k in kinds if k in KINDS]
 
 
+def offered_kinds(settings: WorkerSettings) -> list[str]:
+    """The kinds this node offers: the settings', else every built-in kind it can run."""
+    kinds = list(settings.kinds) or available_kinds()
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown:
+        raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
+    return kinds
+
+
+def task_hosts(settings: WorkerSettings) -> tuple[list[TaskHost], int]:
+    """One task process per slot, on the CPU until the hardware probe lists the GPUs
+    (`Worker._place_devices`), and the torch threads each runs."""
+    # The cores this process may use (a container's or `taskset`'s share), not the
+    # machine's: more threads than cores makes every parallel step wait for a turn.
+    threads = settings.threads or max(1, cpu_cores() // settings.slots)
+    hosts = [
+        TaskHost(name=f"idlegrid-task-{slot}", threads=threads) for slot in range(settings.slots)
+    ]
+    return hosts, threads
+
+
 def p2p_capabilities(kinds: list[str]) -> list[str]:
     """["p2p"] if this node can average training rounds peer to peer; else [] (and it
     says why, once: it keeps taking every other kind of work, coordinator-mode rounds too)."""
@@ -120,10 +141,7 @@ class Worker(Execution, Stepping, Transfers):
         if not settings.token:
             raise ValueError("a node token is needed (IDLEGRID_NODE_TOKEN or --token-file)")
         self.settings = settings
-        self.kinds = list(settings.kinds) or available_kinds()
-        unknown = [k for k in self.kinds if k not in KINDS]
-        if unknown:
-            raise ValueError(f"unknown kinds {unknown}; built in: {sorted(KINDS)}")
+        self.kinds = offered_kinds(settings)
         # What it offers beside kinds: peer-to-peer averaging (the p2p extra).
         reachability.check(settings.p2p_reachability)  # a ValueError that names it
         self.capabilities = p2p_capabilities(self.kinds)
@@ -131,14 +149,7 @@ class Worker(Execution, Stepping, Transfers):
         self.cache = BlobCache(settings.state_dir / "blobs")
         self.downloads = DailyDownloads(settings.state_dir / "downloads.json")
         self.cache.on_download = self.downloads.add
-        # The cores this process may use (a container's or `taskset`'s share), not the
-        # machine's: more threads than cores makes every parallel step wait for a turn.
-        threads = settings.threads or max(1, cpu_cores() // settings.slots)
-        # CPU slots until the hardware probe lists the GPUs (`_place_devices`).
-        self.hosts = [
-            TaskHost(name=f"idlegrid-task-{slot}", threads=threads)
-            for slot in range(settings.slots)
-        ]
+        self.hosts, self._threads = task_hosts(settings)
         # Held tasks beyond the slots (the prefetch buffer) wait here for a free process.
         self.slots = Slots(self.hosts)
         self._placed = False
@@ -151,7 +162,6 @@ class Worker(Execution, Stepping, Transfers):
         self.sensors, self.governor = self._idle_watch(settings)
         self.credit: float | None = None
         self.node_id: int | None = None
-        self._threads = threads
         self._task_runs: set[asyncio.Task[None]] = set()
         self._ws: ClientConnection | None = None
         self._http: httpx.AsyncClient | None = None
