@@ -274,26 +274,9 @@ def install(
     else:
         state_dir = Path(options.get("state_dir") or Path.home() / ".idlegrid" / "worker")
     state_dir = state_dir.expanduser().resolve()
-    if platform.startswith("linux"):
-        path = _systemd_path(system)
-        text = systemd_unit(command, system=system, state_dir=state_dir)
-        steps: tuple[list[str], ...] = (
-            _systemctl(system, "daemon-reload"),
-            _systemctl(system, "enable", "--now", UNIT),
-        )
-    elif platform == "darwin":
-        if system:
-            raise ServiceError("on macOS the worker installs as the user's launchd agent only")
-        path = Path.home() / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
-        text = launchd_plist(command, state_dir=state_dir, log_dir=state_dir)
-        steps = (["launchctl", "bootstrap", f"gui/{os.getuid()}", str(path)],)
-    elif platform == "win32":
-        path = state_dir / f"{TASK_NAME}.xml"
-        user = os.environ.get("USERDOMAIN", "") + "\\" + os.environ.get("USERNAME", "")
-        text = task_scheduler_xml(command, state_dir=state_dir, user=user)
-        steps = (["schtasks", "/Create", "/TN", TASK_NAME, "/XML", str(path), "/F"],)
-    else:
-        raise ServiceError(f"no service manager known for {platform}")
+    path, text, steps = _service_file(
+        command, system=system, state_dir=state_dir, platform=platform
+    )
     # The tray at login and the app in the menu, for the user's own install.
     desktop = [] if system else _desktop_files(state_dir, platform)
     if platform == "darwin":  # the tray now, not only from the next login on
@@ -318,6 +301,34 @@ def install(
     wrote = [f"wrote {where}" for where, _ in desktop]
     notes = [] if system else _tray_note(platform)
     return [f"wrote {path}", f"wrote {token_path}", *wrote, f"started {TASK_NAME}", *notes]
+
+
+def _service_file(
+    command: list[str], *, system: bool, state_dir: Path, platform: str
+) -> tuple[Path, str, tuple[list[str], ...]]:
+    """The service file of `platform`'s service manager: its path, its text and the
+    commands that enable and start it."""
+    if platform.startswith("linux"):
+        path = _systemd_path(system)
+        text = systemd_unit(command, system=system, state_dir=state_dir)
+        steps: tuple[list[str], ...] = (
+            _systemctl(system, "daemon-reload"),
+            _systemctl(system, "enable", "--now", UNIT),
+        )
+    elif platform == "darwin":
+        if system:
+            raise ServiceError("on macOS the worker installs as the user's launchd agent only")
+        path = Path.home() / "Library" / "LaunchAgents" / f"{LAUNCHD_LABEL}.plist"
+        text = launchd_plist(command, state_dir=state_dir, log_dir=state_dir)
+        steps = (["launchctl", "bootstrap", f"gui/{os.getuid()}", str(path)],)
+    elif platform == "win32":
+        path = state_dir / f"{TASK_NAME}.xml"
+        user = os.environ.get("USERDOMAIN", "") + "\\" + os.environ.get("USERNAME", "")
+        text = task_scheduler_xml(command, state_dir=state_dir, user=user)
+        steps = (["schtasks", "/Create", "/TN", TASK_NAME, "/XML", str(path), "/F"],)
+    else:
+        raise ServiceError(f"no service manager known for {platform}")
+    return path, text, steps
 
 
 def _desktop_files(state_dir: Path, platform: str) -> list[tuple[Path, str]]:
