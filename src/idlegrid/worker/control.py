@@ -359,7 +359,6 @@ def status_of(worker: Worker) -> dict[str, Any]:
     governor = worker.governor
     decision = governor.decision
     idle = worker.sensors.last_idle
-    settings = governor.settings
     now = asyncio.get_running_loop().time()
     return {
         "state": STATES[governor.action()],
@@ -371,32 +370,14 @@ def status_of(worker: Worker) -> dict[str, Any]:
             "finishing": governor.owner.finishing,
             "snooze_until": governor.owner.snooze_until,
         },
-        "settings": {
-            "cpu_mode": str(settings.cpu_mode),
-            "gpu_mode": str(settings.gpu_mode),
-            "cpu_percent": settings.idle.cpu_percent,
-            "in_use_cpu_percent": settings.in_use.cpu_percent,
-            "windows": governor.owner.overrides.get("windows", worker.settings.windows),
-            "idle_after_s": settings.idle_after_s,
-            "paused_gpus": list(settings.paused_gpus),
-        },
+        "settings": _settings_shown(worker),
         "devices": [device.model_dump() for device in worker.device_statuses()],
         "sources": {
             name: stamp.model_dump()
             for name, stamp in remote_settings.current(governor, worker.settings).items()
         },
         "settings_error": worker.settings_error,
-        "tasks": [
-            {
-                "task_id": task_id,
-                "kind": task.assign.kind,
-                "job_id": task.assign.job_id,
-                "progress": round(task.progress, 4),
-                "state": _task_state(task, now),
-                "device": task.host.device.label if task.host is not None else "",
-            }
-            for task_id, task in worker.running.items()
-        ],
+        "tasks": _tasks_shown(worker, now),
         "completed": worker.completed,
         "outbox": len(worker.outbox),
         "hardware": worker.hardware.model_dump() if worker.hardware else None,
@@ -405,6 +386,36 @@ def status_of(worker: Worker) -> dict[str, Any]:
         "credit": worker.credit,
         "connected": worker._online.is_set(),
     }
+
+
+def _settings_shown(worker: Worker) -> dict[str, Any]:
+    """The idle policy's settings in force, as the page shows them."""
+    governor = worker.governor
+    settings = governor.settings
+    return {
+        "cpu_mode": str(settings.cpu_mode),
+        "gpu_mode": str(settings.gpu_mode),
+        "cpu_percent": settings.idle.cpu_percent,
+        "in_use_cpu_percent": settings.in_use.cpu_percent,
+        "windows": governor.owner.overrides.get("windows", worker.settings.windows),
+        "idle_after_s": settings.idle_after_s,
+        "paused_gpus": list(settings.paused_gpus),
+    }
+
+
+def _tasks_shown(worker: Worker, now: float) -> list[dict[str, Any]]:
+    """The tasks the worker holds: each one's job, kind, progress, state and device."""
+    return [
+        {
+            "task_id": task_id,
+            "kind": task.assign.kind,
+            "job_id": task.assign.job_id,
+            "progress": round(task.progress, 4),
+            "state": _task_state(task, now),
+            "device": task.host.device.label if task.host is not None else "",
+        }
+        for task_id, task in worker.running.items()
+    ]
 
 
 def why(reason: str) -> str:
