@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from onnx import GraphProto, TensorProto
+    from onnx import GraphProto, NodeProto, TensorProto
 
 OPSET = 17
 
@@ -60,38 +60,10 @@ def conv_net(
     "embedding" (rows, embedding) and "label" (rows,) int64 (the argmax)."""
     from onnx import TensorProto, helper
 
-    rng = np.random.default_rng(seed)
-
-    def weight(name: str, *shape: int) -> TensorProto:
-        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
-        return _tensor(name, (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32))
-
-    def bias(name: str, width: int) -> TensorProto:
-        return _tensor(name, (rng.standard_normal(width) * 0.05).astype(np.float32))
-
-    initializers = [
-        weight("c1", channels, 3, 3, 3),
-        bias("cb1", channels),
-        weight("c2", 2 * channels, channels, 3, 3),
-        bias("cb2", 2 * channels),
-        weight("fe", 2 * channels, embedding),
-        bias("feb", embedding),
-        weight("fc", embedding, classes),
-        bias("fcb", classes),
-    ]
-    nodes = [
-        helper.make_node("Conv", ["image", "c1", "cb1"], ["a1"], pads=[1] * 4, kernel_shape=[3, 3]),
-        helper.make_node("Relu", ["a1"], ["r1"]),
-        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
-        helper.make_node("Conv", ["p1", "c2", "cb2"], ["a2"], pads=[1] * 4, kernel_shape=[3, 3]),
-        helper.make_node("Relu", ["a2"], ["r2"]),
-        helper.make_node("GlobalAveragePool", ["r2"], ["gap"]),
-        helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
-        helper.make_node("Gemm", ["flat", "fe", "feb"], ["embedding"]),
-        helper.make_node("Relu", ["embedding"], ["er"]),
-        helper.make_node("Gemm", ["er", "fc", "fcb"], ["logits"]),
-        helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
-    ]
+    initializers = _conv_net_weights(
+        channels=channels, classes=classes, embedding=embedding, seed=seed
+    )
+    nodes = _conv_net_nodes()
     graph = helper.make_graph(
         nodes,
         "conv_net",
@@ -104,6 +76,50 @@ def conv_net(
         initializer=initializers,
     )
     return _model(graph)
+
+
+def _conv_net_weights(
+    *, channels: int, classes: int, embedding: int, seed: int
+) -> list[TensorProto]:
+    """`conv_net`'s seeded weights and biases: two convolutions, the embedding, the head."""
+    rng = np.random.default_rng(seed)
+
+    def weight(name: str, *shape: int) -> TensorProto:
+        fan_in = int(np.prod(shape[1:])) if len(shape) > 1 else shape[0]
+        return _tensor(name, (rng.standard_normal(shape) / np.sqrt(fan_in)).astype(np.float32))
+
+    def bias(name: str, width: int) -> TensorProto:
+        return _tensor(name, (rng.standard_normal(width) * 0.05).astype(np.float32))
+
+    return [
+        weight("c1", channels, 3, 3, 3),
+        bias("cb1", channels),
+        weight("c2", 2 * channels, channels, 3, 3),
+        bias("cb2", 2 * channels),
+        weight("fe", 2 * channels, embedding),
+        bias("feb", embedding),
+        weight("fc", embedding, classes),
+        bias("fcb", classes),
+    ]
+
+
+def _conv_net_nodes() -> list[NodeProto]:
+    """`conv_net`'s layers: conv, pool, conv, global pool, embedding, logits and argmax."""
+    from onnx import helper
+
+    return [
+        helper.make_node("Conv", ["image", "c1", "cb1"], ["a1"], pads=[1] * 4, kernel_shape=[3, 3]),
+        helper.make_node("Relu", ["a1"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "c2", "cb2"], ["a2"], pads=[1] * 4, kernel_shape=[3, 3]),
+        helper.make_node("Relu", ["a2"], ["r2"]),
+        helper.make_node("GlobalAveragePool", ["r2"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["flat"], axis=1),
+        helper.make_node("Gemm", ["flat", "fe", "feb"], ["embedding"]),
+        helper.make_node("Relu", ["embedding"], ["er"]),
+        helper.make_node("Gemm", ["er", "fc", "fcb"], ["logits"]),
+        helper.make_node("ArgMax", ["logits"], ["label"], axis=1, keepdims=0),
+    ]
 
 
 def mean_pooled(encoder: bytes, *, width: int = 384) -> bytes:
