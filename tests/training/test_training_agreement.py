@@ -31,7 +31,7 @@ CASES = [
      Decision("coordinator", (1, 2), None, (0,))),
     # a group whose reporter never delivered does not count
     ([p2p(0), p2p(1), fell_back(2)], Decision("coordinator", (2,), None, (0, 1))),
-    # two digests (cannot happen with majority retries, but decided all the same): the larger
+    # two digests (one retry group a round: cannot happen, but decided all the same): the larger
     ([p2p(0, "a", published=True), p2p(1, "b", published=True), p2p(2, "b")],
      Decision("p2p", (1, 2), 1, (0,))),
     # nothing usable: the round closes empty

@@ -231,3 +231,20 @@ def test_error_feedback_keeps_what_the_groups_codes_missed(monkeypatch: pytest.M
         # where another member's chunk peaks higher).
         alone = accumulator - decode(compress(accumulator, params.upload)[0])
         assert not np.array_equal(kept, alone)
+
+
+@pytest.mark.parametrize(
+    ("workers", "min_updates", "retry_size"), [(5, None, 3), (5, 4, 4), (4, 2, 2), (3, None, 2)]
+)
+def test_a_retry_goes_on_with_the_jobs_minimum(
+    workers: int, min_updates: int | None, retry_size: int
+) -> None:
+    params = DilocoParams.model_validate({
+        **SETTINGS, "workers": workers, "min_updates": min_updates, "averaging": "p2p",
+        "pool": {"accounts": ["lab"]},
+    })  # fmt: skip
+    job = DilocoRounds().job(params, {"dataset": corpus_dataset_blob()}, swarm=Swarm(1, PEERS))
+    start = job.initial()
+    specs = job.first_shards(start, keyframe=hashlib.sha256(start.checkpoint).hexdigest())
+    groups = {tasks.decode_task(s.payload).group for s in specs} - {None}
+    assert [(g.size, g.min_size) for g in groups] == [(workers, retry_size)]
