@@ -40,12 +40,7 @@ def run_demo(
     if not port_is_free(port, console):
         return 2
 
-    if workers < replication:
-        if workers:
-            console.print(
-                f"replication {replication} needs {replication} workers: starting that many"
-            )
-        workers = replication
+    workers = _enough_workers(console, workers, replication)
     corpus = stdlib_paragraphs(texts)
     console.print(f"corpus: {len(corpus)} paragraphs of standard-library docstrings")
     with (
@@ -54,44 +49,78 @@ def run_demo(
     ):
         console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
         threads = 1 if workers > 1 else 0
-        for i in range(workers):
-            grid.start_worker(f"worker-{i + 1}", kinds="embed-text", threads=threads)
-        with console.status(f"waiting for {workers} workers to benchmark and connect"):
-            grid.wait_for_nodes(workers)
-        with grid.client() as client:
-            for node in client.nodes():
-                rate = node["benchmark"].get("kind_rates", {}).get("embed-text", 0)
-                console.print(
-                    f"  node {node['id']} {node['name']}: "
-                    f"{node['benchmark']['matmul_gflops']:.1f} GFLOPS, "
-                    f"{rate:.0f} texts/s"
-                )
-            started = time.perf_counter()
-            job = client.submit_embeddings(corpus, shard_size=shard_size)
-            job.wait(progress=True)
-            vectors = job.result()
-            elapsed = time.perf_counter() - started
-            status = job.info()
-            console.print(
-                f"verified: {status['shards_total']} shards, each run by up to {replication} "
-                "volunteers on distinct accounts and decided by a credibility-weighted quorum "
-                f"({status['tasks_completed']} tasks, effective replication "
-                f"{status['effective_replication']})"
-            )
-            for node in client.nodes():
-                console.print(
-                    f"  node {node['id']} {node['name']}: credit {node['credit_total']:.4f} "
-                    "(validated work only)"
-                )
-        console.print(
-            f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
-            f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"
+        _start_workers(console, grid, workers, kinds="embed-text", threads=threads)
+        vectors = _embed_on_grid(
+            console, grid, corpus, shard_size=shard_size, replication=replication, workers=workers
         )
         code = _check(console, corpus, vectors)
         if keep:
             _keep_running(console, grid)
     console.print("all processes stopped")
     return code
+
+
+def _enough_workers(console: Console, workers: int, replication: int) -> int:
+    """The workers to start: as many as asked, at least one per replica (said if raised)."""
+    if workers < replication:
+        if workers:
+            console.print(
+                f"replication {replication} needs {replication} workers: starting that many"
+            )
+        workers = replication
+    return workers
+
+
+def _start_workers(
+    console: Console, grid: LocalGrid, workers: int, *, kinds: str, threads: int
+) -> None:
+    """Start `workers` local workers of `kinds` and wait until each has connected."""
+    for i in range(workers):
+        grid.start_worker(f"worker-{i + 1}", kinds=kinds, threads=threads)
+    with console.status(f"waiting for {workers} workers to benchmark and connect"):
+        grid.wait_for_nodes(workers)
+
+
+def _embed_on_grid(
+    console: Console,
+    grid: LocalGrid,
+    corpus: list[str],
+    *,
+    shard_size: int,
+    replication: int,
+    workers: int,
+) -> np.ndarray:
+    """Embed `corpus` on the grid, printing the nodes, the quorum's work and the throughput."""
+    with grid.client() as client:
+        for node in client.nodes():
+            rate = node["benchmark"].get("kind_rates", {}).get("embed-text", 0)
+            console.print(
+                f"  node {node['id']} {node['name']}: "
+                f"{node['benchmark']['matmul_gflops']:.1f} GFLOPS, "
+                f"{rate:.0f} texts/s"
+            )
+        started = time.perf_counter()
+        job = client.submit_embeddings(corpus, shard_size=shard_size)
+        job.wait(progress=True)
+        vectors = job.result()
+        elapsed = time.perf_counter() - started
+        status = job.info()
+        console.print(
+            f"verified: {status['shards_total']} shards, each run by up to {replication} "
+            "volunteers on distinct accounts and decided by a credibility-weighted quorum "
+            f"({status['tasks_completed']} tasks, effective replication "
+            f"{status['effective_replication']})"
+        )
+        for node in client.nodes():
+            console.print(
+                f"  node {node['id']} {node['name']}: credit {node['credit_total']:.4f} "
+                "(validated work only)"
+            )
+    console.print(
+        f"grid: {len(corpus)} texts in {elapsed:.1f} s = "
+        f"[bold]{len(corpus) / elapsed:.0f} texts/s[/] with {workers} workers"
+    )
+    return vectors
 
 
 # The coordinator makes this admin account on its first start; LocalGrid's client
@@ -176,32 +205,45 @@ def run_onnx_demo(
         paths = _draw_images(Path(tmp) / "images", images)
         console.print(f"{len(paths)} images drawn in {paths[0].parent}; model: conv_net (ONNX)")
         console.print(f"coordinator: {grid.url} (SQLite in {grid.data_dir})")
-        for i in range(workers):
-            grid.start_worker(f"worker-{i + 1}", kinds="onnx-infer", threads=1)
-        with console.status(f"waiting for {workers} workers to benchmark and connect"):
-            grid.wait_for_nodes(workers)
-        with grid.client() as client:
-            for node in client.nodes():
-                providers = node["hardware"].get("onnx_providers", [])
-                console.print(f"  node {node['id']} {node['name']}: providers {providers}")
-            started = time.perf_counter()
-            job = client.submit_images(
-                model, paths, preprocess=onnx_examples.IMAGENET_PREPROCESS, shard_size=shard_size
-            )
-            job.wait(progress=True)
-            result = job.result()
-            elapsed = time.perf_counter() - started
-            status = job.info()
-        console.print(
-            f"grid: {len(paths)} images in {elapsed:.1f} s with {workers} workers, "
-            f"{status['shards_total']} shards, {status['tasks_completed']} tasks "
-            f"(effective replication {status['effective_replication']})"
-        )
+        _start_workers(console, grid, workers, kinds="onnx-infer", threads=1)
+        result = _infer_on_grid(console, grid, model, paths, shard_size=shard_size, workers=workers)
         code = _check_onnx(console, model, paths, result)
         if keep:
             _keep_running(console, grid)
     console.print("all processes stopped")
     return code
+
+
+def _infer_on_grid(
+    console: Console,
+    grid: LocalGrid,
+    model: bytes,
+    paths: list[Path],
+    *,
+    shard_size: int,
+    workers: int,
+) -> dict[str, np.ndarray]:
+    """Run the images through `model` on the grid, printing the nodes and the job's figures."""
+    from idlegrid.kinds.onnx import examples as onnx_examples
+
+    with grid.client() as client:
+        for node in client.nodes():
+            providers = node["hardware"].get("onnx_providers", [])
+            console.print(f"  node {node['id']} {node['name']}: providers {providers}")
+        started = time.perf_counter()
+        job = client.submit_images(
+            model, paths, preprocess=onnx_examples.IMAGENET_PREPROCESS, shard_size=shard_size
+        )
+        job.wait(progress=True)
+        result = job.result()
+        elapsed = time.perf_counter() - started
+        status = job.info()
+    console.print(
+        f"grid: {len(paths)} images in {elapsed:.1f} s with {workers} workers, "
+        f"{status['shards_total']} shards, {status['tasks_completed']} tasks "
+        f"(effective replication {status['effective_replication']})"
+    )
+    return result
 
 
 def _draw_images(folder: Path, count: int) -> list[Path]:

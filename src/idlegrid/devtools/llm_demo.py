@@ -42,21 +42,7 @@ def run_llm_demo(
             grid.start_worker(f"worker-{i + 1}", kinds="llm-generate", threads=1)
         with console.status(f"waiting for {workers} workers to connect"):
             grid.wait_for_nodes(workers)
-        with grid.client() as client:
-            for node in client.nodes():
-                llama = node["hardware"].get("llama") or {}
-                console.print(
-                    f"  node {node['id']} {node['name']}: llama.cpp {llama.get('backend', '?')} "
-                    f"on {llama.get('device', '?')} ({llama.get('memory_mb', 0)} MB)"
-                )
-            started = time.perf_counter()
-            job = client.generate(
-                model, records, max_tokens=max_tokens, token_budget=16 * (max_tokens + 64)
-            )
-            job.wait(progress=True)
-            results = job.result()
-            elapsed = time.perf_counter() - started
-            nodes = client.nodes()
+        results, elapsed, nodes = _generate_on_grid(console, grid, model, records, max_tokens)
         code = _report(console, grid, results, elapsed, nodes)
         if keep:
             from idlegrid.devtools.demo import _keep_running
@@ -64,6 +50,28 @@ def run_llm_demo(
             _keep_running(console, grid)
     console.print("all processes stopped")
     return code
+
+
+def _generate_on_grid(
+    console: Console, grid: LocalGrid, model: Path, records: list[dict], max_tokens: int
+) -> tuple[list[dict], float, list[dict]]:
+    """Generate on the grid, printing each node's llama.cpp; the results, seconds, nodes."""
+    with grid.client() as client:
+        for node in client.nodes():
+            llama = node["hardware"].get("llama") or {}
+            console.print(
+                f"  node {node['id']} {node['name']}: llama.cpp {llama.get('backend', '?')} "
+                f"on {llama.get('device', '?')} ({llama.get('memory_mb', 0)} MB)"
+            )
+        started = time.perf_counter()
+        job = client.generate(
+            model, records, max_tokens=max_tokens, token_budget=16 * (max_tokens + 64)
+        )
+        job.wait(progress=True)
+        results = job.result()
+        elapsed = time.perf_counter() - started
+        nodes = client.nodes()
+    return results, elapsed, nodes
 
 
 def _report(

@@ -26,6 +26,13 @@ _LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 class LocalGrid:
+    """A coordinator and its workers as local processes, stopped on exit.
+
+    Every worker is a volunteer with an account of its own (replicas of a shard go to
+    distinct accounts), and all connect from this machine, so "distinct networks" is off
+    here.
+    """
+
     def __init__(
         self,
         root: Path,
@@ -48,41 +55,20 @@ class LocalGrid:
         coordinators are told too (their grace after a restart covers it). `p2p`: the
         coordinator runs a bootstrap DHT peer for peer-to-peer training (the p2p extra).
         `port`: the coordinator's first start listens there (0: any free port).
-
-        Every worker is a volunteer with an account of its own (replicas of a shard go to
-        distinct accounts), and all connect from this machine, so "distinct networks"
-        is off here.
         """
         self.root = root
         self.data_dir = root / "coordinator"
         self.heartbeat_s = heartbeat_s
         self.node_timeout_s = node_timeout_s
         self.min_lease_s = min_lease_s
-        self.env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "IDLEGRID_DISTINCT_NETWORKS": "false",
-            "IDLEGRID_BACKOFF_MAX_S": str(backoff_max_s),
-            "IDLEGRID_WORKER_BACKOFF_MAX_S": str(backoff_max_s),
-            "IDLEGRID_P2P": "auto" if p2p else "off",
-            # Test and demo grids serve no /download: no wheel build at each start.
-            "IDLEGRID_BUILD_DOWNLOADS": "false",
-            **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
-            **(extra_env or {}),
-        }
+        self.env = _grid_env(
+            backoff_max_s=backoff_max_s, p2p=p2p, replication=replication, extra_env=extra_env
+        )
         self.p2p = p2p
         self.port = port
         self.database, self.database_schema = database, database_schema
         self.redis, self.redis_prefix = redis, redis_prefix
-        self.backend_args: list[str] = []
-        for flag, value in (
-            ("--database", database),
-            ("--database-schema", database_schema),
-            ("--redis", redis),
-            ("--redis-prefix", redis_prefix),
-        ):
-            if value:
-                self.backend_args += [flag, value]
+        self.backend_args = _backend_args(database, database_schema, redis, redis_prefix)
         self.url = ""
         self.admin_token = ""
         self.node_token = ""
@@ -245,8 +231,39 @@ class LocalGrid:
         `python`: the interpreter that runs it (another environment, e.g. another ONNX
         Runtime build, which then finds idlegrid through PYTHONPATH).
         """
-        server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
         token = token or self.volunteer_token(account or f"volunteer-{name}")
+        args = self._worker_command(
+            name, python=python, servers=servers, slots=slots, dedicated=dedicated, extra=extra,
+            kinds=kinds, threads=threads, benchmark=benchmark,
+        )  # fmt: skip
+        proc = subprocess.Popen(
+            args,
+            stdout=self._log(f"{name}.log"),
+            stderr=subprocess.STDOUT,
+            text=True,
+            # In the environment, not on the command line, where `ps` would show it.
+            env={**self.env, "IDLEGRID_NODE_TOKEN": token},
+            start_new_session=True,
+        )
+        self.workers.append(proc)
+        self._worker_logs[proc.pid] = self.root / f"{name}.log"
+        return proc
+
+    def _worker_command(
+        self,
+        name: str,
+        *,
+        python: str,
+        servers: Sequence[str],
+        slots: int,
+        dedicated: bool,
+        extra: tuple[str, ...],
+        kinds: str,
+        threads: int,
+        benchmark: bool,
+    ) -> list[str]:
+        """The command line of worker `name` (its token goes in the environment)."""
+        server_args = [arg for url in servers or [self.url] for arg in ("--server", url)]
         args = [
             python,
             "-m",
@@ -271,18 +288,7 @@ class LocalGrid:
             args += ["--threads", str(threads)]
         if not benchmark:
             args.append("--no-benchmark")
-        proc = subprocess.Popen(
-            args,
-            stdout=self._log(f"{name}.log"),
-            stderr=subprocess.STDOUT,
-            text=True,
-            # In the environment, not on the command line, where `ps` would show it.
-            env={**self.env, "IDLEGRID_NODE_TOKEN": token},
-            start_new_session=True,
-        )
-        self.workers.append(proc)
-        self._worker_logs[proc.pid] = self.root / f"{name}.log"
-        return proc
+        return args
 
     def volunteer_token(self, account: str) -> str:
         """A node token of the volunteer account `account` (made on first use)."""
@@ -372,3 +378,35 @@ def _drain(source: IO[str] | None, sink: IO[str]) -> None:
         source.close()
     except (ValueError, OSError):
         pass  # closed at teardown
+
+
+def _grid_env(
+    *, backoff_max_s: float, p2p: bool, replication: int | None, extra_env: dict[str, str] | None
+) -> dict[str, str]:
+    """The environment of every process of the grid: this one's, and the grid's settings."""
+    return {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "IDLEGRID_DISTINCT_NETWORKS": "false",
+        "IDLEGRID_BACKOFF_MAX_S": str(backoff_max_s),
+        "IDLEGRID_WORKER_BACKOFF_MAX_S": str(backoff_max_s),
+        "IDLEGRID_P2P": "auto" if p2p else "off",
+        # Test and demo grids serve no /download: no wheel build at each start.
+        "IDLEGRID_BUILD_DOWNLOADS": "false",
+        **({"IDLEGRID_DEFAULT_REPLICATION": str(replication)} if replication else {}),
+        **(extra_env or {}),
+    }
+
+
+def _backend_args(database: str, database_schema: str, redis: str, redis_prefix: str) -> list[str]:
+    """`idlegrid serve`'s flags for the database and Redis given (none for the defaults)."""
+    args: list[str] = []
+    for flag, value in (
+        ("--database", database),
+        ("--database-schema", database_schema),
+        ("--redis", redis),
+        ("--redis-prefix", redis_prefix),
+    ):
+        if value:
+            args += [flag, value]
+    return args
