@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 from collections.abc import Callable
 
 import pytest
@@ -39,12 +41,14 @@ def test_half_the_workers_killed_mid_job(embedded_grid: Callable[..., LocalGrid]
     with grid.client() as client:
         job = client.submit("sleep", params={"tasks": SHARDS, "seconds": 0.01})
         victims = [f"w{i}" for i in range(WORKERS // 2)]
-        # Killed while they hold tasks (on a loaded machine a worker may still be
-        # between its tasks, or not have asked for any yet, when a quarter is done).
+        # Killed while they hold tasks: stopped first, so that what they hold cannot
+        # finish between the look and the kill (a task takes 10 ms; on a loaded machine a
+        # worker may also be between its tasks, or not have asked for any yet).
+        wait_until(lambda: shards_done(query) >= SHARDS // 4, "a quarter done", timeout_s=300)
         wait_until(
-            lambda: shards_done(query) >= SHARDS // 4 and _all_hold_tasks(query, victims),
-            "progress, with tasks held by the workers to kill",
-            timeout_s=300,
+            lambda: _stopped_holding(query, workers[: WORKERS // 2], victims),
+            "the workers to kill stopped while they hold tasks",
+            timeout_s=120,
         )
         for proc in workers[: WORKERS // 2]:
             os.kill(proc.pid, signal.SIGKILL)
@@ -59,11 +63,24 @@ def test_half_the_workers_killed_mid_job(embedded_grid: Callable[..., LocalGrid]
     assert expired > 0 and errors(query) == expired
 
 
-def _all_hold_tasks(query: Query, names: list[str]) -> bool:
+def _stopped_holding(query: Query, procs: list[subprocess.Popen[str]], names: list[str]) -> bool:
+    """Stop `procs`; True if each still holds a task once what they sent before they
+    stopped has landed (the same tasks at two looks), else they run on and False."""
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGSTOP)
+    first = _held(query, names)
+    time.sleep(0.3)  # results already on the wire land meanwhile; stopped, they send no more
+    if first == _held(query, names) and all(first.get(name) for name in names):
+        return True
+    for proc in procs:
+        os.kill(proc.pid, signal.SIGCONT)
+    return False
+
+
+def _held(query: Query, names: list[str]) -> dict[str, int]:
     rows = query(
         "SELECT nodes.name AS name, COUNT(*) AS held FROM tasks"
         " JOIN nodes ON nodes.id = tasks.node_id"
         " WHERE tasks.state = 'assigned' GROUP BY nodes.name"
     )
-    held = {row["name"]: row["held"] for row in rows}
-    return all(held.get(name, 0) > 0 for name in names)
+    return {row["name"]: row["held"] for row in rows if row["name"] in names}
