@@ -131,6 +131,11 @@ class Dispatcher:
             self._took_slots(session, [assignment])
         return claimed
 
+    def offer_work(self) -> None:
+        """Wake the dispatcher if a node here waits for work (a lost "work" message)."""
+        if any(session.wants > 0 for session in self._ctx.hub.sessions()):
+            self._ctx.work_available.set()
+
     async def fill_waiting(self) -> None:
         """Offer queued work to every connected node that asked for some."""
         broker, hub = self._ctx.broker, self._ctx.hub

@@ -2,7 +2,9 @@
 
 `Grid` wires the parts around one `Context` (settings, store, broker, blobs, hub, clock,
 counters) and one fan-out, and is what the REST API, the WebSocket handler, the monitor
-and the tests call; none of them touch SQL. Each concept lives in its own module:
+and the tests call. They ask it for the grid's work and never do it themselves through
+its store, broker, hub or parts; they may read records for a response through a store
+role (docs/architecture.md, "Callers of Grid"). Each concept lives in its own module:
 
 - `plans`: what this process keeps of each job; `intake`: submit, split, cancel;
 - `dispatch`: fill a node's slots (`matching` feeds the scheduler); `leases`: lease
@@ -24,7 +26,8 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import AbstractAsyncContextManager
 from random import Random
 from typing import Any
 
@@ -38,7 +41,8 @@ from idlegrid.coordinator.fanout import GridFanOut
 from idlegrid.coordinator.fleet import Fleet
 from idlegrid.coordinator.hub import Hub, NodeSession
 from idlegrid.coordinator.intake import Intake, JobInputError
-from idlegrid.coordinator.leases import Leases, lease_seconds
+from idlegrid.coordinator.leader import Leadership
+from idlegrid.coordinator.leases import Leases
 from idlegrid.coordinator.matching import Matcher, Shares
 from idlegrid.coordinator.node_control import NodeControl, NodeNotFound, SettingRefused
 from idlegrid.coordinator.plans import JobPlan, Plans
@@ -46,6 +50,7 @@ from idlegrid.coordinator.result_path import ResultPath
 from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.coordinator.stalemate import Stalemates
 from idlegrid.coordinator.verifier import Verifier
+from idlegrid.kinds import get_kind
 from idlegrid.policy import sizing
 from idlegrid.settings import CoordinatorSettings
 from idlegrid.store import Store
@@ -53,7 +58,6 @@ from idlegrid.store.base import (
     JobRecord,
     NodeRecord,
     NodeTask,
-    ReadyTask,
     RegistrationLimits,
     ResultReceipt,
 )
@@ -73,18 +77,8 @@ class Grid:
         blobs: BlobStore,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        self.context = Context(
-            settings=settings,
-            store=store,
-            broker=broker,
-            blobs=blobs,
-            hub=Hub(),
-            clock=clock,
-            counters=Counters(),
-            process_id=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}",
-            work_available=asyncio.Event(),
-            random=Random(),
-            presence_pause=PresencePause(),
+        self.context = _context(
+            settings=settings, store=store, broker=broker, blobs=blobs, clock=clock
         )
         ctx = self.context
         shares = Shares(store, settings.shares)
@@ -114,11 +108,7 @@ class Grid:
         )
         # The volunteer's settings of each node, from the dashboard to its socket.
         self.node_control = NodeControl(ctx)
-        self.registration_limits = RegistrationLimits(
-            max_nodes_per_account=settings.max_nodes_per_account,
-            per_account_per_hour=settings.node_registrations_per_account_per_hour,
-            per_address_per_hour=settings.node_registrations_per_address_per_hour,
-        )
+        self._registration_limits = _registration_limits(settings)
 
     async def aclose(self) -> None:
         """Drain what this grid owns in the background (the group commit of results, a
@@ -170,6 +160,7 @@ class Grid:
 
     @property
     def random(self) -> Random:
+        """Draws of adaptive replication; a test may replace them."""
         return self.context.random
 
     @property
@@ -203,9 +194,6 @@ class Grid:
     async def resubmit_job(self, job: JobRecord) -> JobRecord:
         return await self.intake.resubmit(job)
 
-    async def plan(self, job_id: int) -> JobPlan | None:
-        return await self.plans.get(job_id)
-
     async def waiting_for(self, job: JobRecord) -> list[str]:
         """What a live job waits for that the fleet cannot give, in words ([] if nothing)."""
         return (
@@ -233,6 +221,24 @@ class Grid:
     async def cancel_job(self, job_id: int) -> None:
         await self.intake.cancel_job(job_id)
 
+    async def wait_for_job(self, job_id: int, seconds: float) -> bool:
+        """Wait until a commit or a job end in this process may have changed the job, or
+        `seconds` passed; whether it was woken."""
+        return await self.context.job_watch.wait(job_id, seconds)
+
+    async def training_metrics(self, job: JobRecord) -> dict[str, Any] | None:
+        """Per-round metrics of a training job; None: its kind does not run in rounds."""
+        if not self.rounds.drives(get_kind(job.kind)):
+            return None
+        return await self.rounds.metrics(job)
+
+    def task_progress(self) -> dict[int, float]:
+        """Per shard, the progress its node here reported last (0 to 1)."""
+        progress: dict[int, float] = {}
+        for session in self.hub.sessions():
+            progress.update(session.progress)
+        return progress
+
     # -- dispatch and leases -------------------------------------------------------------
 
     async def fill(self, session: NodeSession) -> int:
@@ -243,9 +249,6 @@ class Grid:
         """Offer queued work to every connected node that asked for some."""
         await self.dispatcher.fill_waiting()
 
-    def lease_seconds(self, session: NodeSession, entry: ReadyTask) -> float:
-        return lease_seconds(self.settings, session, entry)
-
     async def replenish(self) -> None:
         await self.leases.replenish()
 
@@ -253,9 +256,24 @@ class Grid:
         """Requeue the shards of expired tasks; tell connected holders."""
         await self.leases.expire(expired, why=why)
 
-    async def rebuild_queue(self) -> None:
-        """Refill the broker's ready queue from the store (startup, broker loss)."""
-        await peers.rebuild_queue(self.context)
+    def offer_work(self) -> None:
+        """Wake the dispatcher if a node here waits for work (a lost "work" message)."""
+        self.dispatcher.offer_work()
+
+    async def expire_overdue(self) -> int:
+        """Overdue tasks lose their lease; their shards get new tasks. How many expired."""
+        return await self.leases.expire_overdue()
+
+    async def mark_silent_nodes_offline(self, *, leader: bool = True) -> int:
+        """Close this process's connections to nodes not heard from within the timeout;
+        the `leader` also records them offline and expires their tasks. How many."""
+        now = self.clock()
+        silent = await peers.silent_nodes(self.context, now=now)
+        for node_id in silent:
+            await peers.close_here(self.context, node_id)
+            if leader:
+                await self.leases.node_went_silent(node_id, now=now)
+        return len(silent)
 
     # -- results and verification --------------------------------------------------------
 
@@ -274,9 +292,6 @@ class Grid:
     async def verify_shard(self, shard_id: int) -> None:
         await self.verification.verify_shards([shard_id])
 
-    async def verify_shards(self, shard_ids: Sequence[int]) -> None:
-        await self.verification.verify_shards(shard_ids)
-
     async def judge_known_answers(self, *, limit: int = 100) -> int:
         return await self.verification.judge_known_answers(limit=limit)
 
@@ -286,8 +301,70 @@ class Grid:
     async def assemble(self, job_id: int) -> None:
         await self.verification.assemble(job_id)
 
+    async def finish_pending(self) -> None:
+        """Verify and assemble what a crash left between two steps; judge known answers
+        and late results."""
+        await self.verification.finish_pending()
+
     async def settle_stalled(self) -> int:
         return await self.stalemates.settle()
+
+    async def close_due_rounds(self) -> int:
+        """Training rounds whose timer ran out close with the updates that arrived."""
+        return await self.rounds.close_due()
+
+    # -- a node's connection ------------------------------------------------------------
+
+    async def register_node(
+        self,
+        account_id: int,
+        hello: protocol.Hello,
+        *,
+        kinds: Sequence[str],
+        address: str,
+        network: str,
+    ) -> NodeRecord:
+        """Register the node of a hello (or update it); RegistrationRefused past the
+        Sybil limits (`policy.sybil`)."""
+        node = await self.store.nodes.register_node(
+            account_id,
+            hello.node_key,
+            name=hello.name,
+            worker_version=hello.worker_version,
+            hardware=hello.hardware.model_dump(),
+            benchmark=hello.benchmark.model_dump(),
+            kinds=list(kinds),
+            slots=hello.slots,
+            address=address,
+            network=network,
+            limits=self._registration_limits,
+            now=self.clock(),
+        )
+        self.fleet.saw(node)
+        return node
+
+    async def reconcile(self, session: NodeSession, claimed: set[int]) -> set[int]:
+        """Match the tasks a reconnecting node holds with the store's; those it must drop."""
+        return await self.leases.reconcile(session, claimed)
+
+    async def attach(self, session: NodeSession) -> None:
+        """A node connected here: replace its older session, here or in another process."""
+        await peers.attach(self.context, session)
+
+    async def detach(self, session: NodeSession) -> bool:
+        """A node's connection ended; False when a newer session had replaced it."""
+        return await peers.detach(self.context, session)
+
+    async def heard_from(self, session: NodeSession) -> None:
+        """A message came from the node: it is present, connected to this process."""
+        await peers.heard_from(self.context, session)
+
+    def node_fetched(self, node_id: int, blob_hash: str, *, account_id: int) -> None:
+        """A node of `account_id` connected here downloaded a blob: it holds it now (the
+        scheduler's locality)."""
+        session = self.hub.get(node_id)
+        if session is not None and session.account_id == account_id:
+            session.hold(blob_hash)
 
     # -- the volunteer's nodes -----------------------------------------------------------
 
@@ -302,21 +379,87 @@ class Grid:
         is stored); the names that changed."""
         return await self.node_control.change(node, values, by=by)
 
-    # -- fan-out -------------------------------------------------------------------------
+    async def push_node_settings(self, node_id: int) -> None:
+        """Send a node that just connected the settings set while it was away."""
+        await self.node_control.push(node_id)
 
-    async def enqueue(self, ready: Sequence[ReadyTask]) -> None:
-        await self.fanout.enqueue(ready)
+    async def node_status(self, session: NodeSession, status: protocol.Status) -> None:
+        """Keep what a node said of its idle policy's turn, for every process."""
+        await self.node_control.status(session, status)
 
-    async def send_cancels(self, held: Sequence[NodeTask], *, reason: str) -> None:
-        await self.fanout.send_cancels(held, reason=reason)
+    async def settings_reported(
+        self, session: NodeSession, report: protocol.SettingsReport
+    ) -> None:
+        """Keep the settings a node reports it runs with (and its error)."""
+        await self.node_control.reported(session, report)
 
-    async def job_ended(self, job_id: int) -> None:
-        await self.fanout.job_ended(job_id)
+    # -- this process among the others -------------------------------------------------
 
-    async def publish(self, message: dict[str, Any]) -> None:
-        """Tell the other coordinator processes (see `peers`)."""
-        await self.fanout.publish(message)
+    async def recover(self) -> float:
+        """Rebuild in-memory state from the store after a (re)start: the broker's ready
+        queue, this start on record (results it makes late are paid), a timeout's grace
+        for the nodes the store thinks online. Returns when it started."""
+        # With a shared broker, another running process may have built the queue already;
+        # refilling it anyway only re-adds what is there.
+        await peers.rebuild_queue(self.context)
+        now = self.clock()
+        await self.verification.record_start(now=now)
+        await peers.grace_online(self.context, now)
+        return now
+
+    async def check_broker(self) -> bool:
+        """Rebuild the broker's contents from the store if it lost them (Redis restarted)."""
+        return await peers.check_broker(self.context)
+
+    async def sync_queue(self, *, limit: int) -> None:
+        """Put the oldest ready tasks of the store into the broker's queue again."""
+        await peers.sync_queue(self.context, limit=limit)
+
+    async def record_presence(self) -> None:
+        """Persist last-seen times (and uptime) of the nodes heard from."""
+        await peers.record_presence(self.context)
+
+    def leadership(self) -> Leadership:
+        """This process's claim on the monitor lease (`leader`)."""
+        return Leadership(self.broker, self.process_id, lease_s=self.settings.leader_lease_s)
+
+    def peer_messages(self) -> AbstractAsyncContextManager[AsyncIterator[dict[str, Any]]]:
+        """Subscribed once entered: what the other coordinator processes publish."""
+        return self.broker.subscribe(CHANNEL)
 
     async def on_peer_message(self, message: dict[str, Any]) -> None:
         """Handle what another coordinator process published on the grid channel."""
         await peers.on_message(self.context, self.plans, message)
+
+
+def _context(
+    *,
+    settings: CoordinatorSettings,
+    store: Store,
+    broker: Broker,
+    blobs: BlobStore,
+    clock: Callable[[], float],
+) -> Context:
+    """The resources the parts share, one set per coordinator process."""
+    return Context(
+        settings=settings,
+        store=store,
+        broker=broker,
+        blobs=blobs,
+        hub=Hub(),
+        clock=clock,
+        counters=Counters(),
+        process_id=f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}",
+        work_available=asyncio.Event(),
+        random=Random(),
+        presence_pause=PresencePause(),
+    )
+
+
+def _registration_limits(settings: CoordinatorSettings) -> RegistrationLimits:
+    """The Sybil limits on new nodes (`policy.sybil`) the settings set."""
+    return RegistrationLimits(
+        max_nodes_per_account=settings.max_nodes_per_account,
+        per_account_per_hour=settings.node_registrations_per_account_per_hour,
+        per_address_per_hour=settings.node_registrations_per_address_per_hour,
+    )

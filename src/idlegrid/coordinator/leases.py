@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from idlegrid.coordinator.context import Context, FanOut
 from idlegrid.coordinator.hub import NodeSession
+from idlegrid.devtools import faults
 from idlegrid.kinds import UnknownKind, get_kind
 from idlegrid.policy import sizing
 from idlegrid.settings import CoordinatorSettings
@@ -78,7 +79,8 @@ async def measure(ctx: Context, session: NodeSession) -> None:
 
 
 class Leases:
-    """Requeues the shards of expired tasks and tops up shards short of tasks."""
+    """Expires tasks past their lease or of silent nodes, requeues their shards, and tops
+    up shards short of tasks."""
 
     def __init__(self, ctx: Context, fanout: FanOut) -> None:
         self._ctx = ctx
@@ -107,3 +109,40 @@ class Leases:
                 session.forget_task(task.task_id)
                 session.tasks_expired += 1
         await self.replenish()
+
+    async def expire_overdue(self) -> int:
+        """Overdue tasks lose their lease; their shards get new tasks. How many expired."""
+        expired = await self._ctx.store.results.expire_overdue(now=self._ctx.clock())
+        if expired:
+            faults.point("monitor-expired")
+        await self.expire(expired, why="lease deadline passed")
+        return len(expired)
+
+    async def node_went_silent(self, node_id: int, *, now: float) -> None:
+        """A node not heard from within the timeout: recorded offline, forgotten by the
+        broker's presence, and its tasks expired."""
+        log.info("node %s missed its heartbeats: offline", node_id)
+        await self._ctx.store.nodes.set_node_offline(node_id, now=now)
+        await self._ctx.broker.forget_node(node_id)
+        expired = await self._ctx.store.results.expire_node_tasks(node_id, now=now)
+        if expired:
+            faults.point("monitor-expired")
+        await self.expire(expired, why=f"node {node_id} went silent")
+
+    async def reconcile(self, session: NodeSession, claimed: set[int]) -> set[int]:
+        """Match what a reconnecting node holds with what the store says it holds; the
+        tasks it claims that the store does not know (it drops them).
+
+        Tasks it still runs (or has results of) stay its own. Tasks the store leased to it
+        that it does not have are released at once, not left to their leases: most often
+        a coordinator that died claimed them and never sent them, and the node is not
+        charged for that.
+        """
+        store = self._ctx.store
+        held = {task.task_id: task for task in await store.nodes.node_tasks(session.node_id)}
+        lost = sorted(held.keys() - claimed)
+        if lost and await store.claims.release_claims(lost, session.node_id, now=self._ctx.clock()):
+            log.info("node %s reconnected without %d task(s): released", session.node_id, len(lost))
+            await self.replenish()
+        session.live = set(held.keys() & claimed)
+        return claimed - held.keys()

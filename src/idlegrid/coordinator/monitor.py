@@ -12,15 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Coroutine
-from typing import Any
 
-from idlegrid.coordinator import peers
-from idlegrid.coordinator.context import CHANNEL
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.heap import HeapKeeper
-from idlegrid.coordinator.leader import Leadership
-from idlegrid.devtools import faults
 
 log = logging.getLogger(__name__)
 
@@ -32,11 +26,7 @@ RESUBSCRIBE_S = 1.0
 
 async def expire_leases(grid: Grid) -> int:
     """Overdue tasks lose their lease; their shards get new tasks."""
-    expired = await grid.store.results.expire_overdue(now=grid.clock())
-    if expired:
-        faults.point("monitor-expired")
-    await grid.expire(expired, why="lease deadline passed")
-    return len(expired)
+    return await grid.expire_overdue()
 
 
 async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
@@ -44,48 +34,19 @@ async def mark_silent_nodes_offline(grid: Grid, *, leader: bool = True) -> int:
 
     Every process closes its own connections to them; the `leader` also records it.
     """
-    now = grid.clock()
-    silent = await grid.broker.silent_nodes(before=now - grid.settings.node_timeout_s)
-    for node_id in silent:
-        session = grid.hub.get(node_id)
-        if session is not None:
-            grid.hub.remove(session)
-            await session.close()
-        if not leader:
-            continue
-        log.info("node %s missed its heartbeats: offline", node_id)
-        await grid.store.nodes.set_node_offline(node_id, now=now)
-        await grid.broker.forget_node(node_id)
-        expired = await grid.store.results.expire_node_tasks(node_id, now=now)
-        if expired:
-            faults.point("monitor-expired")
-        await grid.expire(expired, why=f"node {node_id} went silent")
-    return len(silent)
+    return await grid.mark_silent_nodes_offline(leader=leader)
 
 
 async def record_presence(grid: Grid) -> None:
     """Persist last-seen times (and uptime) of the nodes heard from."""
-    await grid.store.nodes.touch_nodes(await grid.broker.presence())
+    await grid.record_presence()
 
 
 async def finish_pending(grid: Grid) -> None:
     """Verify results and assemble jobs that a crash left between two steps, then judge
     late results. Each shard and job is a step of its own: one that raises is logged and
     tried again next pass, and never holds back the others, nor the late judging."""
-    for shard_id in await grid.store.verification.shards_to_verify(limit=100):
-        await _isolated(grid.verify_shard(shard_id), "verifying shard", shard_id)
-    for job_id in await grid.store.jobs.jobs_to_assemble():
-        await _isolated(grid.assemble(job_id), "assembling job", job_id)
-    await grid.judge_known_answers()
-    await grid.judge_late()
-
-
-async def _isolated(step: Coroutine[Any, Any, None], doing: str, what: int) -> None:
-    """Await `step`; an exception is logged with what it was doing, not raised."""
-    try:
-        await step
-    except Exception:
-        log.exception("monitor: %s %s failed; tried again next pass", doing, what)
+    await grid.finish_pending()
 
 
 async def settle_stalled(grid: Grid) -> None:
@@ -104,11 +65,7 @@ async def top_up(grid: Grid) -> None:
 
 async def check_broker(grid: Grid) -> bool:
     """Rebuild the broker's contents from the store if it lost them (Redis restarted)."""
-    if not await grid.broker.needs_rebuild():
-        return False
-    log.warning("the broker lost its ready queue; rebuilding it from the store")
-    await peers.recover_broker(grid.context)
-    return True
+    return await grid.check_broker()
 
 
 async def sync_queue(grid: Grid) -> None:
@@ -117,18 +74,17 @@ async def sync_queue(grid: Grid) -> None:
     A safety net for pushes lost while the broker was unreachable; a task claimed
     meanwhile is harmless there (the next claim finds it gone and discards it).
     """
-    await grid.broker.push_ready(await grid.store.claims.ready_tasks(limit=SYNC_LIMIT))
+    await grid.sync_queue(limit=SYNC_LIMIT)
 
 
 def offer_work(grid: Grid) -> None:
     """Wake the dispatcher if a node here waits for work (a lost "work" message)."""
-    if any(session.wants > 0 for session in grid.hub.sessions()):
-        grid.work_available.set()
+    grid.offer_work()
 
 
 async def close_due_rounds(grid: Grid) -> int:
     """Training rounds whose timer ran out close with the updates that arrived."""
-    return await grid.rounds.close_due()
+    return await grid.close_due_rounds()
 
 
 async def run_once(grid: Grid, *, expire: bool = True) -> None:
@@ -161,9 +117,7 @@ class Monitor:
     def __init__(self, grid: Grid, *, tune_gc: bool = False) -> None:
         self.grid = grid
         self.tune_gc = tune_gc
-        self.leadership = Leadership(
-            grid.broker, grid.process_id, lease_s=grid.settings.leader_lease_s
-        )
+        self.leadership = grid.leadership()
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = asyncio.Event()
         # Until then (grid.clock) this process expires nothing: see `_startup`.
@@ -197,23 +151,13 @@ class Monitor:
 
     async def _startup(self) -> None:
         """Rebuild in-memory state from the store after a (re)start."""
-        # With a shared broker, another running process may have built the queue already;
-        # refilling it anyway only re-adds what is there.
-        await self.grid.rebuild_queue()
-        now = self.grid.clock()
+        now = await self.grid.recover()
         # The workers of a coordinator that was down retry with a backoff: tasks expired
         # before they are back would run twice, and their nodes be charged errors. So
         # nothing expires until the longest backoff and a node timeout have passed; a worker
-        # back by then reclaims what it holds (nodes.py, `_reconcile`), and the nodes
+        # back by then reclaims what it holds (`Leases.reconcile`), and the nodes
         # not heard from by then go offline at the first pass after it.
         self.grace_until = now + self.grid.settings.restart_grace_s
-        # Results this start makes late are paid (`verification.credit.late_result_paid`).
-        await self.grid.store.verification.record_start(
-            self.grid.process_id, now=now, grace_s=self.grid.settings.restart_grace_s
-        )
-        for node in await self.grid.store.nodes.list_nodes():
-            if node.state == "online":
-                await self.grid.broker.node_seen(node.id, now)
         if self.leadership.is_leader:
             await finish_pending(self.grid)
 
@@ -266,7 +210,7 @@ class Monitor:
         """Handle what the other coordinator processes publish, until stopped."""
         while not self._stopping.is_set():
             try:
-                async with self.grid.broker.subscribe(CHANNEL) as messages:
+                async with self.grid.peer_messages() as messages:
                     async for message in messages:
                         try:
                             await self.grid.on_peer_message(message)

@@ -21,7 +21,6 @@ from fastapi import WebSocket, WebSocketDisconnect
 from fastapi.responses import JSONResponse
 
 from idlegrid import protocol
-from idlegrid.coordinator import peers
 from idlegrid.coordinator.auth import hash_token
 from idlegrid.coordinator.grid import Grid
 from idlegrid.coordinator.guard import Guard, RateLimited
@@ -70,7 +69,7 @@ async def node_socket(websocket: WebSocket, grid: Grid, guard: Guard) -> None:
         finally:
             guard.pending.release(address)  # past its hello (or gone): no longer pending
         if session is not None:
-            await grid.node_control.push(session.node_id)  # what was set while it was away
+            await grid.push_node_settings(session.node_id)  # what was set while it was away
             await _serve(websocket, grid, session)
     except WebSocketDisconnect:
         pass
@@ -79,7 +78,7 @@ async def node_socket(websocket: WebSocket, grid: Grid, guard: Guard) -> None:
             await _error(websocket, "malformed", str(exc))
             await websocket.close(code=CLOSE_TOO_BIG)
     finally:
-        if session is not None and await peers.detach(grid.context, session):
+        if session is not None and await grid.detach(session):
             log.info("node %s disconnected", session.node_id)
 
 
@@ -172,45 +171,22 @@ def _raise_frame_limit(websocket: WebSocket, limit: int) -> None:
 async def _register(
     websocket: WebSocket, grid: Grid, guard: Guard, hello: protocol.Hello, address: str
 ) -> NodeSession | None:
-    try:
-        token = await guard.authenticate(address, hash_token(hello.token), grid.store.accounts)
-    except RateLimited as exc:
-        await _refuse(websocket, str(exc))
-        return None
-    if token is None or token.kind != "node":
-        await _refuse(websocket, "a valid node token is required")
-        return None
-    now = grid.clock()
+    """Authenticate and register the node of a hello, take it into this process and
+    welcome it; None (after telling it why) for a node refused."""
     kinds = sorted(set(hello.kinds) & (set(KINDS) | CAPABILITIES))
     network = network_of(
         address,
         v4_prefix=grid.settings.network_prefix_v4,
         v6_prefix=grid.settings.network_prefix_v6,
     )
-    try:
-        node = await grid.store.nodes.register_node(
-            token.account_id,
-            hello.node_key,
-            name=hello.name,
-            worker_version=hello.worker_version,
-            hardware=hello.hardware.model_dump(),
-            benchmark=hello.benchmark.model_dump(),
-            kinds=kinds,
-            slots=hello.slots,
-            address=address,
-            network=network,
-            limits=grid.registration_limits,
-            now=now,
-        )
-    except RegistrationRefused as exc:
-        await _refuse(websocket, str(exc))
+    node = await _registered(websocket, grid, guard, hello, address, kinds, network)
+    if node is None:
         return None
-    grid.fleet.saw(node)
     session = _session_of(websocket, node, hello, kinds, network)
-    drop = await _reconcile(grid, session, set(hello.running))
+    drop = await grid.reconcile(session, set(hello.running))
     # Before the welcome: the node may send its first big frame as soon as it has it.
     _raise_frame_limit(websocket, grid.settings.max_frame_bytes)
-    await peers.attach(grid.context, session)
+    await grid.attach(session)
     await session.send(
         protocol.Welcome(
             node_id=node.id,
@@ -225,6 +201,38 @@ async def _register(
         node.id, hello.name, hello.v, hello.minor, hello.slots, hello.sequences, kinds,
     )  # fmt: skip
     return session
+
+
+async def _registered(
+    websocket: WebSocket,
+    grid: Grid,
+    guard: Guard,
+    hello: protocol.Hello,
+    address: str,
+    kinds: list[str],
+    network: str,
+) -> NodeRecord | None:
+    """The hello's node, registered if its token is a valid node token and the Sybil
+    limits let it in; None (after telling it why) otherwise."""
+    try:
+        token = await guard.authenticate(address, hash_token(hello.token), grid.store.accounts)
+    except RateLimited as exc:
+        await _refuse(websocket, str(exc))
+        return None
+    if token is None or token.kind != "node":
+        await _refuse(websocket, "a valid node token is required")
+        return None
+    try:
+        return await grid.register_node(
+            token.account_id,
+            hello,
+            kinds=kinds,
+            address=address,
+            network=network,
+        )
+    except RegistrationRefused as exc:
+        await _refuse(websocket, str(exc))
+        return None
 
 
 async def _refuse(websocket: WebSocket, message: str) -> None:
@@ -257,23 +265,6 @@ def _session_of(
     )
 
 
-async def _reconcile(grid: Grid, session: NodeSession, claimed: set[int]) -> set[int]:
-    """Match what a reconnecting node holds with what the store says it holds.
-
-    Tasks it still runs (or has results of) stay its own; tasks it claims but does not
-    hold are dropped. Tasks the store leased to it that it does not have are released at
-    once, not left to their leases: most often a coordinator that died claimed them and
-    never sent them, and the node is not charged for that.
-    """
-    held = {task.task_id: task for task in await grid.store.nodes.node_tasks(session.node_id)}
-    lost = sorted(held.keys() - claimed)
-    if lost and await grid.store.claims.release_claims(lost, session.node_id, now=grid.clock()):
-        log.info("node %s reconnected without %d task(s): released", session.node_id, len(lost))
-        await grid.replenish()
-    session.live = set(held.keys() & claimed)
-    return claimed - held.keys()
-
-
 async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None:
     """Read and handle the node's messages in order, except that results are stored in
     the background: the reader goes on to the next frame (a heartbeat, more results)
@@ -289,16 +280,16 @@ async def _serve(websocket: WebSocket, grid: Grid, session: NodeSession) -> None
             try:
                 msg = protocol.parse_node_message(text, peer_minor=session.protocol_minor)
             except protocol.ProtocolError as exc:
-                await peers.heard_from(grid.context, session)
+                await grid.heard_from(session)
                 await session.send(protocol.Error(code=exc.code, message=exc.message))  # type: ignore[arg-type]
                 continue
             if isinstance(msg, protocol.Heartbeat):
                 # Answered first: with a shared broker, recording presence is a round trip,
                 # which the node's round trip need not include.
                 await _handle_safely(grid, session, msg)
-                await peers.heard_from(grid.context, session)
+                await grid.heard_from(session)
                 continue
-            await peers.heard_from(grid.context, session)
+            await grid.heard_from(session)
             if not isinstance(msg, protocol.Result | protocol.Results):
                 await _handle_safely(grid, session, msg)
                 continue
@@ -343,9 +334,9 @@ async def _handle(grid: Grid, session: NodeSession, msg: object) -> None:
             session.paused = state == "paused"
             session.requested = 0 if session.paused else session.requested
             log.info("node %s %s: %s", session.node_id, state, reason)
-            await grid.node_control.status(session, msg)
+            await grid.node_status(session, msg)
         case protocol.SettingsReport():
-            await grid.node_control.reported(session, msg)
+            await grid.settings_reported(session, msg)
         case protocol.Ready(free_slots=free, free_gpu_slots=gpu_free):
             session.requested, session.gpu_free = free, gpu_free
             await grid.fill(session)

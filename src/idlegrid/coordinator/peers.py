@@ -118,8 +118,44 @@ async def recover_broker(ctx: Context) -> None:
     now = ctx.clock()
     for session in ctx.hub.sessions():
         await ctx.broker.node_seen(session.node_id, now, owner=ctx.process_id)
-    # Nodes the store thinks online get one timeout's grace to be heard from again.
+    await grace_online(ctx, now)
+    ctx.work_available.set()
+
+
+async def grace_online(ctx: Context, now: float) -> None:
+    """Nodes the store thinks online get one timeout's grace to be heard from again."""
     for node in await ctx.store.nodes.list_nodes():
         if node.state == "online":
             await ctx.broker.node_seen(node.id, now)
-    ctx.work_available.set()
+
+
+async def check_broker(ctx: Context) -> bool:
+    """Rebuild the broker's contents from the store if it lost them (Redis restarted)."""
+    if not await ctx.broker.needs_rebuild():
+        return False
+    log.warning("the broker lost its ready queue; rebuilding it from the store")
+    await recover_broker(ctx)
+    return True
+
+
+async def sync_queue(ctx: Context, *, limit: int) -> None:
+    """Put the oldest ready tasks of the store into the queue again (idempotent)."""
+    await ctx.broker.push_ready(await ctx.store.claims.ready_tasks(limit=limit))
+
+
+async def record_presence(ctx: Context) -> None:
+    """Persist last-seen times (and uptime) of the nodes heard from."""
+    await ctx.store.nodes.touch_nodes(await ctx.broker.presence())
+
+
+async def silent_nodes(ctx: Context, *, now: float) -> list[int]:
+    """The nodes no process has heard from within the node timeout."""
+    return await ctx.broker.silent_nodes(before=now - ctx.settings.node_timeout_s)
+
+
+async def close_here(ctx: Context, node_id: int) -> None:
+    """Close this process's connection to the node, if it holds one."""
+    session = ctx.hub.get(node_id)
+    if session is not None:
+        ctx.hub.remove(session)
+        await session.close()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from idlegrid.coordinator.context import Context, FanOut
@@ -199,6 +199,27 @@ class Verifier:
         elif then.raise_target:
             await store.claims.raise_target(shard.id, results_seen=len(found.results))
 
+    async def finish_pending(self) -> None:
+        """Verify results and assemble jobs that a crash left between two steps, then judge
+        known answers and late results. Each shard and job is a step of its own: one that
+        raises is logged and tried again next pass, and never holds back the others, nor
+        the late judging."""
+        store = self._ctx.store
+        for shard_id in await store.verification.shards_to_verify(limit=100):
+            await _isolated(self.verify_shards([shard_id]), "verifying shard", shard_id)
+        for job_id in await store.jobs.jobs_to_assemble():
+            await _isolated(self.assemble(job_id), "assembling job", job_id)
+        await self.judge_known_answers()
+        await self.judge_late()
+
+    async def record_start(self, *, now: float) -> None:
+        """This process (re)started now: results it makes late are paid
+        (`verification.credit.late_result_paid`)."""
+        ctx = self._ctx
+        await ctx.store.verification.record_start(
+            ctx.process_id, now=now, grace_s=ctx.settings.restart_grace_s
+        )
+
     async def reject(self, task_id: int, why: str) -> None:
         """A stored result that cannot be right (NaN, zeros, a constant): invalid, as if
         outvoted, with all that follows for its node (`store.recheck`)."""
@@ -355,6 +376,14 @@ class Verifier:
             [blobs.read(h) for h in inputs], [blobs.read(h) for h in hashes], plan.params
         )
         return blobs.keep(result), len(result)
+
+
+async def _isolated(step: Coroutine[Any, Any, None], doing: str, what: int) -> None:
+    """Await `step`; an exception is logged with what it was doing, not raised."""
+    try:
+        await step
+    except Exception:
+        log.exception("monitor: %s %s failed; tried again next pass", doing, what)
 
 
 def _why(exc: Exception) -> str:

@@ -86,9 +86,7 @@ async def get_blob(
             exc.status, "not_found" if exc.status == 404 else "invalid_hash", exc.message
         ) from None
     if token.kind == "node" and x_idlegrid_node is not None:
-        session = grid.hub.get(x_idlegrid_node)
-        if session is not None and session.account_id == token.account_id:
-            session.hold(blob_hash)
+        grid.node_fetched(x_idlegrid_node, blob_hash, account_id=token.account_id)
     # Streamed from disk as the client reads (Range requests too): memory stays flat
     # however many slow clients download at once (a chunk each).
     return StreamedFile(path, media_type="application/octet-stream")

@@ -191,7 +191,7 @@ async def _changed_job(grid: Grid, token: TokenInfo, job: JobRecord, wait_s: flo
         until = min(deadline, asked + PROGRESS_EVERY_S) if moved else deadline
         # Woken by a commit or a job end in this process; re-read now and then anyway,
         # for results another coordinator process stored.
-        await grid.context.job_watch.wait(job.id, min(until - now, RECHECK_S))
+        await grid.wait_for_job(job.id, min(until - now, RECHECK_S))
         job = await own_job(grid, token, job.id)
     return job
 
@@ -255,9 +255,10 @@ async def job_result(job_id: JobId, token: Researcher, grid: GridDep) -> Respons
 async def job_metrics(job_id: JobId, token: Researcher, grid: GridDep) -> dict[str, Any]:
     """Per-round metrics of a training job: losses, bytes up and down, time, nodes."""
     job = await own_job(grid, token, job_id)
-    if not grid.rounds.drives(get_kind(job.kind)):
+    metrics = await grid.training_metrics(job)
+    if metrics is None:
         raise ApiError(409, "not_training", f"job {job_id} is {job.kind}, not a training job")
-    return await grid.rounds.metrics(job)
+    return metrics
 
 
 def _no_result(job: JobRecord) -> str:

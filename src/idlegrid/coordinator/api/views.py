@@ -109,7 +109,7 @@ async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
     waiting_for: list[str] = []
     doubts: list[str] = []
     if with_shards:
-        progress = task_progress(grid)
+        progress = grid.task_progress()
         shard_list = [shard_out(s, progress) for s in await grid.store.jobs.list_shards(job.id)]
         waiting_for = await grid.waiting_for(job)
         doubts = await grid.doubts(job)
@@ -140,13 +140,6 @@ async def job_out(grid: Grid, job: JobRecord, *, with_shards: bool) -> JobOut:
         waiting_for=waiting_for,
         doubts=doubts,
     )
-
-
-def task_progress(grid: Grid) -> dict[int, float]:
-    progress: dict[int, float] = {}
-    for session in grid.hub.sessions():
-        progress.update(session.progress)
-    return progress
 
 
 def shard_out(shard: ShardRecord, progress: dict[int, float]) -> ShardOut:
