@@ -23,7 +23,7 @@ instead ("fallback"), and the coordinator closes the round in coordinator mode.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -57,16 +57,8 @@ def average_round(
     `joining`: its handle on the standing averager."""
     assert task.group is not None
     own_delta = decode(own)
-    try:
-        outer = outer_state(task, state, weights, fetch)
-    except BaseException:
-        joining.close()
-        raise
-    try:
-        done = joining.average(accumulator, shard=task.shard, holds_state=outer is not None,
-                               settings=upload)  # fmt: skip
-    finally:
-        joining.close()
+    outer, done = _average_with_group(task, state, weights, fetch, joining,
+                                      accumulator=accumulator, upload=upload)  # fmt: skip
     base = tasks.TaskResult(
         "train", task.round, task.shard, task.seed, task.target.digest, *losses,
         update_norm=float(np.linalg.norm(own_delta)), reachability=done.reachability,
@@ -77,34 +69,78 @@ def average_round(
         reason = done.reason or "no member of the group holds the outer optimizer's state"
         return dataclasses.replace(base, averaging="fallback", reason=reason, update=own,
                                    sketch=verify.sketch(own_delta), outer=outer)  # fmt: skip
-    mean = done.values
     if upload.stateful and done.residual is not None:
         state.set_residual(task.stream, done.residual)  # what the group's codes missed
     result = dataclasses.replace(
-        base, averaging="p2p", averaged_digest=digest(mean), members=tuple(sorted(done.members)),
-        # What the attempts met on the way (a first attempt that failed, a standing
-        # averager replaced), said in the round's record even though the round averaged.
-        reason=done.reason if done.attempt <= 1 else "; ".join(
-            filter(None, ["averaged on the retry: a member left", done.reason])
-        ),
+        base, averaging="p2p", averaged_digest=digest(done.values),
+        members=tuple(sorted(done.members)), reason=_averaged_reason(done),
     )  # fmt: skip
     if outer is None:
         return result  # joined late: the next round's weights come from the coordinator
+    closed, kept = _take_outer_step(task, steps, state, weights, outer,
+                                    mean=done.values, train_loss=losses[1])  # fmt: skip
+    result = dataclasses.replace(result, next_digest=kept.weights_digest)
+    if lead != task.shard:
+        return result
+    whole = _group_was_whole(done.members, task.group.members)
+    sent_state = kept if task.report_state or not whole else None
+    return dataclasses.replace(result, published=closed.message, outer=sent_state)
+
+
+def _average_with_group(
+    task: tasks.TaskPayload,
+    state: WorkerState,
+    weights: np.ndarray,
+    fetch: Callable[[str], bytes] | None,
+    joining: averaging.Joining,
+    *,
+    accumulator: np.ndarray,
+    upload: Compression,
+) -> tuple[tasks.OuterState | None, averaging.Averaged]:
+    """The outer state this member holds and its group's average; `joining` closed either way."""
+    try:
+        outer = outer_state(task, state, weights, fetch)
+        done = joining.average(accumulator, shard=task.shard, holds_state=outer is not None,
+                               settings=upload)  # fmt: skip
+    finally:
+        joining.close()
+    return outer, done
+
+
+def _averaged_reason(done: averaging.Averaged) -> str:
+    """What the attempts met on the way, said in the record even though the round averaged."""
+    if done.attempt <= 1:
+        return done.reason
+    # A first attempt failed (or a standing averager was replaced) before the retry averaged.
+    return "; ".join(filter(None, ["averaged on the retry: a member left", done.reason]))
+
+
+def _take_outer_step(
+    task: tasks.TaskPayload,
+    steps: tuple[OuterSettings, Compression],
+    state: WorkerState,
+    weights: np.ndarray,
+    outer: tasks.OuterState,
+    *,
+    mean: np.ndarray,
+    train_loss: float,
+) -> tuple[closing.ClosedRound, tasks.OuterState]:
+    """The coordinator's outer step on the group's mean; the new weights and state kept."""
     closed = closing.close_round(
         closing.RoundState(task.round, weights, outer.momentum, outer.residual),
-        [closing.Update(mean, task.round, losses[1])],
+        [closing.Update(mean, task.round, train_loss)],
         rule=Aggregation(), outer=steps[0], download=steps[1],
     )  # fmt: skip
     after = closed.state
     state.remember_weights(after.digest, after.weights)
     kept = tasks.OuterState(after.digest, after.momentum, after.download_residual)
     state.set_outer_state(task.stream, kept)
-    result = dataclasses.replace(result, next_digest=after.digest)
-    if lead != task.shard:
-        return result
-    whole = set(done.members) == set(task.group.members) and all(done.members.values())
-    sent_state = kept if task.report_state or not whole else None
-    return dataclasses.replace(result, published=closed.message, outer=sent_state)
+    return closed, kept
+
+
+def _group_was_whole(averaged: Mapping[int, bool], group: tuple[int, ...]) -> bool:
+    """Every shard of the group took part, each with the outer state."""
+    return set(averaged) == set(group) and all(averaged.values())
 
 
 def outer_state(
