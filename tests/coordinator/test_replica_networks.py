@@ -55,7 +55,12 @@ def test_a_job_on_one_network_finishes_once_the_operator_allows_it(tmp_path: Pat
                 assert time.monotonic() < deadline, job.info()
                 time.sleep(0.2)
             # A shard has a result and nobody else may run it: a stalemate pass must
-            # find it held back by the network rule alone, and leave it waiting.
+            # find it held back by the network rule alone, and leave it waiting. Such a
+            # pass changes nothing one can see (no row, counter or log line; `waiting_for`
+            # is worked out on each request, pass or not), so there is no signal to wait
+            # on: the coordinator's stalemate loop runs every STALEMATE_INTERVAL_S, and
+            # after that and 1 s more for the pass itself, one has run since the shard
+            # stalled and must not have failed the job.
             time.sleep(STALEMATE_INTERVAL_S + 1)
             info = job.info()
             assert info["state"] in ("queued", "running"), info
