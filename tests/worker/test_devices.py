@@ -141,7 +141,7 @@ async def test_a_task_waits_for_a_slot_of_a_device_that_may_run() -> None:
     waiting = asyncio.create_task(
         slots.take(needs_gpu=True, wants_gpu=True, may_run=lambda host: True)
     )
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0.01)  # time to prove the take waits: a wait for it would not end
     assert not waiting.done()  # no GPU slot is free
     slots.put(gpu1)
     assert await asyncio.wait_for(waiting, 5) is gpu1
