@@ -428,6 +428,61 @@ def test_a_late_result_counts_for_trust_and_is_paid_only_when_we_made_it_late(
     assert (judgement.outcome, judgement.verdict, judgement.paid) == (outcome, verdict, is_paid)
 
 
+# -- confirmed passes: a check's pass paid once a right answer confirms it ----------------
+
+
+@pytest.mark.parametrize(
+    ("outcome", "job_completed", "credit", "finished_at", "last_lie", "answered", "why", "paid"),
+    [
+        ("valid", True, None, 100.0, None, 150.0, "a pass, then a right answer", True),
+        ("valid", True, None, 150.0, None, 150.0, "answered as it finished", True),
+        ("valid", True, None, 160.0, None, 150.0, "finished after the answer", False),
+        ("valid", True, None, 100.0, None, None, "its node answered nothing right", False),
+        ("valid", False, None, 100.0, None, 150.0, "its job did not complete", False),
+        ("invalid", True, None, 100.0, None, 150.0, "it was a lie itself", False),
+        (None, True, None, 100.0, None, 150.0, "not judged yet", False),
+        ("error", True, None, 100.0, None, 150.0, "it failed", False),
+        ("valid", True, PRICE, 100.0, None, 150.0, "paid already", False),
+        ("valid", True, 0.0, 100.0, None, 150.0, "paid once (or taken back)", False),
+        ("valid", True, None, 100.0, 90.0, 150.0, "after the node's latest lie", True),
+        ("valid", True, None, 100.0, 100.0, 150.0, "as the node lied: not after", False),
+        ("valid", True, None, 100.0, 120.0, 150.0, "before the node's latest lie", False),
+        ("valid", True, None, None, None, 150.0, "never finished", False),
+    ],
+)
+def test_a_right_answer_confirms_the_nodes_passes_since_its_last_lie(
+    outcome: str | None,
+    job_completed: bool,
+    credit: float | None,
+    finished_at: float | None,
+    last_lie: float | None,
+    answered: float | None,
+    why: str,
+    paid: bool,
+) -> None:
+    check = dataclasses.replace(result(1, credit=credit), finished_at=finished_at)
+    passes = [ledger.CheckPass(result=check, outcome=outcome, job_completed=job_completed)]
+    confirmed = ledger.confirmed_passes(
+        passes,
+        last_lie={} if last_lie is None else {1: last_lie},
+        answered_until={} if answered is None else {1: answered},
+    )
+    assert confirmed == ([check] if paid else []), why
+
+
+def test_confirmed_passes_are_judged_by_their_own_nodes_lies_and_answers() -> None:
+    passes = [
+        ledger.CheckPass(result=result(task, node=node), outcome="valid", job_completed=True)
+        for task, node in ((1, 1), (2, 2), (3, 3))
+    ]
+    confirmed = ledger.confirmed_passes(
+        passes, last_lie={2: 150.0}, answered_until={1: 200.0, 2: 200.0}
+    )
+    assert [r.task_id for r in confirmed] == [1]  # 2 lied since, 3 answered nothing
+    delta = ledger.credit_delta([], {}, confirmed=confirmed)
+    assert {g.task_id: (g.amount, g.reason) for g in delta.grants} == {1: (PRICE, "confirmed")}
+
+
 # -- an admin lifts a suspension ------------------------------------------------------------
 
 

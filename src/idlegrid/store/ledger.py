@@ -80,65 +80,80 @@ async def _confirmed(
     found: Sequence[rules.JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
 ) -> list[rules.JudgedResult]:
-    """The unpaid passes that a known-answer check answered right here confirms: its
-    node's checks found valid, of the same kind, finished after the node's latest lie
-    and before that answer, of jobs that completed with the output they passed
-    (`rules.credit_delta`'s `confirmed`; `pay_confirmed_passes` pays the rest when their
-    job completes)."""
+    """The unpaid passes that a known-answer check answered right here confirms, of the
+    answer's kind (`rules.confirmed_passes`; `pay_confirmed_passes` pays the rest when
+    their job completes)."""
     answered = [r for r in found if verdict_of[r.task_id] == "answered"]
     confirmed: list[rules.JudgedResult] = []
     for node_id in rules.confirming(verdict_of, {r.task_id: r.node_id for r in found}):
         mine = [r for r in answered if r.node_id == node_id]
         until = max(r.finished_at or 0.0 for r in mine)
-        confirmed += await _judged(
-            conn,
-            *_held_pass(tasks.c.node_id == node_id, jobs.c.kind == mine[0].kind),
-            tasks.c.finished_at <= until,
+        passes = await _unpaid_passes(conn, tasks.c.node_id == node_id, jobs.c.kind == mine[0].kind)
+        confirmed += rules.confirmed_passes(
+            passes,
+            last_lie=await _last_lies(conn, [node_id]),
+            answered_until={node_id: until},
         )
     return confirmed
-
-
-_LIE = tasks.alias("lie_of_node")
-_ANSWER = tasks.alias("answer_of_node")
-
-
-def _held_pass(*where: Any) -> list[Any]:
-    """Conditions for a check that passed an output, unpaid, of a job that completed,
-    finished after its node's latest lie."""
-    last_lie = (
-        select(func.coalesce(func.max(_LIE.c.finished_at), 0.0))
-        .where(_LIE.c.node_id == tasks.c.node_id, _LIE.c.outcome == "invalid")
-        .scalar_subquery()
-    )
-    return [
-        *where,
-        tasks.c.checks_hash.is_not(None),
-        tasks.c.known_answer.is_(None),
-        tasks.c.outcome == "valid",
-        tasks.c.credit.is_(None),
-        jobs.c.state == JobState.COMPLETED.value,
-        tasks.c.finished_at > last_lie,
-    ]
 
 
 async def pay_confirmed_passes(conn: AsyncConnection, job_id: int, *, now: float) -> None:
     """A job completed: the passes of its outputs whose nodes answered a known-answer check
     right after them (and lied not since) are paid ("confirmed")."""
-    answered_since = (
-        select(_ANSWER.c.id)
-        .where(
-            _ANSWER.c.node_id == tasks.c.node_id,
-            _ANSWER.c.known_answer.is_not(None),
-            _ANSWER.c.outcome == "valid",
-            _ANSWER.c.finished_at >= tasks.c.finished_at,
-        )
-        .exists()
-    )
-    confirmed = await _judged(
-        conn, *_held_pass(tasks.c.job_id == job_id, answered_since), order_by=(tasks.c.node_id,)
+    passes = await _unpaid_passes(conn, tasks.c.job_id == job_id)
+    if not passes:
+        return
+    node_ids = sorted({p.result.node_id for p in passes})
+    confirmed = rules.confirmed_passes(
+        passes,
+        last_lie=await _last_lies(conn, node_ids),
+        answered_until=await _last_right_answers(conn, node_ids),
     )
     if confirmed:
         await write_credit(conn, rules.credit_delta([], {}, confirmed=confirmed), now=now)
+
+
+async def _unpaid_passes(conn: AsyncConnection, *where: Any) -> list[rules.CheckPass]:
+    """The unpaid checks of other nodes' outputs (not known-answer probes) matching
+    `where`, in node order, with what `rules.confirmed_passes` reads of each."""
+    found = await conn.execute(
+        _CHECKS.where(
+            *where,
+            tasks.c.checks_hash.is_not(None),
+            tasks.c.known_answer.is_(None),
+            tasks.c.credit.is_(None),
+        ).order_by(tasks.c.node_id, tasks.c.id)
+    )
+    return [
+        rules.CheckPass(
+            result=_judged_of(row),
+            outcome=row.outcome,
+            job_completed=row.job_state == JobState.COMPLETED.value,
+        )
+        for row in found.all()
+    ]
+
+
+async def _last_lies(conn: AsyncConnection, node_ids: Sequence[int]) -> dict[int, float]:
+    """Per node, when its latest result found invalid finished (absent: none)."""
+    return await _latest(conn, node_ids, tasks.c.outcome == "invalid")
+
+
+async def _last_right_answers(conn: AsyncConnection, node_ids: Sequence[int]) -> dict[int, float]:
+    """Per node, when its latest known-answer check answered right finished (absent: none)."""
+    return await _latest(
+        conn, node_ids, tasks.c.known_answer.is_not(None), tasks.c.outcome == "valid"
+    )
+
+
+async def _latest(conn: AsyncConnection, node_ids: Sequence[int], *where: Any) -> dict[int, float]:
+    """Per node, the latest `finished_at` of its tasks matching `where`."""
+    found = await conn.execute(
+        select(tasks.c.node_id, func.max(tasks.c.finished_at))
+        .where(tasks.c.node_id.in_(list(node_ids)), *where)
+        .group_by(tasks.c.node_id)
+    )
+    return {node_id: float(latest) for node_id, latest in found.all() if latest is not None}
 
 
 async def _settle_suspicions(
@@ -224,21 +239,26 @@ async def _judged(
 ) -> list[rules.JudgedResult]:
     """The results matching `where`, as the ledger's rules read them."""
     found = (await conn.execute(_JUDGED.where(*where).order_by(*order_by))).all()
-    return [
-        rules.JudgedResult(
-            task_id=row.id,
-            node_id=row.node_id,
-            account_id=row.account_id,
-            kind=row.kind,
-            backend=row.backend or "cpu",
-            cost_flops=row.cost_flops,
-            mode=row.mode,
-            credit=row.credit,
-            finished_at=row.finished_at,
-            suspected=bool(row.suspected),
-        )
-        for row in found
-    ]
+    return [_judged_of(row) for row in found]
+
+
+def _judged_of(row: Any) -> rules.JudgedResult:
+    return rules.JudgedResult(
+        task_id=row.id,
+        node_id=row.node_id,
+        account_id=row.account_id,
+        kind=row.kind,
+        backend=row.backend or "cpu",
+        cost_flops=row.cost_flops,
+        mode=row.mode,
+        credit=row.credit,
+        finished_at=row.finished_at,
+        suspected=bool(row.suspected),
+    )
+
+
+# A check task's row as `rules.confirmed_passes` reads it.
+_CHECKS = _JUDGED.add_columns(tasks.c.outcome, jobs.c.state.label("job_state"))
 
 
 # Made once (see claims.OTHER): the results of a shard that agreed with each other.

@@ -196,6 +196,43 @@ def confirming(verdict_of: Mapping[int, ResultVerdict], node_of: Mapping[int, in
     return sorted({node_of[t] for t, verdict in verdict_of.items() if verdict == "answered"})
 
 
+@dataclass(frozen=True, kw_only=True)
+class CheckPass:
+    """A check of another node's output (not a known-answer probe), unpaid, as the rule
+    of confirmed passes reads it."""
+
+    result: JudgedResult
+    outcome: str | None  # its verdict as stored: "valid" passed the output it checked
+    job_completed: bool  # its job completed with the output it passed
+
+
+def confirmed_passes(
+    passes: Iterable[CheckPass],
+    *,
+    last_lie: Mapping[int, float],
+    answered_until: Mapping[int, float],
+) -> list[JudgedResult]:
+    """The passes that a right answer to a known-answer check confirms, to be paid
+    ("confirmed" in `credit_delta`): a check that passed an output, unpaid, of a job that
+    completed, finished after its node's latest lie (`last_lie`: node -> when its latest
+    invalid result finished) and no later than the right answer that confirms it
+    (`answered_until`: node -> when that answer finished; a node absent has none)."""
+    confirmed = []
+    for check in passes:
+        result = check.result
+        until = answered_until.get(result.node_id)
+        if (
+            check.outcome == "valid"
+            and check.job_completed
+            and result.credit is None
+            and until is not None
+            and result.finished_at is not None
+            and last_lie.get(result.node_id, 0.0) < result.finished_at <= until
+        ):
+            confirmed.append(result)
+    return confirmed
+
+
 def vouch_horizons(
     results: Sequence[JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
