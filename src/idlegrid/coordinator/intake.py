@@ -23,7 +23,7 @@ from idlegrid.coordinator.round_driver import RoundDriver
 from idlegrid.kinds import KindParams, ShardSpec, TaskKind, get_kind
 from idlegrid.kinds.base import Pool
 from idlegrid.policy import availability, sizing, sybil
-from idlegrid.store.base import JobRecord, NewJob, NewShard
+from idlegrid.store.base import JobRecord, NewJob, NewShard, ReadyTask
 
 log = logging.getLogger(__name__)
 
@@ -75,22 +75,9 @@ class Intake:
         replication = replication or kind.default_replication or settings.default_replication
         parsed, cut = await asyncio.to_thread(self._split, kind, parsed, inputs)
         sized = await self._sized(kind, parsed, inputs, cut, replication)
-        parsed = sized.params
         if limited:
             quotas.check_shards(settings, len(sized.specs))
-        hashes = await asyncio.to_thread(
-            self._ctx.blobs.put_many, [spec.payload for spec in sized.specs]
-        )
-        shards = [
-            NewShard(
-                index=s.index,
-                input_hash=h,
-                input_size=len(s.payload),
-                items=s.items,
-                cost_flops=s.cost_flops,
-            )
-            for s, h in zip(sized.specs, hashes, strict=True)
-        ]
+        shards = await self._stored_shards(sized.specs)
         if max_total_results is not None and max_total_results < replication:
             raise JobInputError(
                 f"max_total_results ({max_total_results}) is below replication ({replication})"
@@ -99,7 +86,7 @@ class Intake:
             NewJob(
                 account_id=account_id,
                 kind=kind.name,
-                params=parsed.model_dump(mode="json"),
+                params=sized.params.model_dump(mode="json"),
                 inputs=dict(inputs),
                 replication=replication,
                 min_quorum=1 if replication == 1 else 2,
@@ -111,16 +98,38 @@ class Intake:
             ),
             now=self._ctx.clock(),
         )
+        await self._accepted(record, kind, ready, sized.notes)
+        return record
+
+    async def _stored_shards(self, specs: list[ShardSpec]) -> list[NewShard]:
+        """The shards of these specs, their payloads stored as blobs."""
+        hashes = await asyncio.to_thread(self._ctx.blobs.put_many, [s.payload for s in specs])
+        return [
+            NewShard(
+                index=s.index,
+                input_hash=h,
+                input_size=len(s.payload),
+                items=s.items,
+                cost_flops=s.cost_flops,
+            )
+            for s, h in zip(specs, hashes, strict=True)
+        ]
+
+    async def _accepted(
+        self, record: JobRecord, kind: TaskKind, ready: list[ReadyTask], notes: list[str]
+    ) -> None:
+        """A job just stored: its tasks queued (a training job's first round started), and
+        what sizing told of it kept for the answer that reads it."""
         await self._fanout.enqueue(ready)
         if self._rounds.drives(kind):
             await self._rounds.start(record)
         log.info(
-            "job %s: %s, %d shards, %d items", record.id, kind.name, len(shards), record.items_total
-        )
-        self._notes[record.id] = sized.notes
+            "job %s: %s, %d shards, %d items", record.id, kind.name, record.shards_total,
+            record.items_total,
+        )  # fmt: skip
+        self._notes[record.id] = notes
         while len(self._notes) > NOTES_KEPT:
             self._notes.popitem(last=False)
-        return record
 
     async def _sized(
         self,

@@ -209,7 +209,6 @@ class RoundDriver:
     ) -> None:
         current = records[-1]
         closed = await asyncio.to_thread(self._aggregate, training, current, done)
-        fetched = closed.fetched_bytes
         final = closed.weights.round >= training.plan.rounds
         stored = await asyncio.to_thread(self._save, closed.weights)
         update_hash = await asyncio.to_thread(self._ctx.blobs.keep, closed.update)
@@ -218,36 +217,13 @@ class RoundDriver:
             keyframe=stored.checkpoint_hash, final=final,
         )  # fmt: skip
         now = self._ctx.clock()
-        traffic = await self._ctx.store.rounds.round_traffic(job_id, round_indexes(current))
-        evaluation = await asyncio.to_thread(
-            self._evaluation, training, done_shard(shards, current.eval_shard)
-        )
-        if evaluation is not None:  # finished already: its fetches count here
-            fetched += evaluation[1]
-        metrics = {
-            "train_loss": finite(closed.train_loss),
-            "updates": len(done),
-            "closed_by": why.value,
-            "bytes_up": traffic.output_bytes,
-            "bytes_down": traffic.payload_bytes + fetched,
-            "nodes": list(traffic.nodes),
-            "round_time_s": now - current.opened_at,
-            "max_suspicion": closed.max_suspicion,
-            "applied": [shard.index for shard in done],
-            "stale_applied": closed.stale_applied,
-            **closed.notes,
-        }
+        metrics = await self._close_metrics(job_id, training, current, shards, done, closed,
+                                            why, now=now)  # fmt: skip
         open_left = [i for i in train_indexes(current) if is_open(shards, i)]
         if training.plan.asynchronous:
-            # The closed round's tasks no node started are cancelled: started now, they would
-            # train from weights already a round old. Those running go on (their updates
-            # count later, weighted), unless they could only arrive past max_staleness:
-            # those are dropped now, counted.
-            unstarted = await self._unstarted(job_id, open_left)
-            doomed = hopeless(records, shards, closed.weights.round, training.plan.max_staleness)
-            running = await self._started(job_id, doomed)
-            open_left = sorted({*unstarted, *doomed})
-            dropped = [shard.index for shard in too_stale] + running
+            open_left, dropped = await self._left_behind(
+                job_id, training, records, shards, closed.weights.round, open_left, too_stale
+            )
             metrics.update({"stale_dropped": len(dropped), "dropped": dropped})
         advance = await self._ctx.store.rounds.advance_round(
             job_id, current.round, metrics=metrics, cancel_shards=open_left,
@@ -262,6 +238,63 @@ class RoundDriver:
         if training.plan.affinity and not final:
             await self._prefer_holders(job_id, training, done)
         await self._fanout.enqueue(advance.ready)
+
+    async def _close_metrics(
+        self,
+        job_id: int,
+        training: RoundJob,
+        current: RoundRecord,
+        shards: dict[int, ShardRecord],
+        done: Sequence[ShardRecord],
+        closed: RoundClose,
+        why: Close,
+        *,
+        now: float,
+    ) -> dict[str, Any]:
+        """What a closing round's row records of it: its loss, its updates and what closed
+        it, its traffic (with its evaluation's fetches, if that finished already), its
+        time and nodes, and the close's own notes."""
+        fetched = closed.fetched_bytes
+        traffic = await self._ctx.store.rounds.round_traffic(job_id, round_indexes(current))
+        evaluation = await asyncio.to_thread(
+            self._evaluation, training, done_shard(shards, current.eval_shard)
+        )
+        if evaluation is not None:  # finished already: its fetches count here
+            fetched += evaluation[1]
+        return {
+            "train_loss": finite(closed.train_loss),
+            "updates": len(done),
+            "closed_by": why.value,
+            "bytes_up": traffic.output_bytes,
+            "bytes_down": traffic.payload_bytes + fetched,
+            "nodes": list(traffic.nodes),
+            "round_time_s": now - current.opened_at,
+            "max_suspicion": closed.max_suspicion,
+            "applied": [shard.index for shard in done],
+            "stale_applied": closed.stale_applied,
+            **closed.notes,
+        }
+
+    async def _left_behind(
+        self,
+        job_id: int,
+        training: RoundJob,
+        records: Sequence[RoundRecord],
+        shards: dict[int, ShardRecord],
+        next_round: int,
+        open_left: Sequence[int],
+        too_stale: Sequence[ShardRecord],
+    ) -> tuple[list[int], list[int]]:
+        """An asynchronous round's close: the shards to cancel, and those dropped as stale.
+
+        The closed round's tasks no node started are cancelled: started now, they would
+        train from weights already a round old. Those running go on (their updates count
+        later, weighted), unless they could only arrive past max_staleness: those are
+        dropped now, counted."""
+        unstarted = await self._unstarted(job_id, open_left)
+        doomed = hopeless(records, shards, next_round, training.plan.max_staleness)
+        running = await self._started(job_id, doomed)
+        return sorted({*unstarted, *doomed}), [shard.index for shard in too_stale] + running
 
     async def _prefer_holders(
         self, job_id: int, training: RoundJob, done: Sequence[ShardRecord]
