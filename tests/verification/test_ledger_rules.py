@@ -428,6 +428,47 @@ def test_a_late_result_counts_for_trust_and_is_paid_only_when_we_made_it_late(
     assert (judgement.outcome, judgement.verdict, judgement.paid) == (outcome, verdict, is_paid)
 
 
+# -- checks on record: what a node passed before, vouching for its lone results ---------
+
+
+@pytest.mark.parametrize(
+    ("outcome", "agreeing", "checked_output", "paid", "on_record", "why"),
+    [
+        ("valid", 2, False, False, True, "agreed with another node's result"),
+        ("valid", 3, False, True, True, "agreed, and paid"),
+        ("valid", 1, False, False, False, "valid alone: no second opinion"),
+        ("invalid", 2, False, False, False, "outvoted"),
+        ("error", 0, False, False, False, "failed"),
+        (None, 2, False, False, False, "not judged"),
+        ("valid", 2, True, False, False, "a check's pass no known answer confirmed yet"),
+        ("valid", 2, True, True, True, "a check's pass a known answer confirmed (paid)"),
+    ],
+)
+def test_a_check_on_record_agreed_with_another_node(
+    outcome: str | None, agreeing: int, checked_output: bool, paid: bool, on_record: bool, why: str
+) -> None:
+    found = ledger.FinishedResult(
+        finished_at=100.0,
+        outcome=outcome,
+        agreeing=agreeing,
+        checked_output=checked_output,
+        paid=paid,
+    )
+    assert ledger.on_record(found) is on_record, why
+
+
+def test_the_latest_check_on_record_is_the_horizon() -> None:
+    def finished(at: float, outcome: str) -> ledger.FinishedResult:
+        return ledger.FinishedResult(
+            finished_at=at, outcome=outcome, agreeing=2, checked_output=False, paid=False
+        )
+
+    assert ledger.latest_on_record([]) is None
+    assert ledger.latest_on_record([finished(100.0, "invalid")]) is None
+    found = [finished(100.0, "valid"), finished(300.0, "invalid"), finished(200.0, "valid")]
+    assert ledger.latest_on_record(found) == 200.0
+
+
 # -- confirmed passes: a check's pass paid once a right answer confirms it ----------------
 
 

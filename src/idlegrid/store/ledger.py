@@ -266,31 +266,40 @@ _AGREEING = tasks.alias("agreeing")
 
 
 async def checks_on_record(conn: AsyncConnection, since: Mapping[int, float]) -> dict[int, float]:
-    """Per node, when its latest recorded check at or after `since[node]` finished: a
-    result of its that agreed with another node's (valid, in a shard with two valid
-    results or more). Nodes without one are absent."""
-    agreed = (
+    """Per node, when its latest check on record (`rules.on_record`) at or after
+    `since[node]` finished. Nodes without one are absent."""
+    agreeing = (
         select(func.count())
         .where(_AGREEING.c.shard_id == tasks.c.shard_id, _AGREEING.c.outcome == "valid")
         .scalar_subquery()
     )
     found: dict[int, float] = {}
     for node_id, earliest in since.items():
-        latest = (
-            await conn.execute(
-                select(func.max(tasks.c.finished_at)).where(
-                    tasks.c.node_id == node_id,
-                    tasks.c.state == TaskState.COMPLETED.value,
-                    tasks.c.outcome == "valid",
-                    tasks.c.finished_at >= earliest,
-                    agreed >= 2,
-                    # A check's pass speaks for its node once a known answer confirmed it.
-                    tasks.c.checks_hash.is_(None) | tasks.c.credit.is_not(None),
-                )
+        rows = await conn.execute(
+            select(
+                tasks.c.finished_at,
+                tasks.c.outcome,
+                tasks.c.checks_hash.is_not(None).label("checked_output"),
+                tasks.c.credit.is_not(None).label("paid"),
+                agreeing.label("agreeing"),
+            ).where(
+                tasks.c.node_id == node_id,
+                tasks.c.state == TaskState.COMPLETED.value,
+                tasks.c.finished_at >= earliest,
             )
-        ).scalar()
+        )
+        latest = rules.latest_on_record(
+            rules.FinishedResult(
+                finished_at=float(row.finished_at),
+                outcome=row.outcome,
+                agreeing=row.agreeing,
+                checked_output=bool(row.checked_output),
+                paid=bool(row.paid),
+            )
+            for row in rows.all()
+        )
         if latest is not None:
-            found[node_id] = float(latest)
+            found[node_id] = latest
     return found
 
 

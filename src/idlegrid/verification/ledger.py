@@ -233,6 +233,33 @@ def confirmed_passes(
     return confirmed
 
 
+@dataclass(frozen=True, kw_only=True)
+class FinishedResult:
+    """A node's finished result, as the rule of checks on record reads it."""
+
+    finished_at: float
+    outcome: str | None  # its verdict as stored
+    agreeing: int  # the valid results of its shard, itself included
+    checked_output: bool  # a check of another node's output: its pass is paid once confirmed
+    paid: bool  # credit was granted to it (or taken back since)
+
+
+def on_record(result: FinishedResult) -> bool:
+    """Whether a result counts as a check its node passed (`vouch_horizons`'
+    `checks_on_record`): it agreed with another node's (valid, in a shard with two valid
+    results or more), and a check's pass only once a known answer confirmed it (paid)."""
+    return (
+        result.outcome == "valid"
+        and result.agreeing >= 2
+        and (not result.checked_output or result.paid)
+    )
+
+
+def latest_on_record(results: Iterable[FinishedResult]) -> float | None:
+    """When the latest of these results that is a check on record finished (None: none is)."""
+    return max((r.finished_at for r in results if on_record(r)), default=None)
+
+
 def vouch_horizons(
     results: Sequence[JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
