@@ -73,14 +73,15 @@ def _lifespan(
         store = open_store(settings.database, schema=settings.database_schema, trust=settings.trust)
         await store.open()
         await bootstrap_admin(store, settings)
+        broker = open_broker(settings.redis_url, prefix=settings.redis_prefix)
         grid = Grid(
             settings=settings,
             store=store,
-            broker=open_broker(settings.redis_url, prefix=settings.redis_prefix),
+            broker=broker,
             blobs=BlobStore(settings.blob_dir, max_bytes=settings.max_blob_bytes),
         )
         swarm = Swarm(settings)  # peer-to-peer rounds' bootstrap DHT peer, if any
-        swarm.start_soon(grid.rounds.set_swarm_peers)
+        swarm.start_soon(grid.set_swarm_peers)
         monitor = Monitor(grid, tune_gc=owns_process)
         await monitor.start()
         exporter = dashboard.Exporter(
@@ -97,11 +98,9 @@ def _lifespan(
             await exporter.stop()
             await monitor.stop()
             await swarm.stop()
-            for session in grid.hub.sessions():
-                with contextlib.suppress(Exception):
-                    await session.close()
+            await grid.close_connections()
             await grid.aclose()  # results already queued are committed before the store closes
-            await grid.broker.close()
+            await broker.close()
             await store.close()
 
     return lifespan
@@ -125,7 +124,8 @@ def _install_meta_routes(app: FastAPI) -> None:
 
         For the addresses in the `metrics_allow` setting, and for admin tokens."""
         await api.metrics_reader(request)
-        text = await metrics.render(request.app.state.grid.context)
+        grid: Grid = request.app.state.grid
+        text = await grid.metrics_text()
         return Response(text, media_type=metrics.CONTENT_TYPE)
 
     @app.websocket("/v1/nodes/ws")

@@ -1,10 +1,11 @@
 """The coordinator's core, as one facade: jobs in, tasks out, results verified, jobs assembled.
 
 `Grid` wires the parts around one `Context` (settings, store, broker, blobs, hub, clock,
-counters) and one fan-out, and is what the REST API, the WebSocket handler, the monitor
-and the tests call. They ask it for the grid's work and never do it themselves through
-its store, broker, hub or parts; they may read records for a response through a store
-role (docs/architecture.md, "Callers of Grid"). Each concept lives in its own module:
+counters) and one fan-out, and is what the REST API, the WebSocket handler, the monitor,
+the dashboard and the tests call. They ask it for the grid's work and never do it
+themselves through its store, broker, hub or parts; they may read records for a response
+through a store role (docs/architecture.md, "Callers of Grid"). Each concept lives in its
+own module:
 
 - `plans`: what this process keeps of each job; `intake`: submit, split, cancel;
 - `dispatch`: fill a node's slots (`matching` feeds the scheduler); `leases`: lease
@@ -27,14 +28,14 @@ import secrets
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, suppress
 from random import Random
 from typing import Any
 
 from idlegrid import protocol
 from idlegrid.blobs.files import BlobStore
 from idlegrid.broker.base import Broker
-from idlegrid.coordinator import peers
+from idlegrid.coordinator import metrics, peers
 from idlegrid.coordinator.context import CHANNEL, Context, Counters, PresencePause
 from idlegrid.coordinator.dispatch import Dispatcher
 from idlegrid.coordinator.fanout import GridFanOut
@@ -232,6 +233,10 @@ class Grid:
             return None
         return await self.rounds.metrics(job)
 
+    def set_swarm_peers(self, peers: tuple[str, ...]) -> None:
+        """The bootstrap DHT peer is up (or given): its addresses go into new rounds."""
+        self.rounds.set_swarm_peers(peers)
+
     def task_progress(self) -> dict[int, float]:
         """Per shard, the progress its node here reported last (0 to 1)."""
         progress: dict[int, float] = {}
@@ -366,6 +371,25 @@ class Grid:
         if session is not None and session.account_id == account_id:
             session.hold(blob_hash)
 
+    def task_heard(self, node_id: int, task_id: int) -> tuple[float, str] | None:
+        """A task's progress (0 to 1) and device as its node, connected here, reported
+        them last; None when the node is not connected here or holds no such task."""
+        session = self.hub.get(node_id)
+        if session is None or task_id not in session.shard_of:
+            return None
+        progress = session.progress.get(session.shard_of[task_id], 0.0)
+        return progress, session.device_of.get(task_id, "")
+
+    def connected_here(self) -> int:
+        """How many nodes are connected to this process."""
+        return len(self.hub)
+
+    async def close_connections(self) -> None:
+        """Close every node's connection to this process (at shutdown; errors ignored)."""
+        for session in self.hub.sessions():
+            with suppress(Exception):
+                await session.close()
+
     # -- the volunteer's nodes -----------------------------------------------------------
 
     async def node_for(self, node_id: int, *, account_id: int, admin: bool) -> NodeRecord:
@@ -418,6 +442,14 @@ class Grid:
     async def record_presence(self) -> None:
         """Persist last-seen times (and uptime) of the nodes heard from."""
         await peers.record_presence(self.context)
+
+    async def ready_count(self) -> int:
+        """Tasks in the broker's ready queue."""
+        return await self.broker.ready_count()
+
+    async def metrics_text(self) -> str:
+        """This process's Prometheus metrics, in the text exposition format."""
+        return await metrics.render(self.context)
 
     def leadership(self) -> Leadership:
         """This process's claim on the monitor lease (`leader`)."""

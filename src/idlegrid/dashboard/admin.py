@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Form, Query, Request
 from fastapi.responses import HTMLResponse, Response
 
-from idlegrid.coordinator import metrics
 from idlegrid.dashboard.pages import (
     Admin,
     Csrf,
@@ -54,8 +53,8 @@ async def admin_page(
         flagged=flagged,
         suspended=suspended,
         recent_nodes=recent,
-        queue=await grid_of(request).broker.ready_count(),
-        connected=len(grid_of(request).hub),
+        queue=await grid_of(request).ready_count(),
+        connected=grid_of(request).connected_here(),
     )
 
 
@@ -119,7 +118,7 @@ async def suspend(
 @router.get("/metrics", response_class=HTMLResponse)
 async def metrics_page(request: Request, session: Admin) -> Response:
     """The Prometheus figures of this process, as a table a person reads."""
-    text = await metrics.render(grid_of(request).context)
+    text = await grid_of(request).metrics_text()
     return await render(request, "admin_metrics.html", families=parse_exposition(text))
 
 

@@ -333,12 +333,9 @@ async def own_job(request: Request, session: WebSession, job_id: int) -> JobReco
 async def _job_context(request: Request, job: JobRecord) -> dict[str, Any]:
     grid = grid_of(request)
     view = await job_out(grid, job, with_shards=True)
-    training = None
-    if grid.rounds.drives(get_kind(job.kind)):
-        training = await grid.rounds.metrics(job)
     return {
         "job": view,
-        "training": training,
+        "training": await grid.training_metrics(job),
         "generation": await generation.summary(grid, job),
         "own_model": model_folders.describe(job),
         "live": view.state not in TERMINAL,

@@ -127,11 +127,8 @@ async def _doing(request: Request, ids: list[int]) -> dict[int, list[TaskDoing]]
     grid = grid_of(request)
     out: dict[int, list[TaskDoing]] = {}
     for task in await store_of(request).node_control.tasks_now(ids):
-        session = grid.hub.get(task.node_id)
-        progress, device = None, ""
-        if session is not None and task.task_id in session.shard_of:
-            progress = session.progress.get(session.shard_of[task.task_id], 0.0)
-            device = session.device_of.get(task.task_id, "")
+        heard = grid.task_heard(task.node_id, task.task_id)
+        progress, device = heard if heard is not None else (None, "")
         out.setdefault(task.node_id, []).append(
             TaskDoing(task.task_id, task.job_id, task.kind, progress, device)
         )
