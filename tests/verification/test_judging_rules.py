@@ -12,7 +12,14 @@ import pytest
 from idlegrid.kinds.base import Verdict
 from idlegrid.verification import collusion, judging
 from idlegrid.verification.quorum import Decision
-from idlegrid.verification.recheck import LoneShard, Rechecked, recheck
+from idlegrid.verification.recheck import (
+    LoneShard,
+    OutputCheck,
+    Rechecked,
+    recheck,
+    rested_alone,
+    rested_on_liars,
+)
 from idlegrid.verification.trust import Trust, TrustSettings
 
 SETTINGS = TrustSettings()
@@ -212,6 +219,96 @@ def test_recheck_takes_each_shard_once_as_its_last_row_says() -> None:
     found = recheck(rows, now=NOW, window_s=WINDOW)
     assert found == Rechecked(escalated=[2], reopened=[1, 3])
     assert found.to_replicate == [2, 1, 3]
+
+
+# -- what rested on a liar's word: a decided output one check alone passed ---------------
+
+
+def output_check(
+    task_id: int,
+    *,
+    index: int = 0,
+    node: int | None = 1,
+    finished_at: float | None = 100.0,
+    outcome: str | None = "valid",
+    known_answer: bool = False,
+) -> OutputCheck:
+    return OutputCheck(
+        shard_index=index,
+        task_id=task_id,
+        node_id=node,
+        finished_at=finished_at,
+        outcome=outcome,
+        known_answer=known_answer,
+    )
+
+
+@pytest.mark.parametrize(
+    ("checks", "alone"),
+    [
+        ([output_check(5)], [5]),
+        ([output_check(5), output_check(6, node=2)], []),  # two passes: not one word
+        ([output_check(5), output_check(6, node=2, outcome="invalid")], [5]),
+        ([output_check(5), output_check(6, node=2, outcome="error")], [5]),
+        ([output_check(5), output_check(6, node=2, outcome=None)], [5]),
+        ([output_check(5, outcome="invalid")], []),  # failed it: rested on nothing
+        ([output_check(5, known_answer=True)], []),  # a probe is no one's word
+        ([output_check(5), output_check(6, known_answer=True)], []),  # a probe's pass counts
+        ([output_check(5, node=None)], []),
+        ([output_check(5, index=0), output_check(6, index=1, node=2)], [5, 6]),
+    ],
+    ids=[
+        "one pass",
+        "two passes",
+        "the other failed it",
+        "the other erred",
+        "the other unjudged",
+        "no pass",
+        "a probe's pass only",
+        "a probe's pass too",
+        "no node",
+        "per shard",
+    ],
+)
+def test_an_output_rests_on_a_check_that_alone_passed_it(
+    checks: list[OutputCheck], alone: list[int]
+) -> None:
+    assert [c.task_id for c in rested_alone(checks)] == alone
+
+
+@pytest.mark.parametrize(
+    ("last_lie", "doubted", "why"),
+    [
+        ({}, False, "never lied"),
+        ({1: (90.0, 9)}, False, "lied before the pass"),
+        ({1: (110.0, 1)}, True, "lied after the pass"),
+        ({1: (100.0, 4)}, False, "lied as it passed, an earlier task"),
+        ({1: (100.0, 5)}, False, "the pass itself"),
+        ({1: (100.0, 6)}, True, "lied as it passed, a later task"),
+        ({2: (110.0, 1)}, False, "another node lied"),
+    ],
+)
+def test_a_pass_is_doubted_when_its_node_lied_since(
+    last_lie: dict[int, tuple[float, int]], doubted: bool, why: str
+) -> None:
+    found = rested_on_liars([output_check(5, index=3)], last_lie)
+    assert found == ([(3, 1)] if doubted else []), why
+
+
+def test_a_pass_never_finished_is_not_doubted() -> None:
+    assert rested_on_liars([output_check(5, finished_at=None)], {1: (110.0, 9)}) == []
+
+
+def test_outputs_resting_on_liars_in_shard_order() -> None:
+    checks = [
+        output_check(7, index=2, node=1),
+        output_check(5, index=0, node=2),
+        output_check(6, index=1, node=3),  # its node never lied
+        output_check(8, index=3, node=1),
+        output_check(9, index=3, node=2),  # two passes of shard 3
+    ]
+    last_lie = {1: (200.0, 20), 2: (200.0, 21)}
+    assert rested_on_liars(checks, last_lie) == [(0, 2), (2, 1)]
 
 
 # -- collusion ---------------------------------------------------------------------------

@@ -3,7 +3,9 @@
 Which of them go back to full replication is `verification.recheck`'s rule; here the
 shards it needs are read and its answer written, in the caller's transaction (the
 verdict's: see `store.ledger`). Their new replicas go to the front of the ready queue
-(mode "escalated", `rows.ready`).
+(mode "escalated", `rows.ready`). An ended job's outputs that rested on a liar's word
+are `verification.recheck.rested_on_liars`'s to name; here the checks of the job's
+outputs and their nodes' latest lies are read for it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 from idlegrid.states import JobState, ShardState, TaskState
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
+from idlegrid.verification import recheck as rules
 from idlegrid.verification.recheck import UNREPLICATED, LoneShard, Rechecked, recheck, rested
 
 _OPEN_JOB = (JobState.QUEUED.value, JobState.RUNNING.value)
@@ -173,34 +176,60 @@ async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quoru
     )
 
 
-_LATER_LIE = tasks.alias("later_lie")
-
-
 async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int, int]]:
     """(shard index, node) of the job's decided shards whose output one check alone
-    passed, by a node caught lying since (kinds verified by checks), in shard order."""
-    lied_since = (
-        select(_LATER_LIE.c.id)
-        .where(
-            _LATER_LIE.c.node_id == tasks.c.node_id,
-            _LATER_LIE.c.outcome == "invalid",
-            (_LATER_LIE.c.finished_at > tasks.c.finished_at)
-            | ((_LATER_LIE.c.finished_at == tasks.c.finished_at) & (_LATER_LIE.c.id > tasks.c.id)),
-        )
-        .exists()
-    )
+    passed, by a node caught lying since (`rules.rested_on_liars`; kinds verified by
+    checks), in shard order."""
     query = (
-        select(shards.c.idx, tasks.c.node_id)
+        select(
+            shards.c.idx,
+            tasks.c.id,
+            tasks.c.node_id,
+            tasks.c.finished_at,
+            tasks.c.outcome,
+            tasks.c.known_answer.is_not(None).label("known_answer"),
+        )
         .join(tasks, tasks.c.shard_id == shards.c.id)
         .where(
             shards.c.job_id == job_id,
             shards.c.state == ShardState.DONE.value,
             tasks.c.checks_hash == shards.c.output_hash,
-            tasks.c.known_answer.is_(None),
-            tasks.c.outcome == "valid",
-            _PASSES == 1,
-            lied_since,
         )
-        .order_by(shards.c.idx)
+        .order_by(shards.c.idx, tasks.c.id)
     )
-    return [(row.idx, row.node_id) for row in await conn.execute(query)]
+    checks = [
+        rules.OutputCheck(
+            shard_index=row.idx,
+            task_id=row.id,
+            node_id=row.node_id,
+            finished_at=row.finished_at,
+            outcome=row.outcome,
+            known_answer=bool(row.known_answer),
+        )
+        for row in await conn.execute(query)
+    ]
+    alone = rules.rested_alone(checks)
+    last_lie = await _last_lies(conn, sorted({c.node_id for c in alone if c.node_id is not None}))
+    return rules.rested_on_liars(alone, last_lie)
+
+
+async def _last_lies(conn: AsyncConnection, node_ids: list[int]) -> dict[int, tuple[float, int]]:
+    """Per node, when its latest result found invalid finished, and its task (the latest
+    task of those that finished then); absent: none."""
+    found: dict[int, tuple[float, int]] = {}
+    for node_id in node_ids:
+        row = (
+            await conn.execute(
+                select(tasks.c.finished_at, tasks.c.id)
+                .where(
+                    tasks.c.node_id == node_id,
+                    tasks.c.outcome == "invalid",
+                    tasks.c.finished_at.is_not(None),
+                )
+                .order_by(tasks.c.finished_at.desc(), tasks.c.id.desc())
+                .limit(1)
+            )
+        ).first()
+        if row is not None:
+            found[node_id] = (float(row.finished_at), int(row.id))
+    return found

@@ -2,7 +2,9 @@
 
 A checker caught lying (kinds verified by checks) is treated alike for what rested on its
 word: a shard whose output its pass alone made canonical (`rested`) is opened again for
-another check while its job is open, and reported as released once its job ended.
+another check while its job is open, and reported as released once its job ended; an
+ended job names it as a doubt (`rested_on_liars`: the store reads the checks of the job's
+outputs and their nodes' latest lies).
 
 A node that runs shards alone was trusted on its record; one wrong result shows the
 record was no guarantee. Every shard of that kind and backend it runs alone now goes
@@ -15,7 +17,7 @@ before a job completes is what keeps them few). Pure: the store reads the shards
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 # Modes of a shard whose result no full set of replicas checked.
@@ -83,3 +85,52 @@ def rested(shards: Iterable[LoneShard], *, now: float, window_s: float) -> Reche
         else:
             out.released.append(shard.shard_id)
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutputCheck:
+    """A check of a decided shard's canonical output (its `checks_hash` that output's), as
+    the rule of what rested on a liar's word reads it."""
+
+    shard_index: int
+    task_id: int
+    node_id: int | None
+    finished_at: float | None
+    outcome: str | None  # its verdict as stored: "valid" passed the output
+    known_answer: bool  # a known-answer probe: its pass counts, but is no one's word
+
+
+def rested_alone(checks: Iterable[OutputCheck]) -> list[OutputCheck]:
+    """The passes a decided output rested on alone, in the order given: a check that
+    passed it (not a known-answer probe) where no other check of it passed."""
+    passes: dict[int, list[OutputCheck]] = {}
+    for check in checks:
+        if check.outcome == "valid":
+            passes.setdefault(check.shard_index, []).append(check)
+    return [
+        found[0]
+        for found in passes.values()
+        if len(found) == 1 and not found[0].known_answer and found[0].node_id is not None
+    ]
+
+
+def lied_since(check: OutputCheck, last_lie: Mapping[int, tuple[float, int]]) -> bool:
+    """Whether the check's node was found lying after it (`last_lie`: node -> when its
+    latest invalid result finished, and its task; a lie finished at the same time counts
+    as later when its task is)."""
+    lie = last_lie.get(check.node_id) if check.node_id is not None else None
+    if lie is None or check.finished_at is None:
+        return False
+    return lie > (check.finished_at, check.task_id)
+
+
+def rested_on_liars(
+    checks: Iterable[OutputCheck], last_lie: Mapping[int, tuple[float, int]]
+) -> list[tuple[int, int]]:
+    """(shard index, node) of the decided outputs that one check alone passed
+    (`rested_alone`), by a node caught lying since (`lied_since`), in shard order."""
+    return sorted(
+        (check.shard_index, check.node_id)
+        for check in rested_alone(checks)
+        if check.node_id is not None and lied_since(check, last_lie)
+    )
