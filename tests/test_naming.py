@@ -17,6 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "src" / "idlegrid"
 # name -> the concept every module of that name is a layer of.
 SHARED = {
     "accounts.py": "an account: its REST API, its SQL, its pages",
+    "audit.py": "a job's lone results spot-checked before it completes: the rule and its SQL",
     "collusion.py": "accounts wrong together: the rule and its SQL",
     "jobs.py": "a job: its REST API and its SQL",
     "judging.py": "a shard's decision: the rule and its SQL",

@@ -2,9 +2,11 @@
 
 A shard decided by one trusted node alone had no second opinion. Before a job
 completes, each node that decided shards of it alone must have passed a check since its
-latest one (`unvouched_alone`: its result is still unpaid). If it has not, that shard
-gets a spot check by a trusted node first (`audit`); the job completes when the check
-agrees, and if it disagrees the node's lone shards are replicated again
+latest one (its result is still unpaid); if it has not, that latest shard gets a spot
+check by a trusted node first (`audit`). Which shards wait for one is
+`verification.audit.to_audit`'s to say: `unvouched_alone` reads the job's decided lone
+shards whose result is unpaid and returns what the rule names. The job completes when
+the check agrees, and if it disagrees the node's lone shards are replicated again
 (`store.recheck`). Functions over an open connection, in the caller's transaction.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from sqlalchemy import func, insert, select
+from sqlalchemy import insert, select
 from sqlalchemy.ext.asyncio import AsyncConnection
 
 from idlegrid.states import ShardState, TaskState
@@ -21,54 +23,37 @@ from idlegrid.store import rows
 from idlegrid.store.base import ReadyTask
 from idlegrid.store.lifecycle import move
 from idlegrid.store.schema import jobs, shards, tasks
-
-# A shard decided alone whose result no check has paid for yet.
-_UNPAID_ALONE = (
-    shards.c.mode == "alone",
-    shards.c.state == ShardState.DONE.value,
-    tasks.c.credit.is_(None),
-)
+from idlegrid.verification import audit as rules
 
 
 async def unvouched_alone(conn: AsyncConnection, job_id: int) -> list[int]:
-    """Per node that decided shards of this job alone, its latest such shard whose
-    result is still unpaid: no check of the node has vouched for it yet.
-
-    A lone result is paid once its node passes a check that finished after it
-    (`verification.ledger.vouch_horizons`): the node cannot tell which of its shards run
-    alone, nor which result will be checked. So an unpaid one is exactly one no check
-    has vouched for, and the job waits for its audit; the check that passes it vouches
-    for the node's earlier lone results too.
-    """
-    latest = (
-        await conn.execute(
-            select(
-                tasks.c.node_id,
-                func.max(tasks.c.finished_at).label("finished_at"),
-            )
-            .join(shards, shards.c.canonical_task_id == tasks.c.id)
-            .where(*_UNPAID_ALONE, shards.c.job_id == job_id)
-            .group_by(tasks.c.node_id)
+    """The job's shards decided alone to audit before it completes (`rules.to_audit`):
+    per node, its latest such shard whose result is still unpaid, that no check of the
+    node has vouched for yet."""
+    found = await conn.execute(
+        select(
+            shards.c.id,
+            tasks.c.node_id,
+            tasks.c.finished_at,
+            tasks.c.credit.is_not(None).label("paid"),
         )
-    ).all()
-    found = []
-    for node_id, finished_at in latest:
-        shard_id = (
-            await conn.execute(
-                select(shards.c.id)
-                .join(tasks, tasks.c.id == shards.c.canonical_task_id)
-                .where(
-                    *_UNPAID_ALONE,
-                    shards.c.job_id == job_id,
-                    tasks.c.node_id == node_id,
-                    tasks.c.finished_at == finished_at,
-                )
-                .order_by(shards.c.id)
-                .limit(1)
-            )
-        ).scalar_one()
-        found.append(shard_id)
-    return sorted(found)
+        .join(tasks, tasks.c.id == shards.c.canonical_task_id)
+        .where(
+            shards.c.job_id == job_id,
+            shards.c.mode == "alone",
+            shards.c.state == ShardState.DONE.value,
+            tasks.c.credit.is_(None),  # the rule's candidates: no paid one is audited
+        )
+    )
+    return rules.to_audit(
+        rules.DecidedAlone(
+            shard_id=row.id,
+            node_id=row.node_id,
+            finished_at=row.finished_at,
+            paid=bool(row.paid),
+        )
+        for row in found.all()
+    )
 
 
 async def audit(conn: AsyncConnection, shard_ids: Sequence[int], *, now: float) -> list[ReadyTask]:

@@ -13,6 +13,7 @@ writes what they return, the coordinator does the I/O around them.
 - `credit`: the price of validated work and the decayed credit totals.
 - `ledger`: the delta of a set of verdicts: trust changes, credit grants and take-backs.
 - `recheck`: what a node caught lying sent back to full replication.
+- `audit`: which of a job's lone shards are spot-checked before it completes.
 - `collusion`: accounts wrong together, the same way, often enough to be flagged.
 - `stalemate`: a shard no eligible node is left for, decided on its evidence or failed.
 """
