@@ -162,6 +162,42 @@ def test_a_check_vouches_only_for_its_nodes_lone_results_before_it(
     assert (7 in paid(delta)) == paid_too, why
 
 
+@pytest.mark.parametrize(
+    ("outcome", "candidate", "vouched", "why"),
+    [
+        ("valid", result(7, mode="alone", finished_at=100.0), True, "accepted, by the horizon"),
+        ("valid", result(7, mode="alone", finished_at=50.0), True, "accepted, long before"),
+        ("valid", result(7, mode="alone", finished_at=101.0), False, "after the horizon"),
+        ("invalid", result(7, mode="alone", finished_at=50.0), False, "found wrong"),
+        ("error", result(7, mode="alone", finished_at=50.0), False, "failed"),
+        (None, result(7, mode="alone", finished_at=50.0), False, "not judged"),
+        ("valid", result(7, mode="alone", credit=PRICE), False, "paid already"),
+        ("valid", result(7, mode="alone", credit=0.0), False, "paid once (or taken back)"),
+        ("valid", result(7, mode="spot", finished_at=50.0), False, "not decided alone"),
+        ("valid", result(7, mode=None, finished_at=50.0), False, "replicated"),
+        ("valid", result(7, mode="alone", node=2), False, "a node without a horizon"),
+    ],
+)
+def test_a_nodes_accepted_unpaid_lone_results_up_to_its_horizon_are_vouched_for(
+    outcome: str | None, candidate: JudgedResult, vouched: bool, why: str
+) -> None:
+    lone = [ledger.LoneResult(result=candidate, outcome=outcome)]
+    assert ledger.vouched_results(lone, {1: 100.0}) == ([candidate] if vouched else []), why
+
+
+def test_vouched_results_keep_their_order_and_skip_those_never_finished() -> None:
+    unfinished = dataclasses.replace(result(6, mode="alone"), finished_at=None)
+    lone = [
+        ledger.LoneResult(result=result(9, mode="alone", finished_at=90.0), outcome="valid"),
+        ledger.LoneResult(result=unfinished, outcome="valid"),
+        ledger.LoneResult(result=result(8, mode="alone", finished_at=80.0), outcome="valid"),
+    ]
+    found = ledger.vouched_results(lone, {1: 100.0})
+    assert [r.task_id for r in found] == [9, 8]
+    delta = ledger.credit_delta([result(1, finished_at=100.0)], {1: "valid"}, found)
+    assert paid(delta) == {1: (PRICE, "valid"), 9: (PRICE, "vouched"), 8: (PRICE, "vouched")}
+
+
 def test_run_alone_then_vouched_for_is_paid_once() -> None:
     lone = result(7, mode="alone", finished_at=50.0)
     check = result(1, finished_at=100.0)

@@ -304,19 +304,28 @@ async def checks_on_record(conn: AsyncConnection, since: Mapping[int, float]) ->
 
 
 async def _vouched(conn: AsyncConnection, horizons: dict[int, float]) -> list[rules.JudgedResult]:
-    """Results these nodes decided alone up to their horizons (`rules.vouch_horizons`),
-    accepted and unpaid: the candidates `rules.credit_delta` pays (`rules.vouched_for`)."""
+    """The results these nodes decided alone up to their horizons (`rules.vouch_horizons`)
+    that the rule of vouched results names (`rules.vouched_results`): the candidates
+    `rules.credit_delta` pays (`rules.vouched_for`)."""
     found: list[rules.JudgedResult] = []
     for node_id, until in horizons.items():
-        found += await _judged(
-            conn,
-            tasks.c.node_id == node_id,
-            tasks.c.outcome == "valid",
-            tasks.c.credit.is_(None),
-            shards.c.mode == "alone",
-            tasks.c.finished_at <= until,
+        lone = await conn.execute(
+            _LONE.where(
+                tasks.c.node_id == node_id,
+                tasks.c.credit.is_(None),
+                shards.c.mode == "alone",
+                tasks.c.finished_at <= until,
+            )
+        )
+        found += rules.vouched_results(
+            (rules.LoneResult(result=_judged_of(row), outcome=row.outcome) for row in lone.all()),
+            {node_id: until},
         )
     return found
+
+
+# A lone result's row as `rules.vouched_results` reads it.
+_LONE = _JUDGED.add_columns(tasks.c.outcome)
 
 
 async def _take_back(

@@ -312,6 +312,29 @@ def vouched_for(result: JudgedResult, horizons: Mapping[int, float]) -> bool:
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class LoneResult:
+    """A node's result in a shard decided alone, as the rule of vouched results reads it."""
+
+    result: JudgedResult
+    outcome: str | None  # its verdict as stored: "valid" accepted it
+
+
+def vouched_results(
+    lone: Iterable[LoneResult], horizons: Mapping[int, float]
+) -> list[JudgedResult]:
+    """The lone results a check of their node may pay (`credit_delta`'s `vouched`), in the
+    order given: accepted (stored valid), unpaid, decided alone by a node with a horizon
+    and finished no later than it (`vouched_for`)."""
+    return [
+        lone_result.result
+        for lone_result in lone
+        if lone_result.outcome == "valid"
+        and lone_result.result.credit is None
+        and vouched_for(lone_result.result, horizons)
+    ]
+
+
 def credit_delta(
     results: Sequence[JudgedResult],
     verdict_of: Mapping[int, ResultVerdict],
@@ -327,9 +350,9 @@ def credit_delta(
     anything the node said), once per task: a result paid before (`credit` not None) is
     never paid again. A valid result is paid; so is one accepted unchecked in a shard not
     run alone (replication 1). A result decided alone is pending until its node passes
-    a check after it (`vouched`: the node's accepted, unpaid lone results, read up to
-    `vouch_horizons`, with the checks its nodes passed before, `checks_on_record`;
-    those `vouched_for` are paid). `credit` False: a result
+    a check after it (`vouched`: the node's accepted, unpaid lone results up to
+    `vouch_horizons`, as `vouched_results` names them, with the checks its nodes passed
+    before, `checks_on_record`; those `vouched_for` are paid). `credit` False: a result
     that came after its shard was decided and credited is paid for nothing (the work is
     paid once), though it still vouches for its node's earlier lone results. A result
     found invalid that was paid (accepted alone, then rechecked) has its credit taken back.
