@@ -18,6 +18,7 @@ import time
 from llama_cpp import Llama
 
 from idlegrid.kinds.llm_generate.model import inspect_gguf
+from idlegrid.kinds.llm_generate.runtime import plain_cpu_buffers
 from idlegrid.kinds.llm_generate.samples import smollm2_path
 from idlegrid.worker.benchmark import matmul_gflops
 
@@ -34,8 +35,9 @@ def main() -> None:
     print(f"matmul {gflops:.1f} GFLOPS (the worker's benchmark); "
           f"{per_token / 1e9:.3f} GFLOP a token")  # fmt: skip
     for threads in (1, 2):
-        llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads,
-                    n_threads_batch=threads, verbose=False)  # fmt: skip
+        with plain_cpu_buffers():  # as workers load models (no AMX kernels where they crash)
+            llm = Llama(model_path=str(path), n_ctx=2048, n_threads=threads,
+                        n_threads_batch=threads, verbose=False)  # fmt: skip
         prompt = llm.tokenize(PROMPT, add_bos=True)
         for wanted in (128, 1024):
             start, made = time.perf_counter(), 0

@@ -72,7 +72,12 @@ def _llama_cpp_chat(path: Path, prompt_ids: list[int]) -> tuple[list[int], list[
     tokens after the prompt."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False, logits_all=False)
+    from idlegrid.kinds.llm_generate.runtime import plain_cpu_buffers
+
+    # As the grid's workers load models: without the AMX kernels that crash quantized
+    # models on some VMs (runtime.plain_cpu_buffers).
+    with plain_cpu_buffers():
+        llm = Llama(model_path=str(path), n_ctx=256, n_threads=1, verbose=False)
     text = llm.detokenize(prompt_ids, special=True).decode()
     ids = llm.tokenize(text.encode(), add_bos=False, special=True)
     new: list[int] = []
