@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from desktop import find_colour, local_worker, require, screenshot, xdotool, xvfb
 from helpers import wait_until
+from PIL import Image, ImageChops
 
 from idlegrid.worker.local_client import LocalWorker
 from idlegrid.worker.tray_view import COLOURS, TrayView, view_of
@@ -67,10 +67,18 @@ def _menu_item(display: str, where: tuple[int, int], keys: list[str], shot: Path
     """Open the icon's menu with a right click (a screenshot of it saved as `shot`), then
     choose an item with the keyboard."""
     xdotool(display, "mousemove", str(where[0]), str(where[1]))
+    before = screenshot(display, shot)
     xdotool(display, "click", "3")
-    time.sleep(1.0)  # the menu maps and grabs the keyboard
-    screenshot(display, shot)
+    # GTK grabs the keyboard as the menu maps: once the menu shows, keys go to it.
+    wait_until(lambda: _menu_shown(before, screenshot(display, shot)), "the icon's menu",
+               timeout_s=30, poll_s=0.1)  # fmt: skip
     xdotool(display, "key", "--delay", "150", *keys)
+
+
+def _menu_shown(before: Image.Image, now: Image.Image) -> bool:
+    """Whether something menu-sized appeared (not the icon's own hover highlight)."""
+    changed = ImageChops.difference(before, now).getbbox()
+    return changed is not None and changed[2] - changed[0] >= 60 and changed[3] - changed[1] >= 30
 
 
 def test_the_tray_icon_pauses_and_resumes_the_worker_and_quits(tmp_path: Path) -> None:
