@@ -95,23 +95,12 @@ async def _lone_shards(
 _CHECK = tasks.alias("pass_of_output")
 
 
-# The checks that passed a decided shard's canonical output (a subquery over `shards`).
-_PASSES = (
-    select(func.count())
-    .where(
-        _CHECK.c.shard_id == shards.c.id,
-        _CHECK.c.checks_hash == shards.c.output_hash,
-        _CHECK.c.outcome == "valid",
-    )
-    .scalar_subquery()
-)
-
-
 async def _rested_on(
     conn: AsyncConnection, node_id: int, kind: str, backend: str, *, since: float
 ) -> list[Any]:
     """The shards decided since `since` whose canonical output this node's check passed,
-    and no other check did (kinds verified by checks), in shard order."""
+    and no other check did (the rule: `rules.rested_alone`; kinds verified by checks),
+    in shard order."""
     results = (
         select(func.count())
         .where(
@@ -143,11 +132,45 @@ async def _rested_on(
             tasks.c.outcome == "valid",
             shards.c.state == ShardState.DONE.value,
             shards.c.finished_at >= since,
-            _PASSES == 1,
         )
         .order_by(shards.c.id)
     )
-    return list((await conn.execute(query)).all())
+    passed = list((await conn.execute(query)).all())
+    if not passed:
+        return []
+    alone = {check.task_id for check in rules.rested_alone(await _output_checks(conn, passed))}
+    return [row for row in passed if row.task_id in alone]
+
+
+async def _output_checks(conn: AsyncConnection, passed: list[Any]) -> list[rules.OutputCheck]:
+    """Every check of these decided shards' canonical outputs, by shard."""
+    query = (
+        select(
+            _CHECK.c.shard_id,
+            _CHECK.c.id,
+            _CHECK.c.node_id,
+            _CHECK.c.finished_at,
+            _CHECK.c.outcome,
+            _CHECK.c.known_answer.is_not(None).label("known_answer"),
+        )
+        .join(shards, shards.c.id == _CHECK.c.shard_id)
+        .where(
+            _CHECK.c.shard_id.in_(sorted({row.id for row in passed})),
+            _CHECK.c.checks_hash == shards.c.output_hash,
+        )
+        .order_by(_CHECK.c.shard_id, _CHECK.c.id)
+    )
+    return [
+        rules.OutputCheck(
+            shard_index=row.shard_id,  # a key of the shard: its id serves as well here
+            task_id=row.id,
+            node_id=row.node_id,
+            finished_at=row.finished_at,
+            outcome=row.outcome,
+            known_answer=bool(row.known_answer),
+        )
+        for row in await conn.execute(query)
+    ]
 
 
 async def _replicate(conn: AsyncConnection, shard_id: int, *, target: int, quorum: int) -> None:
