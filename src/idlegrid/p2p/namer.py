@@ -162,9 +162,7 @@ class Namer:
 
     def _name(self, key: str, meeting: _Meeting, now: float) -> bool:
         request = meeting.request
-        entries = {shard: entry for shard, entry
-                   in subkeyed(self._dht.get(f"{key}-meet", latest=True)).items()
-                   if isinstance(shard, int) and isinstance(entry, dict)}  # fmt: skip
+        entries = member_entries(self._dht.get(f"{key}-meet", latest=True))
         present = frozenset(shard for shard in entries if shard in request.candidates)
         if present != meeting.present:
             meeting.present, meeting.since = present, now
@@ -194,3 +192,9 @@ def subkeyed(found: Any) -> dict[Any, Any]:
     if found is None or not isinstance(getattr(found, "value", None), dict):
         return {}
     return {sub: getattr(entry, "value", None) for sub, entry in found.value.items()}
+
+
+def member_entries(found: Any) -> dict[int, dict[str, Any]]:
+    """A meeting as read from the DHT: each member's entry by its shard (others left out)."""
+    return {shard: entry for shard, entry in subkeyed(found).items()
+            if isinstance(shard, int) and isinstance(entry, dict)}  # fmt: skip

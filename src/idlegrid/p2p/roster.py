@@ -71,11 +71,7 @@ def meet(
         due = stored_at is None or time.monotonic() - stored_at > REWRITE_S
         if due and dht.store(meeting, gathered, time.time() + timeout_s + 60, subkey=shard):
             stored_at = time.monotonic()
-        found = dht.get(meeting, latest=True)
-        entries: dict[int, dict[str, Any]] = {}
-        if found is not None and isinstance(found.value, dict):
-            entries = {sub: entry.value for sub, entry in found.value.items()
-                       if isinstance(sub, int) and isinstance(entry.value, dict)}  # fmt: skip
+        entries = namer.member_entries(dht.get(meeting, latest=True))
         seen |= set(entries)
         if set(members) <= set(entries) and entries[shard] == gathered:
             return [entries[member] for member in members], "", []

@@ -138,31 +138,33 @@ async def _rested_on(
     passed = list((await conn.execute(query)).all())
     if not passed:
         return []
-    alone = {check.task_id for check in rules.rested_alone(await _output_checks(conn, passed))}
+    ids = sorted({row.id for row in passed})
+    checks = await _output_checks(conn, shards.c.id.in_(ids), key=shards.c.id)
+    alone = {check.task_id for check in rules.rested_alone(checks)}
     return [row for row in passed if row.task_id in alone]
 
 
-async def _output_checks(conn: AsyncConnection, passed: list[Any]) -> list[rules.OutputCheck]:
-    """Every check of these decided shards' canonical outputs, by shard."""
+async def _output_checks(conn: AsyncConnection, *where: Any, key: Any) -> list[rules.OutputCheck]:
+    """The checks of the canonical outputs of the decided shards `where` selects, each
+    under its shard's `key` (a `shards` column: the rules only group by it), in key
+    order, then task order."""
     query = (
         select(
-            _CHECK.c.shard_id,
-            _CHECK.c.id,
-            _CHECK.c.node_id,
-            _CHECK.c.finished_at,
-            _CHECK.c.outcome,
-            _CHECK.c.known_answer.is_not(None).label("known_answer"),
+            key.label("key"),
+            tasks.c.id,
+            tasks.c.node_id,
+            tasks.c.finished_at,
+            tasks.c.outcome,
+            tasks.c.known_answer.is_not(None).label("known_answer"),
         )
-        .join(shards, shards.c.id == _CHECK.c.shard_id)
-        .where(
-            _CHECK.c.shard_id.in_(sorted({row.id for row in passed})),
-            _CHECK.c.checks_hash == shards.c.output_hash,
-        )
-        .order_by(_CHECK.c.shard_id, _CHECK.c.id)
+        .join(tasks, tasks.c.shard_id == shards.c.id)
+        .where(*where, shards.c.state == ShardState.DONE.value)
+        .where(tasks.c.checks_hash == shards.c.output_hash)
+        .order_by(key, tasks.c.id)
     )
     return [
         rules.OutputCheck(
-            shard_index=row.shard_id,  # a key of the shard: its id serves as well here
+            shard_index=row.key,
             task_id=row.id,
             node_id=row.node_id,
             finished_at=row.finished_at,
@@ -203,34 +205,7 @@ async def rested_on_liars(conn: AsyncConnection, job_id: int) -> list[tuple[int,
     """(shard index, node) of the job's decided shards whose output one check alone
     passed, by a node caught lying since (`rules.rested_on_liars`; kinds verified by
     checks), in shard order."""
-    query = (
-        select(
-            shards.c.idx,
-            tasks.c.id,
-            tasks.c.node_id,
-            tasks.c.finished_at,
-            tasks.c.outcome,
-            tasks.c.known_answer.is_not(None).label("known_answer"),
-        )
-        .join(tasks, tasks.c.shard_id == shards.c.id)
-        .where(
-            shards.c.job_id == job_id,
-            shards.c.state == ShardState.DONE.value,
-            tasks.c.checks_hash == shards.c.output_hash,
-        )
-        .order_by(shards.c.idx, tasks.c.id)
-    )
-    checks = [
-        rules.OutputCheck(
-            shard_index=row.idx,
-            task_id=row.id,
-            node_id=row.node_id,
-            finished_at=row.finished_at,
-            outcome=row.outcome,
-            known_answer=bool(row.known_answer),
-        )
-        for row in await conn.execute(query)
-    ]
+    checks = await _output_checks(conn, shards.c.job_id == job_id, key=shards.c.idx)
     alone = rules.rested_alone(checks)
     last_lie = await _last_lies(conn, sorted({c.node_id for c in alone if c.node_id is not None}))
     return rules.rested_on_liars(alone, last_lie)
