@@ -8,7 +8,9 @@ One real grid (`LocalGrid`: `idlegrid serve` with its bootstrap DHT peer, K `idl
 worker` processes of one trusted account, over WebSockets and Hivemind's p2p daemon on
 this machine) trains the character transformer on the shipped corpus twice, with the
 same seed and the same compression (the job's default: int8 up, int8 down): once with
-`averaging: "p2p"` and once in coordinator mode. Per round and per mode it prints:
+`averaging: "p2p"` and once in coordinator mode, each on K workers started for it (so
+each mode's round 0 pays for starting the workers' task processes, and p2p's for their
+standing averagers too). Per round and per mode it prints:
 
 - coordinator bytes: what the grid's round metrics count through the coordinator (every
   payload a node fetched, every update or keyframe a task fetched, every result uploaded);
@@ -31,6 +33,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +65,21 @@ def run(local: LocalGrid, settings: dict[str, Any], timeout: float) -> dict[str,
         raise RuntimeError(f"job {job.id} ended {metrics['state']}")
     metrics["wall_s"] = time.perf_counter() - started
     return dict(metrics)
+
+
+def on_new_workers(local: LocalGrid, mode: str, k: int, job: Callable[[], Any]) -> Any:
+    """Run `job` on K workers started for it, then stop them: each mode's round 0 pays
+    for starting a worker's task process (and in p2p mode its averager), as a volunteer's
+    first job does; neither mode inherits processes the other warmed."""
+    names = [f"{mode}-{i}" for i in range(k)]
+    workers = [local.start_worker(name, kinds="diloco-train", threads=1, benchmark=False,
+                                  account="lab") for name in names]  # fmt: skip
+    try:
+        local.wait_for_nodes(k, names=names)
+        return job()
+    finally:
+        for worker in workers:
+            local.stop_worker(worker)
 
 
 def through(row: dict[str, Any]) -> int:
@@ -124,12 +142,9 @@ def main() -> None:
         options.root or Path(scratch), heartbeat_s=0.5, node_timeout_s=10.0, min_lease_s=600.0,
         p2p=True,
     ) as local:  # fmt: skip
-        for i in range(k):
-            local.start_worker(f"w{i}", kinds="diloco-train", threads=1, benchmark=False,
-                               account="lab")  # fmt: skip
-        local.wait_for_nodes(k)
-        peer = run(local, p2p, options.timeout)
-        coordinated = run(local, base, options.timeout)
+        peer = on_new_workers(local, "p2p", k, lambda: run(local, p2p, options.timeout))
+        coordinated = on_new_workers(local, "coordinator", k,
+                                     lambda: run(local, base, options.timeout))  # fmt: skip
     print(f"{k} workers, {options.rounds} rounds of {options.inner_steps} inner steps, "
           f"{size} parameters")  # fmt: skip
     report("p2p", peer, k)
@@ -139,8 +154,9 @@ def main() -> None:
         per_worker(r, k) for r in training(coordinated)
     )
     time_ratio = _mean_time(peer) / _mean_time(coordinated)
-    # Round 0 starts each worker's standing averager (a worker that held p2p work before
-    # has it running): the later rounds are what a round costs once it stands.
+    # Round 0 starts each worker's task process, and in p2p mode its standing averager (a
+    # worker that held p2p work before has it running): the later rounds are what a round
+    # costs once they stand.
     later = _mean_time(peer, skip=1) / _mean_time(coordinated, skip=1)
     print(f"after round 0: round_time_ratio: {later:.2f}")
     mine, theirs = peer["rounds"][-1]["eval_loss"], coordinated["rounds"][-1]["eval_loss"]

@@ -21,6 +21,7 @@ from helpers import require_p2p, wait_until
 from idlegrid.client import IdlegridError
 from idlegrid.devtools.localgrid import LocalGrid
 from idlegrid.kinds.diloco.dataset import corpus_dataset_blob
+from idlegrid.p2p import launch
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +164,7 @@ def _averaging(worker: psutil.Process, key: str) -> bool:
     after training."""
     try:
         for child in worker.children(recursive=True):
-            if "idlegrid.p2p.averaging" not in " ".join(child.cmdline()):
+            if child.name() != launch.NAME:
                 continue
             for handle in child.open_files():
                 if Path(handle.path).name.startswith("averager-"):
@@ -174,15 +175,9 @@ def _averaging(worker: psutil.Process, key: str) -> bool:
 
 
 def _averagers(worker: psutil.Process) -> set[int]:
-    """The worker's standing averagers (not their DHT processes, forked with their
-    command line)."""
-
-    def averaging(process: psutil.Process) -> bool:
-        return "idlegrid.p2p.averaging" in " ".join(process.cmdline())
-
+    """The worker's standing averagers (each names its process `launch.NAME`)."""
     try:
-        return {c.pid for c in worker.children(recursive=True)
-                if averaging(c) and not averaging(c.parent())}  # fmt: skip
+        return {c.pid for c in worker.children(recursive=True) if c.name() == launch.NAME}
     except psutil.Error:
         return set()
 

@@ -297,13 +297,29 @@ class LocalGrid:
             self._volunteer_tokens[account] = made["token"]
         return self._volunteer_tokens[account]
 
-    def wait_for_nodes(self, count: int, *, timeout: float = 300.0) -> None:
-        """Block until `count` nodes are connected. Each worker benchmarks itself first:
-        seconds on a quiet machine, minutes on a busy one."""
+    def stop_worker(self, proc: subprocess.Popen[str], timeout: float = 15.0) -> None:
+        """Stop one worker (SIGTERM, then SIGKILL if it lingers) and forget it."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        if proc in self.workers:
+            self.workers.remove(proc)
+
+    def wait_for_nodes(
+        self, count: int, *, timeout: float = 300.0, names: Sequence[str] = ()
+    ) -> None:
+        """Block until `count` nodes are connected (with `names`: until exactly those
+        are, and no other). Each worker benchmarks itself first: seconds on a quiet
+        machine, minutes on a busy one."""
         deadline = time.monotonic() + timeout
         with self.client() as client:
             while time.monotonic() < deadline:
-                if sum(1 for n in client.nodes() if n["online"]) >= count:
+                online = [n["name"] for n in client.nodes() if n["online"]]
+                if (sorted(online) == sorted(names)) if names else len(online) >= count:
                     return
                 self._check_alive()
                 time.sleep(0.2)

@@ -1,12 +1,13 @@
 """A worker's standing averager: one process that keeps its DHT peer and its all-reduce
 server across the rounds of a job, and across jobs while the worker holds p2p work.
 
-Hivemind imports torch and starts processes, which a worker's task process may not (it
-is a daemon), so the averager runs as `python -m idlegrid.p2p.averaging PEERS MODE`, a
-child of the task process: it ends with it, or after `IDLE_S` without a round. The
-task process keeps one per DHT and reachability mode (`join`). The first round of a job
-starts it when its task starts, so importing torch and hivemind and joining the DHT
-overlap the member's training; later rounds find it up and pay for the all-reduce only.
+The averager is a child of the task process (on Linux a fork of it, which finds torch
+imported; elsewhere `python -m idlegrid.p2p.averaging PEERS MODE`: `launch`): it ends
+with it, or after `IDLE_S` without a round. Its DHT peer and p2p daemon run in its own
+event loop (`node`). The task process keeps one per DHT and reachability mode (`join`).
+The first round of a job starts it when its task starts, so importing Hivemind and
+joining the DHT overlap the member's training; later rounds find it up and pay for the
+all-reduce only.
 
 Each round, the member hands it its accumulator (its pseudo-gradient plus what error
 feedback owes) and the job's upload compression, as a line on its stdin naming the
@@ -39,7 +40,6 @@ import logging
 import os
 import queue
 import select
-import subprocess
 import sys
 import tempfile
 import threading
@@ -51,8 +51,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-from idlegrid import p2p
-from idlegrid.p2p import attempts, reachability
+from idlegrid.p2p import attempts, launch, reachability
 from idlegrid.p2p.attempts import ALL_CLIENTS  # noqa: F401 (the reason other modules name)
 from idlegrid.p2p.group import Group
 from idlegrid.training.compression import Compression
@@ -104,10 +103,11 @@ class Standing:
         self.log_path = folder / f"averager-{os.getpid()}-{time.monotonic_ns()}.log"
         self._log = self.log_path.open("w")  # noqa: SIM115
         self.started = time.monotonic()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "idlegrid.p2p.averaging", json.dumps(list(peers)), mode],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env,
-        )  # fmt: skip
+        argv = [json.dumps(list(peers)), mode]
+        if launch.forks():
+            self.process: Any = launch.fork(main, argv, env, self._log)
+        else:
+            self.process = launch.spawn("idlegrid.p2p.averaging", argv, env, self._log)
         self._lines: queue.Queue[str] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -362,8 +362,8 @@ def _exit_with_parent() -> None:
 
 
 def _leave(code: int) -> NoReturn:
-    """Exit now, with Hivemind's processes (its DHT and p2p daemon are children, which an
-    exit that skips their shutdown would leave running)."""
+    """Exit now, with the p2p daemon (a child, which an exit that skips its shutdown
+    would leave running)."""
     import psutil
 
     for child in psutil.Process().children(recursive=True):
@@ -373,36 +373,22 @@ def _leave(code: int) -> NoReturn:
     os._exit(code)
 
 
-def _join_dht(peers: list[str], mode: str) -> Any:
-    """Join the DHT as a full peer or in client mode. Either way libp2p's circuit relays
-    are on: a peer only reachable through a relay (the bootstrap peer relays) can still
-    be dialled."""
-    import hivemind
-
-    return hivemind.DHT(initial_peers=peers, start=True, host_maddrs=["/ip4/0.0.0.0/tcp/0"],
-                        client_mode=mode == "client", use_relay=True, use_auto_relay=False,
-                        wait_timeout=p2p.DHT_REQUEST_TIMEOUT_S)  # fmt: skip
-
-
 class Server:
-    """The averager process's state: its DHT, its p2p replica and all-reduce server,
-    and the event loop (in a thread) they run in."""
+    """The averager process's state: its event loop (in a thread), its DHT peer and p2p
+    daemon in that loop (`node.LocalDHT`), and its all-reduce server."""
 
     def __init__(self, peers: list[str], mode: str) -> None:
         from idlegrid.p2p import allreduce
+        from idlegrid.p2p.node import LocalDHT
 
-        self.dht = _join_dht(peers, mode)
-        self.mode = "client" if self.dht.client_mode else "public"
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        self.dht = LocalDHT.join(self.loop, peers, mode)
+        self.mode = "client" if self.dht.client_mode else "public"
         self.reducer = allreduce.Reducer()
-        self.p2p = self.run(self._serve(allreduce.HANDLER))
-
-    async def _serve(self, handler: str) -> Any:
-        replica = await self.dht.replicate_p2p()
+        self.p2p = self.dht.p2p
         if self.mode == "public":
-            await replica.add_binary_stream_handler(handler, self.reducer.serve)
-        return replica
+            self.run(self.p2p.add_binary_stream_handler(allreduce.HANDLER, self.reducer.serve))
 
     def run(self, coroutine: Any, timeout: float | None = None) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
@@ -457,6 +443,7 @@ def _serve_requests(server: Server | None, failed: str) -> None:
 def main(argv: list[str]) -> int:
     """The averager: join the DHT now, then average each round it is handed."""
     peers, mode = json.loads(argv[0]), reachability.check(argv[1])
+    launch.name_this_process()
     _exit_with_parent()
     server, failed = None, ""
     try:
