@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,21 @@ class Pipe:
             self.reader.feed_eof()
 
 
+@dataclass(frozen=True)
+class Peer:
+    """A peer id as a stream's info names the caller (libp2p authenticates it)."""
+
+    name: str
+
+    def to_base58(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    peer_id: Peer
+
+
 class Network:
     """Members' reducers by peer id; a call opens a stream to one (unless it is down)."""
 
@@ -46,7 +62,8 @@ class Network:
         self.down: set[str] = set()
         self.tasks: list[asyncio.Task[None]] = []
 
-    def p2p(self) -> Any:
+    def p2p(self, caller: str) -> Any:
+        """The daemon of the peer `caller`: its calls reach reducers as from `caller`."""
         network = self
 
         class FakeP2P:
@@ -56,7 +73,7 @@ class Network:
                 if target in network.down:
                     raise ConnectionError(f"routing: not found ({target})")
                 up, down = Pipe(), Pipe()
-                serve = network.reducers[target].serve(None, up.reader, down)
+                serve = network.reducers[target].serve(StreamInfo(Peer(caller)), up.reader, down)
                 network.tasks.append(asyncio.ensure_future(serve))
                 return None, down.reader, up
 
@@ -73,9 +90,11 @@ def plan(members: tuple[int, ...], length: int, settings: Compression) -> allred
 
 async def group(
     vectors: dict[int, np.ndarray], settings: Compression, *, silent: int = -1,
-    garble: int = -1, down: int = -1, wait_s: float = 5.0,
+    garble: int = -1, down: int = -1, wait_s: float = 5.0, stranger: list[Any] | None = None,
 ) -> dict[int, Any]:  # fmt: skip
-    """Every member's all-reduce at once: its mean and bytes, or the AllReduceFailed."""
+    """Every member's all-reduce at once: its mean and bytes, or the AllReduceFailed.
+    With `stranger` (a list), a peer the meeting did not name sends every reducer first
+    a part of its own as each member; the answers it read go into the list."""
     network = Network()
     shared = plan(tuple(sorted(vectors)), next(iter(vectors.values())).size, settings)
     for member in vectors:
@@ -94,17 +113,42 @@ async def group(
 
             reduction.contribution = garbled  # type: ignore[method-assign]
         try:
-            moved = await allreduce.run(network.p2p(), network.reducers[PEERS[shard]], shared,
-                                        shard, reduction, deadline)  # fmt: skip
+            moved = await allreduce.run(network.p2p(PEERS[shard]), network.reducers[PEERS[shard]],
+                                        shared, shard, reduction, deadline)  # fmt: skip
         except allreduce.AllReduceFailed as exc:
             return exc
         return reduction.mean(), moved
 
+    calls = []
+    if stranger is not None:
+        calls = await _impersonate(network, "peerX", shared, settings, vectors, deadline)
     members = [m for m in vectors if m != silent]
     outcomes = await asyncio.gather(*(member(m) for m in members))
+    if stranger is not None:
+        stranger.extend(await asyncio.gather(*calls))
     for task in network.tasks:
         task.cancel()
     return dict(zip(members, outcomes, strict=True))
+
+
+async def _impersonate(network: Network, impostor: str, shared: allreduce.Plan,
+                       settings: Compression, vectors: dict[int, np.ndarray],
+                       deadline: float) -> list[Any]:  # fmt: skip
+    """A stranger's parts, ten times the honest ones, as every member to every reducer at
+    the first exchange; the calls' answers once they come."""
+    calls = []
+    for shard in vectors:
+        loud = parts.Reduction(vectors[shard] * 10, settings, len(vectors), shared.bounds())
+        step = loud.steps[0]
+        for index, reducer in enumerate(shared.reducers):
+            ident = (shared.group_id, step, index)
+            data = loud.contribution(step, index)
+            call = allreduce._call(network.p2p(impostor), Peer(PEERS[reducer]), ident, shard,
+                                   data, deadline)  # fmt: skip
+            calls.append(call)
+    pending = [asyncio.ensure_future(call) for call in calls]
+    await asyncio.sleep(0.05)  # they arrive before any honest part
+    return pending
 
 
 @pytest.fixture(autouse=True)
@@ -138,6 +182,23 @@ def test_int8_moves_what_the_parts_say_and_no_float32() -> None:
     # (10 bits a value), plus the scales exchange and headers: far below float32's 6 bytes.
     per_value = np.mean([moved for _, moved in done.values()]) / given[0].size
     assert 0.75 * (1 + 10 / 8) <= per_value <= 0.75 * (1 + 10 / 8) + 0.1
+
+
+def test_a_stranger_sending_parts_as_the_members_changes_nothing_and_gets_no_answer() -> None:
+    """The reducers take a shard's part only from the peer the sealed meeting named for
+    it: a stranger's parts, sent first, are never reduced, and it reads no answer."""
+    given = vectors(4)
+    settings = Compression(method="int8", chunk_size=64)
+    honest = asyncio.run(group(given, settings))
+    stranger: list[Any] = []
+    done = asyncio.run(group(given, settings, stranger=stranger))
+    assert {hashlib.sha256(mean.tobytes()).hexdigest() for mean, _ in done.values()} == {
+        hashlib.sha256(honest[0][0].tobytes()).hexdigest()
+    }
+    assert len(stranger) == 16
+    for status, answer, _ in stranger:
+        assert status["ok"] is False and answer == b""
+        assert "a peer the group's meeting did not name" in status["error"]
 
 
 def test_a_member_whose_part_does_not_decode_is_named_by_every_member() -> None:

@@ -146,7 +146,7 @@ def test_without_the_coordinators_namer_the_retry_waits_out_its_timeout(quick: N
     assert found is None and "named no retry group under k in 0.3 s" in reason
     # It asked: the request is there for a namer to read.
     assert namer.Request.from_json(dht.entries[namer.REQUESTS]["k"]) == namer.Request(
-        (0, 1, 2), 2, 0.3
+        (0, 1, 2), 2, 0.3, "k"
     )
 
 

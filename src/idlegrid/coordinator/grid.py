@@ -233,9 +233,10 @@ class Grid:
             return None
         return await self.rounds.metrics(job)
 
-    def set_swarm_peers(self, peers: tuple[str, ...]) -> None:
-        """The bootstrap DHT peer is up (or given): its addresses go into new rounds."""
-        self.rounds.set_swarm_peers(peers)
+    def set_swarm_peers(self, peers: tuple[str, ...], key: bytes = b"") -> None:
+        """The bootstrap DHT peer is up (or given): its addresses and round key go into new
+        rounds."""
+        self.rounds.set_swarm_peers(peers, key)
 
     def task_progress(self) -> dict[int, float]:
         """Per shard, the progress its node here reported last (0 to 1)."""

@@ -91,10 +91,12 @@ class RoundDriver:
         # The bootstrap DHT peer's addresses (`idlegrid serve` with the p2p extra): where
         # members of peer-to-peer rounds meet. Empty: no peer-to-peer rounds here.
         self.swarm_peers: tuple[str, ...] = ()
+        self.swarm_key = b""  # seals p2p rounds' records (p2p/seal.py)
 
-    def set_swarm_peers(self, peers: tuple[str, ...]) -> None:
-        """The bootstrap DHT peer is up (or given): its addresses go into new rounds."""
-        self.swarm_peers = peers
+    def set_swarm_peers(self, peers: tuple[str, ...], key: bytes = b"") -> None:
+        """The bootstrap DHT peer is up (or given): its addresses and the coordinator's
+        round key go into new rounds."""
+        self.swarm_peers, self.swarm_key = peers, key
         self._jobs.clear()  # set up again with them on next use
 
     @staticmethod
@@ -452,7 +454,7 @@ class RoundDriver:
             job = await self._ctx.store.jobs.get_job(job_id)
             assert plan is not None and job is not None and plan.kind.rounds is not None
             inputs = await asyncio.to_thread(self._read_inputs, job.inputs)
-            swarm = Swarm(job_id, self.swarm_peers)
+            swarm = Swarm(job_id, self.swarm_peers, self.swarm_key)
             found = plan.kind.rounds.job(plan.params, inputs, swarm=swarm)
             self._jobs[job_id] = found
         return found

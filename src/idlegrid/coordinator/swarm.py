@@ -14,11 +14,13 @@ import logging
 from collections.abc import Callable
 
 from idlegrid import p2p
+from idlegrid.p2p import seal
 from idlegrid.p2p.supervisor import BootstrapError, BootstrapPeer
 from idlegrid.settings import CoordinatorSettings
 
 log = logging.getLogger(__name__)
 MODES = ("auto", "on", "off")
+ROUND_KEY_FILE = "p2p-round.key"
 
 
 class Swarm:
@@ -31,17 +33,23 @@ class Swarm:
         self._peer: BootstrapPeer | None = None
         self._starting: asyncio.Task[None] | None = None
         self.peers: tuple[str, ...] = tuple(settings.p2p_peers)
+        # The coordinator's round key: each p2p round's secret derives from it, which
+        # seals the round's records in the DHT (p2p/seal.py). Kept in the data folder,
+        # so that rounds handed out before a restart are still named after it.
+        self.key_path = settings.data_dir / ROUND_KEY_FILE
+        self.key = b""
 
-    def start_soon(self, ready: Callable[[tuple[str, ...]], None]) -> None:
+    def start_soon(self, ready: Callable[[tuple[str, ...], bytes], None]) -> None:
         """Start the bootstrap peer in the background (importing torch and hivemind takes
         seconds: the coordinator serves meanwhile and refuses p2p jobs until `ready`)."""
         if self.peers:
-            ready(self.peers)
+            self.key = seal.load_key(self.key_path)
+            ready(self.peers, self.key)
             return
 
         async def run() -> None:
             try:
-                ready(await self.start())
+                ready(await self.start(), self.key)
             except RuntimeError as exc:  # p2p "on" without a peer: said, not fatal here
                 log.error("%s", exc)
 
@@ -54,10 +62,11 @@ class Swarm:
             return self.peers
         reason = p2p.unavailable()
         if reason is None:
+            self.key = seal.load_key(self.key_path)
             self._peer = BootstrapPeer(
                 host=settings.p2p_listen_host, port=settings.p2p_port,
                 announce=settings.p2p_announce,
-                identity=settings.data_dir / "p2p-identity.key",
+                identity=settings.data_dir / "p2p-identity.key", round_key=self.key_path,
             )  # fmt: skip
             try:
                 self.peers = await asyncio.to_thread(self._peer.start)

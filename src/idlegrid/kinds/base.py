@@ -175,6 +175,8 @@ class Swarm:
     job_id: int
     # The coordinator's bootstrap DHT peer's addresses; empty: none runs.
     peers: tuple[str, ...] = ()
+    # The coordinator's round key: each round's secret derives from it (p2p/seal.py).
+    key: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

@@ -78,9 +78,13 @@ class _Slot:
 
     step: str = ""
     members: tuple[int, ...] | None = None
+    # Each member's peer id, as the sealed meeting named it: a part for a shard is taken
+    # from that peer only.
+    peers: dict[int, str] = field(default_factory=dict)
     settings: Compression | None = None
     length: int = 0
-    contributions: dict[int, bytes] = field(default_factory=dict)
+    # (shard, the peer id that sent it) -> the part.
+    contributions: dict[tuple[int, str], bytes] = field(default_factory=dict)
     answer: asyncio.Future[tuple[dict[str, Any], bytes]] | None = None
     # When it is forgotten: its attempt's deadline plus FORGET_S once this member expects
     # it; until then (contributions of a group this member never joined) MAX_ATTEMPT_S.
@@ -115,15 +119,18 @@ class Reducer:
         start, end = plan.bounds()[index]
         slot = self._slot((plan.group_id, step, index))
         slot.members, slot.settings, slot.length = plan.members, plan.settings, end - start
+        slot.peers = {m: plan.peers[m] for m in plan.members}
         slot.forget_at = deadline + FORGET_S
         self._maybe_reduce(slot)
         loop = asyncio.get_running_loop()
         loop.call_later(max(0.0, deadline - time.monotonic()), self._expire, slot)
 
-    def add(self, ident: tuple[str, str, int], shard: int, data: bytes) -> _Slot:
+    def add(self, ident: tuple[str, str, int], shard: int, data: bytes, sender: str) -> _Slot:
+        """Shard `shard`'s part, sent by the peer `sender` (its base58 id)."""
         slot = self._slot(ident)
-        if shard not in slot.contributions:
-            slot.contributions[shard] = data
+        if slot.peers and slot.peers.get(shard) != sender:
+            return slot  # not from the member the meeting named: never reduced
+        slot.contributions.setdefault((shard, sender), data)
         self._maybe_reduce(slot)
         return slot
 
@@ -131,10 +138,11 @@ class Reducer:
         assert slot.answer is not None
         if slot.answer.done() or slot.members is None or slot.settings is None:
             return
-        if not set(slot.members) <= set(slot.contributions):
+        named = {m: (m, slot.peers[m]) for m in slot.members}
+        if not all(key in slot.contributions for key in named.values()):
             return
-        given = {m: slot.contributions[m] for m in slot.members}
-        slot.contributions = {m: b"" for m in slot.contributions}  # reduced: keep no copies
+        given = {m: slot.contributions[key] for m, key in named.items()}
+        slot.contributions = dict.fromkeys(slot.contributions, b"")  # reduced: no copies
         try:
             answer = parts.reduce(slot.step, slot.settings, slot.length, given)
             slot.answer.set_result(({"ok": True}, answer))
@@ -145,13 +153,16 @@ class Reducer:
         assert slot.answer is not None
         if slot.answer.done():
             return
-        missing = sorted(set(slot.members or ()) - set(slot.contributions))
+        missing = sorted(m for m in slot.members or ()
+                         if (m, slot.peers.get(m)) not in slot.contributions)  # fmt: skip
         error = f"members {missing} sent nothing before the deadline"
         slot.answer.set_result(({"ok": False, "error": error, "blamed": missing}, b""))
 
-    async def serve(self, _info: Any, reader: asyncio.StreamReader,
+    async def serve(self, info: Any, reader: asyncio.StreamReader,
                     writer: asyncio.StreamWriter) -> None:  # fmt: skip
-        """The stream handler: one member's contribution in, the part's answer out."""
+        """The stream handler: one member's contribution in, the part's answer out. The
+        caller is the peer libp2p authenticated (`info.peer_id`); one that is not the
+        member the meeting named for the shard it claims gets an error, never the answer."""
         from hivemind.p2p import P2P
 
         try:
@@ -159,15 +170,20 @@ class Reducer:
             data = await P2P.receive_raw_data(reader)
             header = json.loads(raw_header)
             group = str(header["group"])
-            ident = (group, str(header["step"]), int(header["part"]))
+            ident, shard = (group, str(header["step"]), int(header["part"])), int(header["shard"])
+            sender = info.peer_id.to_base58()
             self.moved[group] += len(raw_header) + len(data) + 2 * FRAME
-            slot = self.add(ident, int(header["shard"]), data)
+            slot = self.add(ident, shard, data, sender)
             if slot.members is None:  # a group this member has not joined (yet)
                 wait_s = float(header["wait_s"])
                 slot.forget_at = min(slot.forget_at, time.monotonic() + wait_s + FORGET_S)
             assert slot.answer is not None
-            status, answer = await asyncio.wait_for(asyncio.shield(slot.answer),
-                                                    float(header["wait_s"]))  # fmt: skip
+            if not slot.peers or slot.peers.get(shard) == sender:
+                status, answer = await asyncio.wait_for(asyncio.shield(slot.answer),
+                                                        float(header["wait_s"]))  # fmt: skip
+            if slot.peers.get(shard) != sender:
+                error = f"member {shard}'s part from a peer the group's meeting did not name"
+                status, answer = {"ok": False, "error": error}, b""
         except (TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError,
                 TypeError) as exc:  # fmt: skip
             status, answer = {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}, b""
@@ -199,7 +215,7 @@ async def run(p2p: Any, reducer: Reducer, plan: Plan, shard: int,
             data = reduction.contribution(step, index)
             ident = (plan.group_id, step, index)
             if reducer_shard == shard:
-                slot = reducer.add(ident, shard, data)
+                slot = reducer.add(ident, shard, data, plan.peers[shard])
                 assert slot.answer is not None
                 status, answer = await slot.answer
             else:

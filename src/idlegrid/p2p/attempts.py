@@ -78,12 +78,13 @@ def _attempt(server: Any, values: np.ndarray, group: Group, key: str,
     }  # fmt: skip
     if retry:
         met, reason = roster.gather(server.dht, key, candidates, shard, gathered,
-                                    group.min_size, group.timeout_s)  # fmt: skip
+                                    group.min_size, group.timeout_s, group.secret,
+                                    group.key)  # fmt: skip
         if met is None:
             return Outcome(None, {}, 0, reason)
     else:
         found, reason, missing = roster.meet(server.dht, key, candidates, shard, gathered,
-                                             group.timeout_s)  # fmt: skip
+                                             group.timeout_s, group.secret)  # fmt: skip
         if found is None:
             return Outcome(None, {}, 0, reason, blamed=set(missing))
         met = dict(zip(candidates, found, strict=True))

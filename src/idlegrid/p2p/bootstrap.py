@@ -22,6 +22,7 @@ import os
 import socket
 import sys
 import threading
+from pathlib import Path
 
 from idlegrid import p2p
 from idlegrid.p2p import namer
@@ -33,6 +34,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--announce", default="", help="host that nodes reach it at")
     parser.add_argument("--identity", default="", help="file that keeps its peer id")
+    parser.add_argument("--round-key", default="",
+                        help="file with the coordinator's round key (p2p/seal.py)")  # fmt: skip
     options = parser.parse_args(argv)
     import hivemind
 
@@ -61,8 +64,10 @@ def main(argv: list[str]) -> int:
         closed.set()
 
     threading.Thread(target=wait_for_eof, daemon=True).start()
-    # The coordinator names each round's retry group, as it named the first (`namer`).
-    namer.Namer(dht).run(lambda: closed.is_set() or os.getppid() != parent)
+    # The coordinator names each round's retry group, as it named the first (`namer`),
+    # reading and writing only records sealed with the round's secret.
+    key = Path(options.round_key).read_bytes() if options.round_key else b""
+    namer.Namer(dht, key).run(lambda: closed.is_set() or os.getppid() != parent)
     dht.shutdown()
     return 0
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 # Hivemind keys its groups by a prefix without dots.
 _KEY = re.compile(r"^[A-Za-z0-9_-]{1,200}$")
+_SECRET = re.compile(r"^([0-9a-f]{64})?$")
 
 
 class GroupError(ValueError):
@@ -32,6 +33,9 @@ class Group:
     timeout_s: float
     # Multiaddresses of the coordinator's bootstrap DHT peer.
     peers: tuple[str, ...]
+    # The round's secret (hex), which seals its records in the DHT (`seal`): only the
+    # coordinator and the round's members hold it. "": records are not sealed.
+    secret: str = field(default="", repr=False)
 
     def __post_init__(self) -> None:
         if not _KEY.match(self.key):
@@ -44,14 +48,17 @@ class Group:
             raise GroupError("timeout_s must be positive")
         if not self.peers:
             raise GroupError("a group needs the DHT's addresses")
+        if not _SECRET.match(self.secret):
+            raise GroupError("a group's secret is 64 hex digits")
 
     @property
     def size(self) -> int:
         return len(self.members)
 
     def to_json(self) -> dict[str, Any]:
-        return {"key": self.key, "members": list(self.members), "min_size": self.min_size,
-                "timeout_s": self.timeout_s, "peers": list(self.peers)}  # fmt: skip
+        raw = {"key": self.key, "members": list(self.members), "min_size": self.min_size,
+               "timeout_s": self.timeout_s, "peers": list(self.peers)}  # fmt: skip
+        return {**raw, "secret": self.secret} if self.secret else raw
 
     @classmethod
     def from_json(cls, raw: Mapping[str, Any]) -> Group:
@@ -62,6 +69,7 @@ class Group:
                 min_size=int(raw["min_size"]),
                 timeout_s=float(raw["timeout_s"]),
                 peers=tuple(str(p) for p in raw["peers"]),
+                secret=str(raw.get("secret", "")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, GroupError):

@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from idlegrid.p2p import seal
+
 # The DHT key under which members ask for a retry group (subkey: the meeting's key).
 REQUESTS = "idlegrid-retry-requests"
 # Seconds a meeting must see no new member before those present are named.
@@ -99,15 +101,17 @@ def decide(
 
 @dataclass(frozen=True)
 class Request:
-    """A member's ask for a retry group: the meeting's candidates and minimum."""
+    """A member's ask for a retry group: the meeting's candidates and minimum, and the
+    round's group key (the namer derives the round's secret from it)."""
 
     candidates: tuple[int, ...]
     min_size: int
     timeout_s: float
+    group: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"candidates": list(self.candidates), "min_size": self.min_size,
-                "timeout_s": self.timeout_s}  # fmt: skip
+                "timeout_s": self.timeout_s, "group": self.group}  # fmt: skip
 
     @classmethod
     def from_json(cls, raw: Any) -> Request | None:
@@ -117,18 +121,20 @@ class Request:
         try:
             candidates = tuple(int(m) for m in raw["candidates"])
             min_size, timeout_s = int(raw["min_size"]), float(raw["timeout_s"])
+            group = str(raw.get("group", ""))
         except (KeyError, TypeError, ValueError):
             return None
         if not 1 <= len(candidates) <= MAX_MEMBERS or not 1 <= min_size <= len(candidates):
             return None
-        if not 0 < timeout_s <= 3600:
+        if not 0 < timeout_s <= 3600 or (group and not _KEY.match(group)):
             return None
-        return cls(candidates, min_size, timeout_s)
+        return cls(candidates, min_size, timeout_s, group)
 
 
 @dataclass
 class _Meeting:
     request: Request
+    secret: str  # the round's (`seal`), "" when the namer holds no key
     present: frozenset[int]
     since: float  # when `present` last changed (monotonic)
     until: float  # when the namer forgets it (monotonic)
@@ -136,10 +142,15 @@ class _Meeting:
 
 
 class Namer:
-    """Names the retry groups members ask for in `dht` (the coordinator's DHT peer)."""
+    """Names the retry groups members ask for in `dht` (the coordinator's DHT peer).
 
-    def __init__(self, dht: Any) -> None:
+    With the coordinator's round `key`, it reads only requests and entries sealed with
+    the round's secret (`seal.round_secret` of the request's group key), and seals its
+    decision with it; requests of a meeting outside their group are not read."""
+
+    def __init__(self, dht: Any, key: bytes = b"") -> None:
         self._dht = dht
+        self._key = key
         self._meetings: dict[str, _Meeting] = {}
 
     def step(self) -> list[str]:
@@ -149,10 +160,9 @@ class Namer:
         for key, raw in subkeyed(self._dht.get(REQUESTS, latest=True)).items():
             meeting = self._meetings.get(key) if isinstance(key, str) else None
             if meeting is None:
-                request = Request.from_json(raw)
-                if request is None or not isinstance(key, str) or not _KEY.match(key):
+                meeting = self._asked(key, raw, now)
+                if meeting is None:
                     continue
-                meeting = _Meeting(request, frozenset(), now, now + request.timeout_s + 60)
                 self._meetings[key] = meeting
             if not meeting.named and self._name(key, meeting, now):
                 named.append(key)
@@ -160,9 +170,21 @@ class Namer:
             del self._meetings[key]
         return named
 
+    def _asked(self, key: Any, raw: Any, now: float) -> _Meeting | None:
+        """The meeting a request asks about, if it is one to name (its seal holds)."""
+        if not isinstance(key, str) or not _KEY.match(key) or not isinstance(raw, Mapping):
+            return None
+        group = str(raw.get("group", "")) or key
+        secret = seal.round_secret(self._key, group)
+        request = Request.from_json(seal.opened(raw, secret, f"{REQUESTS}/{key}"))
+        if request is None or not key.startswith(group):
+            return None
+        return _Meeting(request, secret, frozenset(), now, now + request.timeout_s + 60)
+
     def _name(self, key: str, meeting: _Meeting, now: float) -> bool:
         request = meeting.request
-        entries = member_entries(self._dht.get(f"{key}-meet", latest=True))
+        entries = member_entries(self._dht.get(f"{key}-meet", latest=True), meeting.secret,
+                                 f"{key}-meet")  # fmt: skip
         present = frozenset(shard for shard in entries if shard in request.candidates)
         if present != meeting.present:
             meeting.present, meeting.since = present, now
@@ -174,7 +196,8 @@ class Namer:
         else:
             decision = Decision(decided, "", tuple(entries[shard] for shard in decided))
         expiration = time.time() + request.timeout_s + 60
-        meeting.named = bool(self._dht.store(f"{key}-named", decision.to_json(), expiration))
+        sealed = seal.seal(decision.to_json(), meeting.secret, f"{key}-named")
+        meeting.named = bool(self._dht.store(f"{key}-named", sealed, expiration))
         return meeting.named
 
     def run(self, stop: Any) -> None:
@@ -194,7 +217,14 @@ def subkeyed(found: Any) -> dict[Any, Any]:
     return {sub: getattr(entry, "value", None) for sub, entry in found.value.items()}
 
 
-def member_entries(found: Any) -> dict[int, dict[str, Any]]:
-    """A meeting as read from the DHT: each member's entry by its shard (others left out)."""
-    return {shard: entry for shard, entry in subkeyed(found).items()
-            if isinstance(shard, int) and isinstance(entry, dict)}  # fmt: skip
+def member_entries(found: Any, secret: str = "", meeting: str = "") -> dict[int, dict[str, Any]]:
+    """A meeting (the DHT key `meeting`) as read from the DHT: each member's entry by its
+    shard, its seal checked and taken off (entries that are not one, or whose seal does
+    not hold for the round's `secret` and their shard, left out)."""
+    entries = {}
+    for shard, raw in subkeyed(found).items():
+        if isinstance(shard, int) and isinstance(raw, dict):
+            entry = seal.opened(raw, secret, f"{meeting}/{shard}")
+            if entry is not None:
+                entries[shard] = entry
+    return entries

@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from idlegrid.p2p import namer
+from idlegrid.p2p import namer, seal
 
 # Seconds between reads of the roster while members are missing.
 POLL_S = 0.25
@@ -56,22 +56,24 @@ def own_addresses(maddrs: Any) -> list[str]:
 
 def meet(
     dht: Any, key: str, members: tuple[int, ...], shard: int, gathered: dict[str, Any],
-    timeout_s: float,
+    timeout_s: float, secret: str = "",
 ) -> tuple[list[dict[str, Any]] | None, str, list[int]]:  # fmt: skip
     """A first attempt's meeting, without an all-reduce: each named member writes what it
     brings (`gathered`: its shard, whether it holds the outer state, its peak) under the
     step's meeting key, and all of them read the same entries once every member has
     written (its own, as written, among them). Returns what each member brings, in
-    `members`' order, "" and []; or None, why not and the members that never came."""
+    `members`' order, "" and []; or None, why not and the members that never came.
+    Entries are sealed with the round's `secret` (`seal`); others are not read."""
     meeting = f"{key}-meet"
+    sealed = seal.seal(gathered, secret, f"{meeting}/{shard}")
     deadline = time.monotonic() + timeout_s
     stored_at: float | None = None
     seen: set[int] = set()
     while time.monotonic() < deadline:
         due = stored_at is None or time.monotonic() - stored_at > REWRITE_S
-        if due and dht.store(meeting, gathered, time.time() + timeout_s + 60, subkey=shard):
+        if due and dht.store(meeting, sealed, time.time() + timeout_s + 60, subkey=shard):
             stored_at = time.monotonic()
-        entries = namer.member_entries(dht.get(meeting, latest=True))
+        entries = namer.member_entries(dht.get(meeting, latest=True), secret, meeting)
         seen |= set(entries)
         if set(members) <= set(entries) and entries[shard] == gathered:
             return [entries[member] for member in members], "", []
@@ -90,27 +92,34 @@ def meet(
 
 def gather(
     dht: Any, key: str, candidates: tuple[int, ...], shard: int, gathered: dict[str, Any],
-    min_size: int, timeout_s: float,
+    min_size: int, timeout_s: float, secret: str = "", group_key: str = "",
 ) -> tuple[dict[int, dict[str, Any]] | None, str]:  # fmt: skip
     """A retry's meeting: the members left (`candidates`: the named ones no member blamed
     for the first attempt's failure) write what they bring, with whom they blame
     (`gathered["blamed"]`), ask the coordinator for a group (`namer.REQUESTS`) and wait
     for the one it names (`namer.decide`: everyone left, or at least `min_size` once no
     newcomer came for a while). Returns each named member's entry by shard and "", or
-    None and why not (this member left out, too few left, no group named in time)."""
+    None and why not (this member left out, too few left, no group named in time).
+    Every record is sealed with the round's `secret` (whose group key is `group_key`:
+    the namer derives the secret from it); a decision whose seal does not hold is not
+    read."""
     meeting, answer = f"{key}-meet", f"{key}-named"
-    request = namer.Request(candidates, min_size, timeout_s).to_json()
+    entry = seal.seal(gathered, secret, f"{meeting}/{shard}")
+    asked = namer.Request(candidates, min_size, timeout_s, group_key or key).to_json()
+    request = seal.seal(asked, secret, f"{namer.REQUESTS}/{key}")
     deadline = time.monotonic() + timeout_s
     stored_at: float | None = None
     while time.monotonic() < deadline:
         if stored_at is None or time.monotonic() - stored_at > REWRITE_S:
             expiration = time.time() + timeout_s + 60
-            if dht.store(meeting, gathered, expiration, subkey=shard) and dht.store(
+            if dht.store(meeting, entry, expiration, subkey=shard) and dht.store(
                 namer.REQUESTS, request, expiration, subkey=key
             ):
                 stored_at = time.monotonic()
         found = dht.get(answer, latest=True)
-        decision = namer.Decision.from_json(getattr(found, "value", None))
+        decision = namer.Decision.from_json(
+            seal.opened(getattr(found, "value", None), secret, answer)
+        )
         if decision is not None:
             if not decision.members:
                 return None, f"the coordinator named no retry group under {key}: {decision.reason}"

@@ -20,12 +20,15 @@ class BootstrapError(RuntimeError):
 class BootstrapPeer:
     """One bootstrap DHT peer in a child process, owned by the coordinator's lifespan."""
 
-    def __init__(self, *, host: str, port: int, announce: str, identity: Path | None) -> None:
+    def __init__(self, *, host: str, port: int, announce: str, identity: Path | None,
+                 round_key: Path | None = None) -> None:  # fmt: skip
         self._args = ["--host", host, "--port", str(port)]
         if announce:
             self._args += ["--announce", announce]
         if identity is not None:
             self._args += ["--identity", str(identity)]
+        if round_key is not None:  # the file's path: the key itself stays off `ps`
+            self._args += ["--round-key", str(round_key)]
         self._process: subprocess.Popen[str] | None = None
         self.peers: tuple[str, ...] = ()
         self.listen = ""  # host:port it listens on, once started

@@ -31,6 +31,7 @@ from idlegrid.kinds.diloco import hf_inputs, p2p_close, tasks
 from idlegrid.kinds.diloco.dataset import stream_id
 from idlegrid.kinds.diloco.p2p_close import outer_known
 from idlegrid.kinds.diloco.params import DilocoParams
+from idlegrid.p2p import seal
 from idlegrid.p2p.group import Group, group_key
 from idlegrid.training import closing, models
 from idlegrid.training.compression import decode, encode_message
@@ -313,13 +314,17 @@ class DilocoRoundJob(RoundJob):
         if not self.p2p or not self.swarm.peers:
             return None
         workers = self.params.workers
+        key = group_key(self.swarm.job_id, weights.round, self.stream)
         group = Group(
-            key=group_key(self.swarm.job_id, weights.round, self.stream),
+            key=key,
             members=tuple(range(workers)),
             # A retry goes on with the job's minimum (`min_updates`), or a majority.
             min_size=self.params.min_updates or max(2, workers // 2 + 1),
             timeout_s=self.params.group_timeout_s,
             peers=self.swarm.peers,
+            # Seals the round's records in the DHT: only the coordinator and the members
+            # hold it (p2p/seal.py).
+            secret=seal.round_secret(self.swarm.key, key),
         )
         outer_blob = None
         if weights.round > 0 and outer_known(weights.optimizer):
