@@ -201,6 +201,29 @@ def test_standing_averagers_last_across_rounds_and_jobs(grid: LocalGrid) -> None
             before = now
 
 
+def test_a_killed_averager_is_started_again_and_its_member_stays_p2p(grid: LocalGrid) -> None:
+    """m2's standing averager (a fork of its task process, which has trained since) is
+    killed between jobs: the next job's first round starts another, averages peer to
+    peer with it, and says why in the round's record."""
+    worker = psutil.Process(grid.workers[MEMBERS.index("m2")].pid)
+    params = {**P2P, "rounds": 1}
+    with grid.client() as client:
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
+                            params=params)  # fmt: skip
+        job.wait(timeout=600)
+        old = _averagers(worker)
+        assert len(old) == 1, old
+        psutil.Process(next(iter(old))).kill()
+        job = client.submit("diloco-train", inputs={"dataset": corpus_dataset_blob()},
+                            params={**params, "rounds": 2})  # fmt: skip
+        job.wait(timeout=600)
+        rounds = job.metrics()["rounds"]
+    assert all(r["averaging"] == "p2p" and r["agreeing"] == 4 for r in rounds[:-1]), rounds
+    new = _averagers(worker)
+    assert len(new) == 1 and new != old, (old, new)
+    assert "the standing averager had exited" in (rounds[0].get("fallback_reason") or ""), rounds
+
+
 def test_a_member_killed_mid_round_leaves_the_round_to_the_others(grid: LocalGrid) -> None:
     """m4 is killed (its worker and its averager) once it has handed its averager the
     round's vector: the other three average among themselves on the retry, and the
