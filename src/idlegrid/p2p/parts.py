@@ -355,10 +355,13 @@ class Reduction:
 
 def _pack_bits(values: np.ndarray, width: int) -> bytes:
     """Unsigned integers below 2^width, `width` bits each, least significant bit first."""
-    unsigned = np.asarray(values, dtype=np.uint64)
-    bits = ((unsigned[:, None] >> np.arange(width, dtype=np.uint64)) & np.uint64(1)).astype(
-        np.uint8
-    )
+    if width <= 16:  # each value's two little-endian bytes as bits, its low `width` kept
+        pairs = np.asarray(values, dtype="<u2").view(np.uint8).reshape(-1, 2)
+        bits = np.unpackbits(pairs, axis=1, bitorder="little")[:, :width]
+    else:
+        unsigned = np.asarray(values, dtype=np.uint64)
+        shifts = np.arange(width, dtype=np.uint64)
+        bits = ((unsigned[:, None] >> shifts) & np.uint64(1)).astype(np.uint8)
     return np.packbits(bits.ravel(), bitorder="little").tobytes()
 
 
@@ -366,9 +369,14 @@ def _unpack_bits(data: bytes, count: int, width: int) -> np.ndarray:
     if len(data) != (count * width + 7) // 8:
         raise PartError(f"{len(data)} bytes for {count} values of {width} bits")
     bits = np.unpackbits(np.frombuffer(data, dtype=np.uint8), count=count * width,
-                         bitorder="little")  # fmt: skip
+                         bitorder="little").reshape(count, width)  # fmt: skip
+    if width <= 16:  # a bit column at a time, in 16 bits
+        total = np.zeros(count, dtype=np.uint16)
+        for bit in range(width):
+            total |= bits[:, bit].astype(np.uint16) << np.uint16(bit)
+        return total.astype(np.int64)
     weights = 1 << np.arange(width, dtype=np.int64)
-    return bits.reshape(count, width).astype(np.int64) @ weights
+    return bits.astype(np.int64) @ weights
 
 
 def _chunked(values: np.ndarray, chunk_size: int) -> np.ndarray:
