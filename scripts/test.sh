@@ -15,7 +15,7 @@ scripts/test.sh: what it sets up before the tests, each only when missing:
     first run, 11 to 18 of them building llama.cpp, whose wheel pip then caches);
   - dist/idlegrid-worker, the one-file worker (PyInstaller, about 45 s of CPU, 123 MB),
     rebuilt when a source is newer.
-Then ruff, mypy and pytest (the whole suite, about 22 minutes on 2 cores; -m "not slow"
+Then ruff, mypy and pytest (the whole suite, 23 to 32 minutes on 2 cores; -m "not slow"
 for the fast tier).
 SAYS
 # The browser and desktop tests need Debian's chromium and Xvfb, the Wayland ones sway,

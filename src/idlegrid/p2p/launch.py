@@ -88,7 +88,13 @@ def fork(main: Callable[[list[str]], int], argv: list[str], env: dict[str, str],
     for stream in (sys.stdout, sys.stderr, log):
         stream.flush()
     gc.freeze()  # the child's collections leave the parent's objects (and pages) alone
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        gc.unfreeze()
+        for fd in (to_child, from_parent, from_child, to_parent):
+            os.close(fd)
+        raise
     if pid == 0:  # the child
         code = 1
         try:
