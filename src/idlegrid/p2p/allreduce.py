@@ -90,6 +90,11 @@ class _Slot:
     # it; until then (contributions of a group this member never joined) MAX_ATTEMPT_S.
     forget_at: float = field(default_factory=lambda: time.monotonic() + MAX_ATTEMPT_S)
 
+    def takes(self, shard: int, sender: str) -> bool:
+        """Whether `sender` may send shard `shard`'s part: the peer the meeting named for
+        it, or anyone while this member has not met the group (checked again then)."""
+        return not self.peers or self.peers.get(shard) == sender
+
 
 class Reducer:
     """This member's side as a reducer: the slots of the parts it reduces, and the bytes
@@ -128,7 +133,7 @@ class Reducer:
     def add(self, ident: tuple[str, str, int], shard: int, data: bytes, sender: str) -> _Slot:
         """Shard `shard`'s part, sent by the peer `sender` (its base58 id)."""
         slot = self._slot(ident)
-        if slot.peers and slot.peers.get(shard) != sender:
+        if not slot.takes(shard, sender):
             return slot  # not from the member the meeting named: never reduced
         slot.contributions.setdefault((shard, sender), data)
         self._maybe_reduce(slot)
@@ -178,10 +183,10 @@ class Reducer:
                 wait_s = float(header["wait_s"])
                 slot.forget_at = min(slot.forget_at, time.monotonic() + wait_s + FORGET_S)
             assert slot.answer is not None
-            if not slot.peers or slot.peers.get(shard) == sender:
+            if slot.takes(shard, sender):
                 status, answer = await asyncio.wait_for(asyncio.shield(slot.answer),
                                                         float(header["wait_s"]))  # fmt: skip
-            if slot.peers.get(shard) != sender:
+            if slot.peers.get(shard) != sender:  # the group is met by now, or never was
                 error = f"member {shard}'s part from a peer the group's meeting did not name"
                 status, answer = {"ok": False, "error": error}, b""
         except (TimeoutError, asyncio.IncompleteReadError, ValueError, KeyError,

@@ -52,9 +52,5 @@ class LocalDHT:
         """Store `value` until `expiration_time` (wall clock), as `hivemind.DHT.store`."""
         return bool(self._call(self._node.store(key, value, expiration_time, subkey=subkey)))
 
-    def shutdown(self) -> None:
-        """Leave the DHT and stop the p2p daemon."""
-        self._call(self._node.shutdown())
-
     def _call(self, coroutine: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
